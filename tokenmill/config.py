@@ -1,0 +1,101 @@
+"""Engine configuration: small frozen dataclasses validated where they are built."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to run and how to load it.
+
+    ``model`` is a GGUF file or a Hugging Face folder; None means the embedded
+    SmolLM2-135M-Instruct GGUF. ``max_model_len`` None means the model's own context length.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    load_format: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        _positive("max_model_len", self.max_model_len)
+        if self.model is not None and self.load_format != "dummy" and not os.path.exists(self.model):
+            raise ValueError(
+                f"model {self.model!r} is neither a GGUF file nor a Hugging Face folder on disk "
+                "(models are never downloaded at run time)")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Size and layout of the paged KV cache.
+
+    The memory is, in order of precedence: ``num_blocks`` blocks, ``kv_cache_memory_bytes``
+    bytes, or ``kv_cache_memory_fraction`` of the device memory free after loading the model.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_fraction: float = 0.2
+
+    def __post_init__(self) -> None:
+        _positive("block_size", self.block_size)
+        _positive("num_blocks", self.num_blocks)
+        _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
+            raise ValueError(
+                "kv_cache_memory_fraction must be in (0, 0.95], "
+                f"got {self.kv_cache_memory_fraction!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous-batching limits of one engine step."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where the model runs; "auto" picks CUDA when available, else the CPU."""
+
+    device: str = "auto"
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be one of {DEVICES} or 'cuda:N', got {self.device!r}")
+        _positive("num_threads", self.num_threads)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an EngineCore needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    log_stats: bool = False

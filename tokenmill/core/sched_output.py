@@ -1,0 +1,100 @@
+"""The plain data that crosses between scheduler and model runner each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has no state for: first scheduled, or resumed after preemption."""
+
+    request_id: str
+    # Every token the request has so far (prompt, plus outputs when resumed after preemption).
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    # Tokens already in the KV cache before this step.
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds: what changed since the last step."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """What one engine step computes; requests appear in the batch in the order listed."""
+
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    # Order of the batch: new-token counts per request, new and cached requests together.
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # Requests that left the batch since the last step; the runner drops their state.
+    finished_request_ids: set[str] = field(default_factory=set)
+    # Requests preempted since the last step; the runner drops their cached layout but keeps
+    # their sampling state (seeded generators), which their resumption continues.
+    preempted_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class RunnerOutput:
+    """What the runner computed for one SchedulerOutput."""
+
+    # New tokens per request; empty for a request whose prompt is still being prefilled.
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Per request, per new token: (logprob of the sampled token, its rank, {token id: logprob}
+    # of the top alternatives). Only for requests that asked for logprobs.
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Per request, per prompt position computed this step (excluding the first prompt token).
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+@dataclass
+class TokenLogprobs:
+    """The logprob of one chosen token and of the top alternatives at that position."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: dict[int, float]
+
+
+@dataclass
+class EngineCoreOutput:
+    """One request's news from one step: new tokens, and how it ended if it did."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
+    new_prompt_logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot of the scheduler for loggers and metrics."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions_total: int = 0
+    num_scheduled_tokens: int = 0

@@ -1,0 +1,215 @@
+"""Continuous batching under a token budget, with chunked prefill and preemption by recompute.
+
+There is no prefill or decode phase: each step grants every running request, oldest first,
+the tokens it is behind by (a prompt chunk, or one token to decode), then admits waiting
+requests while the budget, ``max_num_seqs`` and the KV blocks allow. When a running request
+needs a block and none is free, the newest running request is preempted: its blocks are freed
+and it waits to be recomputed from its prompt and the tokens it had generated.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from tokenmill.config import SchedulerConfig
+from tokenmill.core.kv_cache import KVCacheManager
+from tokenmill.core.sched_output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    NewRequestData,
+    RunnerOutput,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from tokenmill.request import Request, RequestStatus
+
+
+class Scheduler:
+    """Decides who runs each step and turns the runner's tokens into per-request outputs."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions_total = 0
+        self._finished_ids: set[str] = set()
+        self._preempted_ids: set[str] = set()
+
+    # ----------------------------------------------------------------- requests in and out
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError when it could never run here."""
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise ValueError("the prompt must contain at least one token")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens, but max_model_len is {self.max_model_len}: "
+                "it must leave room for at least one generated token")
+        limit = self.max_model_len
+        if request.max_total_tokens is not None:
+            limit = min(limit, request.max_total_tokens)
+        request.max_total_tokens = limit
+        if not self.kv.can_ever_fit(limit):
+            raise ValueError(
+                f"the request needs up to {limit} tokens of KV cache but the whole cache holds "
+                f"{self.kv.max_num_tokens}; lower max_tokens or give the KV cache more memory")
+        self.requests[rid] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: list[str] | set[str], status: RequestStatus) -> None:
+        """End requests from outside the step (abort, or a stop string seen by the detokenizer)."""
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            num_preemptions_total=self.num_preemptions_total,
+        )
+
+    # ------------------------------------------------------------------------- one step
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's requests and how many tokens each computes."""
+        out = SchedulerOutput(
+            finished_request_ids=self._finished_ids, preempted_request_ids=self._preempted_ids)
+        self._finished_ids, self._preempted_ids = set(), set()
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_blocks = self._allocate_or_preempt(request, num_new)
+            if new_blocks is None:
+                break  # request itself was preempted; it was the last running one
+            out.cached_requests.append(
+                CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens))
+            scheduled.append((request, num_new))
+            budget -= num_new
+            i += 1
+
+        # After a preemption the cache is full: admitting more would only preempt again.
+        if not self._preempted_ids:
+            budget = self._admit_waiting(out, scheduled, budget)
+
+        now = time.monotonic()
+        for request, num_new in scheduled:
+            out.num_scheduled_tokens[request.request_id] = num_new
+            request.num_computed_tokens += num_new
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        out.preempted_request_ids |= self._preempted_ids
+        self._preempted_ids = set()
+        return out
+
+    def _allocate_or_preempt(self, request: Request, num_new: int) -> list[int] | None:
+        """Blocks for ``num_new`` more tokens of a running request, preempting the newest
+        running requests until they fit. None if ``request`` itself had to be preempted."""
+        while True:
+            new_blocks = self.kv.allocate_slots(
+                request.request_id, request.num_computed_tokens + num_new)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is request:
+                return None
+
+    def _admit_waiting(self, out: SchedulerOutput, scheduled: list[tuple[Request, int]],
+                       budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_new = min(remaining, budget)
+            if num_new < remaining and not self.config.enable_chunked_prefill:
+                break
+            if self.kv.allocate_slots(request.request_id, num_new) is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            out.new_requests.append(NewRequestData(
+                request_id=request.request_id,
+                token_ids=list(request.all_token_ids),
+                num_prompt_tokens=request.num_prompt_tokens,
+                sampling_params=request.sampling_params,
+                block_ids=list(self.kv.get_block_ids(request.request_id)),
+                num_computed_tokens=0,
+            ))
+            scheduled.append((request, num_new))
+            budget -= num_new
+        return budget
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self._preempted_ids.add(request.request_id)
+        self.waiting.appendleft(request)
+
+    def update(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[EngineCoreOutput]:
+        """Append the sampled tokens, finish requests that hit a stop condition."""
+        outputs: list[EngineCoreOutput] = []
+        now = time.monotonic()
+        for rid in sched_out.num_scheduled_tokens:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            new_ids = runner_out.sampled_token_ids.get(rid, [])
+            status = None
+            for n, token_id in enumerate(new_ids):
+                request.append_output_token(token_id)
+                status = request.check_stop()
+                if status is not None:
+                    del new_ids[n + 1:]
+                    break
+            if new_ids and request.first_token_time is None:
+                request.first_token_time = now
+            prompt_lps = runner_out.prompt_logprobs.get(rid)
+            if not new_ids and not prompt_lps:
+                continue
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+            outputs.append(EngineCoreOutput(
+                request_id=rid,
+                new_token_ids=new_ids,
+                finish_reason=status.finish_reason if status else None,
+                stop_reason=request.stop_reason,
+                new_logprobs=runner_out.logprobs.get(rid),
+                new_prompt_logprobs=prompt_lps,
+            ))
+        return outputs
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        request.finished_time = time.monotonic()
+        self.kv.free(request.request_id)
+        self._finished_ids.add(request.request_id)
+        self._preempted_ids.discard(request.request_id)
+        del self.requests[request.request_id]

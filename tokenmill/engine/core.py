@@ -1,0 +1,131 @@
+"""EngineCore: the scheduler, the KV cache and the model runner, driven one step at a time."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from tokenmill.config import CacheConfig, EngineConfig
+from tokenmill.core.kv_cache import KVCacheManager, cdiv
+from tokenmill.core.sched_output import EngineCoreOutput, SchedulerStats
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.model_loader import load_model
+from tokenmill.request import Request, RequestStatus
+from tokenmill.runner.model_runner import ModelRunner
+from tokenmill.runner.platform import Platform, get_platform
+
+logger = logging.getLogger(__name__)
+
+# Without an explicit size, the CPU KV cache stays below this many bytes: zero-filling more
+# costs start-up time and memory the CPU rarely has the compute to use.
+CPU_DEFAULT_KV_BYTES_CAP = 4 << 30
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    """How the KV cache was sized; printed at start-up and by `tokenmill info`."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    max_model_len: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Tokens the cache holds at once (block 0 is reserved)."""
+        return (self.num_blocks - 1) * self.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        """How many requests of max_model_len tokens fit at once."""
+        return self.max_num_tokens / self.max_model_len
+
+    def describe(self) -> str:
+        return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = "
+                f"{self.max_num_tokens} tokens ({self.total_bytes / 2**20:.0f} MiB); "
+                f"max concurrency at {self.max_model_len} tokens per request: "
+                f"{self.max_concurrency:.2f}x")
+
+
+def plan_kv_cache(cache: CacheConfig, platform: Platform, bytes_per_block: int,
+                  max_model_len: int) -> KVCachePlan:
+    """Size the KV cache: explicit blocks, explicit bytes, or a fraction of free memory."""
+    if cache.num_blocks is not None:
+        num_blocks = cache.num_blocks
+    else:
+        budget = cache.kv_cache_memory_bytes
+        if budget is None:
+            budget = int(platform.available_memory() * cache.kv_cache_memory_fraction)
+            if not platform.is_cuda:
+                budget = min(budget, CPU_DEFAULT_KV_BYTES_CAP)
+        num_blocks = budget // bytes_per_block
+    one_request = cdiv(max_model_len, cache.block_size) + 1
+    if num_blocks < 2:
+        raise ValueError(
+            f"the KV cache gets {num_blocks} blocks of {bytes_per_block} bytes; give it more "
+            "memory (kv_cache_memory_bytes / num_blocks)")
+    if num_blocks < one_request:
+        logger.warning("the KV cache (%d blocks) cannot hold one request of max_model_len=%d "
+                       "tokens; such requests are rejected", num_blocks, max_model_len)
+    return KVCachePlan(num_blocks, cache.block_size, bytes_per_block, max_model_len)
+
+
+class EngineCore:
+    """Owns scheduler and runner; ``step()`` is one forward pass of the continuous batch."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.platform = get_platform(config.device.device)
+        self.platform.set_num_threads(config.device.num_threads)
+        self.dtype = self.platform.resolve_dtype(config.model.dtype)
+        loaded = load_model(config.model, self.platform.device, self.dtype)
+        self.model_path = loaded.path
+        self.arch = loaded.arch
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = self._resolve_max_model_len(config.model.max_model_len)
+        self.runner = ModelRunner(
+            loaded.model, loaded.arch, self.platform, self.dtype, config.cache.block_size,
+            self.tokenizer.eos_token_ids)
+        self.kv_plan = plan_kv_cache(config.cache, self.platform,
+                                     self.runner.kv_bytes_per_block(), self.max_model_len)
+        self.runner.allocate_kv_cache(self.kv_plan.num_blocks)
+        kv = KVCacheManager(self.kv_plan.num_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len)
+        logger.info(self.kv_plan.describe())
+
+    def _resolve_max_model_len(self, asked: int | None) -> int:
+        model_max = self.arch.max_position_embeddings
+        if asked is None:
+            return model_max
+        if asked > model_max:
+            raise ValueError(
+                f"max_model_len={asked} is more than the model's context length {model_max}")
+        return asked
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError if it can never run."""
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str] | set[str]) -> None:
+        """Drop requests wherever they are; their KV blocks are freed at once."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_stopped(self, request_ids: list[str] | set[str]) -> None:
+        """End requests whose output hit a stop string."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule, run the model, and report each request's new tokens."""
+        sched = self.scheduler.schedule()
+        runner_out = self.runner.execute(sched)
+        return self.scheduler.update(sched, runner_out)
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()

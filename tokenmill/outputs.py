@@ -1,0 +1,69 @@
+"""What the engine hands back to its users, with vLLM's names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.core.sched_output import TokenLogprobs
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps of one request, from ``time.monotonic()``; None until reached."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+
+@dataclass
+class CompletionOutput:
+    """One sampled sequence of a request (there are ``n`` of them)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    # The token id or stop string that ended the output, when one did.
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    # Seconds between consecutive tokens of this sequence.
+    inter_token_latencies: list[float] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step: the prompt and all outputs so far."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

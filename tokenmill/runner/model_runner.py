@@ -1,0 +1,229 @@
+"""Turns a SchedulerOutput into tensors, runs the model, samples, returns plain token ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput, TokenLogprobs
+from tokenmill.models.config import ArchConfig
+from tokenmill.runner.platform import Platform
+from tokenmill.runner.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class _SamplingState:
+    """What outlives a preemption: the seeded generator's position and prompt logprobs sent."""
+
+    generator: torch.Generator | None
+    num_prompt_logprobs_done: int = 0
+
+
+@dataclass
+class _RequestState:
+    """The runner's copy of a request while it holds KV blocks."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling: _SamplingState
+    stop_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_meta: AttentionMetadata
+    # Rows of the hidden states to sample from, and the requests they belong to.
+    sample_rows: list[int]
+    sample_states: list[_RequestState]
+    # Per request needing prompt logprobs: (rows, target token ids, first prompt position).
+    prompt_lp_rows: list[tuple[_RequestState, list[int], list[int]]]
+
+
+class ModelRunner:
+    """Owns the model, the KV tensors and the per-request sampling state."""
+
+    def __init__(self, model: nn.Module, arch: ArchConfig, platform: Platform,
+                 dtype: torch.dtype, block_size: int, eos_token_ids: frozenset[int]) -> None:
+        self.model = model
+        self.arch = arch
+        self.platform = platform
+        self.device = platform.device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.backend = platform.attention_backend()
+        self.sampler = Sampler()
+        self.kv_caches: list[torch.Tensor] = []
+        self.requests: dict[str, _RequestState] = {}
+        self.sampling_states: dict[str, _SamplingState] = {}
+
+    # ------------------------------------------------------------------------ KV memory
+
+    def kv_bytes_per_block(self) -> int:
+        a = self.arch
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return a.num_hidden_layers * 2 * self.block_size * a.num_key_value_heads * a.head_dim * elem
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        a = self.arch
+        shape = (2, num_blocks, self.block_size, a.num_key_value_heads, a.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                          for _ in range(a.num_hidden_layers)]
+
+    # ------------------------------------------------------------------------ one step
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Run one step of the model for the scheduled tokens."""
+        self._update_states(sched)
+        if sched.is_empty:
+            return RunnerOutput()
+        inputs = self._prepare_inputs(sched)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_meta)
+        out = RunnerOutput()
+        if inputs.prompt_lp_rows:
+            self._prompt_logprobs(hidden, inputs, out)
+        if inputs.sample_rows:
+            rows = torch.tensor(inputs.sample_rows, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
+            self._sample(logits, inputs.sample_states, out)
+        return out
+
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for rid in sched.finished_request_ids:
+            self.requests.pop(rid, None)
+            self.sampling_states.pop(rid, None)
+        for rid in sched.preempted_request_ids:
+            self.requests.pop(rid, None)
+        for new in sched.new_requests:
+            params = new.sampling_params
+            sampling = self.sampling_states.get(new.request_id)
+            if sampling is None:
+                generator = None
+                if params.seed is not None:
+                    generator = torch.Generator(self.device).manual_seed(params.seed)
+                sampling = _SamplingState(generator)
+                self.sampling_states[new.request_id] = sampling
+            stop_ids = list(params.stop_token_ids)
+            if not params.ignore_eos:
+                stop_ids += self.eos_token_ids
+            self.requests[new.request_id] = _RequestState(
+                new.request_id, list(new.token_ids), new.num_prompt_tokens, params,
+                list(new.block_ids), new.num_computed_tokens, sampling, stop_ids)
+        for cached in sched.cached_requests:
+            state = self.requests[cached.request_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _prepare_inputs(self, sched: SchedulerOutput) -> _StepInputs:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        sample_states: list[_RequestState] = []
+        prompt_lp_rows: list[tuple[_RequestState, list[int], list[int]]] = []
+        for rid, n in sched.num_scheduled_tokens.items():
+            state = self.requests[rid]
+            start = state.num_computed_tokens
+            end = start + n
+            row0 = len(ids)
+            blocks = state.block_ids
+            ids.extend(state.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            query_lens.append(n)
+            seq_lens.append(end)
+            tables.append(blocks)
+            state.num_computed_tokens = end
+            if state.params.prompt_logprobs is not None:
+                self._plan_prompt_logprobs(state, start, end, row0, prompt_lp_rows)
+            if end == len(state.token_ids):
+                sample_rows.append(row0 + n - 1)
+                sample_states.append(state)
+        width = max(len(t) for t in tables)
+        table_rows = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+        qsl = [0]
+        for q in query_lens:
+            qsl.append(qsl[-1] + q)
+        meta = AttentionMetadata(
+            backend=self.backend,
+            kv_caches=self.kv_caches,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(table_rows, dtype=torch.int32, device=dev),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            block_size=bs,
+        )
+        return _StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            attn_meta=meta,
+            sample_rows=sample_rows,
+            sample_states=sample_states,
+            prompt_lp_rows=prompt_lp_rows,
+        )
+
+    @staticmethod
+    def _plan_prompt_logprobs(state: _RequestState, start: int, end: int, row0: int,
+                              plan: list[tuple[_RequestState, list[int], list[int]]]) -> None:
+        # Position p's logits score prompt token p+1; each is reported once, even if the
+        # request is preempted and its prompt recomputed.
+        first = max(start, state.sampling.num_prompt_logprobs_done)
+        last = min(end, state.num_prompt_tokens - 1)
+        if first >= last:
+            return
+        rows = [row0 + p - start for p in range(first, last)]
+        targets = state.token_ids[first + 1:last + 1]
+        plan.append((state, rows, targets))
+        state.sampling.num_prompt_logprobs_done = last
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: _StepInputs,
+                         out: RunnerOutput) -> None:
+        for state, rows, targets in inputs.prompt_lp_rows:
+            idx = torch.tensor(rows, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, idx))
+            target_t = torch.tensor(targets, dtype=torch.int64, device=self.device)
+            k = state.params.prompt_logprobs or 0
+            out.prompt_logprobs[state.request_id] = compute_prompt_logprobs(logits, target_t, k)
+
+    def _sample(self, logits: torch.Tensor, states: list[_RequestState],
+                out: RunnerOutput) -> None:
+        meta = SamplingMetadata.build(
+            params=[s.params for s in states],
+            prompt_token_ids=[s.token_ids[:s.num_prompt_tokens] for s in states],
+            output_token_ids=[s.token_ids[s.num_prompt_tokens:] for s in states],
+            generators=[s.sampling.generator for s in states],
+            stop_token_ids=[s.stop_ids for s in states],
+            device=self.device,
+        )
+        result = self.sampler(logits, meta)
+        sampled = result.sampled_token_ids.tolist()
+        logprobs = result.to_token_logprobs() if result.has_logprobs else None
+        for i, (state, token_id) in enumerate(zip(states, sampled, strict=True)):
+            state.token_ids.append(token_id)
+            out.sampled_token_ids[state.request_id] = [token_id]
+            if logprobs is not None and state.params.logprobs is not None:
+                out.logprobs[state.request_id] = [_trim(logprobs[i], state.params.logprobs)]
+
+
+def _trim(lp: TokenLogprobs, k: int) -> TokenLogprobs:
+    """Keep only the top ``k`` alternatives a request asked for (the batch computed the max)."""
+    top = dict(list(lp.top.items())[:k])
+    return TokenLogprobs(lp.token_id, lp.logprob, lp.rank, top)

@@ -1,0 +1,143 @@
+"""Per-request sampling parameters, with vLLM's names and validation that names the field."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+# Bounds that keep one request from hurting the others (memory, time per step).
+MAX_N = 128
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_LEN = 256
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS_ENTRIES = 1024
+
+
+def _check_number(name: str, value: Any, *, integer: bool = False) -> None:
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        kind = "an integer" if integer else "a number"
+        raise ValueError(f"{name} must be {kind}, got {type(value).__name__} {value!r}")
+    if not integer and not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+
+
+def _check_range(name: str, value: Any, lo: float | None, hi: float | None, *, integer: bool = False,
+                 lo_open: bool = False) -> None:
+    _check_number(name, value, integer=integer)
+    too_low = lo is not None and (value <= lo if lo_open else value < lo)
+    too_high = hi is not None and value > hi
+    if too_low or too_high:
+        left = "(" if lo_open else "["
+        lo_s = "-inf" if lo is None else repr(lo)
+        hi_s = "inf" if hi is None else repr(hi)
+        raise ValueError(f"{name} must be in {left}{lo_s}, {hi_s}], got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's output tokens.
+
+    temperature 0 means greedy. ``top_k`` 0 (or -1) and ``top_p`` 1 disable those filters.
+    ``logprobs=k`` returns the sampled token's logprob and the top-k alternatives at each
+    step; ``prompt_logprobs=k`` does the same for every prompt token after the first.
+    Logprobs are those of the model's raw distribution (before penalties and temperature).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    # Normalised copies filled by __post_init__.
+    stop_strings: list[str] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.top_k == -1:
+            self.top_k = 0
+        if isinstance(self.stop, str):
+            self.stop_strings = [self.stop]
+        elif self.stop is None:
+            self.stop_strings = []
+        else:
+            self.stop_strings = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias)
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        """True when the output is the argmax at every step."""
+        return self.temperature < 1e-5 or self.top_k == 1
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the first invalid field; ``vocab_size`` checks token ids."""
+        _check_range("n", self.n, 1, MAX_N, integer=True)
+        _check_range("temperature", self.temperature, 0.0, 100.0)
+        _check_range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _check_range("top_k", self.top_k, 0, None, integer=True)
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _check_range("seed", self.seed, 0, 2**63 - 1, integer=True)
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_range("repetition_penalty", self.repetition_penalty, 0.0, 10.0, lo_open=True)
+        if self.max_tokens is not None:
+            _check_range("max_tokens", self.max_tokens, 1, None, integer=True)
+        _check_range("min_tokens", self.min_tokens, 0, None, integer=True)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
+                f"and max_tokens={self.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_range(name, value, 0, MAX_LOGPROBS, integer=True)
+        self._validate_stops()
+        self._validate_token_ids(vocab_size)
+
+    def _validate_stops(self) -> None:
+        if len(self.stop_strings) > MAX_STOP_STRINGS:
+            raise ValueError(
+                f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop_strings)}")
+        for s in self.stop_strings:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+            if len(s) > MAX_STOP_STRING_LEN:
+                raise ValueError(
+                    f"each stop string may be at most {MAX_STOP_STRING_LEN} characters, "
+                    f"got one of {len(s)}")
+
+    def _validate_token_ids(self, vocab_size: int | None) -> None:
+        hi = None if vocab_size is None else vocab_size - 1
+        if len(self.stop_token_ids) > MAX_STOP_STRINGS:
+            raise ValueError(
+                f"stop_token_ids may hold at most {MAX_STOP_STRINGS} ids, "
+                f"got {len(self.stop_token_ids)}")
+        for tid in self.stop_token_ids:
+            _check_range("stop_token_ids", tid, 0, hi, integer=True)
+        if self.logit_bias is None:
+            return
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(
+                f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries, "
+                f"got {len(self.logit_bias)}")
+        for tid, bias in self.logit_bias.items():
+            _check_range("logit_bias key", tid, 0, hi, integer=True)
+            _check_range(f"logit_bias[{tid}]", bias, -100.0, 100.0)
