@@ -83,6 +83,8 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     new_logprobs: list[TokenLogprobs] | None = None
     new_prompt_logprobs: list[TokenLogprobs] | None = None
+    # When the request was first scheduled (time.monotonic()), for queue-time metrics.
+    first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:

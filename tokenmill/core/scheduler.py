@@ -203,6 +203,7 @@ class Scheduler:
                 stop_reason=request.stop_reason,
                 new_logprobs=runner_out.logprobs.get(rid),
                 new_prompt_logprobs=prompt_lps,
+                first_scheduled_time=request.first_scheduled_time,
             ))
         return outputs
 

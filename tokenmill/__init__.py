@@ -1,0 +1,15 @@
+"""tokenmill: an LLM inference engine and server.
+
+The offline API::
+
+    from tokenmill import LLM, SamplingParams
+    llm = LLM()  # the embedded SmolLM2-135M-Instruct
+    print(llm.generate("The capital of France is", SamplingParams(temperature=0))[0].outputs[0].text)
+"""
+
+from tokenmill.engine.llm import LLM
+from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics"]
+__version__ = "0.1.0"

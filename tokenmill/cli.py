@@ -1,0 +1,195 @@
+"""The `tokenmill` command: generate, chat, info."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Iterator
+
+from tokenmill.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.output_processor import OutputKind
+from tokenmill.sampling_params import SamplingParams
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Options shared by every command that starts an engine."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="GGUF file or Hugging Face folder (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"])
+    g.add_argument("--device", default="auto")
+    g.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES")
+    g.add_argument("--kv-cache-memory-fraction", type=float, default=0.2)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=512)
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                          load_format=args.load_format, seed=args.seed),
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
+                          kv_cache_memory_bytes=args.kv_cache_memory,
+                          kv_cache_memory_fraction=args.kv_cache_memory_fraction),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens),
+        device=DeviceConfig(device=args.device, num_threads=args.threads),
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.7)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        seed=args.sampling_seed, stop=args.stop)
+
+
+def stream_text(engine: LLMEngine, prompt: str | dict, params: SamplingParams) -> Iterator[str]:
+    """Yield the text of one request as it is generated."""
+    rid = f"cli-{time.monotonic_ns()}"
+    engine.add_request(rid, prompt, params, kind=OutputKind.DELTA)
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == rid and out.outputs[0].text:
+                    yield out.outputs[0].text
+    finally:
+        engine.abort_request(rid)  # no-op when finished; frees the request on Ctrl-C
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    engine = LLMEngine(engine_config_from_args(args))
+    params = sampling_params_from_args(args)
+    for delta in stream_text(engine, args.prompt, params):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    engine = LLMEngine(engine_config_from_args(args))
+    params = sampling_params_from_args(args)
+    tok = engine.tokenizer
+    history: list[dict] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    print("tokenmill chat: type a message; /reset clears the history, /exit or Ctrl-D quits.",
+          file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if line.strip() == "/exit":
+            return 0
+        if line.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        text = tok.apply_chat_template(history, add_generation_prompt=True)
+        prompt = {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+        reply = []
+        try:
+            for delta in stream_text(engine, prompt, params):
+                reply.append(delta)
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+        except ValueError as e:  # e.g. the history outgrew the context
+            history.pop()
+            print(f"\nerror: {e}", file=sys.stderr)
+            continue
+        except KeyboardInterrupt:
+            pass
+        sys.stdout.write("\n")
+        history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import torch
+
+    engine = LLMEngine(engine_config_from_args(args))
+    core = engine.core
+    arch = core.arch
+    num_params = sum(p.numel() for p in core.runner.model.parameters())
+    rows = [
+        ("model", core.model_path),
+        ("architecture", arch.architecture),
+        ("parameters", f"{num_params / 1e6:.1f} M"),
+        ("layers / heads / kv heads / head dim",
+         f"{arch.num_hidden_layers} / {arch.num_attention_heads} / "
+         f"{arch.num_key_value_heads} / {arch.head_dim}"),
+        ("vocab size", str(arch.vocab_size)),
+        ("device", str(core.platform.device)),
+        ("dtype", str(core.dtype).removeprefix("torch.")),
+        ("threads", str(torch.get_num_threads())),
+        ("max model len", str(core.max_model_len)),
+        ("kv cache", core.kv_plan.describe().removeprefix("KV cache: ")),
+        ("torch", torch.__version__),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference engine")
+    parser.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="generate from a prompt, streaming to the terminal")
+    p.add_argument("prompt")
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive chat with history")
+    p.add_argument("--system", default=None, help="system message")
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("info", help="print model, device, dtype and the KV memory plan")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"tokenmill: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

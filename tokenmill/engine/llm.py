@@ -1,0 +1,156 @@
+"""The offline API: ``LLM(...).generate(prompts, SamplingParams(...))``, with vLLM's names."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from tokenmill.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tokenmill.engine.llm_engine import LLMEngine, PromptType
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer import Tokenizer
+
+# generate() shows a progress bar (by default) from this many prompts on.
+PROGRESS_BAR_MIN_PROMPTS = 10
+
+Messages = list[dict]
+
+
+class LLM:
+    """An engine for offline generation over many prompts at once.
+
+    ``model`` is a GGUF file or a Hugging Face folder; None runs the embedded
+    SmolLM2-135M-Instruct. Memory for the KV cache is ``num_kv_blocks`` blocks, else
+    ``kv_cache_memory_bytes``, else ``kv_cache_memory_fraction`` of free memory.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        load_format: str = "auto",
+        seed: int = 0,
+        device: str = "auto",
+        num_threads: int | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        kv_cache_memory_fraction: float = 0.2,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        config = EngineConfig(
+            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len,
+                              load_format=load_format, seed=seed),
+            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
+                              kv_cache_memory_bytes=kv_cache_memory_bytes,
+                              kv_cache_memory_fraction=kv_cache_memory_fraction),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      enable_chunked_prefill=enable_chunked_prefill),
+            device=DeviceConfig(device=device, num_threads=num_threads),
+        )
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the order of the prompts.
+
+        A prompt is a string, a list of token ids, or {"prompt"/"prompt_token_ids": ...}.
+        """
+        batch = _as_batch(prompts)
+        params = _params_per_prompt(sampling_params, len(batch))
+        return self._run(batch, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """Generate the assistant's reply to one conversation or to a list of them."""
+        if not isinstance(messages, list | tuple) or not messages:
+            raise ValueError("messages must be a non-empty list of messages or of conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        tok = self.engine.tokenizer
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text = tok.apply_chat_template(
+                list(conversation), add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {}))
+            # The template already holds any BOS the model wants.
+            prompts.append({"prompt": text,
+                            "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        params = _params_per_prompt(sampling_params, len(prompts))
+        return self._run(prompts, params, use_tqdm)
+
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams],
+             use_tqdm: bool | None) -> list[RequestOutput]:
+        engine = self.engine
+        order: dict[str, int] = {}
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                rid = str(next(self._ids))
+                engine.add_request(rid, prompt, p)
+                order[rid] = len(order)
+        except ValueError:
+            for rid in order:
+                engine.abort_request(rid)
+            raise
+        show = len(prompts) >= PROGRESS_BAR_MIN_PROMPTS if use_tqdm is None else use_tqdm
+        bar = tqdm(total=len(prompts), desc="Generating", unit="req", disable=not show)
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        out_tokens = 0
+        with bar:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        bar.update(1)
+                        elapsed = bar.format_dict["elapsed"] or 1e-9
+                        bar.set_postfix_str(f"{out_tokens / elapsed:.1f} out tok/s")
+        missing = [i for i, r in enumerate(results) if r is None]
+        if missing:
+            raise RuntimeError(f"the engine stopped without finishing prompts {missing}")
+        return results  # type: ignore[return-value]
+
+
+def _as_batch(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    if isinstance(prompts, list | tuple):
+        if not prompts:
+            raise ValueError("prompts must not be empty")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]  # one prompt given as token ids
+        return list(prompts)
+    raise ValueError(f"prompts must be a string, token ids or a list of them, got {type(prompts)}")
+
+
+def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,
+                       n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling_params for {n} prompts")
+    return params

@@ -1,0 +1,109 @@
+"""LLMEngine: prompts in, RequestOutputs out. Tokenizes, fans out n > 1, detokenizes."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.core import EngineCore
+from tokenmill.engine.output_processor import OutputKind, OutputProcessor
+from tokenmill.outputs import RequestOutput
+from tokenmill.request import Request
+from tokenmill.sampling_params import SamplingParams
+
+# A prompt is text, token ids, or {"prompt": text, "prompt_token_ids": ids} (either key).
+PromptType = str | list[int] | dict
+
+
+class LLMEngine:
+    """The synchronous engine every front door drives: add requests, call ``step()``."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.core = EngineCore(config)
+        self.tokenizer = self.core.tokenizer
+        self.processor = OutputProcessor(self.tokenizer)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the model scores: every valid token id is below this."""
+        return self.core.arch.vocab_size
+
+    def encode_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """The prompt's text (None for token ids given directly) and token ids, validated."""
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown:
+                raise ValueError(f"unknown prompt field(s): {sorted(unknown)}")
+            text = prompt.get("prompt")
+            if "prompt_token_ids" not in prompt:
+                return self.encode_prompt(text if isinstance(text, str) else "")
+            return text, self.encode_prompt(prompt["prompt_token_ids"])[1]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list | tuple) or not prompt:
+            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+        vocab = self.vocab_size
+        for i, tid in enumerate(prompt):
+            if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < vocab:
+                raise ValueError(
+                    f"prompt token id at index {i} must be an integer in [0, {vocab}), got {tid!r}")
+        return None, list(prompt)
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    kind: OutputKind = OutputKind.FINAL_ONLY,
+                    arrival_time: float | None = None) -> None:
+        """Validate and queue a request; ValueError names what is wrong and nothing is queued."""
+        if request_id in self.processor.parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params.validate(vocab_size=self.vocab_size)
+        text, token_ids = self.encode_prompt(prompt)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        children = self._child_requests(request_id, token_ids, params, arrival)
+        added: list[str] = []
+        try:
+            for child in children:
+                self.core.add_request(child)
+                added.append(child.request_id)
+        except ValueError:
+            self.core.abort_requests(added)
+            raise
+        self.processor.add_request(request_id, [c.request_id for c in children], text,
+                                   token_ids, params, kind, arrival)
+
+    def _child_requests(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                        arrival: float) -> list[Request]:
+        eos = self.tokenizer.eos_token_ids
+        if params.n == 1:
+            return [Request(request_id, token_ids, params, eos, arrival_time=arrival)]
+        children = []
+        for i in range(params.n):
+            # Each sample gets its own seed stream, derived from the request's seed.
+            seed = None if params.seed is None else params.seed + i
+            child_params = dataclasses.replace(params, n=1, seed=seed)
+            children.append(Request(f"{request_id}#{i}", token_ids, child_params, eos,
+                                    arrival_time=arrival))
+        return children
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is; returns its final output (finish_reason "abort")."""
+        self.core.abort_requests(self.processor.child_ids(request_id))
+        return self.processor.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns the outputs of requests that have news."""
+        core_outputs = self.core.step()
+        outputs, stopped = self.processor.process(core_outputs)
+        if stopped:
+            self.core.finish_stopped(stopped)
+        return outputs
