@@ -70,14 +70,24 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.top_k == -1:
             self.top_k = 0
+        # Container types are checked here because normalising them would raise TypeError.
         if isinstance(self.stop, str):
             self.stop_strings = [self.stop]
         elif self.stop is None:
             self.stop_strings = []
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop_strings = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got "
+                             f"{type(self.stop).__name__}")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of integers, got "
+                             f"{type(self.stop_token_ids).__name__}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id to bias, got "
+                                 f"{type(self.logit_bias).__name__}")
             self.logit_bias = dict(self.logit_bias)
         self.validate()
 
@@ -109,6 +119,9 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 _check_range(name, value, 0, MAX_LOGPROBS, integer=True)
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         self._validate_stops()
         self._validate_token_ids(vocab_size)
 

@@ -95,6 +95,8 @@ class EngineCore:
         self.runner.allocate_kv_cache(self.kv_plan.num_blocks)
         kv = KVCacheManager(self.kv_plan.num_blocks, config.cache.block_size)
         self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len)
+        # (requests, tokens) the latest step computed, for batch-size metrics.
+        self.last_batch: tuple[int, int] = (0, 0)
         logger.info(self.kv_plan.describe())
 
     def _resolve_max_model_len(self, asked: int | None) -> int:
@@ -124,6 +126,7 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model, and report each request's new tokens."""
         sched = self.scheduler.schedule()
+        self.last_batch = (len(sched.num_scheduled_tokens), sched.total_num_scheduled_tokens)
         runner_out = self.runner.execute(sched)
         return self.scheduler.update(sched, runner_out)
 

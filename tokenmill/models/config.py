@@ -1,0 +1,148 @@
+"""The architecture numbers a model needs, read from a Hugging Face ``config.json`` dict."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Rope types whose frequencies models/layers.py knows how to compute.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    """Shapes and constants of a decoder-only transformer (Llama, Mistral, Qwen2, Qwen3)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # None for plain rope, else the HF rope parameters (without rope_theta) incl. "rope_type".
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    # Checkpoint dtype name as written in config.json ("bfloat16", "float32"...), if any.
+    torch_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.rms_norm_eps <= 0:
+            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
+        if self.rope_scaling is not None:
+            rope_type = self.rope_scaling.get("rope_type")
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(f"rope_scaling.rope_type {rope_type!r} is not supported; "
+                                 f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+    @property
+    def num_layers(self) -> int:
+        """Number of decoder layers, i.e. of per-layer KV cache tensors."""
+        return self.num_hidden_layers
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> ArchConfig:
+        """Build from a ``config.json`` dict in either the transformers-4 or -5 layout."""
+        archs = d.get("architectures") or []
+        if not archs:
+            raise ValueError("config.json has no 'architectures' entry")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads"):
+            if d.get(name) is None:
+                raise ValueError(f"config.json is missing {name!r}")
+        heads = d["num_attention_heads"]
+        kv_heads = d.get("num_key_value_heads") or heads
+        head_dim = d.get("head_dim") or _div(d["hidden_size"], heads, "hidden_size")
+        rope_theta, rope_scaling = _rope_from_hf(d)
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            architecture=archs[0],
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=_max_positions(d),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            hidden_act=d.get("hidden_act", "silu"),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+        )
+
+
+def _div(a: int, b: int, field: str) -> int:
+    if not b or a % b:
+        raise ValueError(f"{field} ({a}) must be divisible by num_attention_heads ({b})")
+    return a // b
+
+
+def _rope_from_hf(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling) from ``rope_theta``/``rope_scaling`` (v4) or ``rope_parameters`` (v5)."""
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
+        # Mixed attention types keep one rope dict per layer type; none of our families do.
+        raise ValueError("rope_parameters per layer type are not supported")
+    if isinstance(params, dict):
+        scaling = dict(params)
+        theta = scaling.pop("rope_theta", d.get("rope_theta", 10000.0))
+    else:
+        theta = d.get("rope_theta", 10000.0)
+        scaling = dict(d["rope_scaling"]) if d.get("rope_scaling") else {}
+    # v4 configs of older models spell the key "type".
+    rope_type = scaling.pop("type", None)
+    rope_type = scaling.get("rope_type", rope_type) or "default"
+    scaling["rope_type"] = rope_type
+    if rope_type == "default":
+        return float(theta), None
+    return float(theta), scaling
+
+
+def _max_positions(d: dict[str, Any]) -> int:
+    """Longest usable context: capped at the sliding window, which we do not implement.
+
+    Within the window, sliding-window attention equals full attention, so capping the context
+    keeps Mistral-v0.1-style and sliding Qwen2 configs exact instead of silently wrong.
+    """
+    max_pos = d.get("max_position_embeddings", 2048)
+    window = d.get("sliding_window")
+    sliding = d.get("use_sliding_window", True)
+    layer_types = d.get("layer_types")
+    if layer_types is not None:
+        sliding = "sliding_attention" in layer_types
+    if window and sliding:
+        return min(max_pos, window)
+    return max_pos

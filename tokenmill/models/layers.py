@@ -1,0 +1,210 @@
+"""Building blocks shared by the decoder-only families: norm, rotary, MLP, attention, layer stack."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.models.config import ArchConfig
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that skips the random init: weights are loaded or dummy-filled later.
+
+    Kaiming init of an 8B model costs tens of seconds on CPU only to be overwritten.
+    """
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` that skips the random init, for the same reason as :class:`Linear`."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dimension, computed in fp32 like Hugging Face's."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.shape = (dim,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.shape, self.weight, self.eps)
+        # Low-precision inputs: normalize in fp32, scale in the input dtype, as HF does.
+        y = F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype)
+        return y * self.weight
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Per-pair rotation frequencies ``[head_dim // 2]`` (fp32), with optional context scaling."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    rope_type = "default" if scaling is None else scaling["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    try:
+        factor = float(scaling["factor"])  # type: ignore[index]
+        if rope_type == "linear":
+            return inv_freq / factor
+        if rope_type == "llama3":
+            return _llama3_inv_freq(inv_freq, factor, float(scaling["low_freq_factor"]),  # type: ignore[index]
+                                    float(scaling["high_freq_factor"]),  # type: ignore[index]
+                                    int(scaling["original_max_position_embeddings"]))  # type: ignore[index]
+    except KeyError as e:
+        raise ValueError(f"rope_scaling of type {rope_type!r} lacks {e.args[0]!r}") from None
+    raise ValueError(f"rope_scaling.rope_type {rope_type!r} is not supported")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
+                     high_freq_factor: float, old_context_len: int) -> torch.Tensor:
+    # Same formula as transformers' _compute_llama3_parameters: long wavelengths are slowed by
+    # `factor`, short ones kept, and the band between them interpolated smoothly.
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (rotate-half layout) with a cos/sin table for every position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: dict[str, Any] | None) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        # Half-width tables in fp32; widened once per step in cos_sin(), not per layer.
+        self.register_buffer("cos_half", freqs.cos(), persistent=False)
+        self.register_buffer("sin_half", freqs.sin(), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[T, 1, head_dim]`` cos and sign-folded sin for :func:`apply_rotary`."""
+        cos = self.cos_half.index_select(0, positions)
+        sin = self.sin_half.index_select(0, positions)
+        cos = torch.cat([cos, cos], dim=-1).to(dtype).unsqueeze(1)
+        sin = torch.cat([-sin, sin], dim=-1).to(dtype).unsqueeze(1)
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, H, D]``: ``x * cos + rotate_half(x) * sin`` in three kernels.
+
+    ``sin`` comes with its first half negated, so ``rotate_half(x) * sin`` is a plain swap of
+    the halves times it.
+    """
+    half = x.shape[-1] // 2
+    swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
+    return torch.addcmul(x * cos, swapped, sin)
+
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """Where the families differ inside the attention block."""
+
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool  # per-head RMSNorm of q and k before rope (Qwen3)
+
+
+class Attention(nn.Module):
+    """Self-attention with fused q/k/v projection; the attention itself is the backend's."""
+
+    def __init__(self, config: ArchConfig, layer_idx: int, options: AttentionOptions) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                               bias=options.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=options.o_bias)
+        self.qk_norm = options.qk_norm
+        if options.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        hq = self.num_heads
+        # q and k are rotated together: one set of rope kernels instead of two.
+        qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, hq + self.num_kv_heads,
+                                                      self.head_dim)
+        if self.qk_norm:
+            qk = torch.cat([self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])], dim=1)
+        qk = apply_rotary(qk, cos, sin)
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = meta.backend.forward(qk[:, :hq], qk[:, hq:], v, meta.kv_caches[self.layer_idx],
+                                   meta, self.scale)
+        return self.o_proj(out)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block: attention then gated MLP, each with a residual add."""
+
+    def __init__(self, config: ArchConfig, layer_idx: int, options: AttentionOptions) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx, options)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    """Embedding, the layer stack and the final norm (HF's ``model.`` prefix)."""
+
+    def __init__(self, config: ArchConfig, options: AttentionOptions) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, options) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(h, cos, sin, meta)
+        return self.norm(h)

@@ -1,0 +1,126 @@
+"""Llama (and Mistral): the base decoder-only causal LM the other families specialize."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.models.config import ArchConfig
+from tokenmill.models.layers import AttentionOptions, DecoderModel, Linear, RotaryEmbedding
+
+# Checkpoint tensors that live in one fused parameter here: (fused module, HF module, shard).
+STACKED_PARAMS: tuple[tuple[str, str, int], ...] = (
+    ("qkv_proj", "q_proj", 0),
+    ("qkv_proj", "k_proj", 1),
+    ("qkv_proj", "v_proj", 2),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+# Checkpoint entries that are derived data, not weights.
+IGNORED_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-style causal LM over a flat batch of tokens and a paged KV cache.
+
+    Parameters start uninitialized; fill them with :meth:`load_weights` (Hugging Face names) or
+    ``tokenmill.model_loader.dummy.init_dummy_weights``.
+    """
+
+    def __init__(self, config: ArchConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, self.attention_options(config))
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                      config.rope_theta, config.rope_scaling)
+        # Tied models reuse the embedding matrix, so no vocab x hidden copy is allocated.
+        self.lm_head = (None if config.tie_word_embeddings
+                        else Linear(config.hidden_size, config.vocab_size, bias=False))
+        # Inference only: no autograd bookkeeping even outside torch.inference_mode().
+        self.requires_grad_(False)
+
+    @classmethod
+    def attention_options(cls, config: ArchConfig) -> AttentionOptions:
+        """Which biases and norms this family's attention block has."""
+        return AttentionOptions(qkv_bias=config.attention_bias, o_bias=config.attention_bias,
+                                qk_norm=False)
+
+    # KV cache geometry, so the runner can size the cache from the model alone.
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.config.num_key_value_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` of the flattened tokens of every sequence in the step."""
+        cos, sin = self.rotary.cos_sin(positions, self.model.norm.weight.dtype)
+        return self.model(input_ids, cos, sin, attn_meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, vocab]`` fp32 logits of the given hidden states."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face named tensors into the (fused) parameters.
+
+        Raises ValueError naming the tensor when one is unexpected, has the wrong shape, or is
+        missing once ``weights`` is exhausted.
+        """
+        targets = self._hf_targets()
+        loaded: set[str] = set()
+        with torch.no_grad():
+            for name, tensor in weights:
+                if name.endswith(IGNORED_SUFFIXES):
+                    continue
+                if name == "lm_head.weight" and self.lm_head is None:
+                    continue  # tied: the embedding already holds it
+                target = targets.get(name)
+                if target is None:
+                    raise ValueError(f"unexpected tensor {name!r} in checkpoint for "
+                                     f"{self.config.architecture}")
+                param, start, size = target
+                dst = param if start is None else param.narrow(0, start, size)
+                if tuple(tensor.shape) != tuple(dst.shape):
+                    raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(dst.shape)}")
+                dst.copy_(tensor)
+                loaded.add(name)
+        missing = sorted(set(targets) - loaded)
+        if missing:
+            shown = ", ".join(repr(m) for m in missing[:8])
+            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            raise ValueError(f"checkpoint is missing tensors {shown}{more}")
+
+    def _hf_targets(self) -> dict[str, tuple[nn.Parameter, int | None, int]]:
+        """HF tensor name -> (parameter, first row in it or None for all, number of rows)."""
+        c = self.config
+        q_rows = c.num_attention_heads * c.head_dim
+        kv_rows = c.num_key_value_heads * c.head_dim
+        inter = c.intermediate_size
+        shard_rows = {"qkv_proj": (q_rows, kv_rows, kv_rows), "gate_up_proj": (inter, inter)}
+        targets: dict[str, tuple[nn.Parameter, int | None, int]] = {}
+        for name, param in self.named_parameters():
+            module_path, _, leaf = name.rpartition(".")
+            parent, _, module = module_path.rpartition(".")
+            if module not in shard_rows:
+                targets[name] = (param, None, param.shape[0])
+                continue
+            sizes = shard_rows[module]
+            for fused, hf_module, shard in STACKED_PARAMS:
+                if fused == module:
+                    start = sum(sizes[:shard])
+                    targets[f"{parent}.{hf_module}.{leaf}"] = (param, start, sizes[shard])
+        return targets

@@ -1,0 +1,30 @@
+"""Hugging Face ``architectures`` names -> model classes, imported only when asked for."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+# architecture name -> (module, class); lazy so that importing the registry stays cheap.
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("tokenmill.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("tokenmill.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("tokenmill.models.qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("tokenmill.models.qwen3", "Qwen3ForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    """The ``architectures`` names that :func:`get_model_class` accepts."""
+    return sorted(_MODELS)
+
+
+def get_model_class(architectures: list[str]) -> type[nn.Module]:
+    """The class for the first supported name in ``architectures`` (a config.json list)."""
+    for arch in architectures:
+        if arch in _MODELS:
+            module_name, class_name = _MODELS[arch]
+            return getattr(importlib.import_module(module_name), class_name)
+    raise ValueError(f"unsupported architectures {architectures}; supported: "
+                     f"{', '.join(supported_architectures())}")

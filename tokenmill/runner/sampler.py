@@ -1,0 +1,350 @@
+"""The runner's sampler: penalties, logit bias, top-k/top-p/min-p, per-request seeds, logprobs.
+
+Per step the runner builds one `SamplingMetadata` for the rows that need a next token. It holds
+tensors only for the features some row uses, so a batch of plain greedy or plain random
+requests pays for nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.core.sched_output import TokenLogprobs
+from tokenmill.sampling_params import SamplingParams
+
+# Floor for the exponential draws: exponential_() can return exactly 0, and p / 0 would pick a
+# token of probability 0 (or give NaN).
+_MIN_EXPONENTIAL = 1e-20
+
+
+@dataclass
+class SamplingMetadata:
+    """Batched sampling inputs for B rows. A feature's tensors are None when no row uses it."""
+
+    # Every row is greedy (argmax) / every row samples; both False for a mixed batch.
+    all_greedy: bool
+    all_random: bool
+    # [B] bool, True where the row is greedy. None when all_greedy or all_random.
+    greedy_mask: torch.Tensor | None
+    # [B] float; 1.0 on greedy rows so dividing is harmless. None when all_greedy.
+    temperature: torch.Tensor | None
+    # [B] long, 0 where the row has no top-k. None when no random row uses top-k.
+    top_k: torch.Tensor | None
+    # [B] float, 1.0 where unused. None when no random row uses top-p.
+    top_p: torch.Tensor | None
+    # [B] float, 0.0 where unused. None when no random row uses min-p.
+    min_p: torch.Tensor | None
+    # Row index -> that request's own generator, for random rows with a seed.
+    generators: dict[int, torch.Generator]
+    # True when no row has presence, frequency or repetition penalties.
+    no_penalties: bool
+    # [B] float each; set when not no_penalties.
+    presence_penalties: torch.Tensor | None
+    frequency_penalties: torch.Tensor | None
+    repetition_penalties: torch.Tensor | None
+    # [B, L] long output tokens, right-padded with -1 (empty rows for rows without penalties).
+    output_tokens: torch.Tensor | None
+    # [B, L] long prompt tokens padded with -1; only when some row has a repetition penalty.
+    prompt_tokens: torch.Tensor | None
+    # (rows, token ids, biases) as flat tensors, for logit_bias.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    # (rows, token ids) to set to -inf because the row has not reached min_tokens.
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None
+    # Largest `logprobs` any row asked for; None when no row asked.
+    max_num_logprobs: int | None
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], prompt_token_ids: Sequence[Sequence[int]],
+              output_token_ids: Sequence[Sequence[int]],
+              generators: Sequence[torch.Generator | None],
+              stop_token_ids: Sequence[Sequence[int]],
+              device: torch.device | str = "cpu") -> SamplingMetadata:
+        """Batch the per-row inputs. ``stop_token_ids[i]`` are the ids ``min_tokens`` must
+        suppress for row i (eos ids unless ignore_eos, plus the request's stop_token_ids)."""
+        n = len(params)
+        greedy = [p.greedy for p in params]
+        all_greedy = all(greedy)
+        all_random = not any(greedy)
+        greedy_mask = None
+        if not all_greedy and not all_random:
+            greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)
+
+        temperature = top_k = top_p = min_p = None
+        gens: dict[int, torch.Generator] = {}
+        if not all_greedy:
+            # Greedy rows get neutral values so batched ops leave them alone.
+            rand = [p for p, g in zip(params, greedy, strict=True) if not g]
+            temperature = _column([1.0 if g else p.temperature
+                                   for p, g in zip(params, greedy, strict=True)], device)
+            if any(p.top_k > 0 for p in rand):
+                top_k = _column([0 if g else p.top_k for p, g in zip(params, greedy, strict=True)],
+                                device, torch.long)
+            if any(p.top_p < 1.0 for p in rand):
+                top_p = _column([1.0 if g else p.top_p
+                                 for p, g in zip(params, greedy, strict=True)], device)
+            if any(p.min_p > 0.0 for p in rand):
+                min_p = _column([0.0 if g else p.min_p
+                                 for p, g in zip(params, greedy, strict=True)], device)
+            gens = {i: gen for i, (gen, g) in enumerate(zip(generators, greedy, strict=True))
+                    if gen is not None and not g}
+
+        penalties = _build_penalties(params, prompt_token_ids, output_token_ids, device)
+        max_lp = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        return cls(
+            all_greedy=all_greedy, all_random=all_random, greedy_mask=greedy_mask,
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, generators=gens,
+            no_penalties=penalties is None,
+            presence_penalties=None if penalties is None else penalties[0],
+            frequency_penalties=None if penalties is None else penalties[1],
+            repetition_penalties=None if penalties is None else penalties[2],
+            output_tokens=None if penalties is None else penalties[3],
+            prompt_tokens=None if penalties is None else penalties[4],
+            logit_bias=_build_logit_bias(params, device),
+            min_tokens_mask=_build_min_tokens(params, output_token_ids, stop_token_ids, n, device),
+            max_num_logprobs=max_lp,
+        )
+
+
+_Penalties = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def _column(values: list[float] | list[int], device: torch.device | str,
+            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _pad(rows: list[Sequence[int]], device: torch.device | str) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    padded = [list(r) + [-1] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.long, device=device).view(len(rows), width)
+
+
+def _build_penalties(params: Sequence[SamplingParams], prompt_ids: Sequence[Sequence[int]],
+                     output_ids: Sequence[Sequence[int]],
+                     device: torch.device | str) -> _Penalties | None:
+    pres = [p.presence_penalty for p in params]
+    freq = [p.frequency_penalty for p in params]
+    rep = [p.repetition_penalty for p in params]
+    used = [a != 0.0 or b != 0.0 or c != 1.0 for a, b, c in zip(pres, freq, rep, strict=True)]
+    if not any(used):
+        return None
+    # Rows without penalties contribute empty token lists: their tokens are never needed.
+    outputs = _pad([o if u else () for o, u in zip(output_ids, used, strict=True)], device)
+    prompts = None
+    if any(r != 1.0 for r in rep):
+        prompts = _pad([pr if r != 1.0 else () for pr, r in zip(prompt_ids, rep, strict=True)], device)
+    return _column(pres, device), _column(freq, device), _column(rep, device), outputs, prompts
+
+
+def _build_logit_bias(params: Sequence[SamplingParams], device: torch.device | str,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    rows: list[int] = []
+    ids: list[int] = []
+    vals: list[float] = []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            rows.extend([i] * len(p.logit_bias))
+            ids.extend(p.logit_bias.keys())
+            vals.extend(p.logit_bias.values())
+    if not rows:
+        return None
+    return (torch.tensor(rows, dtype=torch.long, device=device),
+            torch.tensor(ids, dtype=torch.long, device=device),
+            torch.tensor(vals, dtype=torch.float32, device=device))
+
+
+def _build_min_tokens(params: Sequence[SamplingParams], output_ids: Sequence[Sequence[int]],
+                      stop_ids: Sequence[Sequence[int]], n: int,
+                      device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    rows: list[int] = []
+    ids: list[int] = []
+    for i in range(n):
+        if params[i].min_tokens > len(output_ids[i]) and stop_ids[i]:
+            rows.extend([i] * len(stop_ids[i]))
+            ids.extend(stop_ids[i])
+    if not rows:
+        return None
+    return (torch.tensor(rows, dtype=torch.long, device=device),
+            torch.tensor(ids, dtype=torch.long, device=device))
+
+
+@dataclass
+class SamplerOutput:
+    """Sampled tokens, plus logprobs (of the raw logits) when some row asked for them."""
+
+    sampled_token_ids: torch.Tensor  # [B] long
+    sampled_logprobs: torch.Tensor | None = None  # [B] float
+    sampled_ranks: torch.Tensor | None = None  # [B] long, 1 = most likely
+    topk_token_ids: torch.Tensor | None = None  # [B, k] long, most likely first
+    topk_logprobs: torch.Tensor | None = None  # [B, k] float
+
+    @property
+    def has_logprobs(self) -> bool:
+        """True when logprobs were computed for this batch."""
+        return self.sampled_logprobs is not None
+
+    def to_token_logprobs(self) -> list[TokenLogprobs]:
+        """One TokenLogprobs per row (every row gets the batch's max k alternatives)."""
+        if self.sampled_logprobs is None:
+            raise ValueError("this SamplerOutput has no logprobs: no row asked for them")
+        assert self.sampled_ranks is not None and self.topk_token_ids is not None
+        assert self.topk_logprobs is not None
+        return _to_token_logprobs(self.sampled_token_ids, self.sampled_logprobs,
+                                  self.sampled_ranks, self.topk_token_ids, self.topk_logprobs)
+
+
+def _to_token_logprobs(ids: torch.Tensor, lps: torch.Tensor, ranks: torch.Tensor,
+                       top_ids: torch.Tensor, top_lps: torch.Tensor) -> list[TokenLogprobs]:
+    # One device->host copy per tensor instead of one per element.
+    rows = zip(ids.tolist(), lps.tolist(), ranks.tolist(), top_ids.tolist(), top_lps.tolist(),
+               strict=True)
+    return [TokenLogprobs(t, lp, r, dict(zip(ti, tl, strict=True))) for t, lp, r, ti, tl in rows]
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For log-probabilities [N, V] and chosen ids [N]: the chosen logprob [N], its rank [N]
+    (1 + the number of strictly more likely tokens), and the top-k ids and logprobs [N, k]."""
+    chosen = logprobs.gather(1, token_ids.view(-1, 1))
+    ranks = (logprobs > chosen).sum(dim=1) + 1
+    top_lps, top_ids = logprobs.topk(k, dim=1) if k > 0 else (
+        logprobs.new_empty(logprobs.shape[0], 0),
+        torch.empty(logprobs.shape[0], 0, dtype=torch.long, device=logprobs.device))
+    return chosen.squeeze(1), ranks, top_ids, top_lps
+
+
+def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor,
+                            k: int) -> list[TokenLogprobs]:
+    """Logprob and rank of each actual next prompt token plus the top-k, from raw logits [P, V]
+    (row p scores ``target_ids[p]``)."""
+    if logits.shape[0] != target_ids.shape[0]:
+        raise ValueError(f"logits has {logits.shape[0]} rows but target_ids has "
+                         f"{target_ids.shape[0]} ids")
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    lps, ranks, top_ids, top_lps = gather_logprobs(logprobs, target_ids, k)
+    return _to_token_logprobs(target_ids, lps, ranks, top_ids, top_lps)
+
+
+class Sampler:
+    """Turns a step's logits [B, V] into one token id per row (see `SamplingMetadata`).
+
+    Order: logit_bias, min_tokens, repetition penalty (prompt + output tokens), frequency and
+    presence penalties (output tokens), then argmax for greedy rows and temperature, top-k,
+    top-p, min-p and a draw for the others. Logprobs come from the raw logits.
+    """
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """Sample one token per row; the input logits are not modified."""
+        logits = logits.float()
+        raw_logprobs = None
+        if meta.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = apply_logits_processors(logits, meta)
+
+        greedy_ids = None if meta.all_random else logits.argmax(dim=-1)
+        if meta.all_greedy:
+            sampled = greedy_ids
+        else:
+            random_ids = _sample_random(logits, meta)
+            sampled = random_ids if greedy_ids is None else torch.where(
+                meta.greedy_mask, greedy_ids, random_ids)  # type: ignore[arg-type]
+        assert sampled is not None
+        out = SamplerOutput(sampled_token_ids=sampled)
+        if raw_logprobs is not None:
+            assert meta.max_num_logprobs is not None
+            (out.sampled_logprobs, out.sampled_ranks, out.topk_token_ids,
+             out.topk_logprobs) = gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
+        return out
+
+
+def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """logit_bias, min_tokens and the penalties, out of place."""
+    if meta.logit_bias is not None:
+        rows, ids, vals = meta.logit_bias
+        logits = logits.index_put((rows, ids), vals, accumulate=True)
+    if meta.min_tokens_mask is not None:
+        rows, ids = meta.min_tokens_mask
+        logits = logits.index_put((rows, ids), logits.new_tensor(float("-inf")))
+    if not meta.no_penalties:
+        logits = _apply_penalties(logits, meta)
+    return logits
+
+
+def _token_counts(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, L] padded (-1) token ids -> [B, V] occurrence counts, with one scatter_add."""
+    b = tokens.shape[0]
+    counts = torch.zeros(b, vocab_size + 1, dtype=torch.float32, device=tokens.device)
+    idx = torch.where(tokens < 0, vocab_size, tokens)  # padding lands in a spare column
+    counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    assert meta.output_tokens is not None and meta.repetition_penalties is not None
+    assert meta.frequency_penalties is not None and meta.presence_penalties is not None
+    v = logits.shape[1]
+    counts = _token_counts(meta.output_tokens, v)
+    if meta.prompt_tokens is not None:
+        seen = (counts > 0) | (_token_counts(meta.prompt_tokens, v) > 0)
+        rep = meta.repetition_penalties.unsqueeze(1)
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalised, logits)
+    logits = logits - meta.frequency_penalties.unsqueeze(1) * counts
+    return logits - meta.presence_penalties.unsqueeze(1) * (counts > 0).float()
+
+
+def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p, then an exponential race (Gumbel-max) per row."""
+    assert meta.temperature is not None
+    logits = logits / meta.temperature.unsqueeze(1)
+    if meta.top_p is not None:
+        logits = _top_k_top_p_sorted(logits, meta.top_k, meta.top_p)
+    elif meta.top_k is not None:
+        logits = _top_k(logits, meta.top_k)
+    probs = torch.softmax(logits, dim=-1)
+    if meta.min_p is not None:
+        floor = meta.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return _exponential_race(probs, meta.generators)
+
+
+def _top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep each row's k largest logits (k = 0: all) with one torch.topk, no full sort."""
+    # Rows without top-k look at k=1 (cheap) and then keep everything via a -inf threshold.
+    k = torch.where(top_k > 0, top_k.clamp(max=logits.shape[1]), 1)
+    values = logits.topk(int(k.max()), dim=1).values
+    threshold = values.gather(1, (k - 1).unsqueeze(1))
+    threshold = threshold.masked_fill((top_k <= 0).unsqueeze(1), float("-inf"))
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def _top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor | None,
+                        top_p: torch.Tensor) -> torch.Tensor:
+    """top-k then top-p with one ascending sort (top-p needs the sorted cumulative mass)."""
+    v = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k.clamp(max=v), v)
+        kth = sorted_logits.gather(1, (v - k).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    # Drop the low tail whose mass is <= 1 - p; the most likely token always stays.
+    drop = cum <= 1 - top_p.unsqueeze(1)
+    drop[:, -1] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """argmax(p / q), q ~ Exp(1): a draw from p. A seeded row's q comes only from its own
+    generator, so its token does not depend on its batch mates or its row index."""
+    b, v = probs.shape
+    q = torch.empty_like(probs)
+    if len(generators) < b:
+        q.exponential_()  # one batched draw for the unseeded rows (seeded rows overwritten)
+    for i, gen in generators.items():
+        q[i].exponential_(generator=gen)
+    return (probs / q.clamp_min_(_MIN_EXPONENTIAL)).argmax(dim=-1)

@@ -1,0 +1,146 @@
+"""POST /v1/chat/completions: render the chat template, generate, answer whole or streamed."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import jinja2
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenmill.core.sched_output import TokenLogprobs
+from tokenmill.engine.async_llm import EngineDeadError, RequestGroup
+from tokenmill.server.errors import APIError, bad_request
+from tokenmill.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatTokenLogprob,
+    DeltaMessage,
+    TopLogprob,
+    UsageInfo,
+    now,
+    random_id,
+)
+from tokenmill.server.serving_base import (
+    EngineStreamingResponse,
+    TokenTexts,
+    check_context,
+    check_model,
+    collect,
+    error_event,
+    finite,
+    sampling_params,
+    sse,
+    submit,
+    until_disconnect,
+)
+from tokenmill.server.state import ServerState
+from tokenmill.tokenizer import Tokenizer
+
+
+def render_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+    """The chat template applied to the messages, and its token ids; 400 if it cannot be."""
+    try:
+        text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True,
+                                             **(req.chat_template_kwargs or {}))
+    except (ValueError, TypeError, jinja2.TemplateError) as e:
+        raise bad_request(f"messages: {e}", "messages") from None
+    # The template already holds any BOS the model wants.
+    return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+def chat_logprobs(lps: list[TokenLogprobs], k: int, texts: TokenTexts) -> ChatLogprobs:
+    """OpenAI's chat ``logprobs.content`` for the given tokens, with ``k`` alternatives each."""
+    content = []
+    for lp in lps:
+        top = sorted(lp.top.items(), key=lambda kv: -kv[1])[:k]
+        token = texts(lp.token_id)
+        content.append(ChatTokenLogprob(
+            token=token, logprob=finite(lp.logprob), bytes=list(token.encode()),
+            top_logprobs=[TopLogprob(token=texts(t), logprob=finite(v),
+                                     bytes=list(texts(t).encode())) for t, v in top]))
+    return ChatLogprobs(content=content)
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
+                                 raw: Request) -> Response:
+    """Validate, submit and answer one chat completion request."""
+    model = check_model(state, req.model)
+    client = state.client
+    if not req.messages:
+        raise bad_request("messages must not be empty", "messages")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    text, ids = render_prompt(client.tokenizer, req)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+        else req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"{param} must be >= 1, got {max_tokens}", param)
+    check_context(len(ids), max_tokens, client.max_model_len, "messages")
+    k = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params(req, client.vocab_size, max_tokens=max_tokens, logprobs=k)
+    group = await submit(state, [{"prompt": text, "prompt_token_ids": ids}], params, "chatcmpl")
+    rid, created = random_id("chatcmpl"), now()
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        events = _stream(state, group, req, model, rid, created, include_usage)
+        return EngineStreamingResponse(events, group.close)
+    result = await until_disconnect(raw.receive, collect(group, 1, req.n))
+    if result is None:  # the client is gone; nobody reads this
+        return Response(status_code=499)
+    texts = TokenTexts(client.tokenizer)
+    choices = [
+        ChatChoice(index=i, message=ChatMessage(content="".join(c.text)),
+                   logprobs=chat_logprobs(c.logprobs, k, texts) if k is not None else None,
+                   finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+        for i, c in enumerate(result.choices[0])]
+    body = ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
+                                  usage=result.usage())
+    return JSONResponse(body.model_dump())
+
+
+async def _stream(state: ServerState, group: RequestGroup, req: ChatCompletionRequest,
+                  model: str, rid: str, created: int, include_usage: bool) -> AsyncIterator[str]:
+    """Chunks: the role first, then content deltas, the finish reasons, usage, [DONE]."""
+    texts = TokenTexts(state.client.tokenizer)
+    k = (req.top_logprobs or 0) if req.logprobs else None
+
+    def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
+        return sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=choices,
+                                       usage=usage).model_dump_json())
+
+    yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                 for i in range(req.n)])
+    prompt_tokens = completion_tokens = 0
+    done: set[int] = set()  # a finished sequence keeps its finish_reason in later deltas
+    try:
+        async for _, out in group:
+            prompt_tokens = len(out.prompt_token_ids)
+            choices = []
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                if c.index in done or (not c.text and not c.token_ids and not c.finished):
+                    continue
+                if c.finished:
+                    done.add(c.index)
+                lps = chat_logprobs(c.logprobs or [], k, texts) if k is not None else None
+                choices.append(ChatChunkChoice(
+                    index=c.index, delta=DeltaMessage(content=c.text), logprobs=lps,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            if choices:
+                yield chunk(choices)
+    except EngineDeadError as e:
+        yield error_event(APIError(500, str(e), code="engine_error"))
+        yield sse("[DONE]")
+        return
+    if include_usage:
+        yield chunk([], UsageInfo(prompt_tokens=prompt_tokens,
+                                  completion_tokens=completion_tokens,
+                                  total_tokens=prompt_tokens + completion_tokens))
+    yield sse("[DONE]")
