@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -157,10 +158,49 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tokenmill.server.launcher import run_server
+    from tokenmill.server.state import ServerConfig
+
+    config = ServerConfig(
+        served_model_name=args.served_model_name, host=args.host, port=args.port,
+        api_key=args.api_key or os.environ.get("TOKENMILL_API_KEY") or None,
+        max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+        drain_timeout=args.drain_timeout, auth_health_metrics=args.auth_health_metrics,
+        debug_fail_at_step=args.debug_fail_at_step)
+    return run_server(engine_config_from_args(args), config)
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """Options of the OpenAI-compatible HTTP server."""
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (default: $TOKENMILL_API_KEY)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the name clients send as `model` (default: the model file's name)")
+    g.add_argument("--max-queue", type=int, default=128,
+                   help="sequences that may wait beyond --max-num-seqs before 503s")
+    g.add_argument("--max-body-bytes", type=int, default=4 << 20,
+                   help="larger request bodies get 413")
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM waits for requests in flight before aborting them")
+    g.add_argument("--auth-health-metrics", action="store_true",
+                   help="also require the API key on /health and /metrics")
+    g.add_argument("--debug-fail-at-step", type=int, default=None, metavar="N",
+                   help="TESTING ONLY: make the N-th engine step raise (fault injection)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference engine")
     parser.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_engine_args(p)
+    add_serve_args(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="generate from a prompt, streaming to the terminal")
     p.add_argument("prompt")

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import Checkpoint, load_ours
+from hf_checkpoints import Checkpoint, load_ours
 from paged import PagedKVCache, run_step
 
 from tokenmill.model_loader.dummy import build_dummy_model, init_dummy_weights

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from conftest import Checkpoint
+from hf_checkpoints import Checkpoint
 from paged import PagedKVCache, run_step
 
 PROMPT_LENS = (5, 17, 1, 33)  # within, across and exactly at block boundaries; one single token

@@ -128,6 +128,8 @@ class OutputProcessor:
         if seq.logprobs is not None and out.new_logprobs:
             seq.logprobs.extend(out.new_logprobs)
         delta = seq.detokenizer.add_tokens(out.new_token_ids)
+        if out.finished:
+            delta += seq.detokenizer.flush()
         safe, matched = seq.stop.feed(delta, final=out.finished)
         seq.text += safe
         if matched is not None:

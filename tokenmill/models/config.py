@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # Rope types whose frequencies models/layers.py knows how to compute.
@@ -24,7 +24,8 @@ class ArchConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     # None for plain rope, else the HF rope parameters (without rope_theta) incl. "rope_type".
-    rope_scaling: dict[str, Any] | None = None
+    # Left out of the hash (a dict is unhashable); still compared.
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False

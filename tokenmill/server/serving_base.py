@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -33,7 +34,7 @@ MIN_LOGPROB = -9999.0
 
 def check_model(state: ServerState, model: str | None) -> str:
     """The served model's name; 404 if the request names another model."""
-    served = state.config.served_model_name
+    served = state.model_name
     if model is not None and model != served:
         raise APIError(404, f"the model {model!r} does not exist; this server serves {served!r}",
                        param="model", code="model_not_found")
@@ -83,7 +84,7 @@ def _param_of(message: str) -> str | None:
 
 
 def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int,
-                  param: str) -> None:
+                  param: str, max_tokens_param: str = "max_tokens") -> None:
     """400 when the prompt, plus the tokens asked for, does not fit the context."""
     if prompt_len >= max_model_len:
         raise bad_request(
@@ -93,7 +94,7 @@ def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int,
         raise bad_request(
             f"this model's maximum context length is {max_model_len} tokens; you requested "
             f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} to generate)",
-            "max_tokens")
+            max_tokens_param)
 
 
 def check_token_ids(ids: Sequence[Any], vocab_size: int, param: str) -> None:
@@ -185,8 +186,8 @@ class TokenTexts:
 
 
 def finite(logprob: float) -> float:
-    """A logprob JSON can encode."""
-    return max(logprob, MIN_LOGPROB)
+    """A logprob JSON can encode (JSON has no -inf or NaN)."""
+    return logprob if math.isfinite(logprob) and logprob > MIN_LOGPROB else MIN_LOGPROB
 
 
 def sse(data: str) -> str:
@@ -213,11 +214,10 @@ async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T | None:
         await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         listener.cancel()
-        if not task.done():
+        if not task.done():  # the client left (or we are cancelled): stop the work too
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            return None
-    return task.result()
+    return None if task.cancelled() else task.result()
 
 
 class EngineStreamingResponse(StreamingResponse):

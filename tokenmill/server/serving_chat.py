@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenmill.core.sched_output import TokenLogprobs
 from tokenmill.engine.async_llm import EngineDeadError, RequestGroup
+from tokenmill.sampling_params import MAX_LOGPROBS
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.protocol import (
     ChatChoice,
@@ -76,13 +77,16 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         raise bad_request("messages must not be empty", "messages")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+                          "top_logprobs")
     text, ids = render_prompt(client.tokenizer, req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"{param} must be >= 1, got {max_tokens}", param)
-    check_context(len(ids), max_tokens, client.max_model_len, "messages")
+    check_context(len(ids), max_tokens, client.max_model_len, "messages", param)
     k = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, client.vocab_size, max_tokens=max_tokens, logprobs=k)
     group = await submit(state, [{"prompt": text, "prompt_token_ids": ids}], params, "chatcmpl")

@@ -20,7 +20,8 @@ class ServerConfig:
     ``debug_fail_at_step``: make the N-th engine step raise (fault-injection tests only).
     """
 
-    served_model_name: str
+    # None: the model file's name without its extension (resolved by the launcher).
+    served_model_name: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
@@ -53,6 +54,11 @@ class ServerState:
     created: int = field(default_factory=now)
     # Set on SIGTERM: new requests get 503 while the ones in flight finish.
     draining: bool = False
+
+    @property
+    def model_name(self) -> str:
+        """The name clients must use in ``model`` (or leave out)."""
+        return self.config.served_model_name or "default"
 
     @property
     def serving(self) -> bool:

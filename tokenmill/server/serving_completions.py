@@ -1,0 +1,204 @@
+"""POST /v1/completions: one or more prompts (text or token ids), answered whole or streamed."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenmill.core.sched_output import TokenLogprobs
+from tokenmill.engine.async_llm import EngineDeadError, RequestGroup
+from tokenmill.engine.llm_engine import PromptType
+from tokenmill.outputs import CompletionOutput
+from tokenmill.server.errors import APIError, bad_request
+from tokenmill.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+    now,
+    random_id,
+)
+from tokenmill.server.serving_base import (
+    EngineStreamingResponse,
+    TokenTexts,
+    check_context,
+    check_model,
+    check_token_ids,
+    collect,
+    error_event,
+    finite,
+    sampling_params,
+    sse,
+    submit,
+    until_disconnect,
+)
+from tokenmill.server.state import ServerState
+
+
+@dataclass
+class _Prompt:
+    engine_prompt: PromptType
+    token_ids: list[int]
+    text: str  # for echo
+
+
+def _prompts(state: ServerState, req: CompletionRequest) -> list[_Prompt]:
+    """Tokenized, validated prompts; 400 names what is wrong."""
+    raw = req.prompt
+    if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
+        raw = [raw]  # type: ignore[list-item]
+    if not raw:
+        raise bad_request("prompt must not be empty", "prompt")
+    tok, vocab = state.client.tokenizer, state.client.vocab_size
+    out = []
+    for p in raw:
+        if isinstance(p, str):
+            if not p:
+                raise bad_request("prompt must not be an empty string", "prompt")
+            ids = tok.encode(p)
+            out.append(_Prompt({"prompt": p, "prompt_token_ids": ids}, ids, p))
+        else:
+            check_token_ids(p, vocab, "prompt")
+            out.append(_Prompt(list(p), list(p), tok.decode(p, skip_special_tokens=False)))
+    return out
+
+
+def completion_logprobs(token_ids: list[int], lps: list[TokenLogprobs | None], k: int,
+                        texts: TokenTexts, offset: int) -> CompletionLogprobs:
+    """The legacy completions ``logprobs`` object; a None entry (first prompt token) has none."""
+    out = CompletionLogprobs()
+    for tid, lp in zip(token_ids, lps, strict=True):
+        token = texts(tid)
+        out.tokens.append(token)
+        out.text_offset.append(offset)
+        offset += len(token)
+        if lp is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        out.token_logprobs.append(finite(lp.logprob))
+        top = sorted(lp.top.items(), key=lambda kv: -kv[1])[:k]
+        out.top_logprobs.append({texts(t): finite(v) for t, v in top})
+    return out
+
+
+def _merge(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(text_offset=a.text_offset + b.text_offset,
+                              token_logprobs=a.token_logprobs + b.token_logprobs,
+                              tokens=a.tokens + b.tokens, top_logprobs=a.top_logprobs + b.top_logprobs)
+
+
+def _echo_logprobs(prompt: _Prompt, lps: list[TokenLogprobs | None] | None, k: int,
+                   texts: TokenTexts) -> CompletionLogprobs:
+    entries = list(lps or [None])
+    entries += [None] * (len(prompt.token_ids) - len(entries))
+    return completion_logprobs(prompt.token_ids, entries[:len(prompt.token_ids)], k, texts, 0)
+
+
+async def create_completion(state: ServerState, req: CompletionRequest,
+                            raw: Request) -> Response:
+    """Validate, submit and answer one completions request."""
+    model = check_model(state, req.model)
+    client = state.client
+    if req.suffix is not None:
+        raise bad_request("suffix is not supported", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of must equal n (or be left out)", "best_of")
+    prompts = _prompts(state, req)
+    if req.max_tokens is not None and req.max_tokens < 1:
+        raise bad_request(f"max_tokens must be >= 1, got {req.max_tokens}", "max_tokens")
+    for p in prompts:
+        check_context(len(p.token_ids), req.max_tokens, client.max_model_len, "prompt")
+    k = req.logprobs
+    params = sampling_params(req, client.vocab_size, max_tokens=req.max_tokens, logprobs=k,
+                             prompt_logprobs=k if req.echo else None)
+    group = await submit(state, [p.engine_prompt for p in prompts], params, "cmpl")
+    rid, created = random_id("cmpl"), now()
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        events = _stream(state, group, req, prompts, model, rid, created, include_usage)
+        return EngineStreamingResponse(events, group.close)
+    result = await until_disconnect(raw.receive, collect(group, len(prompts), req.n))
+    if result is None:  # the client is gone; nobody reads this
+        return Response(status_code=499)
+    texts = TokenTexts(client.tokenizer)
+    choices = []
+    for p_index, (prompt, per_prompt) in enumerate(zip(prompts, result.choices, strict=True)):
+        for c_index, c in enumerate(per_prompt):
+            text = "".join(c.text)
+            lps = None
+            if k is not None:
+                ids = [lp.token_id for lp in c.logprobs]
+                offset = len(prompt.text) if req.echo else 0
+                lps = completion_logprobs(ids, list(c.logprobs), k, texts, offset)
+                if req.echo:
+                    lps = _merge(_echo_logprobs(prompt, result.prompt_logprobs[p_index], k,
+                                                texts), lps)
+            choices.append(CompletionChoice(
+                index=p_index * req.n + c_index, text=prompt.text + text if req.echo else text,
+                logprobs=lps, finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+    body = CompletionResponse(id=rid, created=created, model=model, choices=choices,
+                              usage=result.usage())
+    return JSONResponse(body.model_dump())
+
+
+def _stream_choice(req: CompletionRequest, prompt: _Prompt,
+                   prompt_lps: list[TokenLogprobs | None] | None, c: CompletionOutput,
+                   index: int, first: bool, offset: int, texts: TokenTexts) -> CompletionChoice:
+    """One choice's delta; the first one of a choice carries the prompt when echoing."""
+    echo = req.echo and first
+    lps = None
+    if req.logprobs is not None:
+        own = list(c.logprobs or [])
+        base = offset + (len(prompt.text) if echo else 0)
+        lps = completion_logprobs([lp.token_id for lp in own], own, req.logprobs, texts, base)
+        if echo:
+            lps = _merge(_echo_logprobs(prompt, prompt_lps, req.logprobs, texts), lps)
+    return CompletionChoice(index=index, text=prompt.text + c.text if echo else c.text,
+                            logprobs=lps, finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason)
+
+
+async def _stream(state: ServerState, group: RequestGroup, req: CompletionRequest,
+                  prompts: list[_Prompt], model: str, rid: str, created: int,
+                  include_usage: bool) -> AsyncIterator[str]:
+    """Chunks of new text per choice (echo first), usage when asked, then [DONE]."""
+    texts = TokenTexts(state.client.tokenizer)
+    started: set[int] = set()  # choices that sent text (and their echo)
+    done: set[int] = set()  # a finished sequence keeps its finish_reason in later deltas
+    offsets: dict[int, int] = {}
+    completion_tokens = 0
+    try:
+        async for p_index, out in group:
+            prompt, choices = prompts[p_index], []
+            for c in out.outputs:
+                index = p_index * req.n + c.index
+                completion_tokens += len(c.token_ids)
+                if index in done or (not c.token_ids and not c.finished):
+                    continue
+                choice = _stream_choice(req, prompt, out.prompt_logprobs, c, index,
+                                        index not in started, offsets.get(index, 0), texts)
+                started.add(index)
+                offsets[index] = offsets.get(index, 0) + len(choice.text)
+                if c.finished:
+                    done.add(index)
+                choices.append(choice)
+            if choices:
+                yield sse(CompletionResponse(id=rid, created=created, model=model,
+                                             choices=choices).model_dump_json())
+    except EngineDeadError as e:
+        yield error_event(APIError(500, str(e), code="engine_error"))
+        yield sse("[DONE]")
+        return
+    if include_usage:
+        prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[],
+                                     usage=UsageInfo(prompt_tokens=prompt_tokens,
+                                                     completion_tokens=completion_tokens,
+                                                     total_tokens=prompt_tokens
+                                                     + completion_tokens)).model_dump_json())
+    yield sse("[DONE]")
