@@ -148,6 +148,7 @@ def draw_many(params: SamplingParams, n: int = 3000) -> Counter[int]:
     (SamplingParams(top_k=3, top_p=0.7), {1, 3}),
     (SamplingParams(top_k=2, top_p=0.95), {1, 3}),
     (SamplingParams(top_k=4, min_p=0.25), {1, 3, 4}),
+    (SamplingParams(top_k=100), {0, 1, 2, 3, 4}),  # k larger than the vocabulary
     (SamplingParams(), {0, 1, 2, 3, 4}),
 ])
 def test_filters_leave_only_allowed_tokens(params: SamplingParams, allowed: set[int]) -> None:

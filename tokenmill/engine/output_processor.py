@@ -115,7 +115,8 @@ class OutputProcessor:
         metrics = parent.metrics
         if out.first_scheduled_time is not None and metrics.first_scheduled_time is None:
             metrics.first_scheduled_time = out.first_scheduled_time
-        if out.new_prompt_logprobs and parent.prompt_logprobs is not None:
+        # Every sample of an n > 1 request computes the same prompt: report it once.
+        if out.new_prompt_logprobs and parent.prompt_logprobs is not None and seq.index == 0:
             parent.prompt_logprobs.extend(out.new_prompt_logprobs)
         if out.new_token_ids:
             if metrics.first_token_time is None:

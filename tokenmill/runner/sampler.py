@@ -33,6 +33,8 @@ class SamplingMetadata:
     temperature: torch.Tensor | None
     # [B] long, 0 where the row has no top-k. None when no random row uses top-k.
     top_k: torch.Tensor | None
+    # The largest top-k of the batch, known on the host so torch.topk needs no device sync.
+    max_top_k: int
     # [B] float, 1.0 where unused. None when no random row uses top-p.
     top_p: torch.Tensor | None
     # [B] float, 0.0 where unused. None when no random row uses min-p.
@@ -73,13 +75,15 @@ class SamplingMetadata:
             greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)
 
         temperature = top_k = top_p = min_p = None
+        max_top_k = 0
         gens: dict[int, torch.Generator] = {}
         if not all_greedy:
             # Greedy rows get neutral values so batched ops leave them alone.
             rand = [p for p, g in zip(params, greedy, strict=True) if not g]
             temperature = _column([1.0 if g else p.temperature
                                    for p, g in zip(params, greedy, strict=True)], device)
-            if any(p.top_k > 0 for p in rand):
+            max_top_k = max(p.top_k for p in rand)
+            if max_top_k > 0:
                 top_k = _column([0 if g else p.top_k for p, g in zip(params, greedy, strict=True)],
                                 device, torch.long)
             if any(p.top_p < 1.0 for p in rand):
@@ -95,7 +99,7 @@ class SamplingMetadata:
         max_lp = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         return cls(
             all_greedy=all_greedy, all_random=all_random, greedy_mask=greedy_mask,
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, generators=gens,
+            temperature=temperature, top_k=top_k, max_top_k=max_top_k, top_p=top_p, min_p=min_p, generators=gens,
             no_penalties=penalties is None,
             presence_penalties=None if penalties is None else penalties[0],
             frequency_penalties=None if penalties is None else penalties[1],
@@ -303,7 +307,7 @@ def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
     if meta.top_p is not None:
         logits = _top_k_top_p_sorted(logits, meta.top_k, meta.top_p)
     elif meta.top_k is not None:
-        logits = _top_k(logits, meta.top_k)
+        logits = _top_k(logits, meta.top_k, meta.max_top_k)
     probs = torch.softmax(logits, dim=-1)
     if meta.min_p is not None:
         floor = meta.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
@@ -311,11 +315,11 @@ def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
     return _exponential_race(probs, meta.generators)
 
 
-def _top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+def _top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
     """Keep each row's k largest logits (k = 0: all) with one torch.topk, no full sort."""
     # Rows without top-k look at k=1 (cheap) and then keep everything via a -inf threshold.
     k = torch.where(top_k > 0, top_k.clamp(max=logits.shape[1]), 1)
-    values = logits.topk(int(k.max()), dim=1).values
+    values = logits.topk(min(max_top_k, logits.shape[1]), dim=1).values
     threshold = values.gather(1, (k - 1).unsqueeze(1))
     threshold = threshold.masked_fill((top_k <= 0).unsqueeze(1), float("-inf"))
     return logits.masked_fill(logits < threshold, float("-inf"))
