@@ -39,9 +39,8 @@ async def _run(server: Server, n: int) -> tuple[list[tuple[str, int, str]], floa
 
 def test_concurrent_streams_are_batched(server: Server) -> None:
     asyncio.run(_run(server, 1))  # warm-up
-    _, single_s = asyncio.run(_run(server, 1))
     before = server.metrics()
-    results, many_s = asyncio.run(_run(server, NUM_STREAMS))
+    results, _ = asyncio.run(_run(server, NUM_STREAMS))
     after = server.metrics()
 
     assert len(results) == NUM_STREAMS
@@ -50,10 +49,10 @@ def test_concurrent_streams_are_batched(server: Server) -> None:
     steps = after["tokenmill:iteration_batch_size_count"] - before["tokenmill:iteration_batch_size_count"]
     seqs = after["tokenmill:iteration_batch_size_sum"] - before["tokenmill:iteration_batch_size_sum"]
     mean_batch = seqs / steps
-    single_tps = MAX_TOKENS / single_s
-    many_tps = NUM_STREAMS * MAX_TOKENS / many_s
-    print(f"mean batch {mean_batch:.1f}; 1 stream {single_tps:.1f} tok/s; "
-          f"{NUM_STREAMS} streams {many_tps:.1f} tok/s")
+    # Deterministic proof of batching; the tokens/s gain is measured by
+    # benchmarks/serve_concurrency.py (no timed assertions in tests).
     assert mean_batch > 2
-    # Loose on purpose (a shared CI machine): batching makes this ~3-4x on 2 CPU cores.
-    assert many_tps > 2 * single_tps
+    gen_tokens = (after["tokenmill:generation_tokens_total"]
+                  - before["tokenmill:generation_tokens_total"])
+    assert gen_tokens == NUM_STREAMS * MAX_TOKENS
+    assert steps < gen_tokens / 2, "the streams were not decoded together"
