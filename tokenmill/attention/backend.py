@@ -50,8 +50,9 @@ class _DecodePlan:
     blocks_per_seq: int
     # Longest context; gathered rows past it are dropped before attention.
     ctx_len: int
-    # [num_seqs, 1, 1, ctx_len] True where a key is inside its sequence; None when all are.
-    mask: torch.Tensor | None
+    # [num_seqs, 1, 1, ctx_len] True where a key is padding past its sequence's end; None when
+    # every sequence has ctx_len tokens.
+    pad_mask: torch.Tensor | None
 
 
 @dataclass
@@ -80,7 +81,7 @@ class _StepPlan:
 class TorchAttentionBackend(AttentionBackend):
     """Pure PyTorch paged attention built on ``scaled_dot_product_attention``.
 
-    Decode tokens of all sequences go through one block gather and one masked SDPA call; prefill
+    Decode tokens of all sequences go through one block gather and one masked attention; prefill
     chunks are attended one sequence at a time. The plan of the step (gather indices, masks) is
     built on the first layer's call and cached on the metadata for the other layers.
     """
@@ -132,7 +133,12 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan,
     # Query heads that share a KV head become that head's "query rows", so GQA needs no copy of
     # K/V: [B, Hkv, group, D] against [B, Hkv, L, D].
     qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=plan.mask, scale=scale)
+    # Plain matmul-softmax-matmul: with a handful of query rows per head, SDPA's CPU flash
+    # kernel costs several times more than these three ops.
+    scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale)
+    if plan.pad_mask is not None:
+        scores.masked_fill_(plan.pad_mask, float("-inf"))
+    out = torch.matmul(scores.softmax(-1), v)
     return out.reshape(num_seqs, num_heads * head_dim)
 
 
@@ -201,7 +207,7 @@ def _plan_decode(meta: AttentionMetadata, seqs: list[int], device: torch.device)
         rows = starts.long()
     mask = None
     if min(lens) != ctx_len:
-        keep = torch.arange(ctx_len, device=device)[None, :] < seq_lens[:, None]
-        mask = keep.view(len(seqs), 1, 1, ctx_len)
+        pad = torch.arange(ctx_len, device=device)[None, :] >= seq_lens[:, None]
+        mask = pad.view(len(seqs), 1, 1, ctx_len)
     blocks = tables.reshape(-1).long()
     return _DecodePlan(rows, blocks, len(seqs), nblk, ctx_len, mask)
