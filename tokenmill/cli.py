@@ -23,6 +23,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"])
+    g.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+                   help="weight-only: int8 per channel or int4 in groups of 32 (CPU)")
     g.add_argument("--device", default="auto")
     g.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     g.add_argument("--block-size", type=int, default=16)
@@ -37,7 +39,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                          load_format=args.load_format, seed=args.seed),
+                          load_format=args.load_format, seed=args.seed,
+                          quantization=args.quantization),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
                           kv_cache_memory_bytes=args.kv_cache_memory,
                           kv_cache_memory_fraction=args.kv_cache_memory_fraction),
@@ -217,7 +220,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="print model, device, dtype and the KV memory plan")
     add_engine_args(p)
     p.set_defaults(func=cmd_info)
+
+    add_bench_parser(sub)
     return parser
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    """`tokenmill bench serve|throughput|latency|compare|perplexity` (tokenmill/bench/)."""
+    from tokenmill.bench import add_bench_parsers
+
+    p = sub.add_parser("bench", help="benchmarks: load generator, throughput, latency, compare")
+    add_bench_parsers(p.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK"))
 
 
 def main(argv: list[str] | None = None) -> int:

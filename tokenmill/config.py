@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATIONS = ("none", "int8", "int4")
 
 
 def _positive(name: str, value: int | None) -> None:
@@ -21,6 +22,7 @@ class ModelConfig:
 
     ``model`` is a GGUF file or a Hugging Face folder; None means the embedded
     SmolLM2-135M-Instruct GGUF. ``max_model_len`` None means the model's own context length.
+    ``quantization`` is weight-only: int8 per output channel or int4 in groups of 32 (CPU).
     """
 
     model: str | None = None
@@ -28,6 +30,7 @@ class ModelConfig:
     max_model_len: int | None = None
     load_format: str = "auto"
     seed: int = 0
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -35,6 +38,9 @@ class ModelConfig:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         _positive("max_model_len", self.max_model_len)
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.model is not None and self.load_format != "dummy" and not os.path.exists(self.model):
             raise ValueError(
                 f"model {self.model!r} is neither a GGUF file nor a Hugging Face folder on disk "

@@ -25,6 +25,7 @@ class LLM:
     ``model`` is a GGUF file or a Hugging Face folder; None runs the embedded
     SmolLM2-135M-Instruct. Memory for the KV cache is ``num_kv_blocks`` blocks, else
     ``kv_cache_memory_bytes``, else ``kv_cache_memory_fraction`` of free memory.
+    ``quantization`` "int8" / "int4" stores the weights quantized (CPU, weight-only).
     """
 
     def __init__(
@@ -44,10 +45,11 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
         enable_chunked_prefill: bool = True,
+        quantization: str = "none",
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len,
-                              load_format=load_format, seed=seed),
+                              load_format=load_format, seed=seed, quantization=quantization),
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               kv_cache_memory_fraction=kv_cache_memory_fraction),

@@ -65,8 +65,19 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) ->
         torch.set_default_dtype(default_dtype)
     if config.load_format == "dummy":
         init_dummy_weights(model, seed=config.seed)
+    elif is_gguf and config.quantization != "none":
+        # Linear layers come quantized from the file's blocks (Q4 ones exactly, for int4); only
+        # the rest is loaded in float, so no float copy of those layers is ever filled in.
+        # (Imported here: tokenmill.quant.gguf imports this package.)
+        from tokenmill.quant.gguf import load_gguf_quantized
+
+        load_gguf_quantized(model, gguf, config.quantization, device=device, dtype=dtype)
     else:
         model.load_weights((name, t.to(device=device, dtype=dtype)) for name, t in weights())
+    if config.quantization != "none":
+        from tokenmill.quant import quantize_model
+
+        logger.info(quantize_model(model, config.quantization).describe())
     model.eval()
     logger.info("loaded %s (%s, %s) in %.1f s", path, arch.architecture, dtype,
                 time.perf_counter() - started)

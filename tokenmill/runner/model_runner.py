@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -10,9 +11,12 @@ from torch import nn
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenmill.models.config import ArchConfig
+from tokenmill.runner.fused_decode import make_fused_decoder
 from tokenmill.runner.platform import Platform
 from tokenmill.runner.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
 from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,7 +57,8 @@ class ModelRunner:
     """Owns the model, the KV tensors and the per-request sampling state."""
 
     def __init__(self, model: nn.Module, arch: ArchConfig, platform: Platform,
-                 dtype: torch.dtype, block_size: int, eos_token_ids: frozenset[int]) -> None:
+                 dtype: torch.dtype, block_size: int, eos_token_ids: frozenset[int],
+                 enable_fused_decode: bool | None = None) -> None:
         self.model = model
         self.arch = arch
         self.platform = platform
@@ -66,6 +71,9 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, _RequestState] = {}
         self.sampling_states: dict[str, _SamplingState] = {}
+        # Decode-only steps through the C++ layer stack; None when off or unsupported.
+        # enable_fused_decode None defers to $TOKENMILL_FUSED_DECODE (see fused_decode.py).
+        self.fused_decoder = make_fused_decoder(model, self.device, enable_fused_decode)
 
     # ------------------------------------------------------------------------ KV memory
 
@@ -89,7 +97,7 @@ class ModelRunner:
         if sched.is_empty:
             return RunnerOutput()
         inputs = self._prepare_inputs(sched)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_meta)
+        hidden = self._forward(inputs)
         out = RunnerOutput()
         if inputs.prompt_lp_rows:
             self._prompt_logprobs(hidden, inputs, out)
@@ -98,6 +106,18 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden.index_select(0, rows))
             self._sample(logits, inputs.sample_states, out)
         return out
+
+    def _forward(self, inputs: _StepInputs) -> torch.Tensor:
+        """``model.forward``, or the fused C++ stack for a decode-only step when it is on."""
+        fused = self.fused_decoder
+        if fused is not None and fused.supports(inputs.input_ids, inputs.attn_meta):
+            try:
+                return fused.forward(inputs.input_ids, inputs.positions, inputs.attn_meta)
+            except RuntimeError as e:
+                # Running the step again eagerly is safe: it rewrites the same KV slots.
+                logger.warning("fused decode failed; using model.forward from now on: %s", e)
+                self.fused_decoder = None
+        return self.model(inputs.input_ids, inputs.positions, inputs.attn_meta)
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_request_ids:

@@ -1,0 +1,122 @@
+"""`bench compare` without running anything heavy: the report, the skips, the CLI wiring."""
+
+from __future__ import annotations
+
+import ast
+import copy
+
+import pytest
+
+from tokenmill.bench import compare
+from tokenmill.bench.compare_report import markdown_report, plot, ratio
+from tokenmill.cli import build_parser
+
+
+def level(tput: float) -> dict:
+    return {"output_throughput": tput, "median_ttft_ms": 100.0, "p99_ttft_ms": 200.0,
+            "median_itl_ms": 20.0, "p99_itl_ms": 40.0}
+
+
+RESULT = {
+    "hardware": {"cpu": "Test CPU", "cores": 2, "memory_gib": 8.0, "torch": "2.13.0"},
+    "config": {"levels": [1, 4], "latency_input_len": 500, "output_len": 128, "batch_size": 4,
+               "threads": 2, "model": "/m/model.gguf"},
+    "command": "tokenmill bench compare",
+    "systems": {
+        "tokenmill": {"version": "0.1.0",
+                      "latency": {"decode_tokens_per_s": 40.0, "prefill_tokens_per_s": 800.0,
+                                  "ttft_ms": {"median": 625.0}, "peak_rss_mib": 500.0},
+                      "batch": {"output_tokens_per_s": 300.0, "peak_rss_mib": 600.0},
+                      "serve": {"levels": {"1": level(30.0), "4": level(90.0)},
+                                "peak_rss_mib": 700.0}},
+        "llama.cpp": {"version": "0.3",
+                      "latency": {"decode_tokens_per_s": 80.0, "prefill_tokens_per_s": 1600.0,
+                                  "ttft_ms": {"median": 312.5}, "peak_rss_mib": 250.0},
+                      "serve": {"levels": {"1": level(60.0), "4": level(60.0)},
+                                "peak_rss_mib": 300.0}},
+        "transformers": {"skipped": "no peers environment"},
+    },
+}
+
+
+def test_ratio() -> None:
+    assert ratio(30.0, 60.0) == "0.50x"
+    assert ratio(None, 1.0) is None and ratio(1.0, 0) is None and ratio(1.0, None) is None
+
+
+def test_markdown_report_has_ratios_and_skips() -> None:
+    md = markdown_report(RESULT)
+    assert "Test CPU, 2 cores" in md
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in md.splitlines()
+            if line.startswith("| ")}
+    decode = rows["single-stream decode, 128 tokens (out tok/s)"]
+    assert "40.0" in decode and "80.0" in decode and "0.50x" in decode
+    top = next(v for k, v in rows.items() if k.startswith("4 concurrent streams"))
+    assert "90.0" in top and "1.50x" in top
+    assert "transformers: skipped (no peers environment)" in md
+    assert "`tokenmill bench compare`" in md
+
+
+def test_markdown_report_with_a_failed_system() -> None:
+    result = copy.deepcopy(RESULT)
+    result["systems"]["llama.cpp"] = {"error": "the server exited with 1\nlog..."}
+    md = markdown_report(result)
+    assert "llama.cpp: failed (the server exited with 1)" in md
+
+
+def test_plot_writes_a_png(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    path = plot(RESULT, str(tmp_path / "p.png"))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_missing_peers_are_skipped_with_a_reason() -> None:
+    assert compare.skip_reason("tokenmill", {}, "py") is None
+    assert "setup_peers.sh" in compare.skip_reason("llama.cpp", {}, "/nope/python")
+    versions = {"llama_cpp": None, "llama_cpp_error": "ModuleNotFoundError", "transformers": "5"}
+    assert "llama_cpp is not importable" in compare.skip_reason("llama.cpp", versions, "py")
+    assert compare.skip_reason("transformers", versions, "py") is None
+    assert compare.peer_versions("/no/such/python") == {}
+
+
+def test_peers_script_is_standalone() -> None:
+    """It runs under the peers' Python, which need not have tokenmill."""
+    with open(compare.PEERS_SCRIPT, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    modules |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not any(m.split(".")[0] == "tokenmill" for m in modules)
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "serve", "--num-prompts", "3", "--goodput", "ttft:100"],
+    ["bench", "throughput", "--num-prompts", "2", "--threads", "1"],
+    ["bench", "latency", "--input-len", "500", "--num-iters", "2"],
+    ["bench", "compare", "--systems", "tokenmill", "--concurrency", "1,2"],
+])
+def test_cli_wires_every_bench_command(argv: list[str]) -> None:
+    args = build_parser().parse_args(argv)
+    assert args.command == "bench" and args.bench_command == argv[1]
+    assert callable(args.func)
+
+
+def test_compare_rejects_unknown_systems(tmp_path) -> None:
+    args = build_parser().parse_args(["bench", "compare", "--systems", "vllm",
+                                      "--out-dir", str(tmp_path)])
+    with pytest.raises(ValueError, match="vllm"):
+        args.func(args)
+
+
+def test_a_broken_perplexity_module_breaks_only_itself(monkeypatch) -> None:
+    import sys
+    import types
+
+    # A half-written module: importable, but without the function.
+    monkeypatch.setitem(sys.modules, "tokenmill.bench.perplexity",
+                        types.ModuleType("tokenmill.bench.perplexity"))
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).command == "serve"
+    args = parser.parse_args(["bench", "perplexity"])
+    with pytest.raises(ValueError, match="perplexity is unavailable"):
+        args.func(args)

@@ -1,0 +1,259 @@
+"""The C++ decode stack against model.forward: hidden states, KV cache writes, greedy output."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hf_checkpoints import Checkpoint
+from paged import PagedKVCache
+
+from tokenmill.runner.fused_decode import (
+    ENV_FLAG,
+    FusedDecoder,
+    UnsupportedModel,
+    fused_decode_enabled,
+    linear_parts,
+)
+
+# Context lengths within, across and exactly at block boundaries (block size 16), and a long one
+# so that batch 5 has very different lengths in one step.
+PROMPT_LENS = (5, 17, 1, 33, 80)
+DECODE_STEPS = 3
+
+
+def prefill(model: torch.nn.Module, cache: PagedKVCache, lens: tuple[int, ...],
+            vocab: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    batch = [(i, torch.randint(0, vocab, (n,), generator=gen).tolist())
+             for i, n in enumerate(lens)]
+    meta, positions = cache.step([(i, len(ids)) for i, ids in batch])
+    ids = torch.tensor([t for _, ids in batch for t in ids])
+    with torch.no_grad():
+        model(ids, positions, meta)
+
+
+def decode_both(model: torch.nn.Module, fused: FusedDecoder, eager_cache: PagedKVCache,
+                fused_cache: PagedKVCache, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step of sequences 0..len(tokens)-1 through model.forward and the fused stack."""
+    chunks = [(i, 1) for i in range(len(tokens))]
+    ids = torch.tensor(tokens)
+    meta_e, pos_e = eager_cache.step(chunks)
+    meta_f, pos_f = fused_cache.step(chunks)
+    assert fused.supports(ids, meta_f)
+    with torch.inference_mode():
+        return model(ids, pos_e, meta_e), fused.forward(ids, pos_f, meta_f)
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+def test_fp32_matches_model_forward(checkpoint: Checkpoint, batch: int) -> None:
+    model, arch = checkpoint.model, checkpoint.arch
+    fused = FusedDecoder(model)
+    cache = PagedKVCache.for_arch(arch, num_blocks=48, block_size=16)
+    prefill(model, cache, PROMPT_LENS[:batch] if batch > 1 else (PROMPT_LENS[3],),
+            arch.vocab_size)
+    other = cache.clone()
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(DECODE_STEPS):
+        tokens = torch.randint(0, arch.vocab_size, (batch,), generator=gen).tolist()
+        want, got = decode_both(model, fused, cache, other, tokens)
+        assert got.shape == want.shape and got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    # Every slot of every layer: the new keys and values landed where model.forward put them,
+    # and nothing else was touched.
+    for c_e, c_f in zip(cache.kv_caches, other.kv_caches, strict=True):
+        torch.testing.assert_close(c_f, c_e, rtol=0, atol=1e-4)
+
+
+def test_long_contexts_threaded_attention(llama: Checkpoint) -> None:
+    """16 sequences of ~250 tokens: enough work per step that the attention loop uses threads."""
+    model, arch = llama.model, llama.arch
+    fused = FusedDecoder(model)
+    cache = PagedKVCache.for_arch(arch, num_blocks=16 * 16 + 8)
+    prefill(model, cache, tuple(240 + i for i in range(16)), arch.vocab_size)
+    other = cache.clone()
+    want, got = decode_both(model, fused, cache, other, list(range(16)))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+def test_bf16_as_close_to_fp32_as_model_forward(checkpoint: Checkpoint) -> None:
+    """bf16 rounding differs in the attention (fp32 inside the C++ loop): compare both paths'
+    distance to an fp32 run of the same bf16-rounded weights."""
+    ref = copy.deepcopy(checkpoint.model).to(torch.bfloat16).float()
+    model = copy.deepcopy(checkpoint.model).to(torch.bfloat16)
+    fused = FusedDecoder(model)
+    arch = checkpoint.arch
+    caches = [PagedKVCache.for_arch(arch, num_blocks=48, dtype=dt, seed=3)
+              for dt in (torch.float32, torch.bfloat16)]
+    prefill(ref, caches[0], PROMPT_LENS, arch.vocab_size)
+    prefill(model, caches[1], PROMPT_LENS, arch.vocab_size)
+    fused_cache = caches[1].clone()
+    tokens = [7, 8, 9, 10, 11]
+    meta, pos = caches[0].step([(i, 1) for i in range(5)])
+    with torch.inference_mode():
+        want = ref(torch.tensor(tokens), pos, meta)
+    eager, got = decode_both(model, fused, caches[1], fused_cache, tokens)
+    assert got.dtype == torch.bfloat16
+    err_eager = (eager.float() - want).abs().max().item()
+    err_fused = (got.float() - want).abs().max().item()
+    assert err_fused <= 2 * err_eager + 1e-2, (err_fused, err_eager)
+
+
+def test_refuses_unknown_linear_modules() -> None:
+    class Odd(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2
+
+    with pytest.raises(UnsupportedModel):
+        linear_parts(Odd(4, 4), torch.float32)
+    with pytest.raises(UnsupportedModel):
+        linear_parts(torch.nn.Linear(4, 4).to(torch.bfloat16), torch.float32)
+
+
+def test_supports_only_decode_steps(llama: Checkpoint) -> None:
+    fused = FusedDecoder(llama.model)
+    cache = PagedKVCache.for_arch(llama.arch, num_blocks=16)
+    meta, _ = cache.step([(0, 3), (1, 1)])
+    assert not fused.supports(torch.zeros(4, dtype=torch.long), meta)
+    meta, _ = cache.step([(0, 1), (1, 1)])
+    assert fused.supports(torch.zeros(2, dtype=torch.long), meta)
+
+
+def test_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_FLAG, "0")
+    assert not fused_decode_enabled()
+    assert fused_decode_enabled(True)
+    monkeypatch.setenv(ENV_FLAG, "1")
+    assert fused_decode_enabled()
+    monkeypatch.setenv(ENV_FLAG, "maybe")
+    with pytest.raises(ValueError, match=ENV_FLAG):
+        fused_decode_enabled()
+
+
+GREEDY_PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colors:",
+                  "Once upon a time, in a small village by the sea,", "1, 2, 3,"]
+
+
+def test_engine_greedy_identical_on_and_off(llm) -> None:  # noqa: ANN001 (session fixture)
+    """The embedded SmolLM2 through the whole engine: 64 greedy tokens, fused on and off."""
+    from tokenmill import SamplingParams
+
+    runner = llm.engine.core.runner
+    saved = runner.fused_decoder
+    fused = FusedDecoder(runner.model)
+    calls = 0
+    stack_forward = fused.forward
+
+    def counted(*args: object) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return stack_forward(*args)  # type: ignore[arg-type]
+
+    fused.forward = counted  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    try:
+        runner.fused_decoder = None
+        off = [o.outputs[0].token_ids for o in llm.generate(GREEDY_PROMPTS, params)]
+        runner.fused_decoder = fused
+        on = [o.outputs[0].token_ids for o in llm.generate(GREEDY_PROMPTS, params)]
+    finally:
+        runner.fused_decoder = saved
+    assert calls >= 63  # the decode steps really went through the C++ stack
+    assert on == off
+
+
+def test_runner_falls_back_when_the_stack_fails(llm) -> None:  # noqa: ANN001
+    from tokenmill import SamplingParams
+
+    class Broken:
+        def supports(self, *args: object) -> bool:
+            return True
+
+        def forward(self, *args: object) -> torch.Tensor:
+            raise RuntimeError("boom")
+
+    runner = llm.engine.core.runner
+    saved = runner.fused_decoder
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    try:
+        runner.fused_decoder = None
+        want = llm.generate(GREEDY_PROMPTS[:2], params)
+        runner.fused_decoder = Broken()
+        got = llm.generate(GREEDY_PROMPTS[:2], params)
+        assert runner.fused_decoder is None
+    finally:
+        runner.fused_decoder = saved
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def quantized_copy(model: torch.nn.Module, kind: str) -> torch.nn.Module:
+    """``model`` with every projection the int8 / int4 kernels can take replaced by one."""
+    from tokenmill.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+
+    model = copy.deepcopy(model)
+    for layer in model.model.layers:
+        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+            lin = getattr(parent, name)
+            try:
+                q = (Int8WeightOnlyLinear.from_weight(lin.weight, lin.bias) if kind == "int8"
+                     else Int4WeightOnlyLinear.from_weight(lin.weight, lin.bias, group_size=32))
+            except ValueError:  # a shape the int4 kernel cannot take: stays float
+                continue
+            setattr(parent, name, q)
+    return model
+
+
+def dequantized_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """fp32 model computing with the weights the quantized modules of ``model`` stand for."""
+    ref = copy.deepcopy(model)
+    for layer in ref.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if hasattr(child, "dequantize"):
+                    lin = torch.nn.Linear(child.in_features, child.out_features,
+                                          bias=child.bias is not None)
+                    lin.weight.data = child.dequantize()
+                    if child.bias is not None:
+                        lin.bias.data = child.bias.float()
+                    setattr(parent, name, lin)
+    return ref
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_as_close_as_model_forward(checkpoint: Checkpoint, kind: str) -> None:
+    """Same kernels on both sides, but a last-bit difference in the fp32 glue can flip the bf16
+    rounding of a kernel input: so, as for bf16, compare both paths' distance to an fp32 model
+    with the dequantized weights, and the two paths to each other loosely."""
+    pytest.importorskip("tokenmill.quant.linear")
+    model = quantized_copy(checkpoint.model, kind)
+    ref = dequantized_copy(model)
+    fused = FusedDecoder(model)
+    assert fused.batch_limit < 1 << 62  # the quantized modules were taken, not refused
+    arch = checkpoint.arch
+    cache = PagedKVCache.for_arch(arch, num_blocks=48)
+    prefill(ref, cache, PROMPT_LENS, arch.vocab_size)
+    caches = [cache.clone(), cache.clone()]
+    for step in range(DECODE_STEPS):
+        tokens = [step, 5, 6, 7, 8]
+        meta, pos = cache.step([(i, 1) for i in range(5)])
+        with torch.inference_mode():
+            want = ref(torch.tensor(tokens), pos, meta)
+        eager, got = decode_both(model, fused, caches[0], caches[1], tokens)
+        err_eager = (eager - want).abs().max().item()
+        err_fused = (got - want).abs().max().item()
+        assert err_fused <= 2 * err_eager + 1e-2, (err_fused, err_eager)
+        torch.testing.assert_close(got, eager, rtol=0, atol=5e-2)
+
+
+def test_quantized_large_batches_stay_eager(llama: Checkpoint) -> None:
+    """From dense_min_rows rows on, tokenmill.quant computes differently: not fused."""
+    pytest.importorskip("tokenmill.quant.linear")
+    fused = FusedDecoder(quantized_copy(llama.model, "int8"))
+    cache = PagedKVCache.for_arch(llama.arch, num_blocks=64)
+    n = fused.batch_limit
+    meta, _ = cache.step([(i, 1) for i in range(n)])
+    assert not fused.supports(torch.zeros(n, dtype=torch.long), meta)
+    meta, _ = cache.step([(i, 1) for i in range(n - 1)])
+    assert fused.supports(torch.zeros(n - 1, dtype=torch.long), meta)

@@ -1,0 +1,53 @@
+"""Test helper: tiny random models for the quantization tests, and a helper to run them.
+
+Test files in this folder import it as ``from quant_helpers import ...`` (pytest puts the
+folder on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tokenmill.models.config import ArchConfig
+from tokenmill.models.registry import get_model_class
+
+# tests/models/paged.py: the paged-KV-cache test helper shared by the model tests.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
+
+from paged import PagedKVCache, run_step  # noqa: E402
+
+
+def tiny_arch(architecture: str = "LlamaForCausalLM", tied: bool = True,
+              bias: bool = False) -> ArchConfig:
+    """Two layers, K = 128 (a multiple of both int4 group sizes), vocab a multiple of 64."""
+    return ArchConfig(architecture=architecture, vocab_size=320, hidden_size=128,
+                      intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                      tie_word_embeddings=tied, attention_bias=bias, rms_norm_eps=1e-5)
+
+
+def tiny_model(arch: ArchConfig, seed: int = 0) -> nn.Module:
+    """``arch``'s model in fp32: small layer weights and a large embedding / head, so that the
+    logits are peaked like a trained model's rather than chaotic like a random deep net's."""
+    model = get_model_class([arch.architecture])(arch)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * noise)
+            elif "embed_tokens" in name or "lm_head" in name:
+                p.copy_(noise)
+            else:
+                p.copy_(0.05 * noise)
+    return model.eval()
+
+
+def logits_of(model: nn.Module, ids: list[int]) -> torch.Tensor:
+    """``[len(ids), vocab]`` logits of one sequence through a fresh paged KV cache."""
+    cache = PagedKVCache.for_arch(model.config)
+    return run_step(model, cache, [(0, ids)])[0]

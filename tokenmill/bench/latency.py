@@ -1,0 +1,116 @@
+"""`tokenmill bench latency`: one request at a time through the offline engine.
+
+Each iteration sends one prompt of ``--input-len`` tokens (a fresh prompt every time, so no
+prefix cache can help) and generates ``--output-len`` tokens, timing every token as it leaves
+the engine: TTFT, prefill tokens/s (prompt tokens / TTFT), decode tokens/s ((output tokens - 1)
+/ (e2e - TTFT)) and end-to-end latency, after warm-up iterations, with peak resident memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from tokenmill.bench.datasets import SampleRequest
+from tokenmill.bench.metrics import percentile
+from tokenmill.bench.offline import add_offline_args, engine_facts, load_engine, sampling, workload
+from tokenmill.bench.report import hardware, now_iso, peak_rss_mib, write_json
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.output_processor import OutputKind
+
+
+@dataclass
+class Timing:
+    """One single-stream request: prompt and output tokens and when they came (seconds)."""
+
+    prompt_tokens: int
+    output_tokens: int
+    ttft: float
+    e2e: float
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.ttft
+
+    @property
+    def decode_tps(self) -> float | None:
+        if self.output_tokens < 2 or self.e2e <= self.ttft:
+            return None
+        return (self.output_tokens - 1) / (self.e2e - self.ttft)
+
+
+def time_one(engine: LLMEngine, rid: str, req: SampleRequest, temperature: float) -> Timing:
+    """Run one request alone and time its first and last token."""
+    start = time.perf_counter()
+    engine.add_request(rid, req.prompt, sampling(req, temperature), kind=OutputKind.DELTA)
+    first = last = 0.0
+    n_out = n_prompt = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            new = sum(len(c.token_ids) for c in out.outputs)
+            if new:
+                last = time.perf_counter()
+                first = first or last
+                n_out += new
+                n_prompt = len(out.prompt_token_ids)
+    return Timing(n_prompt, n_out, first - start, last - start)
+
+
+def summarize_timings(timings: list[Timing]) -> dict[str, Any]:
+    """Medians (the headline numbers) and spreads over the timed iterations."""
+    def stats(values: list[float]) -> dict[str, float]:
+        return {"mean": statistics.fmean(values), "median": statistics.median(values),
+                "min": min(values), "max": max(values), "p90": percentile(values, 90),
+                "p99": percentile(values, 99)}
+
+    decode = [d for t in timings if (d := t.decode_tps) is not None]
+    return {
+        "prompt_tokens": timings[0].prompt_tokens, "output_tokens": timings[0].output_tokens,
+        "ttft_ms": stats([t.ttft * 1000 for t in timings]),
+        "e2e_ms": stats([t.e2e * 1000 for t in timings]),
+        "prefill_tokens_per_s": statistics.median([t.prefill_tps for t in timings]),
+        "decode_tokens_per_s": statistics.median(decode) if decode else None,
+        "iterations": [asdict(t) for t in timings],
+    }
+
+
+def add_latency_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `tokenmill bench latency`."""
+    p = subparsers.add_parser("latency", help="single-request TTFT, prefill and decode speed",
+                              description=__doc__.splitlines()[0])
+    add_offline_args(p, input_len="500", output_len="128", num_prompts=None)
+    p.add_argument("--num-iters", type=int, default=3, help="timed iterations")
+    p.add_argument("--num-warmups", type=int, default=1, help="untimed iterations first")
+    p.set_defaults(func=cmd_latency)
+
+
+def cmd_latency(args: argparse.Namespace) -> int:
+    """Run `tokenmill bench latency`."""
+    if args.num_iters < 1 or args.num_warmups < 0:
+        raise ValueError("--num-iters must be >= 1 and --num-warmups >= 0")
+    engine, load_s = load_engine(args)
+    requests = workload(engine, args, args.num_warmups + args.num_iters)
+    for i in range(args.num_warmups):
+        time_one(engine, f"warmup-{i}", requests[i], args.temperature)
+    timings = [time_one(engine, f"lat-{i}", requests[args.num_warmups + i], args.temperature)
+               for i in range(args.num_iters)]
+    result = summarize_timings(timings)
+    result.update(peak_rss_mib=peak_rss_mib(), date=now_iso(), dataset=args.dataset,
+                  num_iters=args.num_iters, num_warmups=args.num_warmups,
+                  engine=engine_facts(engine, load_s), hardware=hardware(),
+                  command=" ".join(["tokenmill", *sys.argv[1:]]))
+    decode = result["decode_tokens_per_s"]
+    print(f"prompt {result['prompt_tokens']} tokens, output {result['output_tokens']} tokens, "
+          f"{args.num_iters} iterations (medians)")
+    decode_text = f"{decode:.1f} tok/s" if decode else "- (one output token)"
+    print(f"TTFT: {result['ttft_ms']['median']:.1f} ms   "
+          f"prefill: {result['prefill_tokens_per_s']:.1f} tok/s   decode: {decode_text}")
+    print(f"end-to-end: {result['e2e_ms']['median']:.1f} ms   "
+          f"peak memory (RSS): {result['peak_rss_mib']:.0f} MiB")
+    if args.result_file:
+        write_json(args.result_file, result)
+    return 0

@@ -1,0 +1,68 @@
+"""What `bench throughput` and `bench latency` share: the engine, its workload, its facts."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from typing import Any
+
+from tokenmill.bench.datasets import SampleRequest, load_jsonl, random_requests
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.sampling_params import SamplingParams
+
+
+def add_offline_args(p: argparse.ArgumentParser, input_len: str, output_len: str,
+                     num_prompts: int | None) -> None:
+    """Engine options (as every command that starts an engine) plus the workload's."""
+    from tokenmill.cli import add_engine_args
+
+    add_engine_args(p)
+    g = p.add_argument_group("workload")
+    g.add_argument("--dataset", default="random",
+                   help="'random' or a JSONL file of {prompt | prompt_token_ids, output_len?}")
+    g.add_argument("--input-len", default=input_len, help="prompt tokens: N or MIN:MAX (random)")
+    g.add_argument("--output-len", default=output_len, help="output tokens: N or MIN:MAX")
+    if num_prompts is not None:
+        g.add_argument("--num-prompts", type=int, default=num_prompts)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--result-file", default=None, help="write the result JSON here")
+
+
+def load_engine(args: argparse.Namespace) -> tuple[LLMEngine, float]:
+    """The engine of the command-line options and the seconds it took to load."""
+    from tokenmill.cli import engine_config_from_args
+
+    start = time.perf_counter()
+    engine = LLMEngine(engine_config_from_args(args))
+    return engine, time.perf_counter() - start
+
+
+def workload(engine: LLMEngine, args: argparse.Namespace, num: int) -> list[SampleRequest]:
+    """Random prompts of exact lengths in the engine's own tokenizer, or the JSONL file's."""
+    if args.dataset == "random":
+        return random_requests(engine.tokenizer, num, args.input_len, args.output_len, args.seed)
+    return load_jsonl(args.dataset, num, args.output_len, args.seed, engine.tokenizer)
+
+
+def sampling(req: SampleRequest, temperature: float) -> SamplingParams:
+    """Exactly ``output_len`` tokens: EOS is ignored so every engine does the same work."""
+    return SamplingParams(temperature=temperature, max_tokens=req.output_len, ignore_eos=True)
+
+
+def engine_facts(engine: LLMEngine, load_s: float) -> dict[str, Any]:
+    """What ran: model file, dtype, threads and the whole engine configuration."""
+    import torch
+
+    return {"model": engine.core.model_path, "dtype": str(engine.core.dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads(), "load_s": load_s,
+            "config": dataclasses.asdict(engine.config)}
+
+
+def warm_up(engine: LLMEngine, req: SampleRequest, num: int) -> None:
+    """Run ``num`` short requests first: the first forward passes pay one-time set-up costs."""
+    params = SamplingParams(temperature=0.0, max_tokens=min(req.output_len, 8), ignore_eos=True)
+    for i in range(num):
+        engine.add_request(f"warmup-{i}", req.prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()

@@ -1,0 +1,369 @@
+"""`tokenmill bench perplexity`: token-level perplexity of a text under the engine's model.
+
+The text is tokenized once and scored in sliding windows of ``--context`` tokens that start
+every ``--stride`` tokens (Hugging Face's recipe): each window is one sequence through the
+model's own ``forward`` on a paged KV cache, and only the tokens not scored by an earlier
+window count, so every token after the first is scored exactly once (for stride < context),
+with at least ``context - stride`` tokens of history once the first window is past.
+
+The default text is numpy's ``LICENSE.txt`` (NumPy's BSD license followed by the licenses of
+the libraries its wheels bundle, the GPL v3 among them: ~10k tokens of real English), which
+every install of tokenmill has because numpy is a dependency.
+
+    python -m tokenmill.bench.perplexity --quantization int4
+    python -m tokenmill.bench.perplexity --compare none int8 int4 \\
+        --result-file benchmarks/results/perplexity-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill.attention.backend import AttentionBackend, TorchAttentionBackend
+from tokenmill.attention.metadata import AttentionMetadata
+
+DEFAULT_TEXT_PACKAGE = "numpy"
+DEFAULT_TEXT_NAME = "LICENSE.txt"
+# Rows of logits materialized at once: [rows, vocab] fp32 plus its log-softmax.
+LOGIT_ROWS = 256
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    """exp(mean negative log-likelihood) of the scored tokens, and how they were scored."""
+
+    perplexity: float
+    mean_nll: float
+    num_scored: int
+    num_tokens: int
+    num_windows: int
+    context: int
+    stride: int
+
+
+def window_spans(num_tokens: int, context: int, stride: int) -> list[tuple[int, int, int]]:
+    """``(begin, end, first_target)`` per window: the model reads tokens ``[begin, end)`` and
+    scores targets ``[first_target, end)``. With ``stride < context`` the windows score tokens
+    ``1 .. num_tokens-1`` once each; with ``stride == context`` (disjoint windows) the first
+    token of each window has no history and is skipped. ValueError unless
+    ``0 < stride <= context`` and there are two tokens."""
+    if context < 2:
+        raise ValueError(f"context must be at least 2, got {context}")
+    if not 0 < stride <= context:
+        raise ValueError(f"stride must be in [1, context={context}], got {stride}")
+    if num_tokens < 2:
+        raise ValueError(f"the text has {num_tokens} tokens; perplexity needs at least 2")
+    spans: list[tuple[int, int, int]] = []
+    prev_end = 0
+    for begin in range(0, num_tokens - 1, stride):
+        end = min(begin + context, num_tokens)
+        first = max(prev_end, begin + 1)
+        if first < end:
+            spans.append((begin, end, first))
+        prev_end = end
+        if end == num_tokens:
+            break
+    return spans
+
+
+class _SingleSequenceCache:
+    """A paged KV cache for one sequence of up to ``max_tokens`` tokens (blocks 1..n)."""
+
+    def __init__(self, model: nn.Module, max_tokens: int, dtype: torch.dtype,
+                 device: torch.device, backend: AttentionBackend, block_size: int = 16) -> None:
+        num_blocks = -(-max_tokens // block_size) + 1  # block 0 stays unused, as in the runner
+        shape = (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
+                          for _ in range(model.num_layers)]
+        self.block_size = block_size
+        self.device = device
+        self.backend = backend
+        self.table = list(range(1, num_blocks))
+
+    def metadata(self, num_tokens: int) -> AttentionMetadata:
+        """One fresh sequence of ``num_tokens`` tokens, all computed in this step."""
+        bs, dev = self.block_size, self.device
+        slots = [self.table[p // bs] * bs + p % bs for p in range(num_tokens)]
+        used = self.table[:-(-num_tokens // bs)]
+        return AttentionMetadata(
+            backend=self.backend, kv_caches=self.kv_caches,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
+            block_tables=torch.tensor([used], dtype=torch.int32, device=dev),
+            query_lens_cpu=[num_tokens], seq_lens_cpu=[num_tokens], block_size=bs)
+
+
+@torch.inference_mode()
+def perplexity(model: nn.Module, token_ids: list[int], context: int = 512, stride: int = 256,
+               backend: AttentionBackend | None = None) -> PerplexityResult:
+    """Perplexity of ``token_ids`` under ``model`` (a tokenmill model: ``forward(ids, positions,
+    attn_meta)`` and ``compute_logits``), in sliding windows (see :func:`window_spans`)."""
+    spans = window_spans(len(token_ids), context, stride)
+    # The final norm stays float under every quantization: it tells the activation dtype.
+    dtype = model.model.norm.weight.dtype
+    device = model.model.norm.weight.device
+    cache = _SingleSequenceCache(model, min(context, len(token_ids)), dtype, device,
+                                 backend or TorchAttentionBackend())
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
+    nll = 0.0
+    scored = 0
+    for begin, end, first in spans:
+        n = end - begin
+        hidden = model(ids[begin:end], torch.arange(n, device=device), cache.metadata(n))
+        # Row r predicts token begin + r + 1: targets [first, end) come from rows first-1-begin..
+        for r0 in range(first - 1 - begin, n - 1, LOGIT_ROWS):
+            r1 = min(r0 + LOGIT_ROWS, n - 1)
+            logprobs = torch.log_softmax(model.compute_logits(hidden[r0:r1]).float(), dim=-1)
+            targets = ids[begin + r0 + 1:begin + r1 + 1]
+            nll -= logprobs.gather(1, targets.unsqueeze(1)).double().sum().item()
+            scored += r1 - r0
+    mean = nll / scored
+    return PerplexityResult(math.exp(mean), mean, scored, len(token_ids), len(spans),
+                            context, stride)
+
+
+# ------------------------------------------------------------------------------ the command
+
+
+def default_text_path() -> str:
+    """numpy's top-level LICENSE.txt, as installed with numpy (a tokenmill dependency)."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_TEXT_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        dist = None
+    files = [f for f in (dist.files or []) if f.name == DEFAULT_TEXT_NAME] if dist else []
+    files.sort(key=lambda f: len(f.parts))  # the wheel's own license, not a vendored one
+    for f in files:
+        path = str(dist.locate_file(f))  # type: ignore[union-attr]
+        if os.path.isfile(path):
+            return path
+    raise ValueError(f"{DEFAULT_TEXT_PACKAGE}'s {DEFAULT_TEXT_NAME} was not found; pass --text")
+
+
+def add_perplexity_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `bench perplexity` (engine options plus the text and window options)."""
+    p = subparsers.add_parser(
+        "perplexity", help="token-level perplexity of a text under the model",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_perplexity_args(p)
+    p.set_defaults(func=cmd_perplexity)
+
+
+def add_perplexity_args(p: argparse.ArgumentParser) -> None:
+    """The options of `bench perplexity` (engine options included)."""
+    from tokenmill.cli import add_engine_args
+
+    add_engine_args(p)
+    g = p.add_argument_group("perplexity")
+    g.add_argument("--text", default=None,
+                   help="UTF-8 text file (default: numpy's LICENSE.txt from site-packages)")
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help="score only the first N tokens of the text (default: all)")
+    g.add_argument("--context", type=int, default=512, help="tokens per window")
+    g.add_argument("--stride", type=int, default=256, help="tokens between window starts")
+    g.add_argument("--group-size", type=int, default=32,
+                   help="int4 group size; other than 32, layers are quantized after loading")
+    g.add_argument("--requantize", action="store_true",
+                   help="load float weights and quantize them (the Hugging Face path) "
+                        "instead of building int4 layers from a GGUF file's Q4 blocks")
+    g.add_argument("--compare", nargs="+", default=None, metavar="SPEC",
+                   help="run each SPEC ('none', 'int8', 'int4 --group-size 64', ...) in its "
+                        "own process and tabulate them")
+    g.add_argument("--result-file", default=None, help="write the result JSON here")
+    g.add_argument("--markdown", default=None, help="also write a markdown table here")
+
+
+def cmd_perplexity(args: argparse.Namespace) -> int:
+    """Entry point of `tokenmill bench perplexity`."""
+    if args.compare:
+        runs = [_run_child(args, spec) for spec in args.compare]
+    else:
+        runs = [run_one(args)]
+        print(_summary_line(runs[0]))
+    report = _report(args, runs)
+    if len(runs) > 1 or args.markdown:
+        print(markdown_report(report))
+    if args.result_file:
+        from tokenmill.bench.report import write_json
+
+        write_json(args.result_file, report)
+    if args.markdown:
+        with open(args.markdown, "w", encoding="utf-8") as f:
+            f.write(markdown_report(report) + "\n")
+    return 0
+
+
+def run_one(args: argparse.Namespace) -> dict[str, Any]:
+    """Load the model as configured, score the text, and return the run's facts."""
+    from tokenmill.bench.report import peak_rss_mib
+    from tokenmill.quant.model import model_weight_bytes
+
+    text_path = args.text or default_text_path()
+    text = _read_text(text_path)  # before the model: a wrong path should fail fast
+    started = time.perf_counter()
+    loaded, platform, after_load = _load(args)
+    load_s = time.perf_counter() - started
+    rss_after_load = _current_rss_mib()
+    ids = loaded.tokenizer.encode(text, add_special_tokens=False)
+    used = ids if args.max_tokens is None else ids[:args.max_tokens]
+    started = time.perf_counter()
+    result = perplexity(loaded.model, used, args.context, args.stride,
+                        platform.attention_backend())
+    eval_s = time.perf_counter() - started
+    method, dtype = args.quantization, loaded.model.model.norm.weight.dtype
+    return {
+        "label": _label(method, args.group_size, args.requantize, dtype),
+        "quantization": method, "group_size": args.group_size if method == "int4" else None,
+        "weights_from": "float, quantized after loading" if after_load else "file",
+        "model": loaded.path, "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "text": {"path": text_path, "sha256": _sha256(text_path), "num_tokens": len(ids)},
+        **asdict(result),
+        "weight_mib": model_weight_bytes(loaded.model) / 2**20,
+        "rss_after_load_mib": rss_after_load, "peak_rss_mib": peak_rss_mib(),
+        "load_s": load_s, "eval_s": eval_s,
+        "window_tokens_per_s": sum(e - b for b, e, _ in window_spans(
+            len(used), args.context, args.stride)) / eval_s,
+    }
+
+
+def _load(args: argparse.Namespace) -> tuple[Any, Any, bool]:
+    """``(LoadedModel, Platform, quantized after loading?)`` for the engine options.
+
+    An int4 group size other than 32, or ``--requantize``, loads float weights and quantizes
+    them with ``quantize_model`` (the engine's own option is int4 in groups of 32).
+    """
+    from dataclasses import replace
+
+    from tokenmill.cli import engine_config_from_args
+    from tokenmill.model_loader import load_model
+    from tokenmill.quant import quantize_model
+    from tokenmill.runner.platform import get_platform
+
+    config = engine_config_from_args(args)
+    method = config.model.quantization
+    regroup = method == "int4" and args.group_size != 32
+    after_load = method != "none" and (args.requantize or regroup)
+    model_config = replace(config.model, quantization="none") if after_load else config.model
+    platform = get_platform(config.device.device)
+    platform.set_num_threads(config.device.num_threads)
+    loaded = load_model(model_config, platform.device, platform.resolve_dtype(config.model.dtype))
+    if after_load:
+        quantize_model(loaded.model, method, args.group_size)
+    return loaded, platform, after_load
+
+
+def _run_child(args: argparse.Namespace, spec: str) -> dict[str, Any]:
+    """One --compare entry in a fresh process, so that its peak memory is its own."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "run.json")
+        cmd = [sys.executable, "-m", "tokenmill.bench.perplexity", *_common_argv(args),
+               "--quantization", *shlex.split(spec), "--result-file", out]
+        print("+", shlex.join(["python", *cmd[1:]]), file=sys.stderr, flush=True)
+        subprocess.run(cmd, check=True)  # it prints its own summary line
+        with open(out, encoding="utf-8") as f:
+            return json.load(f)["runs"][0]
+
+
+def _common_argv(args: argparse.Namespace) -> list[str]:
+    argv = ["--dtype", args.dtype, "--load-format", args.load_format, "--device", args.device,
+            "--context", str(args.context), "--stride", str(args.stride)]
+    for flag, value in (("--model", args.model), ("--threads", args.threads),
+                        ("--text", args.text), ("--max-tokens", args.max_tokens)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    from tokenmill.bench.report import hardware, now_iso
+
+    base = next((r["perplexity"] for r in runs if r["quantization"] == "none"), None)
+    for r in runs:
+        r["vs_none"] = None if base is None else r["perplexity"] / base - 1.0
+    return {"benchmark": "perplexity", "timestamp": now_iso(), "hardware": hardware(),
+            "command": shlex.join(["python", "-m", "tokenmill.bench.perplexity", *sys.argv[1:]]),
+            "runs": runs}
+
+
+def markdown_report(report: dict[str, Any]) -> str:
+    """The runs of a report as a markdown table."""
+    from tokenmill.bench.report import markdown_table
+
+    rows = [[r["label"], r["weights_from"], f"{r['perplexity']:.3f}",
+             "-" if r["vs_none"] is None else f"{100 * r['vs_none']:+.2f}%",
+             f"{r['weight_mib']:.0f}", f"{r['rss_after_load_mib']:.0f}",
+             f"{r['peak_rss_mib']:.0f}", f"{r['window_tokens_per_s']:.0f}"]
+            for r in report["runs"]]
+    return markdown_table(["quantization", "weights from", "perplexity", "vs none",
+                           "weights MiB", "RSS after load MiB", "peak RSS MiB",
+                           "eval tok/s"], rows)
+
+
+def _label(method: str, group: int, requantize: bool, dtype: torch.dtype) -> str:
+    label = method if method != "int4" else f"int4 g{group}"
+    if requantize and method != "none":
+        label += " requantized"
+    return label if dtype == torch.float32 else f"{label} ({str(dtype).removeprefix('torch.')})"
+
+
+def _summary_line(run: dict[str, Any]) -> str:
+    return (f"{run['label']}: perplexity {run['perplexity']:.4f} over {run['num_scored']} "
+            f"tokens ({run['num_windows']} windows of {run['context']}, stride "
+            f"{run['stride']}); weights {run['weight_mib']:.0f} MiB, peak RSS "
+            f"{run['peak_rss_mib']:.0f} MiB; {run['eval_s']:.1f} s")
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--text {path!r} is not a readable UTF-8 text file: {e}") from e
+
+
+def _current_rss_mib() -> float:
+    with open("/proc/self/statm", encoding="ascii") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tokenmill.bench.perplexity`: the same options as `tokenmill bench perplexity`."""
+    import logging
+
+    parser = argparse.ArgumentParser(prog="python -m tokenmill.bench.perplexity",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_perplexity_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return cmd_perplexity(args)
+    except ValueError as e:
+        print(f"perplexity: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

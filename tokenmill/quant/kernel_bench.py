@@ -1,0 +1,105 @@
+"""Time the weight-only kernels against float matmuls on this CPU, for every path a quantized
+layer can take, at decode (1 row) and prefill (32-512 rows) sizes.
+
+    python -m tokenmill.quant.kernel_bench --threads 2 --result-file out.json
+
+Each cell is the fastest of many calls (the minimum is the least disturbed by other work on
+the machine) in microseconds, activations fp32 in and out as the model has them. This is
+where ``INT8_DENSE_MIN_ROWS`` / ``INT4_DENSE_MIN_ROWS`` in ``tokenmill.quant.linear`` come from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+
+# (name, out_features, in_features): SmolLM2-135M's projections and its tied head.
+SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536),
+          ("head", 49152, 576)]
+ROWS = [1, 8, 32, 64, 128, 512]
+NEVER, ALWAYS = 10**9, 1
+
+
+def best_time_us(fn: Callable[[], object], budget_s: float) -> float:
+    """The fastest of as many calls of ``fn`` as fit in ``budget_s`` (at least 5)."""
+    for _ in range(2):
+        fn()
+    times: list[float] = []
+    deadline = time.perf_counter() + budget_s
+    while time.perf_counter() < deadline or len(times) < 5:
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e6
+
+
+def _variants(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    w_bf16 = w.bfloat16()
+    int8 = Int8WeightOnlyLinear.from_weight(w, None)
+    int4_32 = Int4WeightOnlyLinear.from_weight(w, None, 32)
+    int4_64 = Int4WeightOnlyLinear.from_weight(w, None, 64)
+
+    def path(module: Int8WeightOnlyLinear | Int4WeightOnlyLinear, rows: int
+             ) -> Callable[[torch.Tensor], torch.Tensor]:
+        def run(x: torch.Tensor) -> torch.Tensor:
+            module.dense_min_rows = rows
+            return module(x)
+        return run
+
+    return {
+        "fp32": lambda x: F.linear(x, w),
+        "bf16": lambda x: F.linear(x.bfloat16(), w_bf16).float(),
+        "int8 kernel": path(int8, NEVER), "int8 dense": path(int8, ALWAYS),
+        "int4 g32 kernel": path(int4_32, NEVER), "int4 g32 dense": path(int4_32, ALWAYS),
+        "int4 g64 kernel": path(int4_64, NEVER),
+    }
+
+
+@torch.inference_mode()
+def run(rows_list: list[int], budget_s: float) -> list[dict[str, object]]:
+    """One record per (shape, rows) with the time of every variant."""
+    records: list[dict[str, object]] = []
+    gen = torch.Generator().manual_seed(0)
+    for name, n, k in SHAPES:
+        variants = _variants(torch.randn(n, k, generator=gen) * 0.02)
+        for rows in rows_list:
+            x = torch.randn(rows, k, generator=gen)
+            times = {v: round(best_time_us(lambda f=f, x=x: f(x), budget_s), 1)
+                     for v, f in variants.items()}
+            records.append({"shape": name, "out": n, "in": k, "rows": rows, "us": times})
+            print(f"{name:8s} {n:6d}x{k:<5d} rows={rows:<4d} " +
+                  "  ".join(f"{v}={t:.0f}" for v, t in times.items()), flush=True)
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the timings; optionally write them as JSON."""
+    p = argparse.ArgumentParser(prog="python -m tokenmill.quant.kernel_bench",
+                                description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--rows", type=int, nargs="+", default=ROWS)
+    p.add_argument("--budget", type=float, default=0.3, help="seconds per cell")
+    p.add_argument("--result-file", default=None)
+    args = p.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    records = run(args.rows, args.budget)
+    if args.result_file:
+        from tokenmill.bench.report import hardware, now_iso, write_json
+
+        write_json(args.result_file, {"benchmark": "quant-kernels", "timestamp": now_iso(),
+                                      "hardware": hardware(), "threads": torch.get_num_threads(),
+                                      "unit": "microseconds, best of many", "records": records})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""``quantize_model``: swap a loaded model's Linear layers (and head) for weight-only ones."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tokenmill.config import QUANTIZATIONS
+from tokenmill.quant.head import QuantizedEmbedding, QuantizedHead, QuantizedLinear
+from tokenmill.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+from tokenmill.quant.packing import (
+    INT4_GROUP_SIZES,
+    check_int4_shape,
+    int4_layout_known,
+    release_freed_memory,
+)
+
+logger = logging.getLogger(__name__)
+
+QUANT_METHODS = QUANTIZATIONS  # ("none", "int8", "int4"), as ModelConfig validates them
+DEFAULT_GROUP_SIZE = 32
+# The output head (or tied embedding) under every method: on SmolLM2-135M an int4 head costs
+# +9.7% perplexity, an int8 one +0.2%, for 11 MiB (benchmarks/results/perplexity-cpu.md); GGUF
+# files keep it at 6-8 bits for the same reason.
+DEFAULT_HEAD_METHOD = "int8"
+
+
+@dataclass
+class QuantizationSummary:
+    """What :func:`quantize_model` did, for the load log."""
+
+    method: str
+    group_size: int | None
+    # Linear layers now quantized (including any quantized before this call) and the names
+    # of those left in float, with the reason.
+    num_quantized: int = 0
+    kept_float: dict[str, str] = field(default_factory=dict)
+    head: str = "float"
+    weight_bytes: int = 0
+
+    def describe(self) -> str:
+        group = f" (group size {self.group_size})" if self.method == "int4" else ""
+        kept = f", {len(self.kept_float)} kept in float" if self.kept_float else ""
+        return (f"quantization {self.method}{group}: {self.num_quantized} linear layers{kept}, "
+                f"head {self.head}; weights {self.weight_bytes / 2**20:.0f} MiB")
+
+
+def check_quantization(method: str, group_size: int = DEFAULT_GROUP_SIZE) -> None:
+    """ValueError naming the field unless ``method`` / ``group_size`` are supported."""
+    if method not in QUANT_METHODS:
+        raise ValueError(f"quantization must be one of {QUANT_METHODS}, got {method!r}")
+    if method == "int4" and group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {INT4_GROUP_SIZES}, got {group_size!r}")
+
+
+def quantize_weight(weight: torch.Tensor, bias: torch.Tensor | None, method: str,
+                    group_size: int = DEFAULT_GROUP_SIZE) -> QuantizedLinear:
+    """A weight-only module for a float ``[out, in]`` weight; ValueError if the shape does not
+    suit the kernel (int4: ``in`` a multiple of the group size, ``out`` of 16)."""
+    check_quantization(method, group_size)
+    if method == "int8":
+        return Int8WeightOnlyLinear.from_weight(weight, bias)
+    if method == "int4":
+        return Int4WeightOnlyLinear.from_weight(weight, bias, group_size)
+    raise ValueError(f"quantization {method!r} builds no quantized module")
+
+
+def model_weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer (each tensor counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def resolve_head_method(method: str, head_method: str | None) -> str:
+    """The head's method: ``head_method`` if given, else int8 whenever ``method`` is not none."""
+    if head_method is None:
+        return "none" if method == "none" else DEFAULT_HEAD_METHOD
+    if head_method not in QUANT_METHODS:
+        raise ValueError(f"head_method must be one of {QUANT_METHODS}, got {head_method!r}")
+    return head_method
+
+
+def quantize_model(model: nn.Module, method: str, group_size: int = DEFAULT_GROUP_SIZE,
+                   *, head_method: str | None = None) -> QuantizationSummary:
+    """Replace the model's ``nn.Linear`` layers (fused qkv / gate_up included) in place with
+    weight-only int8 (per output channel) or int4 (``group_size`` columns per group) ones.
+
+    The output head gets ``head_method`` (default: int8 for both, see DEFAULT_HEAD_METHOD); a
+    tied embedding is then stored once, quantized, for both the lookup and the head. Layers
+    quantized earlier (e.g. straight from a GGUF file) are kept; layers the int4 kernel cannot
+    take stay float (listed in the summary). CPU only: ValueError for weights elsewhere.
+    """
+    check_quantization(method, group_size)
+    head_method = resolve_head_method(method, head_method)
+    summary = QuantizationSummary(method, group_size if method == "int4" else None)
+    if method != "none" or head_method != "none":
+        devices = {p.device.type for p in model.parameters()}
+        if devices - {"cpu"}:
+            raise ValueError(f"quantization {method!r} runs on the CPU only, the model is on "
+                             f"{sorted(devices)}")
+        if method != "none":
+            _quantize_linears(model, method, group_size, summary)
+        _quantize_head(model, head_method, group_size, summary)
+        release_freed_memory()
+    summary.head = describe_head(model)
+    summary.num_quantized = sum(isinstance(m, Int8WeightOnlyLinear | Int4WeightOnlyLinear)
+                                for name, m in model.named_modules()
+                                if not name.endswith(("lm_head.linear", "embed_tokens.table")))
+    summary.weight_bytes = model_weight_bytes(model)
+    return summary
+
+
+def _quantize_linears(model: nn.Module, method: str, group_size: int,
+                      summary: QuantizationSummary) -> None:
+    # Names, not modules: each float layer is freed as soon as it is replaced, so memory never
+    # holds both whole models.
+    names = [name for name, m in model.named_modules()
+             if isinstance(m, nn.Linear) and name != "lm_head"]
+    for name in names:
+        linear = model.get_submodule(name)
+        try:
+            quantized = quantize_weight(linear.weight, linear.bias, method, group_size)
+        except ValueError as e:
+            summary.kept_float[name] = str(e)
+            logger.warning("%s stays in float: %s", name, e)
+            continue
+        _replace(model, name, quantized)
+
+
+def head_slot(model: nn.Module) -> tuple[str, bool] | None:
+    """Where the output head's float weight lives: ``("lm_head", False)`` for an untied head,
+    ``("model.embed_tokens", True)`` for a tied embedding table; None if quantized or absent."""
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, nn.Linear):
+        return "lm_head", False
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None and isinstance(embed, nn.Embedding):
+        return "model.embed_tokens", True
+    return None
+
+
+def head_unsupported(shape: torch.Size | tuple[int, ...], method: str, group_size: int,
+                     tied: bool) -> str | None:
+    """Why a head of this shape must stay float, or None if it can be quantized."""
+    if method != "int4":
+        return None
+    if tied and not int4_layout_known():
+        return "int4 row lookups need the known packed layout"
+    try:
+        check_int4_shape(shape[0], shape[1], group_size)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def wrap_head(linear: QuantizedLinear, tied: bool, dtype: torch.dtype) -> nn.Module:
+    """The module that replaces the head (or, tied, the embedding table) around ``linear``."""
+    return QuantizedEmbedding(linear, dtype) if tied else QuantizedHead(linear, dtype)
+
+
+def _quantize_head(model: nn.Module, method: str, group_size: int,
+                   summary: QuantizationSummary) -> None:
+    """Quantize a float ``lm_head``, or the tied embedding table, with ``method``."""
+    slot = head_slot(model)
+    if slot is None or method == "none":
+        return
+    name, tied = slot
+    float_module = model.get_submodule(name)
+    reason = head_unsupported(float_module.weight.shape, method, group_size, tied)
+    if reason is not None:
+        summary.kept_float[name] = reason
+        return
+    linear = quantize_weight(float_module.weight, getattr(float_module, "bias", None), method,
+                             group_size)
+    _replace(model, name, wrap_head(linear, tied, float_module.weight.dtype))
+
+
+def describe_head(model: nn.Module) -> str:
+    """How the output head is stored: "float", "int8" or "int4", and whether it is tied."""
+    head = getattr(model, "lm_head", None)
+    module = head if head is not None else getattr(getattr(model, "model", None),
+                                                   "embed_tokens", None)
+    inner = getattr(module, "linear", None) or getattr(module, "table", None)
+    kind = {Int8WeightOnlyLinear: "int8", Int4WeightOnlyLinear: "int4"}.get(type(inner), "float")
+    return kind + (" (tied embedding)" if head is None else "")
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, leaf, module)

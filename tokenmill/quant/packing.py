@@ -1,0 +1,227 @@
+"""Weight-only quantization formats and the packed layouts of PyTorch's CPU kernels.
+
+int8: symmetric per output channel, ``w = q * scale[n]`` with ``q`` in [-128, 127], the form
+``torch.ops.aten._weight_int8pack_mm`` takes.
+
+int4: asymmetric per group of ``group_size`` input columns, ``w = q * scale + min`` with ``q`` in
+[0, 15] (:class:`Int4Groups`, GGUF Q4_1's form). ``_weight_int4pack_mm_for_cpu`` wants the
+nibbles in an opaque packed layout and ``(scale, zero)`` pairs in the activation dtype with
+``w = (q - 8) * scale + zero``; :func:`pack_int4` converts, :func:`unpack_int4` undoes the
+packing for the dense (large-batch) path, and :func:`int4_layout_known` checks once that the
+layout is the one this module expects.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import logging
+import sys
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# The quantized kernels take bf16 scales and activations; fp32 ones run ~10x slower on CPU.
+KERNEL_DTYPE = torch.bfloat16
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+# _convert_weight_to_int4pack_for_cpu needs the output size to be a multiple of this.
+INT4_N_MULTIPLE = 16
+# Quantize this many rows at a time: fp32 temporaries of a 49152-row embedding would otherwise
+# add several hundred MB to the peak memory of loading.
+QUANTIZE_ROWS = 4096
+
+
+@dataclass(frozen=True)
+class Int4Groups:
+    """4-bit weights in the plain layout: ``w[n, k] = q[n, k] * scale[n, g] + min[n, g]``.
+
+    ``q`` is uint8 ``[N, K]`` in [0, 15]; ``scale`` and ``min`` are fp32 ``[N, K // group_size]``
+    with ``g = k // group_size``.
+    """
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    min: torch.Tensor
+    group_size: int
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weights ``[N, K]`` (the same arithmetic as gguf's Q4_1 dequantization)."""
+        n, k = self.q.shape
+        q = self.q.float().view(n, k // self.group_size, self.group_size)
+        return (q * self.scale.unsqueeze(-1) + self.min.unsqueeze(-1)).view(n, k)
+
+    @staticmethod
+    def cat(parts: list[Int4Groups]) -> Int4Groups:
+        """Stack the rows of several tensors of the same group size (fused projections)."""
+        sizes = {p.group_size for p in parts}
+        if len(sizes) != 1:
+            raise ValueError(f"cannot fuse int4 parts of group sizes {sorted(sizes)}")
+        return Int4Groups(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                          torch.cat([p.min for p in parts]), parts[0].group_size)
+
+
+def check_int4_shape(out_features: int, in_features: int, group_size: int) -> None:
+    """ValueError unless the int4 kernel can take a weight of this shape and group size."""
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {INT4_GROUP_SIZES}, got {group_size!r}")
+    if in_features % group_size:
+        raise ValueError(f"in_features {in_features} is not a multiple of group_size {group_size}")
+    if out_features % INT4_N_MULTIPLE:
+        raise ValueError(f"out_features {out_features} is not a multiple of {INT4_N_MULTIPLE}")
+
+
+# ---------------------------------------------------------------------------------- int8
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: ``(q int8 [N, K], scales bf16 [N])``, ``w ~= q * scales``.
+
+    The scale is rounded to bf16 *before* rounding the weights, so that ``q`` is the best
+    choice for the scale the kernel will actually use.
+    """
+    qs, scales = [], []
+    for rows in weight.detach().split(QUANTIZE_ROWS):
+        w = rows.float()
+        amax = w.abs().amax(dim=1)
+        s = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax)).to(KERNEL_DTYPE)
+        qs.append(torch.round(w / s.float().unsqueeze(1)).clamp_(-128, 127).to(torch.int8))
+        scales.append(s)
+    return torch.cat(qs), torch.cat(scales)
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``q * scales`` as ``[N, K]`` in ``dtype``."""
+    # int8 * bf16 promotes to bf16 in one pass, without an intermediate copy of q.
+    return q * scales.to(dtype).unsqueeze(1)
+
+
+# ---------------------------------------------------------------------------------- int4
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Groups:
+    """Asymmetric min/max int4 per group of ``group_size`` input columns.
+
+    The grid is the one the kernel will use: scale and zero are rounded to bf16 first and the
+    weights rounded onto that grid.
+    """
+    n, k = weight.shape
+    check_int4_shape(n, k, group_size)
+    return Int4Groups.cat([_quantize_int4_rows(rows, group_size)
+                           for rows in weight.detach().split(QUANTIZE_ROWS)])
+
+
+def _quantize_int4_rows(weight: torch.Tensor, group_size: int) -> Int4Groups:
+    n, k = weight.shape
+    w = weight.float().view(n, k // group_size, group_size)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scale = ((hi - lo) / 15.0).to(KERNEL_DTYPE).float()
+    zero = (lo + 8.0 * scale).to(KERNEL_DTYPE).float()
+    grid_min = zero - 8.0 * scale
+    # A constant group has scale 0: any q dequantizes to its value, so divide by 1 instead.
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round((w - grid_min.unsqueeze(-1)) / safe.unsqueeze(-1)).clamp_(0, 15)
+    return Int4Groups(q.to(torch.uint8).view(n, k), scale, grid_min, group_size)
+
+
+def pack_int4(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's ``(packed weight uint8, scales_and_zeros bf16 [K // g, N, 2])``."""
+    n, k = groups.q.shape
+    check_int4_shape(n, k, groups.group_size)
+    convert = torch.ops.aten._convert_weight_to_int4pack_for_cpu
+    if n > QUANTIZE_ROWS and int4_layout_known():
+        # The layout is block-major, so whole blocks of 64 rows pack independently: the int32
+        # copy the op wants stays a few MB instead of 4 bytes per weight.
+        packed = torch.cat([convert(rows.to(torch.int32), 1).reshape(-1)
+                            for rows in groups.q.split(QUANTIZE_ROWS)]).view(n, k // 2)
+    else:
+        packed = convert(groups.q.to(torch.int32), 1)
+    zero = groups.min + 8.0 * groups.scale
+    scales_and_zeros = torch.stack([groups.scale, zero], dim=-1).transpose(0, 1)
+    return packed, scales_and_zeros.to(KERNEL_DTYPE).contiguous()
+
+
+def _layout_indices(n: int, k: int, rows: torch.Tensor, block_n: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Byte offsets ``[R, K]`` and nibble shifts ``[R, 1]`` of ``rows`` in the packed weight.
+
+    Rows come in blocks of ``block_n``, each stored as ``[K][block_n / 2]`` bytes with row ``i``
+    in the low nibble and row ``i + block_n / 2`` in the high one; the last, shorter block
+    (``n % block_n`` rows) pairs rows ``2j`` (low) and ``2j + 1`` (high) instead.
+    """
+    full = n - n % block_n
+    in_tail = rows >= full
+    block_start = torch.where(in_tail, torch.full_like(rows, full), rows - rows % block_n)
+    width = torch.where(in_tail, torch.full_like(rows, n - full), torch.full_like(rows, block_n))
+    i = rows - block_start
+    half = width // 2
+    col = torch.where(in_tail, i // 2, i % half)
+    high = torch.where(in_tail, i % 2 == 1, i >= half)
+    base = block_start * (k // 2) + col
+    offsets = base.unsqueeze(1) + torch.arange(k, dtype=rows.dtype).unsqueeze(0) * half.unsqueeze(1)
+    return offsets, (high.to(torch.uint8) * 4).unsqueeze(1)
+
+
+def unpack_int4_rows(packed: torch.Tensor, n: int, k: int, rows: torch.Tensor,
+                     block_n: int = 64) -> torch.Tensor:
+    """The nibbles ``[R, K]`` (uint8) of the given rows of a weight packed by :func:`pack_int4`."""
+    offsets, shift = _layout_indices(n, k, rows.to(torch.int64), block_n)
+    return (packed.reshape(-1)[offsets] >> shift) & 15
+
+
+def unpack_int4(packed: torch.Tensor, n: int, k: int, block_n: int = 64) -> torch.Tensor:
+    """All nibbles ``[N, K]`` (uint8) of a weight packed by :func:`pack_int4`."""
+    return unpack_int4_rows(packed, n, k, torch.arange(n), block_n)
+
+
+def dequantize_int4_t(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                      n: int, k: int) -> torch.Tensor:
+    """The transposed weight ``[K, N]`` in bf16, for ``x @ w.T`` as one dense matmul.
+
+    Only for ``n % 64 == 0``: whole blocks of 64 rows decode with views and two nibble ops
+    (about a third of a bf16 matmul at 512 rows); use :func:`unpack_int4` otherwise.
+    """
+    blocks = packed.view(n // 64, k, 32)
+    # [N/64, K, 64] with rows in order; q - 8 in int8 (half the bytes of doing it in bf16).
+    centred = torch.cat([blocks & 15, blocks >> 4], dim=-1).view(torch.int8).sub_(8)
+    q = centred.permute(1, 0, 2).reshape(k // group_size, group_size, n).to(KERNEL_DTYPE)
+    # Contiguous scale / zero rows keep addcmul on its fast path; it rounds
+    # (q - 8) * scale + zero once, as the kernel computes it.
+    scale = scales_and_zeros[..., 0].unsqueeze(1).contiguous()
+    zero = scales_and_zeros[..., 1].unsqueeze(1).contiguous()
+    return torch.addcmul(zero, q, scale).view(k, n)
+
+
+@functools.cache
+def int4_layout_known() -> bool:
+    """Whether this PyTorch packs int4 weights the way :func:`unpack_int4` reads them.
+
+    The layout is an implementation detail of ``_convert_weight_to_int4pack_for_cpu``; if a
+    release changes it, the int4 modules keep to the kernel itself instead of decoding it.
+    """
+    gen = torch.Generator().manual_seed(0)
+    for n in (64, 80, 176):  # whole blocks and each kind of tail
+        q = torch.randint(0, 16, (n, 64), generator=gen, dtype=torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        if not torch.equal(unpack_int4(packed, n, 64).to(torch.int32), q):
+            logger.warning("unknown int4 packed layout in torch %s: int4 layers use the int4 "
+                           "kernel at every batch size", torch.__version__)
+            return False
+    return True
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed while quantizing back to the OS (glibc only; a no-op elsewhere).
+
+    Quantizing frees thousands of mid-sized temporaries that glibc keeps in its heap: without
+    this the process stays ~150 MB larger after loading the 135M model than its live tensors.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+        pass

@@ -1,0 +1,215 @@
+"""Decode-only steps through the C++ layer stack in ``tokenmill/csrc``.
+
+On the CPU a decode step of a small model is dominated by Python dispatch of the ~30 non-matmul
+ops per layer, not by arithmetic. :class:`FusedDecoder` runs the whole layer stack in one call
+to a C++ extension (built once with ``torch.utils.cpp_extension.load`` and cached on disk) that
+issues the matmuls as ATen calls and does the glue in hand-written loops. It covers what
+``LlamaForCausalLM.forward`` does for steps where every sequence adds exactly one token; the
+runner keeps ``model.forward`` for everything else.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.models import layers
+from tokenmill.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+# "1" forces the fused path on, "0" off; unset means DEFAULT_ENABLED. Read only here.
+ENV_FLAG = "TOKENMILL_FUSED_DECODE"
+DEFAULT_ENABLED = True
+
+_CSRC = Path(__file__).resolve().parent.parent / "csrc"
+# Linear kinds, as in fused_decode.cpp.
+KIND_FLOAT, KIND_INT8, KIND_INT4 = 0, 1, 2
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class UnsupportedModel(ValueError):
+    """The model has a part the fused stack does not reproduce exactly."""
+
+
+def fused_decode_enabled(explicit: bool | None = None) -> bool:
+    """Whether to use the fused path: ``explicit`` if given, else $TOKENMILL_FUSED_DECODE."""
+    if explicit is not None:
+        return explicit
+    value = os.environ.get(ENV_FLAG, "").strip().lower()
+    if value in ("", "auto"):
+        return DEFAULT_ENABLED
+    if value in ("1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"{ENV_FLAG} must be 0 or 1, got {value!r}")
+
+
+@functools.cache
+def load_extension() -> ModuleType:
+    """Compile (first time, ~1 minute) or load the cached C++ extension."""
+    from torch.utils import cpp_extension
+
+    return cpp_extension.load(
+        name="tokenmill_fused_decode",
+        sources=[str(_CSRC / "fused_decode.cpp")],
+        extra_include_paths=[str(_CSRC)],
+        # Built on the machine that runs it, so tuning for its CPU is safe; omp simd lets gcc
+        # vectorize the fp32 reductions without -ffast-math's other liberties.
+        extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+        verbose=False,
+    )
+
+
+@dataclass(frozen=True)
+class LinearParts:
+    """One projection as the C++ side takes it: kind tag, tensors, int4 group size."""
+
+    kind: int
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    scales: torch.Tensor | None = None
+    group_size: int = 0
+    # Batch from which the module's own forward takes another route (tokenmill.quant's dense
+    # bf16 matmul) that the C++ side does not repeat; None for no such limit.
+    max_rows: int | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        empty = torch.empty(0)
+        return [self.weight, empty if self.bias is None else self.bias,
+                empty if self.scales is None else self.scales]
+
+
+def linear_parts(module: nn.Module, dtype: torch.dtype) -> LinearParts:
+    """The kind and tensors of a projection module; UnsupportedModel for unknown modules."""
+    if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
+        if module.weight.dtype != dtype:
+            raise UnsupportedModel(f"linear weight is {module.weight.dtype}, activations {dtype}")
+        return LinearParts(KIND_FLOAT, module.weight, module.bias)
+    quant = _quant_parts(module)
+    if quant is None:
+        raise UnsupportedModel(f"no fused form for {type(module).__name__}")
+    return quant
+
+
+def _quant_parts(module: nn.Module) -> LinearParts | None:
+    """Parts of tokenmill.quant's weight-only modules, or None for any other module."""
+    try:
+        from tokenmill.quant import linear as qlinear  # written alongside; may be absent
+    except ImportError:
+        return None
+    int8_cls = getattr(qlinear, "Int8WeightOnlyLinear", None)
+    int4_cls = getattr(qlinear, "Int4WeightOnlyLinear", None)
+    if int8_cls is not None and type(module) is int8_cls:
+        return LinearParts(KIND_INT8, module.weight, module.bias, module.scales,
+                           max_rows=int(module.dense_min_rows))
+    if int4_cls is not None and type(module) is int4_cls:
+        return LinearParts(KIND_INT4, module.weight, module.bias, module.scales_and_zeros,
+                           int(module.group_size), max_rows=int(module.dense_min_rows))
+    return None
+
+
+def _check_structure(model: nn.Module) -> None:
+    """UnsupportedModel unless every block is the stock one whose math the C++ side repeats."""
+    if not isinstance(model, LlamaForCausalLM) or type(model).forward is not LlamaForCausalLM.forward:
+        raise UnsupportedModel(f"{type(model).__name__} is not a stock Llama-family model")
+    stock = [(model.model, layers.DecoderModel), (model.rotary, layers.RotaryEmbedding),
+             (model.model.norm, layers.RMSNorm)]
+    for layer in model.model.layers:
+        stock += [(layer, layers.DecoderLayer), (layer.self_attn, layers.Attention),
+                  (layer.mlp, layers.GatedMLP), (layer.input_layernorm, layers.RMSNorm),
+                  (layer.post_attention_layernorm, layers.RMSNorm)]
+        if layer.self_attn.qk_norm:
+            stock += [(layer.self_attn.q_norm, layers.RMSNorm),
+                      (layer.self_attn.k_norm, layers.RMSNorm)]
+    for module, cls in stock:
+        if type(module).forward is not cls.forward:
+            raise UnsupportedModel(f"{type(module).__name__} overrides {cls.__name__}.forward")
+    eps = {m.eps for m, cls in stock if cls is layers.RMSNorm}
+    if len(eps) != 1:
+        raise UnsupportedModel(f"RMSNorms with different eps {sorted(eps)}")
+
+
+class FusedDecoder:
+    """``model.forward`` for decode-only steps, in one C++ call.
+
+    Holds references to the model's own parameter tensors, so in-place weight updates are seen;
+    replacing modules (e.g. quantizing) after construction needs a new FusedDecoder.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        _check_structure(model)
+        dtype = model.model.norm.weight.dtype
+        if dtype not in _SUPPORTED_DTYPES:
+            raise UnsupportedModel(f"activation dtype {dtype} (fp32 and bf16 only)")
+        if model.model.norm.weight.device.type != "cpu":
+            raise UnsupportedModel("the fused decode stack runs on the CPU only")
+        self.model = model
+        self.dtype = dtype
+        # Largest batch + 1 the fused stack computes exactly like model.forward.
+        self.batch_limit = 1 << 62
+        self.stack = self._build_stack(model, dtype)
+
+    def _build_stack(self, model: nn.Module, dtype: torch.dtype) -> object:
+        c = model.config
+        ext = load_extension()
+        rotary = model.rotary
+        stack = ext.DecoderStack(c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                 c.intermediate_size, float(model.model.norm.eps),
+                                 model.model.norm.weight,
+                                 # model.to(bf16) rounds the tables too; float() is exact then.
+                                 rotary.cos_half.float().contiguous(),
+                                 rotary.sin_half.float().contiguous())
+        empty = torch.empty(0)
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                     attn.q_norm.weight if attn.qk_norm else empty,
+                     attn.k_norm.weight if attn.qk_norm else empty]
+            if any(n.numel() and n.dtype != dtype for n in norms):
+                raise UnsupportedModel("norm weights in a different dtype than activations")
+            parts = [linear_parts(m, dtype) for m in
+                     (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            stack.add_layer(norms, [p.kind for p in parts], [p.tensors() for p in parts],
+                            [p.group_size for p in parts])
+            for p in parts:
+                if p.max_rows is not None:
+                    self.batch_limit = min(self.batch_limit, p.max_rows)
+        return stack
+
+    def supports(self, input_ids: torch.Tensor, attn_meta: AttentionMetadata) -> bool:
+        """Whether this step is one the fused stack computes: decode-only, on our caches."""
+        return (0 < attn_meta.num_seqs < self.batch_limit and attn_meta.decode_only
+                and input_ids.shape[0] == attn_meta.num_seqs
+                and all(c.dtype == self.dtype and c.is_contiguous() for c in attn_meta.kv_caches))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_meta: AttentionMetadata) -> torch.Tensor:
+        """Final-normed hidden states ``[B, hidden]``, as ``model.forward`` returns them."""
+        hidden = self.model.model.embed_tokens(input_ids)
+        return self.stack.forward(hidden, positions, attn_meta.kv_caches,
+                                  attn_meta.slot_mapping, attn_meta.seq_lens,
+                                  attn_meta.block_tables, attn_meta.max_seq_len)
+
+
+def make_fused_decoder(model: nn.Module, device: torch.device,
+                       enabled: bool | None = None) -> FusedDecoder | None:
+    """A FusedDecoder for ``model``, or None (with one warning) when it cannot have one."""
+    if not fused_decode_enabled(enabled) or device.type != "cpu":
+        return None
+    try:
+        return FusedDecoder(model)
+    except UnsupportedModel as e:
+        logger.info("fused decode off: %s", e)
+    except Exception as e:  # a failed compile must never take the engine down
+        logger.warning("fused decode off, the C++ extension failed to build or load: %s", e)
+    return None
