@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
+import shlex
 import sys
 import tempfile
 from collections.abc import Callable
@@ -58,6 +59,8 @@ class CompareConfig:
     batch_size: int = 32
     seed: int = 0
     systems: tuple[str, ...] = SYSTEMS
+    # Extra engine options for every tokenmill process, e.g. ["--quantization", "int4"].
+    tokenmill_args: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -121,7 +124,8 @@ def sweep(cmd: list[str], port: int, cfg: CompareConfig, wl: Workloads,
 def run_tokenmill(cfg: CompareConfig, wl: Workloads, folder: str) -> dict[str, Any]:
     """`bench latency`, `bench throughput` and `serve` + the load generator, each its own process."""
     engine = ["--model", cfg.model, "--threads", str(cfg.threads),
-              "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE)]
+              "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE),
+              *cfg.tokenmill_args]
     # One context of MAX_MODEL_LEN for the single stream (as llama.cpp's n_ctx); every stream's
     # prompt + output, plus a block each for rounding, for the batch and the server.
     single = ["--num-kv-blocks", str(-(-MAX_MODEL_LEN // BLOCK_SIZE) + 1)]
@@ -248,6 +252,9 @@ def add_compare_parser(subparsers: argparse._SubParsersAction) -> None:
                                                           "python"),
                    help="the Python that has the peers (benchmarks/setup_peers.sh makes it)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
+    p.add_argument("--tokenmill-args", default="",
+                   help="extra engine options for tokenmill, as one string: "
+                        "--tokenmill-args='--quantization int4'")
     p.add_argument("--concurrency", default="1,4,16,32", help="server streams per level")
     p.add_argument("--prompts-per-stream", type=int, default=2)
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens (batch, server)")
@@ -278,7 +285,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         serve_input_len=args.input_len, output_len=args.output_len,
         prompts_per_stream=args.prompts_per_stream, latency_input_len=args.latency_input_len,
         num_iters=args.num_iters, num_warmups=args.num_warmups, batch_size=args.batch_size,
-        seed=args.seed, systems=systems)
+        seed=args.seed, systems=systems, tokenmill_args=shlex.split(args.tokenmill_args))
     result = run_compare(cfg)
     result["command"] = " ".join(["tokenmill", *sys.argv[1:]])
     stem = os.path.join(args.out_dir, f"{args.name}-{dt.date.today().isoformat()}")

@@ -80,7 +80,8 @@ def markdown_report(result: dict[str, Any]) -> str:
     cfg = result["config"]
     lines = [
         f"Hardware: {hardware_line(result['hardware'])}; torch {result['hardware'].get('torch')}; "
-        f"{cfg['threads']} threads for every system; model {cfg['model'].rsplit('/', 1)[-1]}.",
+        f"{cfg['threads']} threads for every system; model {cfg['model'].rsplit('/', 1)[-1]}; "
+        f"tokenmill options: {' '.join(cfg.get('tokenmill_args') or []) or 'defaults'}.",
         "",
         markdown_table(headers, table),
         "",
