@@ -93,7 +93,8 @@ def test_peers_script_is_standalone() -> None:
     ["bench", "serve", "--num-prompts", "3", "--goodput", "ttft:100"],
     ["bench", "throughput", "--num-prompts", "2", "--threads", "1"],
     ["bench", "latency", "--input-len", "500", "--num-iters", "2"],
-    ["bench", "compare", "--systems", "tokenmill", "--concurrency", "1,2"],
+    ["bench", "compare", "--systems", "tokenmill", "--concurrency", "1,2",
+     "--tokenmill-args=--quantization int4"],
 ])
 def test_cli_wires_every_bench_command(argv: list[str]) -> None:
     args = build_parser().parse_args(argv)

@@ -50,7 +50,7 @@ def test_concurrent_streams_are_batched(server: Server) -> None:
     seqs = after["tokenmill:iteration_batch_size_sum"] - before["tokenmill:iteration_batch_size_sum"]
     mean_batch = seqs / steps
     # Deterministic proof of batching; the tokens/s gain is measured by
-    # benchmarks/serve_concurrency.py (no timed assertions in tests).
+    # `tokenmill bench serve` / `tokenmill bench compare` (no timed assertions in tests).
     assert mean_batch > 2
     gen_tokens = (after["tokenmill:generation_tokens_total"]
                   - before["tokenmill:generation_tokens_total"])

@@ -133,6 +133,8 @@ def plot(result: dict[str, Any], path: str) -> str | None:
         if not percentiles:
             _batch_markers(ax, result)
         ax.set_xscale("log", base=2)
+        if percentiles:  # queueing makes latencies span orders of magnitude
+            ax.set_yscale("log")
         ticks = sorted({*result["config"]["levels"], result["config"]["batch_size"]})
         ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.minorticks_off()
