@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "decode_kernels.h"
+#include "paged_attention.h"
 
 namespace tokenmill {
 

@@ -1,0 +1,259 @@
+// Decode attention over the paged KV cache on the CPU: one query token per sequence, keys and
+// values read straight from the cache blocks named by the block table (no gather), fp32 math.
+//
+// The work is one (sequence, KV head) pair at a time: G = Hq / Hkv query heads share the pair's
+// keys and values, which stay in L2 while each head reads them. Scores are dot products of 16-wide
+// vectors (GCC vector extensions: AVX-512 where the CPU has it, narrower registers elsewhere),
+// four keys per horizontal reduction; softmax and the weighted sum of values are vectorized the
+// same way. Head sizes that are not a multiple of 16 take a plain scalar loop.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "decode_kernels.h"
+
+namespace tokenmill {
+namespace vec16 {
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+inline f32x16 splat(float x) { return f32x16{} + x; }
+
+inline f32x16 load(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// bf16 -> fp32 is exact: the 16 bits become the top half of the float.
+inline f32x16 load(const c10::BFloat16* p) {
+  u16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const i32x16 w = __builtin_convertvector(h, i32x16) << 16;
+  return reinterpret_cast<const f32x16&>(w);
+}
+
+inline void store(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline float hsum(f32x16 v) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+// The horizontal sums of four vectors, in out[0..3], with 6 shuffles instead of 4 x 4.
+inline void hsum4(f32x16 a, f32x16 b, f32x16 c, f32x16 d, float* out) {
+  const f32x16 ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                                            22, 23) +
+                    __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27,
+                                            28, 29, 30, 31);
+  const f32x16 cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                                            22, 23) +
+                    __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27,
+                                            28, 29, 30, 31);
+  // Lanes 0-3: a, 4-7: b, 8-11: c, 12-15: d.
+  f32x16 s = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26,
+                                     27) +
+             __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                     31);
+  s += __builtin_shufflevector(s, s, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  s += __builtin_shufflevector(s, s, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  out[0] = s[0];
+  out[1] = s[4];
+  out[2] = s[8];
+  out[3] = s[12];
+}
+
+// exp_poly (decode_kernels.h) on 16 lanes.
+inline f32x16 exp(f32x16 x) {
+  const f32x16 lo = splat(-87.0f), hi = splat(88.0f);
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const f32x16 y = x * 1.44269504088896341f + 0.5f;
+  f32x16 n = __builtin_convertvector(__builtin_convertvector(y, i32x16), f32x16);
+  n = n > y ? n - 1.0f : n;  // truncation -> floor
+  f32x16 r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  f32x16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  return p * reinterpret_cast<const f32x16&>(bits);
+}
+
+}  // namespace vec16
+
+// Where one decode step's attention reads: the paged cache and each sequence's block table.
+template <typename T>
+struct PagedView {
+  const T* k;  // [num_slots, Hkv, D]
+  const T* v;
+  const int32_t* seq_lens;  // [B]
+  const int32_t* tables;  // [B, table_stride]
+  int64_t table_stride;
+  int64_t block_size;
+
+  // Key (or value) row of token t of sequence b's table, for KV head g.
+  const T* row(const T* base, const int32_t* table, int64_t t, int64_t g, int64_t Hkv,
+               int64_t D) const {
+    const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size +
+                         t % block_size;
+    return base + (slot * Hkv + g) * D;
+  }
+};
+
+// softmax in place over scores[0, L), returning the sum of the exponentials.
+inline float softmax_unnormalized(float* s, int64_t L) {
+  using namespace vec16;
+  float mx = -INFINITY;
+  for (int64_t t = 0; t < L; ++t) mx = std::max(mx, s[t]);
+  float total = 0.f;
+  int64_t t = 0;
+  if (L >= 16) {
+    f32x16 sum{};
+    for (; t + 16 <= L; t += 16) {
+      const f32x16 e = vec16::exp(load(s + t) - mx);
+      store(s + t, e);
+      sum += e;
+    }
+    total = hsum(sum);
+  }
+  for (; t < L; ++t) {
+    s[t] = exp_poly(s[t] - mx);
+    total += s[t];
+  }
+  return total;
+}
+
+// Query heads g*G .. g*G+G-1 of sequence b against its L cached tokens, head size 16 * ND.
+template <typename T, int ND>
+void attend_group_vec(const T* q, int64_t q_stride, const PagedView<T>& kv, int64_t b, int64_t g,
+                      int64_t G, int64_t Hkv, float scale, T* out, int64_t out_stride,
+                      std::vector<float>& scores) {
+  using namespace vec16;
+  constexpr int64_t D = 16 * ND;
+  const int64_t L = kv.seq_lens[b];
+  const int32_t* table = kv.tables + b * kv.table_stride;
+  scores.resize(static_cast<size_t>(L));
+  float* s = scores.data();
+  for (int64_t j = 0; j < G; ++j) {
+    const T* qh = q + b * q_stride + (g * G + j) * D;
+    f32x16 qv[ND];
+    for (int c = 0; c < ND; ++c) qv[c] = load(qh + 16 * c) * scale;
+    int64_t t = 0;
+    for (; t + 4 <= L; t += 4) {
+      const T* k0 = kv.row(kv.k, table, t, g, Hkv, D);
+      const T* k1 = kv.row(kv.k, table, t + 1, g, Hkv, D);
+      const T* k2 = kv.row(kv.k, table, t + 2, g, Hkv, D);
+      const T* k3 = kv.row(kv.k, table, t + 3, g, Hkv, D);
+      f32x16 a0 = qv[0] * load(k0), a1 = qv[0] * load(k1);
+      f32x16 a2 = qv[0] * load(k2), a3 = qv[0] * load(k3);
+      for (int c = 1; c < ND; ++c) {
+        a0 += qv[c] * load(k0 + 16 * c);
+        a1 += qv[c] * load(k1 + 16 * c);
+        a2 += qv[c] * load(k2 + 16 * c);
+        a3 += qv[c] * load(k3 + 16 * c);
+      }
+      hsum4(a0, a1, a2, a3, s + t);
+    }
+    for (; t < L; ++t) {
+      const T* k0 = kv.row(kv.k, table, t, g, Hkv, D);
+      f32x16 a0 = qv[0] * load(k0);
+      for (int c = 1; c < ND; ++c) a0 += qv[c] * load(k0 + 16 * c);
+      s[t] = hsum(a0);
+    }
+    const float inv = 1.f / softmax_unnormalized(s, L);
+    f32x16 acc[ND] = {};
+    for (t = 0; t < L; ++t) {
+      const T* v0 = kv.row(kv.v, table, t, g, Hkv, D);
+      const float p = s[t];
+      for (int c = 0; c < ND; ++c) acc[c] += p * load(v0 + 16 * c);
+    }
+    T* o = out + b * out_stride + (g * G + j) * D;
+    for (int c = 0; c < ND; ++c) {
+      const f32x16 r = acc[c] * inv;
+      for (int i = 0; i < 16; ++i) o[16 * c + i] = from_f<T>(r[i]);
+    }
+  }
+}
+
+// The same for any head size, one scalar loop per dot product.
+template <typename T>
+void attend_group_scalar(const T* q, int64_t q_stride, const PagedView<T>& kv, int64_t b,
+                         int64_t g, int64_t G, int64_t Hkv, int64_t D, float scale, T* out,
+                         int64_t out_stride, std::vector<float>& scores) {
+  const int64_t L = kv.seq_lens[b];
+  const int32_t* table = kv.tables + b * kv.table_stride;
+  scores.resize(static_cast<size_t>(L));
+  float* s = scores.data();
+  std::vector<float> qf(D), acc(D);
+  for (int64_t j = 0; j < G; ++j) {
+    const T* qh = q + b * q_stride + (g * G + j) * D;
+    for (int64_t d = 0; d < D; ++d) qf[d] = to_f(qh[d]) * scale;
+    for (int64_t t = 0; t < L; ++t) {
+      const T* krow = kv.row(kv.k, table, t, g, Hkv, D);
+      float dot = 0.f;
+      for (int64_t d = 0; d < D; ++d) dot += qf[d] * to_f(krow[d]);
+      s[t] = dot;
+    }
+    const float inv = 1.f / softmax_unnormalized(s, L);
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t t = 0; t < L; ++t) {
+      const T* vrow = kv.row(kv.v, table, t, g, Hkv, D);
+      for (int64_t d = 0; d < D; ++d) acc[d] += s[t] * to_f(vrow[d]);
+    }
+    T* o = out + b * out_stride + (g * G + j) * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = from_f<T>(acc[d] * inv);
+  }
+}
+
+// Decode attention of every (sequence, KV head) pair: q [B, q_stride] with the Hq heads first,
+// out [B, Hq * D]. Threads only when the contexts are long enough to pay for waking them.
+template <typename T>
+void paged_decode_attention(const T* q, int64_t q_stride, const PagedView<T>& kv, int64_t B,
+                            int64_t Hq, int64_t Hkv, int64_t D, float scale, T* out,
+                            int64_t max_len) {
+  const int64_t G = Hq / Hkv;
+  const int64_t work_per_item = std::max<int64_t>(1, 2 * G * max_len * D);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / work_per_item);
+  at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / Hkv, g = i % Hkv;
+      switch (D) {
+        case 32:
+          attend_group_vec<T, 2>(q, q_stride, kv, b, g, G, Hkv, scale, out, Hq * D, scores);
+          break;
+        case 64:
+          attend_group_vec<T, 4>(q, q_stride, kv, b, g, G, Hkv, scale, out, Hq * D, scores);
+          break;
+        case 96:
+          attend_group_vec<T, 6>(q, q_stride, kv, b, g, G, Hkv, scale, out, Hq * D, scores);
+          break;
+        case 128:
+          attend_group_vec<T, 8>(q, q_stride, kv, b, g, G, Hkv, scale, out, Hq * D, scores);
+          break;
+        case 256:
+          attend_group_vec<T, 16>(q, q_stride, kv, b, g, G, Hkv, scale, out, Hq * D, scores);
+          break;
+        default:
+          attend_group_scalar(q, q_stride, kv, b, g, G, Hkv, D, scale, out, Hq * D, scores);
+      }
+    }
+  });
+}
+
+}  // namespace tokenmill
