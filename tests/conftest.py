@@ -20,11 +20,12 @@ def smollm_path() -> str:
 
 @pytest.fixture(scope="session")
 def llm():
-    """The embedded SmolLM2-135M-Instruct in fp32 with a modest KV cache."""
+    """The embedded SmolLM2-135M-Instruct in fp32 with a modest KV cache, unquantized: the one
+    that is compared with transformers."""
     from tokenmill import LLM
 
     return LLM(dtype="float32", max_model_len=2048, kv_cache_memory_bytes=256 << 20,
-               max_num_batched_tokens=512)
+               max_num_batched_tokens=512, quantization="none")
 
 
 @pytest.fixture(scope="session")

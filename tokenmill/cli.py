@@ -23,8 +23,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"])
-    g.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
-                   help="weight-only: int8 per channel or int4 in groups of 32 (CPU)")
+    g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="weight-only: int8 per channel or int4 in groups of 32 (CPU); auto "
+                        "keeps a GGUF file's Q4 (int4) or Q5-Q8 (int8) weights compact on the "
+                        "CPU and is none otherwise")
     g.add_argument("--device", default="auto")
     g.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     g.add_argument("--block-size", type=int, default=16)
@@ -139,11 +141,15 @@ def cmd_info(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config_from_args(args))
     core = engine.core
     arch = core.arch
-    num_params = sum(p.numel() for p in core.runner.model.parameters())
+    from tokenmill.quant.model import count_parameters, model_weight_bytes
+
+    model = core.runner.model
     rows = [
         ("model", core.model_path),
         ("architecture", arch.architecture),
-        ("parameters", f"{num_params / 1e6:.1f} M"),
+        ("parameters", f"{count_parameters(model) / 1e6:.1f} M"),
+        ("quantization", core.quantization),
+        ("weights in memory", f"{model_weight_bytes(model) / 2**20:.0f} MiB"),
         ("layers / heads / kv heads / head dim",
          f"{arch.num_hidden_layers} / {arch.num_attention_heads} / "
          f"{arch.num_key_value_heads} / {arch.head_dim}"),

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
-QUANTIZATIONS = ("none", "int8", "int4")
+# "auto": keep a GGUF file's own 4- or 8-bit weights compact on the CPU, else none.
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 def _positive(name: str, value: int | None) -> None:
@@ -22,7 +23,9 @@ class ModelConfig:
 
     ``model`` is a GGUF file or a Hugging Face folder; None means the embedded
     SmolLM2-135M-Instruct GGUF. ``max_model_len`` None means the model's own context length.
-    ``quantization`` is weight-only: int8 per output channel or int4 in groups of 32 (CPU).
+    ``quantization`` is weight-only: int8 per output channel or int4 in groups of 32 (CPU);
+    "auto" follows a GGUF file's own blocks on the CPU (Q4 -> int4, Q5/Q6/Q8 -> int8, float ->
+    none) and means none for Hugging Face folders and other devices.
     """
 
     model: str | None = None
@@ -30,7 +33,7 @@ class ModelConfig:
     max_model_len: int | None = None
     load_format: str = "auto"
     seed: int = 0
-    quantization: str = "none"
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -66,7 +66,8 @@ def test_preemption_under_a_small_kv_cache(llm: LLM) -> None:
     prompts = MIXED[:8]
     expected = tokens(llm.generate(prompts, params))
     # 8 requests need up to ~70 tokens each; 20 blocks of 16 tokens hold ~4 of them.
-    small = LLM(dtype="float32", max_model_len=256, num_kv_blocks=20, max_num_batched_tokens=128)
+    small = LLM(dtype="float32", max_model_len=256, num_kv_blocks=20, max_num_batched_tokens=128,
+                quantization="none")
     got = tokens(small.generate(prompts, params))
     assert small.engine.core.scheduler.num_preemptions_total > 0
     assert got == expected
@@ -87,7 +88,7 @@ def test_chunked_prefill_gives_the_same_logits(llm: LLM) -> None:
 
     def prompt_logits(max_batched: int) -> torch.Tensor:
         engine = LLM(dtype="float32", max_model_len=2048, kv_cache_memory_bytes=128 << 20,
-                     max_num_batched_tokens=max_batched)
+                     max_num_batched_tokens=max_batched, quantization="none")
         model = engine.engine.core.runner.model
         captured: list[torch.Tensor] = []
         original = model.compute_logits

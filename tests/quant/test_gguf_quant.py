@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import gguf
 import numpy as np
 import pytest
@@ -10,7 +12,7 @@ from gguf import GGMLQuantizationType as Q
 from quant_helpers import logits_of
 
 from tokenmill.config import ModelConfig
-from tokenmill.model_loader import load_model
+from tokenmill.model_loader import load_model, resolve_quantization
 from tokenmill.model_loader.gguf import GGUFModel, load_gguf
 from tokenmill.models.config import ArchConfig
 from tokenmill.models.registry import get_model_class
@@ -143,3 +145,47 @@ def test_embedded_model_int4_is_the_files_q4_1(smollm_path: str) -> None:
     ids = loaded.tokenizer.encode("The capital of France is", add_special_tokens=False)
     logits = logits_of(loaded.model, ids)
     assert torch.isfinite(logits).all() and logits.shape == (len(ids), 49152)
+
+
+class _FileOfKinds:
+    """Stands in for a GGUFModel whose decoder weights have the given block types."""
+
+    def __init__(self, kinds: list[Q]) -> None:
+        self._raws = {f"model.layers.{i}.mlp.down_proj.weight": kind for i, kind in enumerate(kinds)}
+        self._raws["model.embed_tokens.weight"] = Q.Q8_0
+
+    def tensor_names(self) -> list[str]:
+        return list(self._raws)
+
+    def raw_tensor(self, name: str) -> object:
+        return SimpleNamespace(qtype=self._raws[name])
+
+
+@pytest.mark.parametrize(("kinds", "expected"), [
+    ([Q.Q4_1] * 3, "int4"), ([Q.Q4_0, Q.Q4_0, Q.Q6_K], "int4"), ([Q.Q8_0] * 2, "int8"),
+    ([Q.Q6_K, Q.Q5_K, Q.Q4_0], "int8"), ([Q.F16] * 2, "none"), ([Q.F32, Q.BF16], "none"),
+    ([Q.F16, Q.F16, Q.Q4_0], "none"),
+])
+def test_auto_follows_the_files_block_types(kinds: list[Q], expected: str) -> None:
+    file = _FileOfKinds(kinds)
+    assert resolve_quantization("auto", file, torch.device("cpu")) == expected  # type: ignore[arg-type]
+    # Other devices and folders: none; an explicit method: itself.
+    assert resolve_quantization("auto", file, torch.device("meta")) == "none"  # type: ignore[arg-type]
+    assert resolve_quantization("auto", None, torch.device("cpu")) == "none"
+    assert resolve_quantization("int8", file, torch.device("cpu")) == "int8"  # type: ignore[arg-type]
+    assert resolve_quantization("none", file, torch.device("cpu")) == "none"  # type: ignore[arg-type]
+
+
+def test_embedded_model_defaults_to_its_own_int4(smollm_path: str) -> None:
+    from tokenmill.quant.model import count_parameters, model_weight_bytes
+
+    assert ModelConfig().quantization == "auto"
+    loaded = load_model(ModelConfig(), torch.device("cpu"), torch.float32)
+    assert loaded.quantization == "int4"
+    assert isinstance(loaded.model.model.layers[0].self_attn.qkv_proj, Int4WeightOnlyLinear)
+    # SmolLM2-135M: 134.5 M weights whatever their storage; int4 layers + int8 head ~ 93 MiB.
+    assert 134e6 < count_parameters(loaded.model) < 135e6
+    assert model_weight_bytes(loaded.model) < 100 * 2**20
+    plain = load_model(ModelConfig(quantization="none"), torch.device("cpu"), torch.float32)
+    assert plain.quantization == "none"
+    assert count_parameters(plain.model) == count_parameters(loaded.model)

@@ -34,8 +34,10 @@ def finish_reasons(events: list[str]) -> list[str]:
 
 
 def test_sigterm_drains_then_aborts_and_exits_0() -> None:
-    s = start_server("--drain-timeout", str(DRAIN_S))
-    short = {"prompt": "Hello", "max_tokens": 8, "ignore_eos": True}
+    # fp32 weights (slower than the default int4) so that the short request is still running
+    # when all three are counted, and the long ones cannot finish within the drain window.
+    s = start_server("--drain-timeout", str(DRAIN_S), "--quantization", "none")
+    short = {"prompt": "Hello", "max_tokens": 24, "ignore_eos": True}
     long = {"prompt": "Tell me a very long story.", "max_tokens": 450, "ignore_eos": True}
     with ThreadPoolExecutor(3) as pool:
         f_short = pool.submit(stream_events, s, short)

@@ -13,6 +13,7 @@ from tokenmill.runner.sampler import (
     SamplingMetadata,
     apply_logits_processors,
     compute_prompt_logprobs,
+    gather_logprobs,
 )
 from tokenmill.sampling_params import SamplingParams
 
@@ -288,3 +289,20 @@ def test_prompt_logprobs() -> None:
     assert all(lp.top == {} for lp in compute_prompt_logprobs(logits, targets, 0))
     with pytest.raises(ValueError, match="target_ids"):
         compute_prompt_logprobs(logits, targets[:3], 1)
+
+
+def test_tied_top_logprobs_list_the_greedy_token_first() -> None:
+    # bf16 logits tie often: the top list must agree with argmax, which takes the lowest id.
+    logits = torch.full((2, 50), -5.0)
+    logits[0, [7, 31, 40]] = 2.0
+    logits[1, [3, 30]] = 1.0
+    logits[1, 44] = 1.5
+    logprobs = torch.log_softmax(logits, dim=-1)
+    greedy = logits.argmax(dim=-1)
+    chosen, ranks, top_ids, top_lps = gather_logprobs(logprobs, greedy, 4)
+    # (The fourth entries are any of the many tokens tied at -5.)
+    assert top_ids[:, :3].tolist() == [[7, 31, 40], [44, 3, 30]]
+    assert torch.equal(top_ids[:, 0], greedy)
+    assert ranks.tolist() == [1, 1]
+    assert torch.all(top_lps[:, :-1] >= top_lps[:, 1:])
+    assert torch.equal(chosen, logprobs.gather(1, greedy[:, None]).squeeze(1))

@@ -155,10 +155,12 @@ def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: to
         vs = kv_cache[1].index_select(0, seq.blocks).view(-1, num_kv_heads, head_dim)
         ks = ks[:seq.seq_len].transpose(0, 1)
         vs = vs[:seq.seq_len].transpose(0, 1)
+    # A batch dimension of 1: SDPA's CPU flash kernel takes only 4-D inputs, and 3-D ones fall
+    # back to the math path (materialized scores, about 3x slower on a 500-token prompt).
     out = F.scaled_dot_product_attention(
-        qs, ks, vs, attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale,
-        enable_gqa=qs.shape[0] != ks.shape[0])
-    return out.transpose(0, 1)
+        qs[None], ks[None], vs[None], attn_mask=seq.mask, is_causal=seq.mask is None,
+        scale=scale, enable_gqa=qs.shape[0] != ks.shape[0])
+    return out[0].transpose(0, 1)
 
 
 def _build_plan(meta: AttentionMetadata, num_tokens: int, device: torch.device) -> _StepPlan:

@@ -226,7 +226,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     result = perplexity(loaded.model, used, args.context, args.stride,
                         platform.attention_backend())
     eval_s = time.perf_counter() - started
-    method, dtype = args.quantization, loaded.model.model.norm.weight.dtype
+    method = args.quantization if after_load else loaded.quantization
+    dtype = loaded.model.model.norm.weight.dtype
     return {
         "label": _label(method, args.group_size, args.requantize, dtype),
         "quantization": method, "group_size": args.group_size if method == "int4" else None,
@@ -259,7 +260,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, bool]:
     config = engine_config_from_args(args)
     method = config.model.quantization
     regroup = method == "int4" and args.group_size != 32
-    after_load = method != "none" and (args.requantize or regroup)
+    after_load = method in ("int8", "int4") and (args.requantize or regroup)
     model_config = replace(config.model, quantization="none") if after_load else config.model
     platform = get_platform(config.device.device)
     platform.set_num_threads(config.device.num_threads)

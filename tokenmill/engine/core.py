@@ -84,6 +84,7 @@ class EngineCore:
         self.dtype = self.platform.resolve_dtype(config.model.dtype)
         loaded = load_model(config.model, self.platform.device, self.dtype)
         self.model_path = loaded.path
+        self.quantization = loaded.quantization
         self.arch = loaded.arch
         self.tokenizer = loaded.tokenizer
         self.max_model_len = self._resolve_max_model_len(config.model.max_model_len)

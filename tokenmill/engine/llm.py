@@ -25,7 +25,8 @@ class LLM:
     ``model`` is a GGUF file or a Hugging Face folder; None runs the embedded
     SmolLM2-135M-Instruct. Memory for the KV cache is ``num_kv_blocks`` blocks, else
     ``kv_cache_memory_bytes``, else ``kv_cache_memory_fraction`` of free memory.
-    ``quantization`` "int8" / "int4" stores the weights quantized (CPU, weight-only).
+    ``quantization`` "int8" / "int4" stores the weights quantized (CPU, weight-only); "auto"
+    keeps a GGUF file's own Q4 / Q8 weights compact on the CPU, "none" computes in float.
     """
 
     def __init__(
@@ -45,7 +46,7 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
         enable_chunked_prefill: bool = True,
-        quantization: str = "none",
+        quantization: str = "auto",
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len,

@@ -20,7 +20,7 @@ from tokenmill.quant.packing import (
 
 logger = logging.getLogger(__name__)
 
-QUANT_METHODS = QUANTIZATIONS  # ("none", "int8", "int4"), as ModelConfig validates them
+QUANT_METHODS = tuple(q for q in QUANTIZATIONS if q != "auto")  # ("none", "int8", "int4")
 DEFAULT_GROUP_SIZE = 32
 # The output head (or tied embedding) under every method: on SmolLM2-135M an int4 head costs
 # +9.7% perplexity, an int8 one +0.2%, for 11 MiB (benchmarks/results/perplexity-cpu.md); GGUF
@@ -66,6 +66,26 @@ def quantize_weight(weight: torch.Tensor, bias: torch.Tensor | None, method: str
     if method == "int4":
         return Int4WeightOnlyLinear.from_weight(weight, bias, group_size)
     raise ValueError(f"quantization {method!r} builds no quantized module")
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Weights the model computes with, quantized ones counted as the float matrix they stand
+    for (``numel`` of a packed int4 buffer would count two weights as one)."""
+    from tokenmill.quant.linear import _WeightOnlyLinear
+
+    counted: set[int] = set()
+    total = 0
+    for module in model.modules():
+        if isinstance(module, _WeightOnlyLinear):
+            total += module.in_features * module.out_features
+            tensors = [module.bias] if module.bias is not None else []
+        else:
+            tensors = list(module.parameters(recurse=False))
+        for t in tensors:
+            if id(t) not in counted:
+                counted.add(id(t))
+                total += t.numel()
+    return total
 
 
 def model_weight_bytes(model: nn.Module) -> int:

@@ -214,10 +214,16 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int,
     (1 + the number of strictly more likely tokens), and the top-k ids and logprobs [N, k]."""
     chosen = logprobs.gather(1, token_ids.view(-1, 1))
     ranks = (logprobs > chosen).sum(dim=1) + 1
-    top_lps, top_ids = logprobs.topk(k, dim=1) if k > 0 else (
-        logprobs.new_empty(logprobs.shape[0], 0),
-        torch.empty(logprobs.shape[0], 0, dtype=torch.long, device=logprobs.device))
-    return chosen.squeeze(1), ranks, top_ids, top_lps
+    if k == 0:
+        empty_ids = torch.empty(logprobs.shape[0], 0, dtype=torch.long, device=logprobs.device)
+        return chosen.squeeze(1), ranks, empty_ids, logprobs.new_empty(logprobs.shape[0], 0)
+    top_lps, top_ids = logprobs.topk(k, dim=1)
+    # Equal logprobs (common with bf16 logits) in ascending id order, as argmax breaks ties, so
+    # that a greedy token is listed first among the top ones.
+    by_id = top_ids.argsort(dim=1)
+    top_ids, top_lps = top_ids.gather(1, by_id), top_lps.gather(1, by_id)
+    by_lp = top_lps.argsort(dim=1, descending=True, stable=True)
+    return chosen.squeeze(1), ranks, top_ids.gather(1, by_lp), top_lps.gather(1, by_lp)
 
 
 def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor,
