@@ -49,25 +49,41 @@ inline float exp_poly(float x) {
   return p * scale;
 }
 
-// RMSNorm of `rows` rows of `n`; x and y may alias. As RMSNorm.forward: fp32 statistics, and for
-// bf16 the normalized value is rounded before the weight multiply (Hugging Face's order).
-template <typename T>
-void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t n, float eps) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * n;
-    T* yr = y + r * n;
-    float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < n; ++i) {
-      const float v = to_f(xr[i]);
-      ss += v * v;
-    }
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) {
-      yr[i] = from_f<T>(round_to<T>(to_f(xr[i]) * inv) * to_f(w[i]));
-    }
+// Rows [0, rows) in parallel chunks of at least `min_elems` elements' worth of rows: the glue
+// of a batch-32 step is worth two threads, that of a single sequence is not.
+template <typename F>
+void for_rows(int64_t rows, int64_t row_elems, F&& f, int64_t min_elems = 16384) {
+  const int64_t grain = std::max<int64_t>(1, min_elems / std::max<int64_t>(1, row_elems));
+  if (rows <= grain) {
+    f(0, rows);
+  } else {
+    at::parallel_for(0, rows, grain, f);
   }
+}
+
+// RMSNorm of `rows` rows of `n` (T: the activation dtype, whose rounding the math follows; O: the
+// output's storage, bf16 when it feeds a quantized matmul); x and y may alias when O is T. As
+// RMSNorm.forward: fp32 statistics, and for bf16 the normalized value is rounded before the
+// weight multiply (Hugging Face's order).
+template <typename T, typename O = T>
+void rms_norm_rows(const T* x, const T* w, O* y, int64_t rows, int64_t n, float eps) {
+  for_rows(rows, n, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * n;
+      O* yr = y + r * n;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = to_f(xr[i]);
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) {
+        yr[i] = from_f<O>(round_to<T>(to_f(xr[i]) * inv) * to_f(w[i]));
+      }
+    }
+  });
 }
 
 // Rotate-half rope of one head in place, from the model's fp32 half-width tables. Eager code
@@ -84,26 +100,34 @@ void rope_head(T* x, const float* cos_half, const float* sin_half, int64_t half)
   }
 }
 
-// y[i] += x[i] over n elements (the residual adds).
-template <typename T>
-void add_inplace(T* y, const T* x, int64_t n) {
+// y[i] += x[i] over rows of n elements (the residual adds); x is a matmul's output, exact in T.
+template <typename T, typename I>
+void add_rows(T* y, const I* x, int64_t rows, int64_t n) {
+  for_rows(rows, n, [&](int64_t begin, int64_t end) {
+    T* yb = y + begin * n;
+    const I* xb = x + begin * n;
+    const int64_t m = (end - begin) * n;
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] = from_f<T>(to_f(y[i]) + to_f(x[i]));
+    for (int64_t i = 0; i < m; ++i) yb[i] = from_f<T>(to_f(yb[i]) + to_f(xb[i]));
+  });
 }
 
-// out[r] = silu(gate_up[r, :n]) * gate_up[r, n:], rows of the fused gate/up projection.
-template <typename T>
-void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t n) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* g = gate_up + r * 2 * n;
-    const T* u = g + n;
-    T* o = out + r * n;
+// out[r] = silu(gate_up[r, :n]) * gate_up[r, n:], rows of the fused gate/up projection: read
+// from I (the matmul's output), rounded as T computes, stored as O.
+template <typename T, typename I, typename O>
+void silu_mul_rows(const I* gate_up, O* out, int64_t rows, int64_t n) {
+  for_rows(rows, 3 * n, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const I* g = gate_up + r * 2 * n;
+      const I* u = g + n;
+      O* o = out + r * n;
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) {
-      const float x = to_f(g[i]);
-      o[i] = from_f<T>(round_to<T>(x / (1.f + exp_poly(-x))) * to_f(u[i]));
+      for (int64_t i = 0; i < n; ++i) {
+        const float x = to_f(g[i]);
+        o[i] = from_f<O>(round_to<T>(x / (1.f + exp_poly(-x))) * to_f(u[i]));
+      }
     }
-  }
+  });
 }
 
 }  // namespace tokenmill

@@ -26,17 +26,18 @@ struct LinearSpec {
   at::Tensor scales;  // kInt8 / kInt4 only
   int64_t group_size = 0;  // kInt4 only
 
+  // y = x W^T (+ bias). Quantized kinds take and return bf16, as tokenmill.quant's modules
+  // compute (they cast in, add the bias in bf16 and cast back; the stack skips the casts when
+  // every projection is quantized, see DecoderStack::io_bf16_); float ones keep x's dtype.
   at::Tensor operator()(const at::Tensor& x) const {
     if (kind == kFloat) {
       return bias.defined() ? at::linear(x, weight, bias) : at::linear(x, weight);
     }
-    // The quantized kernels take bf16 activations; mirror tokenmill.quant's modules, which
-    // cast in, add the bias in bf16 and cast the result back to the activation dtype.
-    const at::Tensor xb = x.to(at::kBFloat16);
+    const at::Tensor xb = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
     at::Tensor y = kind == kInt8 ? at::_weight_int8pack_mm(xb, weight, scales)
                                  : at::_weight_int4pack_mm_for_cpu(xb, weight, group_size, scales);
     if (bias.defined()) y = y + bias;
-    return y.to(x.scalar_type());
+    return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
   }
 };
 
@@ -81,6 +82,7 @@ class DecoderStack {
       if (tensors[i][2].numel() > 0) specs[i]->scales = tensors[i][2];
       specs[i]->group_size = group_sizes[i];
     }
+    for (const LinearSpec* spec : specs) io_bf16_ = io_bf16_ && spec->kind != kFloat;
     layers_.push_back(std::move(w));
   }
 
@@ -98,12 +100,14 @@ class DecoderStack {
     at::Tensor out;
     AT_DISPATCH_SWITCH(h.scalar_type(), "tokenmill_fused_decode",
       AT_DISPATCH_CASE(at::kFloat, [&] {
-        out = run<float>(h, positions, kv_caches, slot_mapping, seq_lens, block_tables,
-                         max_seq_len);
+        out = io_bf16_ ? run<float, c10::BFloat16>(h, positions, kv_caches, slot_mapping,
+                                                   seq_lens, block_tables, max_seq_len)
+                       : run<float, float>(h, positions, kv_caches, slot_mapping, seq_lens,
+                                           block_tables, max_seq_len);
       })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
-        out = run<c10::BFloat16>(h, positions, kv_caches, slot_mapping, seq_lens, block_tables,
-                                 max_seq_len);
+        out = run<c10::BFloat16, c10::BFloat16>(h, positions, kv_caches, slot_mapping, seq_lens,
+                                                block_tables, max_seq_len);
       }));
     return out;
   }
@@ -128,7 +132,11 @@ class DecoderStack {
     }
   }
 
-  template <typename T>
+  // T: the activation (residual and KV cache) dtype; X: what the projections take and return,
+  // bf16 when every one is quantized (no casts around the int kernels), else T. The roundings
+  // are those of model.forward either way: there the int kernels' bf16 output is widened to T
+  // exactly, and T values are rounded to bf16 on the way in.
+  template <typename T, typename X>
   at::Tensor run(at::Tensor h, const at::Tensor& positions, const std::vector<at::Tensor>& kv,
                  const at::Tensor& slot_mapping, const at::Tensor& seq_lens,
                  const at::Tensor& block_tables, int64_t max_seq_len) const {
@@ -137,44 +145,50 @@ class DecoderStack {
     const auto slots = slot_mapping.contiguous();
     const auto lens = seq_lens.contiguous();
     const auto tables = block_tables.contiguous();
-    at::Tensor x = at::empty_like(h);
-    at::Tensor attn = at::empty({B, hq_ * d_}, h.options());
-    at::Tensor act = at::empty({B, inter_}, h.options());
+    const auto x_opts = h.options().dtype(c10::CppTypeToScalarType<X>::value);
+    at::Tensor x = at::empty({B, H}, x_opts);
+    at::Tensor q = at::empty({B, hq_ * d_}, h.options());
+    at::Tensor attn = at::empty({B, hq_ * d_}, x_opts);
+    at::Tensor act = at::empty({B, inter_}, x_opts);
     for (size_t li = 0; li < layers_.size(); ++li) {
       const LayerWeights& w = layers_[li];
-      rms_norm_rows(h.data_ptr<T>(), w.input_norm.data_ptr<T>(), x.data_ptr<T>(), B, H, eps_);
+      rms_norm_rows<T, X>(h.data_ptr<T>(), w.input_norm.data_ptr<T>(), x.data_ptr<X>(), B, H,
+                          eps_);
       at::Tensor qkv = w.qkv(x).contiguous();
-      prepare_qkv<T>(w, qkv, pos, slots, kv[li]);
+      prepare_qkv<T, X>(w, qkv, q, pos, slots, kv[li]);
       const int64_t block_size = kv[li].size(2);
       const int64_t slots_per_side = kv[li].size(1) * block_size * hkv_ * d_;
       const T* cache = kv[li].data_ptr<T>();
       PagedView<T> view{cache, cache + slots_per_side, lens.data_ptr<int32_t>(),
                         tables.data_ptr<int32_t>(), tables.size(1), block_size};
-      paged_decode_attention<T>(qkv.data_ptr<T>(), qkv.size(1), view, B, hq_, hkv_, d_,
-                                1.f / std::sqrt(static_cast<float>(d_)), attn.data_ptr<T>(),
-                                max_seq_len);
+      paged_decode_attention<T, X>(q.data_ptr<T>(), hq_ * d_, view, B, hq_, hkv_, d_,
+                                   1.f / std::sqrt(static_cast<float>(d_)), attn.data_ptr<X>(),
+                                   max_seq_len);
       at::Tensor o = w.o(attn).contiguous();
-      add_inplace(h.data_ptr<T>(), o.data_ptr<T>(), B * H);
-      rms_norm_rows(h.data_ptr<T>(), w.post_norm.data_ptr<T>(), x.data_ptr<T>(), B, H, eps_);
+      add_rows<T, X>(h.data_ptr<T>(), o.data_ptr<X>(), B, H);
+      rms_norm_rows<T, X>(h.data_ptr<T>(), w.post_norm.data_ptr<T>(), x.data_ptr<X>(), B, H,
+                          eps_);
       at::Tensor gate_up = w.gate_up(x).contiguous();
-      silu_mul_rows(gate_up.data_ptr<T>(), act.data_ptr<T>(), B, inter_);
+      silu_mul_rows<T, X, X>(gate_up.data_ptr<X>(), act.data_ptr<X>(), B, inter_);
       at::Tensor down = w.down(act).contiguous();
-      add_inplace(h.data_ptr<T>(), down.data_ptr<T>(), B * H);
+      add_rows<T, X>(h.data_ptr<T>(), down.data_ptr<X>(), B, H);
     }
     at::Tensor out = at::empty_like(h);
-    rms_norm_rows(h.data_ptr<T>(), final_norm_.data_ptr<T>(), out.data_ptr<T>(), B, H, eps_);
+    rms_norm_rows<T>(h.data_ptr<T>(), final_norm_.data_ptr<T>(), out.data_ptr<T>(), B, H, eps_);
     return out;
   }
 
-  // Per token: optional per-head q/k norm, rope of q and k in place, then k and v into the cache.
-  template <typename T>
-  void prepare_qkv(const LayerWeights& w, at::Tensor& qkv, const at::Tensor& pos,
-                   const at::Tensor& slots, const at::Tensor& cache) const {
+  // Per token: q widened to T into `q`, k into the cache, both with the optional per-head norm
+  // and rope; v into the cache.
+  template <typename T, typename X>
+  void prepare_qkv(const LayerWeights& w, const at::Tensor& qkv, at::Tensor& q,
+                   const at::Tensor& pos, const at::Tensor& slots, const at::Tensor& cache) const {
     const int64_t B = qkv.size(0), width = qkv.size(1), half = d_ / 2;
     const int64_t max_pos = cos_half_.size(0);
-    const int64_t kv_width = hkv_ * d_;
+    const int64_t q_width = hq_ * d_, kv_width = hkv_ * d_;
     const int64_t num_slots = cache.size(1) * cache.size(2);
-    T* base = qkv.data_ptr<T>();
+    const X* base = qkv.data_ptr<X>();
+    T* q_out = q.data_ptr<T>();
     T* k_cache = cache.data_ptr<T>();
     T* v_cache = k_cache + num_slots * kv_width;
     const int64_t* p = pos.data_ptr<int64_t>();
@@ -182,25 +196,36 @@ class DecoderStack {
     for (int64_t b = 0; b < B; ++b) {
       TORCH_CHECK(p[b] >= 0 && p[b] < max_pos, "position ", p[b], " is past the rope table");
       TORCH_CHECK(s[b] >= 0 && s[b] < num_slots, "slot ", s[b], " is outside the KV cache");
-      T* q = base + b * width;
-      T* k = q + hq_ * d_;
-      const T* v = k + kv_width;
-      if (w.q_norm.defined()) {
-        rms_norm_rows(q, w.q_norm.data_ptr<T>(), q, hq_, d_, eps_);
-        rms_norm_rows(k, w.k_norm.data_ptr<T>(), k, hkv_, d_, eps_);
-      }
-      const float* c = cos_half_.data_ptr<float>() + p[b] * half;
-      const float* sn = sin_half_.data_ptr<float>() + p[b] * half;
-      for (int64_t hh = 0; hh < hq_ + hkv_; ++hh) rope_head(q + hh * d_, c, sn, half);
-      std::memcpy(k_cache + s[b] * kv_width, k, kv_width * sizeof(T));
-      std::memcpy(v_cache + s[b] * kv_width, v, kv_width * sizeof(T));
     }
+    for_rows(B, width, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        const X* src = base + b * width;
+        T* qb = q_out + b * q_width;
+        T* kb = k_cache + s[b] * kv_width;
+        T* vb = v_cache + s[b] * kv_width;
+        for (int64_t i = 0; i < q_width; ++i) qb[i] = from_f<T>(to_f(src[i]));
+        for (int64_t i = 0; i < kv_width; ++i) kb[i] = from_f<T>(to_f(src[q_width + i]));
+        for (int64_t i = 0; i < kv_width; ++i) {
+          vb[i] = from_f<T>(to_f(src[q_width + kv_width + i]));
+        }
+        if (w.q_norm.defined()) {
+          rms_norm_rows<T>(qb, w.q_norm.data_ptr<T>(), qb, hq_, d_, eps_);
+          rms_norm_rows<T>(kb, w.k_norm.data_ptr<T>(), kb, hkv_, d_, eps_);
+        }
+        const float* c = cos_half_.data_ptr<float>() + p[b] * half;
+        const float* sn = sin_half_.data_ptr<float>() + p[b] * half;
+        for (int64_t hh = 0; hh < hq_; ++hh) rope_head(qb + hh * d_, c, sn, half);
+        for (int64_t hh = 0; hh < hkv_; ++hh) rope_head(kb + hh * d_, c, sn, half);
+      }
+    });
   }
 
   int64_t hq_, hkv_, d_, inter_;
   float eps_;
   at::Tensor final_norm_, cos_half_, sin_half_;
   std::vector<LayerWeights> layers_;
+  // Every projection of every layer is int8 / int4: activations between them stay bf16.
+  bool io_bf16_ = true;
 };
 
 }  // namespace tokenmill

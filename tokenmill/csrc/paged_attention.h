@@ -139,9 +139,9 @@ inline float softmax_unnormalized(float* s, int64_t L) {
 }
 
 // Query heads g*G .. g*G+G-1 of sequence b against its L cached tokens, head size 16 * ND.
-template <typename T, int ND>
+template <typename T, typename O, int ND>
 void attend_group_vec(const T* q, int64_t q_stride, const PagedView<T>& kv, int64_t b, int64_t g,
-                      int64_t G, int64_t Hkv, float scale, T* out, int64_t out_stride,
+                      int64_t G, int64_t Hkv, float scale, O* out, int64_t out_stride,
                       std::vector<float>& scores) {
   using namespace vec16;
   constexpr int64_t D = 16 * ND;
@@ -182,18 +182,18 @@ void attend_group_vec(const T* q, int64_t q_stride, const PagedView<T>& kv, int6
       const float p = s[t];
       for (int c = 0; c < ND; ++c) acc[c] += p * load(v0 + 16 * c);
     }
-    T* o = out + b * out_stride + (g * G + j) * D;
+    O* o = out + b * out_stride + (g * G + j) * D;
     for (int c = 0; c < ND; ++c) {
       const f32x16 r = acc[c] * inv;
-      for (int i = 0; i < 16; ++i) o[16 * c + i] = from_f<T>(r[i]);
+      for (int i = 0; i < 16; ++i) o[16 * c + i] = from_f<O>(r[i]);
     }
   }
 }
 
 // The same for any head size, one scalar loop per dot product.
-template <typename T>
+template <typename T, typename O>
 void attend_group_scalar(const T* q, int64_t q_stride, const PagedView<T>& kv, int64_t b,
-                         int64_t g, int64_t G, int64_t Hkv, int64_t D, float scale, T* out,
+                         int64_t g, int64_t G, int64_t Hkv, int64_t D, float scale, O* out,
                          int64_t out_stride, std::vector<float>& scores) {
   const int64_t L = kv.seq_lens[b];
   const int32_t* table = kv.tables + b * kv.table_stride;
@@ -215,16 +215,17 @@ void attend_group_scalar(const T* q, int64_t q_stride, const PagedView<T>& kv, i
       const T* vrow = kv.row(kv.v, table, t, g, Hkv, D);
       for (int64_t d = 0; d < D; ++d) acc[d] += s[t] * to_f(vrow[d]);
     }
-    T* o = out + b * out_stride + (g * G + j) * D;
-    for (int64_t d = 0; d < D; ++d) o[d] = from_f<T>(acc[d] * inv);
+    O* o = out + b * out_stride + (g * G + j) * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = from_f<O>(acc[d] * inv);
   }
 }
 
 // Decode attention of every (sequence, KV head) pair: q [B, q_stride] with the Hq heads first,
-// out [B, Hq * D]. Threads only when the contexts are long enough to pay for waking them.
-template <typename T>
+// out [B, Hq * D] (stored as O: bf16 when it feeds a quantized matmul). Threads only when the
+// contexts are long enough to pay for waking them.
+template <typename T, typename O>
 void paged_decode_attention(const T* q, int64_t q_stride, const PagedView<T>& kv, int64_t B,
-                            int64_t Hq, int64_t Hkv, int64_t D, float scale, T* out,
+                            int64_t Hq, int64_t Hkv, int64_t D, float scale, O* out,
                             int64_t max_len) {
   const int64_t G = Hq / Hkv;
   const int64_t work_per_item = std::max<int64_t>(1, 2 * G * max_len * D);
@@ -235,22 +236,22 @@ void paged_decode_attention(const T* q, int64_t q_stride, const PagedView<T>& kv
       const int64_t b = i / Hkv, g = i % Hkv;
       switch (D) {
         case 32:
-          attend_group_vec<T, 2>(q, q_stride, kv, b, g, G, Hkv, scale, out, Hq * D, scores);
+          attend_group_vec<T, O, 2>(q, q_stride, kv, b, g, G, Hkv, scale, out, Hq * D, scores);
           break;
         case 64:
-          attend_group_vec<T, 4>(q, q_stride, kv, b, g, G, Hkv, scale, out, Hq * D, scores);
+          attend_group_vec<T, O, 4>(q, q_stride, kv, b, g, G, Hkv, scale, out, Hq * D, scores);
           break;
         case 96:
-          attend_group_vec<T, 6>(q, q_stride, kv, b, g, G, Hkv, scale, out, Hq * D, scores);
+          attend_group_vec<T, O, 6>(q, q_stride, kv, b, g, G, Hkv, scale, out, Hq * D, scores);
           break;
         case 128:
-          attend_group_vec<T, 8>(q, q_stride, kv, b, g, G, Hkv, scale, out, Hq * D, scores);
+          attend_group_vec<T, O, 8>(q, q_stride, kv, b, g, G, Hkv, scale, out, Hq * D, scores);
           break;
         case 256:
-          attend_group_vec<T, 16>(q, q_stride, kv, b, g, G, Hkv, scale, out, Hq * D, scores);
+          attend_group_vec<T, O, 16>(q, q_stride, kv, b, g, G, Hkv, scale, out, Hq * D, scores);
           break;
         default:
-          attend_group_scalar(q, q_stride, kv, b, g, G, Hkv, D, scale, out, Hq * D, scores);
+          attend_group_scalar<T, O>(q, q_stride, kv, b, g, G, Hkv, D, scale, out, Hq * D, scores);
       }
     }
   });
