@@ -33,6 +33,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES")
     g.add_argument("--kv-cache-memory-fraction", type=float, default=0.2)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache of shared prompt prefixes (--no-prefix-caching: off)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help=argparse.SUPPRESS)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--seed", type=int, default=0)
@@ -45,7 +49,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           quantization=args.quantization),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
                           kv_cache_memory_bytes=args.kv_cache_memory,
-                          kv_cache_memory_fraction=args.kv_cache_memory_fraction),
+                          kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+                          enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens),
         device=DeviceConfig(device=args.device, num_threads=args.threads),

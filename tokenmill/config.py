@@ -56,12 +56,14 @@ class CacheConfig:
 
     The memory is, in order of precedence: ``num_blocks`` blocks, ``kv_cache_memory_bytes``
     bytes, or ``kv_cache_memory_fraction`` of the device memory free after loading the model.
+    ``enable_prefix_caching`` reuses the KV blocks of earlier requests that share a prefix.
     """
 
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     kv_cache_memory_fraction: float = 0.2
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)

@@ -53,6 +53,9 @@ class Request:
     # Generation stops at this many tokens in total (prompt + output).
     max_total_tokens: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    # Another sample of the same prompt (n > 1): once that request's prompt is in the KV cache,
+    # this one starts from its blocks (copy-on-write) instead of computing the prompt again.
+    fork_of: str | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

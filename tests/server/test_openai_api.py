@@ -167,3 +167,33 @@ def test_tokenize_detokenize(server: Server) -> None:
     ids = tokenize(server, prompt=PROMPT)
     r = httpx.post(f"{server.url}/detokenize", json={"tokens": ids}, timeout=10)
     assert r.status_code == 200 and r.json()["prompt"] == PROMPT
+
+
+def test_best_of_returns_the_most_likely_samples(client: openai.OpenAI, server: Server) -> None:
+    kw = dict(model=server.model, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=11,
+              extra_body={"ignore_eos": True})
+    best = client.completions.create(n=1, best_of=4, logprobs=0, **kw)
+    every = client.completions.create(n=4, logprobs=0, **kw)
+    assert len(best.choices) == 1 and best.choices[0].index == 0
+    # The same seeds: the best of 4 is the most likely of the 4 plain samples.
+    totals = {c.text: sum(c.logprobs.token_logprobs) for c in every.choices}
+    assert best.choices[0].text == max(totals, key=totals.__getitem__)
+    assert best.usage.completion_tokens == 4 * 6  # every sample generated counts
+    without_lps = client.completions.create(n=2, best_of=3, **kw)
+    assert len(without_lps.choices) == 2 and without_lps.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(n=2, best_of=1, **kw)
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(n=1, best_of=2, stream=True, **kw)
+
+
+def test_prefix_cache_hits_are_counted(client: openai.OpenAI, server: Server) -> None:
+    prompt = "You are a careful assistant. " * 12 + "Say something."
+    before = server.metrics()
+    for _ in range(2):
+        client.completions.create(model=server.model, prompt=prompt, max_tokens=2)
+    after = server.metrics()
+    hits = "tokenmill:prefix_cache_hits_total"
+    queries = "tokenmill:prefix_cache_queries_total"
+    assert after[queries] - before.get(queries, 0.0) >= 2 * 60
+    assert after[hits] - before.get(hits, 0.0) >= 48  # the second request's whole blocks

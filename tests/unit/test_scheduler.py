@@ -15,9 +15,12 @@ EOS = 2
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
-                   budget: int = 64, max_model_len: int = 256) -> Scheduler:
+                   budget: int = 64, max_model_len: int = 256,
+                   prefix_caching: bool = False) -> Scheduler:
+    """Prefix caching off unless asked: most tests here reuse one token pattern for prompts."""
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
-    return Scheduler(cfg, KVCacheManager(num_blocks, block_size), max_model_len)
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
+    return Scheduler(cfg, kv, max_model_len)
 
 
 def make_request(rid: str, prompt_len: int, max_tokens: int = 8, **kw: object) -> Request:

@@ -11,9 +11,10 @@ import argparse
 
 
 def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
-    """Register `bench serve|throughput|latency|compare` (and `perplexity` where installed)."""
+    """Register `bench serve|throughput|latency|compare|prefix-cache` (and `perplexity`)."""
     from tokenmill.bench.compare import add_compare_parser
     from tokenmill.bench.latency import add_latency_parser
+    from tokenmill.bench.prefix_cache import add_prefix_cache_parser
     from tokenmill.bench.serve import add_serve_parser
     from tokenmill.bench.throughput import add_throughput_parser
 
@@ -21,6 +22,7 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
     add_throughput_parser(subparsers)
     add_latency_parser(subparsers)
     add_compare_parser(subparsers)
+    add_prefix_cache_parser(subparsers)
     _add_perplexity_parser(subparsers)
 
 

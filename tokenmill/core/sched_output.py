@@ -28,6 +28,9 @@ class CachedRequestData:
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # The whole block list, when a block in it was swapped for a copy (copy-on-write); then
+    # new_block_ids is empty.
+    block_ids: list[int] | None = None
 
 
 @dataclass
@@ -44,6 +47,8 @@ class SchedulerOutput:
     # Requests preempted since the last step; the runner drops their cached layout but keeps
     # their sampling state (seeded generators), which their resumption continues.
     preempted_request_ids: set[str] = field(default_factory=set)
+    # (source, destination) KV blocks to copy, in every layer, before the forward pass.
+    kv_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -100,3 +105,6 @@ class SchedulerStats:
     kv_cache_usage: float = 0.0
     num_preemptions_total: int = 0
     num_scheduled_tokens: int = 0
+    # Prompt tokens looked up in the prefix cache and found there, since the start.
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0

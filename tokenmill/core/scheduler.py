@@ -5,6 +5,10 @@ the tokens it is behind by (a prompt chunk, or one token to decode), then admits
 requests while the budget, ``max_num_seqs`` and the KV blocks allow. When a running request
 needs a block and none is free, the newest running request is preempted: its blocks are freed
 and it waits to be recomputed from its prompt and the tokens it had generated.
+
+A request admitted starts from the longest prefix of its tokens found in the prefix cache; a
+sample of an n > 1 request (``Request.fork_of``) waits until the first sample's prompt is
+computed and then shares its blocks (copy-on-write).
 """
 
 from __future__ import annotations
@@ -85,6 +89,8 @@ class Scheduler:
             num_waiting=len(self.waiting),
             kv_cache_usage=self.kv.usage,
             num_preemptions_total=self.num_preemptions_total,
+            prefix_cache_queries_total=self.kv.prefix_stats.queries,
+            prefix_cache_hits_total=self.kv.prefix_stats.hits,
         )
 
     # ------------------------------------------------------------------------- one step
@@ -104,8 +110,11 @@ class Scheduler:
             new_blocks = self._allocate_or_preempt(request, num_new)
             if new_blocks is None:
                 break  # request itself was preempted; it was the last running one
-            out.cached_requests.append(
-                CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens))
+            data = CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens)
+            if self.kv.take_rewritten(request.request_id):
+                data = CachedRequestData(request.request_id, [], request.num_computed_tokens,
+                                         block_ids=list(self.kv.get_block_ids(request.request_id)))
+            out.cached_requests.append(data)
             scheduled.append((request, num_new))
             budget -= num_new
             i += 1
@@ -121,6 +130,7 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        out.kv_copies = self.kv.take_copies()
         out.preempted_request_ids |= self._preempted_ids
         self._preempted_ids = set()
         return out
@@ -130,7 +140,8 @@ class Scheduler:
         running requests until they fit. None if ``request`` itself had to be preempted."""
         while True:
             new_blocks = self.kv.allocate_slots(
-                request.request_id, request.num_computed_tokens + num_new)
+                request.request_id, request.num_computed_tokens + num_new,
+                request.num_computed_tokens)
             if new_blocks is not None:
                 return new_blocks
             victim = self.running.pop()
@@ -140,15 +151,22 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, scheduled: list[tuple[Request, int]],
                        budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            remaining = request.num_tokens - request.num_computed_tokens
-            num_new = min(remaining, budget)
-            if num_new < remaining and not self.config.enable_chunked_prefill:
-                break
-            if self.kv.allocate_slots(request.request_id, num_new) is None:
-                break
-            self.waiting.popleft()
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[i]
+            leader = self._fork_source(request)
+            if leader is False:
+                i += 1  # its first sample is still computing the prompt: let others pass
+                continue
+            if leader is not None:
+                num_new = self._fork(request, leader)
+                if num_new is None:
+                    break
+            else:
+                num_new = self._start(request, budget)
+                if num_new is None:
+                    break
+            del self.waiting[i]
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             out.new_requests.append(NewRequestData(
@@ -157,11 +175,51 @@ class Scheduler:
                 num_prompt_tokens=request.num_prompt_tokens,
                 sampling_params=request.sampling_params,
                 block_ids=list(self.kv.get_block_ids(request.request_id)),
-                num_computed_tokens=0,
+                num_computed_tokens=request.num_computed_tokens,
             ))
             scheduled.append((request, num_new))
             budget -= num_new
         return budget
+
+    def _fork_source(self, request: Request) -> Request | None | bool:
+        """The running request whose prompt blocks ``request`` can share now; False while that
+        prompt is still being computed; None to start on its own."""
+        if request.fork_of is None or request.num_output_tokens:
+            return None
+        leader = self.requests.get(request.fork_of)
+        if leader is None or leader.status != RequestStatus.RUNNING:
+            return None
+        # An output token means the step that computed the prompt has run: its KV is written.
+        return leader if leader.num_output_tokens else False
+
+    def _fork(self, request: Request, leader: Request) -> int | None:
+        """Share the leader's prompt blocks and recompute only the last prompt token (for this
+        sample's own first token); that token's write copies the block it lands in."""
+        n = request.num_prompt_tokens
+        self.kv.fork(leader.request_id, request.request_id, n)
+        if self.kv.allocate_slots(request.request_id, n, n - 1) is None:
+            self.kv.free(request.request_id)
+            return None
+        self.kv.take_rewritten(request.request_id)  # its NewRequestData carries the copy
+        request.num_computed_tokens = n - 1
+        return 1
+
+    def _start(self, request: Request, budget: int) -> int | None:
+        """Blocks for a request's first chunk after its cached prefix; None if it cannot start."""
+        rid = request.request_id
+        # Prompt logprobs are computed in the prefill, so such requests compute every token.
+        use_cache = request.sampling_params.prompt_logprobs is None
+        cached = self.kv.find_cached_prefix(rid, request.all_token_ids) if use_cache else []
+        num_cached = len(cached) * self.kv.block_size
+        remaining = request.num_tokens - num_cached
+        num_new = min(remaining, budget)
+        if num_new < remaining and not self.config.enable_chunked_prefill:
+            return None
+        if self.kv.allocate_new(rid, cached, num_cached + num_new,
+                                request.num_prompt_tokens if use_cache else None) is None:
+            return None
+        request.num_computed_tokens = num_cached
+        return num_new
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
@@ -180,6 +238,8 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None or request.is_finished:
                 continue
+            # Blocks this step filled are now cache hits for later requests.
+            self.kv.register_computed(rid, request.all_token_ids, request.num_computed_tokens)
             new_ids = runner_out.sampled_token_ids.get(rid, [])
             status = None
             for n, token_id in enumerate(new_ids):
@@ -211,6 +271,7 @@ class Scheduler:
         request.status = status
         request.finished_time = time.monotonic()
         self.kv.free(request.request_id)
+        self.kv.forget(request.request_id)
         self._finished_ids.add(request.request_id)
         self._preempted_ids.discard(request.request_id)
         del self.requests[request.request_id]

@@ -94,7 +94,8 @@ class EngineCore:
         self.kv_plan = plan_kv_cache(config.cache, self.platform,
                                      self.runner.kv_bytes_per_block(), self.max_model_len)
         self.runner.allocate_kv_cache(self.kv_plan.num_blocks)
-        kv = KVCacheManager(self.kv_plan.num_blocks, config.cache.block_size)
+        kv = KVCacheManager(self.kv_plan.num_blocks, config.cache.block_size,
+                            config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len)
         # (requests, tokens) the latest step computed, for batch-size metrics.
         self.last_batch: tuple[int, int] = (0, 0)

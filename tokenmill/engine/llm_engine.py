@@ -88,8 +88,10 @@ class LLMEngine:
             # Each sample gets its own seed stream, derived from the request's seed.
             seed = None if params.seed is None else params.seed + i
             child_params = dataclasses.replace(params, n=1, seed=seed)
+            # Samples after the first share its prompt's KV blocks instead of recomputing them.
             children.append(Request(f"{request_id}#{i}", token_ids, child_params, eos,
-                                    arrival_time=arrival))
+                                    arrival_time=arrival,
+                                    fork_of=f"{request_id}#0" if i else None))
         return children
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

@@ -47,6 +47,9 @@ class PrometheusStatLogger:
         self.num_waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
         self.preemptions = counter("num_preemptions", "Sequences preempted for lack of blocks.")
+        self.prefix_queries = counter("prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.finished = Counter(
@@ -68,18 +71,21 @@ class PrometheusStatLogger:
         self.batch_tokens = histogram("iteration_tokens", "Tokens computed per engine step.",
                                       _TOKEN_BUCKETS)
         self._model_name = model_name
-        self._preemptions_seen = 0
+        # Running totals already turned into counter increments.
+        self._seen = {"preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}
 
     def record(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:
         """Take one step's statistics and the scheduler's state after it."""
         self.num_running.set(scheduler.num_running)
         self.num_waiting.set(scheduler.num_waiting)
         self.kv_usage.set(scheduler.kv_cache_usage)
-        # The scheduler reports a running total; counters only go up by deltas.
-        delta = scheduler.num_preemptions_total - self._preemptions_seen
-        if delta > 0:
-            self.preemptions.inc(delta)
-        self._preemptions_seen = scheduler.num_preemptions_total
+        # The scheduler reports running totals; counters only go up by deltas.
+        for key, total in (("preemptions", scheduler.num_preemptions_total),
+                           ("prefix_queries", scheduler.prefix_cache_queries_total),
+                           ("prefix_hits", scheduler.prefix_cache_hits_total)):
+            if total > self._seen[key]:
+                getattr(self, key).inc(total - self._seen[key])
+                self._seen[key] = total
         if iteration.batch_size:
             self.batch_size.observe(iteration.batch_size)
             self.batch_tokens.observe(iteration.num_batched_tokens)

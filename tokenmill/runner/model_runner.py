@@ -88,12 +88,21 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(a.num_hidden_layers)]
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy KV blocks (source, destination) in every layer: copy-on-write of shared blocks."""
+        src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=self.device)
+        for cache in self.kv_caches:
+            cache.index_copy_(1, dst, cache.index_select(1, src))
+
     # ------------------------------------------------------------------------ one step
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run one step of the model for the scheduled tokens."""
         self._update_states(sched)
+        if sched.kv_copies:
+            self.copy_blocks(sched.kv_copies)
         if sched.is_empty:
             return RunnerOutput()
         inputs = self._prepare_inputs(sched)
@@ -142,6 +151,8 @@ class ModelRunner:
                 list(new.block_ids), new.num_computed_tokens, sampling, stop_ids)
         for cached in sched.cached_requests:
             state = self.requests[cached.request_id]
+            if cached.block_ids is not None:
+                state.block_ids = list(cached.block_ids)
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 

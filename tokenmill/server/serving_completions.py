@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -106,29 +106,38 @@ async def create_completion(state: ServerState, req: CompletionRequest,
     client = state.client
     if req.suffix is not None:
         raise bad_request("suffix is not supported", "suffix")
-    if req.best_of is not None and req.best_of != req.n:
-        raise bad_request("best_of must equal n (or be left out)", "best_of")
+    best_of = req.n if req.best_of is None else req.best_of
+    if best_of < req.n:
+        raise bad_request(f"best_of must be >= n ({req.n}), got {best_of}", "best_of")
+    if best_of > req.n and req.stream:
+        raise bad_request("best_of > n cannot be streamed: the best are known only at the end",
+                          "best_of")
     prompts = _prompts(state, req)
     if req.max_tokens is not None and req.max_tokens < 1:
         raise bad_request(f"max_tokens must be >= 1, got {req.max_tokens}", "max_tokens")
     for p in prompts:
         check_context(len(p.token_ids), req.max_tokens, client.max_model_len, "prompt")
     k = req.logprobs
-    params = sampling_params(req, client.vocab_size, max_tokens=req.max_tokens, logprobs=k,
+    # best_of ranks its samples by the sum of their tokens' logprobs: ask for those.
+    params = sampling_params(req, client.vocab_size, max_tokens=req.max_tokens,
+                             logprobs=0 if k is None and best_of > req.n else k,
                              prompt_logprobs=k if req.echo else None)
+    params = replace(params, n=best_of)
     group = await submit(state, [p.engine_prompt for p in prompts], params, "cmpl")
     rid, created = random_id("cmpl"), now()
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         events = _stream(state, group, req, prompts, model, rid, created, include_usage)
         return EngineStreamingResponse(events, group.close)
-    result = await until_disconnect(raw.receive, collect(group, len(prompts), req.n))
+    result = await until_disconnect(raw.receive, collect(group, len(prompts), best_of))
     if result is None:  # the client is gone; nobody reads this
         return Response(status_code=499)
     texts = TokenTexts(client.tokenizer)
     choices = []
     for p_index, (prompt, per_prompt) in enumerate(zip(prompts, result.choices, strict=True)):
-        for c_index, c in enumerate(per_prompt):
+        if best_of > req.n:
+            per_prompt = sorted(per_prompt, key=lambda c: -sum(lp.logprob for lp in c.logprobs))
+        for c_index, c in enumerate(per_prompt[:req.n]):
             text = "".join(c.text)
             lps = None
             if k is not None:
