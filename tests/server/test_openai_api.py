@@ -197,3 +197,4 @@ def test_prefix_cache_hits_are_counted(client: openai.OpenAI, server: Server) ->
     queries = "tokenmill:prefix_cache_queries_total"
     assert after[queries] - before.get(queries, 0.0) >= 2 * 60
     assert after[hits] - before.get(hits, 0.0) >= 48  # the second request's whole blocks
+    assert 0 < after["tokenmill:prefix_cache_hit_rate"] == after[hits] / after[queries]

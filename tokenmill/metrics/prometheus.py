@@ -50,6 +50,8 @@ class PrometheusStatLogger:
         self.prefix_queries = counter("prefix_cache_queries",
                                       "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.prefix_hit_rate = gauge("prefix_cache_hit_rate",
+                                     "Prefix-cache hits / queries since the start (0-1).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.finished = Counter(
@@ -86,6 +88,9 @@ class PrometheusStatLogger:
             if total > self._seen[key]:
                 getattr(self, key).inc(total - self._seen[key])
                 self._seen[key] = total
+        if scheduler.prefix_cache_queries_total:
+            self.prefix_hit_rate.set(scheduler.prefix_cache_hits_total
+                                     / scheduler.prefix_cache_queries_total)
         if iteration.batch_size:
             self.batch_size.observe(iteration.batch_size)
             self.batch_tokens.observe(iteration.num_batched_tokens)
