@@ -220,6 +220,23 @@ void attend_group_scalar(const T* q, int64_t q_stride, const PagedView<T>& kv, i
   }
 }
 
+template <typename T, typename O>
+using GroupKernel = void (*)(const T*, int64_t, const PagedView<T>&, int64_t, int64_t, int64_t,
+                             int64_t, float, O*, int64_t, std::vector<float>&);
+
+// The vectorized kernel for head size D, or nullptr where only the scalar one applies.
+template <typename T, typename O>
+GroupKernel<T, O> vector_kernel(int64_t D) {
+  switch (D) {
+    case 32: return &attend_group_vec<T, O, 2>;
+    case 64: return &attend_group_vec<T, O, 4>;
+    case 96: return &attend_group_vec<T, O, 6>;
+    case 128: return &attend_group_vec<T, O, 8>;
+    case 256: return &attend_group_vec<T, O, 16>;
+    default: return nullptr;
+  }
+}
+
 // Decode attention of every (sequence, KV head) pair: q [B, q_stride] with the Hq heads first,
 // out [B, Hq * D] (stored as O: bf16 when it feeds a quantized matmul). Threads only when the
 // contexts are long enough to pay for waking them.
@@ -230,28 +247,15 @@ void paged_decode_attention(const T* q, int64_t q_stride, const PagedView<T>& kv
   const int64_t G = Hq / Hkv;
   const int64_t work_per_item = std::max<int64_t>(1, 2 * G * max_len * D);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / work_per_item);
+  const GroupKernel<T, O> kernel = vector_kernel<T, O>(D);
   at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / Hkv, g = i % Hkv;
-      switch (D) {
-        case 32:
-          attend_group_vec<T, O, 2>(q, q_stride, kv, b, g, G, Hkv, scale, out, Hq * D, scores);
-          break;
-        case 64:
-          attend_group_vec<T, O, 4>(q, q_stride, kv, b, g, G, Hkv, scale, out, Hq * D, scores);
-          break;
-        case 96:
-          attend_group_vec<T, O, 6>(q, q_stride, kv, b, g, G, Hkv, scale, out, Hq * D, scores);
-          break;
-        case 128:
-          attend_group_vec<T, O, 8>(q, q_stride, kv, b, g, G, Hkv, scale, out, Hq * D, scores);
-          break;
-        case 256:
-          attend_group_vec<T, O, 16>(q, q_stride, kv, b, g, G, Hkv, scale, out, Hq * D, scores);
-          break;
-        default:
-          attend_group_scalar<T, O>(q, q_stride, kv, b, g, G, Hkv, D, scale, out, Hq * D, scores);
+      if (kernel != nullptr) {
+        kernel(q, q_stride, kv, b, g, G, Hkv, scale, out, Hq * D, scores);
+      } else {
+        attend_group_scalar<T, O>(q, q_stride, kv, b, g, G, Hkv, D, scale, out, Hq * D, scores);
       }
     }
   });
