@@ -11,16 +11,19 @@ import argparse
 
 
 def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
-    """Register `bench serve|throughput|latency|compare` (and `perplexity` where installed)."""
+    """Register `bench serve|throughput|latency|compare|spec` (and `perplexity` where
+    installed)."""
     from tokenmill.bench.compare import add_compare_parser
     from tokenmill.bench.latency import add_latency_parser
     from tokenmill.bench.serve import add_serve_parser
+    from tokenmill.bench.spec import add_spec_parser
     from tokenmill.bench.throughput import add_throughput_parser
 
     add_serve_parser(subparsers)
     add_throughput_parser(subparsers)
     add_latency_parser(subparsers)
     add_compare_parser(subparsers)
+    add_spec_parser(subparsers)
     _add_perplexity_parser(subparsers)
 
 
