@@ -9,7 +9,14 @@ import sys
 import time
 from collections.abc import Iterator
 
-from tokenmill.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tokenmill.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.output_processor import OutputKind
 from tokenmill.sampling_params import SamplingParams
@@ -40,6 +47,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--speculative", default="none", choices=["none", "ngram", "draft"],
+                   help="speculative decoding: ngram (prompt lookup) or draft (needs "
+                        "--speculative-model)")
+    g.add_argument("--speculative-model", default=None, metavar="PATH",
+                   help="draft model with the target's tokenizer, or self:N for the target's "
+                        "first N layers (implies --speculative draft)")
+    g.add_argument("--num-speculative-tokens", type=int, default=4)
+    g.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram prompt lookup uses")
+    g.add_argument("--ngram-max", type=int, default=4, help="longest n-gram prompt lookup uses")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -54,6 +70,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens),
         device=DeviceConfig(device=args.device, num_threads=args.threads),
+        speculative=SpeculativeConfig.from_options(
+            args.speculative, args.speculative_model,
+            num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
+            ngram_max=args.ngram_max),
     )
 
 
@@ -237,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    """`tokenmill bench serve|throughput|latency|compare|perplexity` (tokenmill/bench/)."""
+    """`tokenmill bench serve|throughput|latency|compare|spec|perplexity` (tokenmill/bench/)."""
     from tokenmill.bench import add_bench_parsers
 
     p = sub.add_parser("bench", help="benchmarks: load generator, throughput, latency, compare")

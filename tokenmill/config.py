@@ -101,6 +101,80 @@ class DeviceConfig:
         _positive("num_threads", self.num_threads)
 
 
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
+# More draft tokens than this per step cost more to verify than they can save.
+MAX_SPECULATIVE_TOKENS = 32
+# "self:N": the target's first N decoder layers as the draft model, sharing its weights.
+SELF_DRAFT_PREFIX = "self:"
+
+
+def _self_draft_layers(draft_model: str) -> int | None:
+    if not draft_model.startswith(SELF_DRAFT_PREFIX):
+        return None
+    n = draft_model.removeprefix(SELF_DRAFT_PREFIX)
+    if not n.isdigit() or int(n) < 1:
+        raise ValueError(f"speculative_model 'self:N' needs a positive layer count N, "
+                         f"got {draft_model!r}")
+    return int(n)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: propose up to ``num_speculative_tokens`` tokens per step, verify
+    them in one forward pass of the target model.
+
+    ``method`` "ngram" looks the tokens up in the request's own prompt and output (the longest
+    suffix n-gram, ``ngram_max`` down to ``ngram_min`` tokens, that occurred before); "draft"
+    runs ``draft_model``, a GGUF file or Hugging Face folder with the target's tokenizer, or
+    "self:N" for the target's first N layers.
+    """
+
+    method: str = "none"
+    num_speculative_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
+    draft_model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        _positive("num_speculative_tokens", self.num_speculative_tokens)
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, "
+                             f"got {self.num_speculative_tokens}")
+        _positive("ngram_min", self.ngram_min)
+        _positive("ngram_max", self.ngram_max)
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min must be <= ngram_max, got ngram_min={self.ngram_min} "
+                             f"and ngram_max={self.ngram_max}")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError("speculative_model (draft_model) is needed by, and only by, the "
+                             f"'draft' method; got method={self.method!r} and "
+                             f"draft_model={self.draft_model!r}")
+        if (self.draft_model is not None and _self_draft_layers(self.draft_model) is None
+                and not os.path.exists(self.draft_model)):
+            raise ValueError(f"speculative_model {self.draft_model!r} is neither 'self:N' nor "
+                             "a GGUF file or Hugging Face folder on disk")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+    @property
+    def self_draft_layers(self) -> int | None:
+        """N for a "self:N" draft model, None for a draft model loaded from disk."""
+        return None if self.draft_model is None else _self_draft_layers(self.draft_model)
+
+    @classmethod
+    def from_options(cls, speculative: str = "none", speculative_model: str | None = None,
+                     **kwargs: int) -> SpeculativeConfig:
+        """The CLI's and LLM()'s spelling: a draft model alone implies method "draft"."""
+        if speculative_model is not None and speculative == "none":
+            speculative = "draft"
+        return cls(method=speculative, draft_model=speculative_model, **kwargs)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an EngineCore needs."""
@@ -109,4 +183,5 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     log_stats: bool = False

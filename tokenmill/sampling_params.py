@@ -64,6 +64,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # False: one token per step even when the engine speculates (speculation is an engine
+    # setting; this lets one request opt out, e.g. to compare or to save the draft's work).
+    speculative: bool = True
     # Normalised copies filled by __post_init__.
     stop_strings: list[str] = field(default_factory=list, init=False, repr=False)
 
@@ -119,7 +122,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 _check_range(name, value, 0, MAX_LOGPROBS, integer=True)
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+                     "speculative"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         self._validate_stops()

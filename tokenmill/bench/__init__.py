@@ -11,11 +11,12 @@ import argparse
 
 
 def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
-    """Register `bench serve|throughput|latency|compare|prefix-cache` (and `perplexity`)."""
+    """Register `bench serve|throughput|latency|compare|prefix-cache|spec` and `perplexity`."""
     from tokenmill.bench.compare import add_compare_parser
     from tokenmill.bench.latency import add_latency_parser
     from tokenmill.bench.prefix_cache import add_prefix_cache_parser
     from tokenmill.bench.serve import add_serve_parser
+    from tokenmill.bench.spec import add_spec_parser
     from tokenmill.bench.throughput import add_throughput_parser
 
     add_serve_parser(subparsers)
@@ -23,6 +24,7 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
     add_latency_parser(subparsers)
     add_compare_parser(subparsers)
     add_prefix_cache_parser(subparsers)
+    add_spec_parser(subparsers)
     _add_perplexity_parser(subparsers)
 
 

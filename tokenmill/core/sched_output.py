@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec_decode.metrics import SpecDecodingStats
 
 
 @dataclass
@@ -42,6 +43,9 @@ class SchedulerOutput:
     # Order of the batch: new-token counts per request, new and cached requests together.
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
+    # Draft tokens to verify, per request decoding speculatively: its count in
+    # num_scheduled_tokens is 1 + len(drafts), the drafts following its last token.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # Requests that left the batch since the last step; the runner drops their state.
     finished_request_ids: set[str] = field(default_factory=set)
     # Requests preempted since the last step; the runner drops their cached layout but keeps
@@ -59,7 +63,8 @@ class SchedulerOutput:
 class RunnerOutput:
     """What the runner computed for one SchedulerOutput."""
 
-    # New tokens per request; empty for a request whose prompt is still being prefilled.
+    # New tokens per request; empty for a request whose prompt is still being prefilled. A
+    # request that verified draft tokens gets the accepted ones plus one more (1 to K + 1).
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Per request, per new token: (logprob of the sampled token, its rank, {token id: logprob}
     # of the top alternatives). Only for requests that asked for logprobs.
@@ -108,3 +113,5 @@ class SchedulerStats:
     # Prompt tokens looked up in the prefix cache and found there, since the start.
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
+    # Running totals of speculative decoding; None when the engine does not speculate.
+    spec_decoding: SpecDecodingStats | None = None

@@ -107,7 +107,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            new_blocks = self._allocate_or_preempt(request, num_new)
+            new_blocks, drafts = self._allocate_drafts(request, num_new, budget)
+            if new_blocks is None:
+                new_blocks = self._allocate_or_preempt(request, num_new)
             if new_blocks is None:
                 break  # request itself was preempted; it was the last running one
             data = CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens)
@@ -115,6 +117,9 @@ class Scheduler:
                 data = CachedRequestData(request.request_id, [], request.num_computed_tokens,
                                          block_ids=list(self.kv.get_block_ids(request.request_id)))
             out.cached_requests.append(data)
+            if drafts:
+                out.scheduled_spec_decode_tokens[request.request_id] = drafts
+                num_new += len(drafts)
             scheduled.append((request, num_new))
             budget -= num_new
             i += 1
@@ -134,6 +139,29 @@ class Scheduler:
         out.preempted_request_ids |= self._preempted_ids
         self._preempted_ids = set()
         return out
+
+    def _allocate_drafts(self, request: Request, num_new: int,
+                         budget: int) -> tuple[list[int] | None, list[int]]:
+        """New blocks and the draft tokens to verify, when a decoding request has drafts that
+        fit in the budget and in free blocks; (None, []) otherwise. Drafts never preempt."""
+        drafts, request.spec_token_ids = request.spec_token_ids[:budget - num_new], []
+        if not drafts or num_new != 1 or request.num_computed_tokens + 1 != request.num_tokens:
+            return None, []
+        new_blocks = self.kv.allocate_slots(
+            request.request_id, request.num_computed_tokens + 1 + len(drafts),
+            request.num_computed_tokens)
+        return (None, []) if new_blocks is None else (new_blocks, drafts)
+
+    def set_draft_tokens(self, drafts: dict[str, list[int]]) -> None:
+        """Draft tokens proposed for running requests, verified when next scheduled. Cut so
+        that all of them accepted plus one more token stay within the request's length limit."""
+        for rid, token_ids in drafts.items():
+            request = self.requests.get(rid)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            assert request.max_total_tokens is not None  # set by add_request
+            room = request.max_total_tokens - request.num_tokens - 1
+            request.spec_token_ids = token_ids[:max(room, 0)]
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> list[int] | None:
         """Blocks for ``num_new`` more tokens of a running request, preempting the newest
@@ -223,6 +251,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -238,9 +267,14 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None or request.is_finished:
                 continue
-            # Blocks this step filled are now cache hits for later requests.
-            self.kv.register_computed(rid, request.all_token_ids, request.num_computed_tokens)
             new_ids = runner_out.sampled_token_ids.get(rid, [])
+            drafts = sched_out.scheduled_spec_decode_tokens.get(rid)
+            if drafts:
+                # Rejected drafts were computed but are not part of the sequence: their KV slots
+                # get overwritten. The accepted ones and the last token are in the cache now.
+                request.num_computed_tokens -= len(drafts) + 1 - len(new_ids)
+            # Blocks this step filled (with tokens that stay) are now hits for later requests.
+            self.kv.register_computed(rid, request.all_token_ids, request.num_computed_tokens)
             status = None
             for n, token_id in enumerate(new_ids):
                 request.append_output_token(token_id)

@@ -5,14 +5,18 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
+
 from tokenmill.config import CacheConfig, EngineConfig
 from tokenmill.core.kv_cache import KVCacheManager, cdiv
-from tokenmill.core.sched_output import EngineCoreOutput, SchedulerStats
+from tokenmill.core.sched_output import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.model_loader import load_model
+from tokenmill.model_loader import LoadedModel, load_model
 from tokenmill.request import Request, RequestStatus
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.runner.platform import Platform, get_platform
+from tokenmill.spec_decode.metrics import SpecDecodingStats
+from tokenmill.spec_decode.proposer import make_proposer
 
 logger = logging.getLogger(__name__)
 
@@ -77,12 +81,14 @@ def plan_kv_cache(cache: CacheConfig, platform: Platform, bytes_per_block: int,
 class EngineCore:
     """Owns scheduler and runner; ``step()`` is one forward pass of the continuous batch."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        """``loaded``: a model already in memory (tests, tools) instead of ``config.model``."""
         self.config = config
         self.platform = get_platform(config.device.device)
         self.platform.set_num_threads(config.device.num_threads)
         self.dtype = self.platform.resolve_dtype(config.model.dtype)
-        loaded = load_model(config.model, self.platform.device, self.dtype)
+        if loaded is None:
+            loaded = load_model(config.model, self.platform.device, self.dtype)
         self.model_path = loaded.path
         self.quantization = loaded.quantization
         self.arch = loaded.arch
@@ -100,6 +106,11 @@ class EngineCore:
         # (requests, tokens) the latest step computed, for batch-size metrics.
         self.last_batch: tuple[int, int] = (0, 0)
         logger.info(self.kv_plan.describe())
+        self.proposer = make_proposer(config.speculative, self)
+        # Totals of speculative decoding; None when the engine does not speculate.
+        self.spec_stats = SpecDecodingStats() if self.proposer is not None else None
+        # Draft distributions of the drafts proposed for the next step (draft models only).
+        self._draft_probs: dict[str, torch.Tensor] = {}
 
     def _resolve_max_model_len(self, asked: int | None) -> int:
         model_max = self.arch.max_position_embeddings
@@ -126,11 +137,34 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule, run the model, and report each request's new tokens."""
+        """Schedule, run the model, and report each request's new tokens; then propose the
+        next step's draft tokens when speculating."""
         sched = self.scheduler.schedule()
         self.last_batch = (len(sched.num_scheduled_tokens), sched.total_num_scheduled_tokens)
-        runner_out = self.runner.execute(sched)
-        return self.scheduler.update(sched, runner_out)
+        runner_out = self.runner.execute(sched, self._draft_probs)
+        if self.spec_stats is not None:
+            for rid, drafts in sched.scheduled_spec_decode_tokens.items():
+                emitted = len(runner_out.sampled_token_ids.get(rid, ()))
+                self.spec_stats.observe(len(drafts), max(emitted - 1, 0))
+        outputs = self.scheduler.update(sched, runner_out)
+        if self.proposer is not None:
+            self._propose(sched)
+        return outputs
+
+    def _propose(self, sched: SchedulerOutput) -> None:
+        """Drafts for the running requests that decode (replacing any left unverified)."""
+        assert self.proposer is not None
+        self.proposer.finish(sched.finished_request_ids | sched.preempted_request_ids)
+        candidates = [r for r in self.scheduler.running if r.sampling_params.speculative
+                      and r.num_computed_tokens + 1 == r.num_tokens]
+        proposals = self.proposer.propose(candidates) if candidates else {}
+        self.scheduler.set_draft_tokens(
+            {r.request_id: proposals[r.request_id].token_ids if r.request_id in proposals else []
+             for r in candidates})
+        self._draft_probs = {rid: p.probs for rid, p in proposals.items() if p.probs is not None}
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        if self.spec_stats is not None:
+            stats.spec_decoding = self.spec_stats.copy()
+        return stats

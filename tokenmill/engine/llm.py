@@ -7,7 +7,14 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from tokenmill.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tokenmill.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -27,6 +34,9 @@ class LLM:
     ``kv_cache_memory_bytes``, else ``kv_cache_memory_fraction`` of free memory.
     ``quantization`` "int8" / "int4" stores the weights quantized (CPU, weight-only); "auto"
     keeps a GGUF file's own Q4 / Q8 weights compact on the CPU, "none" computes in float.
+    ``speculative="ngram"`` (prompt lookup) or ``speculative_model`` (a model file with the same
+    tokenizer, or "self:N": the first N layers of this one) turns on speculative decoding of
+    ``num_speculative_tokens`` tokens per step; ``llm.engine.core.spec_stats`` counts them.
     """
 
     def __init__(
@@ -48,6 +58,11 @@ class LLM:
         max_num_batched_tokens: int = 512,
         enable_chunked_prefill: bool = True,
         quantization: str = "auto",
+        speculative: str = "none",
+        speculative_model: str | None = None,
+        num_speculative_tokens: int = 4,
+        ngram_min: int = 2,
+        ngram_max: int = 4,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len,
@@ -60,6 +75,9 @@ class LLM:
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill),
             device=DeviceConfig(device=device, num_threads=num_threads),
+            speculative=SpeculativeConfig.from_options(
+                speculative, speculative_model, num_speculative_tokens=num_speculative_tokens,
+                ngram_min=ngram_min, ngram_max=ngram_max),
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()

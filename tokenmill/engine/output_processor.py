@@ -125,17 +125,23 @@ class OutputProcessor:
                 seq.inter_token_latencies.append(now - seq.last_token_time)
             seq.last_token_time = now
             metrics.last_token_time = now
-        seq.token_ids.extend(out.new_token_ids)
-        if seq.logprobs is not None and out.new_logprobs:
-            seq.logprobs.extend(out.new_logprobs)
-        delta = seq.detokenizer.add_tokens(out.new_token_ids)
-        if out.finished:
-            delta += seq.detokenizer.flush()
-        safe, matched = seq.stop.feed(delta, final=out.finished)
-        seq.text += safe
-        if matched is not None:
-            seq.finish_reason, seq.stop_reason = "stop", matched
-            return not out.finished
+        ids = out.new_token_ids
+        # Several tokens in one step (speculative decoding) go through the stop strings one at
+        # a time, so that the output ends at the token that completes a stop string.
+        step = 1 if seq.stop.stop_strings else max(len(ids), 1)
+        for i in range(0, max(len(ids), 1), step):
+            final = out.finished and i + step >= len(ids)
+            seq.token_ids.extend(ids[i:i + step])
+            if seq.logprobs is not None and out.new_logprobs:
+                seq.logprobs.extend(out.new_logprobs[i:i + step])
+            delta = seq.detokenizer.add_tokens(ids[i:i + step])
+            if final:
+                delta += seq.detokenizer.flush()
+            safe, matched = seq.stop.feed(delta, final=final)
+            seq.text += safe
+            if matched is not None:
+                seq.finish_reason, seq.stop_reason = "stop", matched
+                return not out.finished
         if out.finished:
             seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
         return False

@@ -13,6 +13,7 @@ from prometheus_client import (
 
 from tokenmill.core.sched_output import SchedulerStats
 from tokenmill.metrics.stats import IterationStats
+from tokenmill.spec_decode.metrics import SpecDecodingStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
                     5.0, 10.0, 20.0, 40.0, 80.0)
@@ -72,9 +73,20 @@ class PrometheusStatLogger:
                                     "step.", _BATCH_BUCKETS)
         self.batch_tokens = histogram("iteration_tokens", "Tokens computed per engine step.",
                                       _TOKEN_BUCKETS)
+        self.spec_drafts = counter("spec_decode_num_drafts",
+                                   "Speculative proposals verified (one per request and step).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens",
+                                         "Draft tokens verified.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                            "Draft tokens accepted.")
+        self.spec_accepted_per_pos = Counter(
+            "tokenmill:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft (0-based).",
+            ["model_name", "position"], registry=r)
         self._model_name = model_name
         # Running totals already turned into counter increments.
         self._seen = {"preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}
+        self._spec_seen = SpecDecodingStats()
 
     def record(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:
         """Take one step's statistics and the scheduler's state after it."""
@@ -91,6 +103,8 @@ class PrometheusStatLogger:
         if scheduler.prefix_cache_queries_total:
             self.prefix_hit_rate.set(scheduler.prefix_cache_hits_total
                                      / scheduler.prefix_cache_queries_total)
+        if scheduler.spec_decoding is not None:
+            self._record_spec(scheduler.spec_decoding)
         if iteration.batch_size:
             self.batch_size.observe(iteration.batch_size)
             self.batch_tokens.observe(iteration.num_batched_tokens)
@@ -108,6 +122,18 @@ class PrometheusStatLogger:
                 self.queue_time.observe(f.queue_time)
             self.prompt_len.observe(f.num_prompt_tokens)
             self.gen_len.observe(f.num_generation_tokens)
+
+    def _record_spec(self, totals: SpecDecodingStats) -> None:
+        """Counters go up by the change in the engine's running totals."""
+        seen = self._spec_seen
+        self.spec_drafts.inc(totals.num_drafts - seen.num_drafts)
+        self.spec_draft_tokens.inc(totals.num_draft_tokens - seen.num_draft_tokens)
+        self.spec_accepted_tokens.inc(totals.num_accepted_tokens - seen.num_accepted_tokens)
+        for pos, count in enumerate(totals.accepted_per_position):
+            before = seen.accepted_per_position[pos] if pos < len(seen.accepted_per_position) else 0
+            if count > before:
+                self.spec_accepted_per_pos.labels(self._model_name, str(pos)).inc(count - before)
+        self._spec_seen = totals.copy()
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

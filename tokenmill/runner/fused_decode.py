@@ -220,3 +220,18 @@ def make_fused_decoder(model: nn.Module, device: torch.device,
     except Exception as e:  # a failed compile must never take the engine down
         logger.warning("fused decode off, the C++ extension failed to build or load: %s", e)
     return None
+
+
+def forward_step(model: nn.Module, fused: FusedDecoder | None, input_ids: torch.Tensor,
+                 positions: torch.Tensor, attn_meta: AttentionMetadata,
+                 ) -> tuple[torch.Tensor, FusedDecoder | None]:
+    """Hidden states of one step: ``fused`` for a decode-only step it supports, else
+    ``model.forward``. Also returns the fused decoder to use from now on: None once it failed
+    (running the step again eagerly is safe: it rewrites the same KV slots)."""
+    if fused is not None and fused.supports(input_ids, attn_meta):
+        try:
+            return fused.forward(input_ids, positions, attn_meta), fused
+        except RuntimeError as e:
+            logger.warning("fused decode failed; using model.forward from now on: %s", e)
+            fused = None
+    return model(input_ids, positions, attn_meta), fused

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -11,12 +10,12 @@ from torch import nn
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenmill.models.config import ArchConfig
-from tokenmill.runner.fused_decode import make_fused_decoder
+from tokenmill.runner.batch import FlatBatch
+from tokenmill.runner.fused_decode import forward_step, make_fused_decoder
 from tokenmill.runner.platform import Platform
 from tokenmill.runner.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
 from tokenmill.sampling_params import SamplingParams
-
-logger = logging.getLogger(__name__)
+from tokenmill.spec_decode.verify import SpecRequest, verify_drafts
 
 
 @dataclass
@@ -42,6 +41,20 @@ class _RequestState:
 
 
 @dataclass
+class _SpecRows:
+    """The requests of a step that verify draft tokens, with their drafts and rows."""
+
+    states: list[_RequestState] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+
+    def add(self, state: _RequestState, drafts: list[int], rows: range) -> None:
+        self.states.append(state)
+        self.drafts.append(drafts)
+        self.rows.extend(rows)
+
+
+@dataclass
 class _StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -49,6 +62,8 @@ class _StepInputs:
     # Rows of the hidden states to sample from, and the requests they belong to.
     sample_rows: list[int]
     sample_states: list[_RequestState]
+    # Requests verifying draft tokens: every position of theirs is scored.
+    spec: _SpecRows
     # Per request needing prompt logprobs: (rows, target token ids, first prompt position).
     prompt_lp_rows: list[tuple[_RequestState, list[int], list[int]]]
 
@@ -98,8 +113,14 @@ class ModelRunner:
     # ------------------------------------------------------------------------ one step
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        """Run one step of the model for the scheduled tokens."""
+    def execute(self, sched: SchedulerOutput,
+                draft_probs: dict[str, torch.Tensor] | None = None) -> RunnerOutput:
+        """Run one step of the model for the scheduled tokens.
+
+        ``draft_probs`` are the distributions a draft model drew a request's draft tokens from
+        (``[K, V]``, at least as many rows as drafts scheduled); requests without are verified
+        as point-mass proposals.
+        """
         self._update_states(sched)
         if sched.kv_copies:
             self.copy_blocks(sched.kv_copies)
@@ -110,23 +131,21 @@ class ModelRunner:
         out = RunnerOutput()
         if inputs.prompt_lp_rows:
             self._prompt_logprobs(hidden, inputs, out)
-        if inputs.sample_rows:
-            rows = torch.tensor(inputs.sample_rows, device=self.device)
+        num_sampled = len(inputs.sample_rows)
+        if num_sampled or inputs.spec.states:
+            rows = torch.tensor(inputs.sample_rows + inputs.spec.rows, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))
-            self._sample(logits, inputs.sample_states, out)
+            if num_sampled:
+                self._sample(logits[:num_sampled], inputs.sample_states, out)
+            if inputs.spec.states:
+                self._verify(logits[num_sampled:], inputs.spec, draft_probs or {}, out)
         return out
 
     def _forward(self, inputs: _StepInputs) -> torch.Tensor:
         """``model.forward``, or the fused C++ stack for a decode-only step when it is on."""
-        fused = self.fused_decoder
-        if fused is not None and fused.supports(inputs.input_ids, inputs.attn_meta):
-            try:
-                return fused.forward(inputs.input_ids, inputs.positions, inputs.attn_meta)
-            except RuntimeError as e:
-                # Running the step again eagerly is safe: it rewrites the same KV slots.
-                logger.warning("fused decode failed; using model.forward from now on: %s", e)
-                self.fused_decoder = None
-        return self.model(inputs.input_ids, inputs.positions, inputs.attn_meta)
+        hidden, self.fused_decoder = forward_step(self.model, self.fused_decoder, inputs.input_ids,
+                                                  inputs.positions, inputs.attn_meta)
+        return hidden
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_request_ids:
@@ -157,57 +176,38 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _prepare_inputs(self, sched: SchedulerOutput) -> _StepInputs:
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
+        batch = FlatBatch(self.block_size)
         sample_rows: list[int] = []
         sample_states: list[_RequestState] = []
+        spec = _SpecRows()
         prompt_lp_rows: list[tuple[_RequestState, list[int], list[int]]] = []
         for rid, n in sched.num_scheduled_tokens.items():
             state = self.requests[rid]
             start = state.num_computed_tokens
             end = start + n
-            row0 = len(ids)
-            blocks = state.block_ids
-            ids.extend(state.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            query_lens.append(n)
-            seq_lens.append(end)
-            tables.append(blocks)
+            drafts = sched.scheduled_spec_decode_tokens.get(rid)
+            if drafts:
+                # The last token and the drafts after it; logits at each position verify them.
+                row0 = batch.add(state.token_ids[start:] + drafts, start, state.block_ids,
+                                 split=True)
+                spec.add(state, drafts, range(row0, row0 + n))
+                state.num_computed_tokens = end
+                continue
+            row0 = batch.add(state.token_ids[start:end], start, state.block_ids)
             state.num_computed_tokens = end
             if state.params.prompt_logprobs is not None:
                 self._plan_prompt_logprobs(state, start, end, row0, prompt_lp_rows)
             if end == len(state.token_ids):
                 sample_rows.append(row0 + n - 1)
                 sample_states.append(state)
-        width = max(len(t) for t in tables)
-        table_rows = [t + [0] * (width - len(t)) for t in tables]
-        dev = self.device
-        qsl = [0]
-        for q in query_lens:
-            qsl.append(qsl[-1] + q)
-        meta = AttentionMetadata(
-            backend=self.backend,
-            kv_caches=self.kv_caches,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(table_rows, dtype=torch.int32, device=dev),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-            block_size=bs,
-        )
+        input_ids, positions, meta = batch.build(self.backend, self.kv_caches, self.device)
         return _StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            input_ids=input_ids,
+            positions=positions,
             attn_meta=meta,
             sample_rows=sample_rows,
             sample_states=sample_states,
+            spec=spec,
             prompt_lp_rows=prompt_lp_rows,
         )
 
@@ -252,6 +252,26 @@ class ModelRunner:
             out.sampled_token_ids[state.request_id] = [token_id]
             if logprobs is not None and state.params.logprobs is not None:
                 out.logprobs[state.request_id] = [_trim(logprobs[i], state.params.logprobs)]
+
+    def _verify(self, logits: torch.Tensor, spec: _SpecRows,
+                draft_probs: dict[str, torch.Tensor], out: RunnerOutput) -> None:
+        """Accept or reject each request's drafts; it emits the accepted ones plus one."""
+        requests = [SpecRequest(
+            params=s.params,
+            prompt_token_ids=s.token_ids[:s.num_prompt_tokens],
+            output_token_ids=s.token_ids[s.num_prompt_tokens:],
+            draft_token_ids=drafts,
+            generator=s.sampling.generator,
+            stop_token_ids=s.stop_ids,
+            draft_probs=draft_probs.get(s.request_id),
+        ) for s, drafts in zip(spec.states, spec.drafts, strict=True)]
+        result = verify_drafts(logits, requests)
+        for state, token_ids, logprobs in zip(spec.states, result.token_ids, result.logprobs,
+                                              strict=True):
+            state.token_ids.extend(token_ids)
+            out.sampled_token_ids[state.request_id] = token_ids
+            if logprobs is not None:
+                out.logprobs[state.request_id] = logprobs
 
 
 def _trim(lp: TokenLogprobs, k: int) -> TokenLogprobs:

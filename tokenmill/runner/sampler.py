@@ -308,6 +308,13 @@ def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
 
 def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p, then an exponential race (Gumbel-max) per row."""
+    return exponential_race(sampling_weights(logits, meta), meta.generators)
+
+
+def sampling_weights(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """What a random row draws from, up to normalization: temperature, top-k, top-p, then
+    min-p, of logits that went through :func:`apply_logits_processors`. Speculative decoding
+    verifies draft tokens against these (normalized)."""
     assert meta.temperature is not None
     logits = logits / meta.temperature.unsqueeze(1)
     if meta.top_p is not None:
@@ -318,7 +325,7 @@ def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
     if meta.min_p is not None:
         floor = meta.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < floor, 0.0)
-    return _exponential_race(probs, meta.generators)
+    return probs
 
 
 def _top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
@@ -348,7 +355,7 @@ def _top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor | None,
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """argmax(p / q), q ~ Exp(1): a draw from p. A seeded row's q comes only from its own
     generator, so its token does not depend on its batch mates or its row index."""
     b, v = probs.shape

@@ -1,0 +1,73 @@
+"""The flat layout of one forward step: sequences' new tokens back to back, and the attention
+metadata that addresses their KV blocks. Shared by the model runner and the draft proposer."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tokenmill.attention.backend import AttentionBackend
+from tokenmill.attention.metadata import AttentionMetadata
+
+
+class FlatBatch:
+    """Collects a step's sequences; :meth:`build` turns them into tensors."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.ids: list[int] = []
+        self.positions: list[int] = []
+        self.slots: list[int] = []
+        self.query_lens: list[int] = []
+        self.seq_lens: list[int] = []
+        self.tables: list[list[int]] = []
+
+    def add(self, token_ids: Sequence[int], start: int, block_ids: list[int],
+            split: bool = False) -> int:
+        """Add tokens at positions ``start, start + 1, ...`` of a sequence whose KV lives in
+        ``block_ids``; returns the row of the first one.
+
+        ``split`` lays the tokens out as one-token sequences over the same blocks, sequence j
+        seeing ``start + j + 1`` tokens: causal attention as a decode-only step (which the fused
+        decode stack runs). The step writes every token's K/V before attending, so each one
+        reads its predecessors from the cache.
+        """
+        row0 = len(self.ids)
+        n = len(token_ids)
+        end = start + n
+        bs = self.block_size
+        self.ids.extend(token_ids)
+        self.positions.extend(range(start, end))
+        self.slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
+        if split:
+            self.query_lens.extend([1] * n)
+            self.seq_lens.extend(range(start + 1, end + 1))
+            self.tables.extend([block_ids] * n)
+        else:
+            self.query_lens.append(n)
+            self.seq_lens.append(end)
+            self.tables.append(block_ids)
+        return row0
+
+    def build(self, backend: AttentionBackend, kv_caches: list[torch.Tensor],
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Input ids, positions and the attention metadata of the collected sequences."""
+        width = max(len(t) for t in self.tables)
+        table_rows = [t + [0] * (width - len(t)) for t in self.tables]
+        qsl = [0]
+        for q in self.query_lens:
+            qsl.append(qsl[-1] + q)
+        meta = AttentionMetadata(
+            backend=backend,
+            kv_caches=kv_caches,
+            slot_mapping=torch.tensor(self.slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(table_rows, dtype=torch.int32, device=device),
+            query_lens_cpu=self.query_lens,
+            seq_lens_cpu=self.seq_lens,
+            block_size=self.block_size,
+        )
+        return (torch.tensor(self.ids, dtype=torch.int64, device=device),
+                torch.tensor(self.positions, dtype=torch.int64, device=device), meta)
