@@ -11,7 +11,9 @@ import argparse
 
 
 def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
-    """Register `bench serve|throughput|latency|compare` (and `perplexity` where installed)."""
+    """Register `bench serve|throughput|latency|compare|batch` (and `perplexity` where
+    installed)."""
+    from tokenmill.bench.batch import add_batch_bench_parser
     from tokenmill.bench.compare import add_compare_parser
     from tokenmill.bench.latency import add_latency_parser
     from tokenmill.bench.serve import add_serve_parser
@@ -21,6 +23,7 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
     add_throughput_parser(subparsers)
     add_latency_parser(subparsers)
     add_compare_parser(subparsers)
+    add_batch_bench_parser(subparsers)
     _add_perplexity_parser(subparsers)
 
 
