@@ -32,7 +32,7 @@ def test_both_endpoints_in_one_file(tmp_path, small_llm):
 
     greedy = SamplingParams(temperature=0, max_tokens=6)
     c1 = results["c1"]["response"]["body"]
-    assert c1["object"] == "chat.completion" and c1["model"] == "SmolLM2-135M-Instruct-Q4_1"
+    assert c1["object"] == "chat.completion" and c1["model"] == "SmolLM2-135M-Instruct.Q4_1"
     want = small_llm.chat([{"role": "user", "content": "Name a color."}], greedy)[0]
     assert texts(results["c1"]) == [want.outputs[0].text]
     assert c1["usage"]["completion_tokens"] == len(want.outputs[0].token_ids)

@@ -10,11 +10,15 @@ import sys
 import time
 from typing import Any
 
-# The engine settings of every stream test; ENGINE_ARGS are the same on the command line.
-ENGINE_KWARGS: dict[str, Any] = {"max_model_len": 512, "kv_cache_memory_bytes": 64 << 20}
-ENGINE_ARGS = ["--max-model-len", "512", "--kv-cache-memory", str(64 << 20)]
+# The engine settings of every stream test; ENGINE_ARGS are the same on the command line. Float
+# weights: greedy outputs then do not depend on batch mates, so runs can be compared. One thread
+# in a child process: OpenMP threads that share a busy core slow down many times over.
+ENGINE_KWARGS: dict[str, Any] = {"max_model_len": 512, "kv_cache_memory_bytes": 64 << 20,
+                                 "quantization": "none"}
+ENGINE_ARGS = ["--max-model-len", "512", "--kv-cache-memory", str(64 << 20),
+               "--quantization", "none", "--threads", "1"]
 MAX_TOKENS = 6
-TEMPLATE = "Classify the sentiment of this review as positive or negative: {text}\nAnswer:"
+TEMPLATE = "Review: {text}\nThe sentiment of this review (positive or negative) is"
 STREAM_CMD = [sys.executable, "-m", "tokenmill", "-q", "stream", *ENGINE_ARGS,
               "--template", TEMPLATE, "--temperature", "0", "--max-tokens", str(MAX_TOKENS)]
 REVIEWS = [

@@ -81,33 +81,33 @@ def run_batch_ray(input_path: str, output_path: str, config: EngineConfig, *,
         config = dataclasses.replace(
             config, device=dataclasses.replace(config.device, num_threads=threads))
 
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address=address, include_dashboard=False)
-    # The job's own bar counts requests and tokens; Ray's operator bars would fight with it.
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    try:
-        with ResultsFile(output_path) as results, \
-                progress_bar(input_path, results, progress) as bar:
-            rec = Recorder(results, bar)
-            rows = []
-            for item in plan(input_path, results, rec.stats):
-                if isinstance(item, LineError):
-                    rec.error(item)
-                else:
-                    rows.append({"line": item.line, "custom_id": item.custom_id,
-                                 "url": item.url, "body": json.dumps(item.body)})
-            if rows:
+    with ResultsFile(output_path) as results, progress_bar(input_path, results, progress) as bar:
+        rec = Recorder(results, bar)
+        rows = []
+        for item in plan(input_path, results, rec.stats):
+            if isinstance(item, LineError):
+                rec.error(item)
+            else:
+                rows.append({"line": item.line, "custom_id": item.custom_id, "url": item.url,
+                             "body": json.dumps(item.body)})
+        if rows:
+            actor_kwargs = {"config": config, "model_name": model_name,
+                            "max_in_flight": max_in_flight}
+            started = not ray.is_initialized()
+            if started:
+                ray.init(address=address, include_dashboard=False)
+            try:
+                # The job's own bar counts requests and tokens; Ray's bars would fight with it.
+                ray.data.DataContext.get_current().enable_progress_bars = False
                 answers = ray.data.from_items(rows).map_batches(
                     EngineActor, batch_size=batch_size, concurrency=num_actors,
                     num_cpus=cpus_per_actor, batch_format="numpy",
-                    fn_constructor_kwargs={"config": config, "model_name": model_name,
-                                           "max_in_flight": max_in_flight})
+                    fn_constructor_kwargs=actor_kwargs)
                 for row in answers.iter_rows():
                     rec.answer(Answer(int(row["line"]), str(row["text"]), bool(row["ok"]),
                                       int(row["prompt_tokens"]), int(row["output_tokens"])))
-            rec.stats.elapsed_s = time.perf_counter() - rec.start
-    finally:
-        if started:
-            ray.shutdown()
+            finally:
+                if started:
+                    ray.shutdown()
+        rec.stats.elapsed_s = time.perf_counter() - rec.start
     return rec.stats

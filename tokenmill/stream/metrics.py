@@ -51,7 +51,6 @@ class StreamStats:
             if not values:
                 continue
             s = summarize(values, PERCENTILES)
-            row = [s.mean, s.median, *(s.percentiles[p] for p in PERCENTILES),
-                   max(values) * 1000]
+            row = [s.mean, *(s.percentiles[p] for p in PERCENTILES), max(values) * 1000]
             lines.append(f"{label:<14}" + "".join(f"{v:>10.1f}" for v in row))
         return "\n".join(lines)

@@ -101,7 +101,7 @@ class RedisSource:
         now, wall = time.monotonic(), time.time()
         out = []
         for entry_id, fields in entries:
-            if fields is None:  # deleted from the stream while pending: nothing to answer
+            if not fields:  # deleted from the stream while pending (an entry has >= 1 field)
                 self.client.xack(self.stream, self.group, entry_id)
                 continue
             self._held.add(entry_id)
