@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tokenmill.batch.processor import DEFAULT_MAX_IN_FLIGHT
+from tokenmill.batch import DEFAULT_MAX_IN_FLIGHT
 
 
 def add_batch_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
+from tokenmill.batch import DEFAULT_MAX_IN_FLIGHT
 from tokenmill.batch.format import (
     ENDPOINTS,
     BatchRequest,
@@ -38,8 +39,6 @@ from tokenmill.server.serving_completions import (
 )
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MAX_IN_FLIGHT = 256
 
 
 @dataclass

@@ -14,9 +14,10 @@ import json
 import time
 from typing import Any
 
+from tokenmill.batch import DEFAULT_MAX_IN_FLIGHT
 from tokenmill.batch.format import BatchRequest, LineError
 from tokenmill.batch.job import BatchStats, Recorder, check_paths, plan, progress_bar
-from tokenmill.batch.processor import DEFAULT_MAX_IN_FLIGHT, Answer
+from tokenmill.batch.processor import Answer
 from tokenmill.batch.results import ResultsFile
 from tokenmill.config import EngineConfig
 
@@ -75,6 +76,8 @@ def run_batch_ray(input_path: str, output_path: str, config: EngineConfig, *,
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if cpus_per_actor <= 0:
         raise ValueError(f"cpus_per_actor must be > 0, got {cpus_per_actor}")
+    if max_in_flight < 1:
+        raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
     check_paths(input_path, output_path)
     if config.device.num_threads is None:
         threads = max(1, int(cpus_per_actor))
