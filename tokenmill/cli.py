@@ -253,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_info)
 
     add_bench_parser(sub)
+    add_batch_and_stream_parsers(sub)
     return parser
 
 
@@ -262,6 +263,15 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("bench", help="benchmarks: load generator, throughput, latency, compare")
     add_bench_parsers(p.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK"))
+
+
+def add_batch_and_stream_parsers(sub: argparse._SubParsersAction) -> None:
+    """`tokenmill batch` (tokenmill/batch/) and `tokenmill stream` (tokenmill/stream/)."""
+    from tokenmill.batch.cli import add_batch_parser
+    from tokenmill.stream.cli import add_stream_parser
+
+    add_batch_parser(sub)
+    add_stream_parser(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

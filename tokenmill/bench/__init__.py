@@ -11,7 +11,9 @@ import argparse
 
 
 def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
-    """Register `bench serve|throughput|latency|compare|prefix-cache|spec` and `perplexity`."""
+    """Register `bench serve|throughput|latency|compare|prefix-cache|spec|batch` and
+    `perplexity`."""
+    from tokenmill.bench.batch import add_batch_bench_parser
     from tokenmill.bench.compare import add_compare_parser
     from tokenmill.bench.latency import add_latency_parser
     from tokenmill.bench.prefix_cache import add_prefix_cache_parser
@@ -25,6 +27,7 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
     add_compare_parser(subparsers)
     add_prefix_cache_parser(subparsers)
     add_spec_parser(subparsers)
+    add_batch_bench_parser(subparsers)
     _add_perplexity_parser(subparsers)
 
 

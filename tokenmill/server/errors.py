@@ -106,6 +106,11 @@ def parse_json(body: bytes, model: type[M]) -> M:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
     if not isinstance(obj, dict):
         raise bad_request("the request body must be a JSON object")
+    return validate_body(obj, model)
+
+
+def validate_body(obj: dict[str, Any], model: type[M]) -> M:
+    """Validate a parsed body against ``model``; the 400 names the first bad field."""
     try:
         return model.model_validate(obj)
     except ValidationError as e:

@@ -16,6 +16,7 @@ from starlette.types import Receive, Scope, Send
 from tokenmill.core.sched_output import TokenLogprobs
 from tokenmill.engine.async_llm import EngineDeadError, EngineOverloadedError, RequestGroup
 from tokenmill.engine.llm_engine import PromptType
+from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.protocol import UsageInfo, _SamplingFields
@@ -141,6 +142,14 @@ class Collected:
     choices: list[list[Choice]]  # [prompt][sequence]
     prompt_token_ids: list[list[int]]
     prompt_logprobs: list[list[TokenLogprobs | None] | None]
+
+    @classmethod
+    def from_final(cls, outputs: Sequence[RequestOutput]) -> Collected:
+        """The same, from each prompt's final (FINAL_ONLY or CUMULATIVE) output, in order."""
+        return cls(
+            [[Choice([c.text], len(c.token_ids), list(c.logprobs or []), c.finish_reason,
+                     c.stop_reason) for c in out.outputs] for out in outputs],
+            [out.prompt_token_ids for out in outputs], [out.prompt_logprobs for out in outputs])
 
     def usage(self) -> UsageInfo:
         prompt = sum(len(p) for p in self.prompt_token_ids)

@@ -10,7 +10,8 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenmill.core.sched_output import TokenLogprobs
 from tokenmill.engine.async_llm import EngineDeadError, RequestGroup
-from tokenmill.sampling_params import MAX_LOGPROBS
+from tokenmill.engine.llm_engine import PromptType
+from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.protocol import (
     ChatChoice,
@@ -28,6 +29,7 @@ from tokenmill.server.protocol import (
     random_id,
 )
 from tokenmill.server.serving_base import (
+    Collected,
     EngineStreamingResponse,
     TokenTexts,
     check_context,
@@ -68,11 +70,16 @@ def chat_logprobs(lps: list[TokenLogprobs], k: int, texts: TokenTexts) -> ChatLo
     return ChatLogprobs(content=content)
 
 
-async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
-                                 raw: Request) -> Response:
-    """Validate, submit and answer one chat completion request."""
-    model = check_model(state, req.model)
-    client = state.client
+def logprobs_k(req: ChatCompletionRequest) -> int | None:
+    """Alternatives per token that the response's logprobs carry; None without logprobs."""
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, vocab_size: int,
+                 max_model_len: int) -> tuple[PromptType, SamplingParams]:
+    """The engine prompt and sampling parameters of a chat request; 400 names the bad field.
+
+    Shared by the server and the batch job, so both accept and reject the same bodies."""
     if not req.messages:
         raise bad_request("messages must not be empty", "messages")
     if req.top_logprobs is not None and not req.logprobs:
@@ -80,16 +87,38 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
         raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
                           "top_logprobs")
-    text, ids = render_prompt(client.tokenizer, req)
+    text, ids = render_prompt(tokenizer, req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"{param} must be >= 1, got {max_tokens}", param)
-    check_context(len(ids), max_tokens, client.max_model_len, "messages", param)
-    k = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, client.vocab_size, max_tokens=max_tokens, logprobs=k)
-    group = await submit(state, [{"prompt": text, "prompt_token_ids": ids}], params, "chatcmpl")
+    check_context(len(ids), max_tokens, max_model_len, "messages", param)
+    params = sampling_params(req, vocab_size, max_tokens=max_tokens, logprobs=logprobs_k(req))
+    return {"prompt": text, "prompt_token_ids": ids}, params
+
+
+def chat_response(req: ChatCompletionRequest, result: Collected, tokenizer: Tokenizer,
+                  model: str, rid: str, created: int) -> ChatCompletionResponse:
+    """The whole (non-streamed) response body of a finished chat request."""
+    texts = TokenTexts(tokenizer)
+    k = logprobs_k(req)
+    choices = [
+        ChatChoice(index=i, message=ChatMessage(content="".join(c.text)),
+                   logprobs=chat_logprobs(c.logprobs, k, texts) if k is not None else None,
+                   finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+        for i, c in enumerate(result.choices[0])]
+    return ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
+                                  usage=result.usage())
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
+                                 raw: Request) -> Response:
+    """Validate, submit and answer one chat completion request."""
+    model = check_model(state, req.model)
+    client = state.client
+    prompt, params = prepare_chat(req, client.tokenizer, client.vocab_size, client.max_model_len)
+    group = await submit(state, [prompt], params, "chatcmpl")
     rid, created = random_id("chatcmpl"), now()
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -98,14 +127,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     result = await until_disconnect(raw.receive, collect(group, 1, req.n))
     if result is None:  # the client is gone; nobody reads this
         return Response(status_code=499)
-    texts = TokenTexts(client.tokenizer)
-    choices = [
-        ChatChoice(index=i, message=ChatMessage(content="".join(c.text)),
-                   logprobs=chat_logprobs(c.logprobs, k, texts) if k is not None else None,
-                   finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-        for i, c in enumerate(result.choices[0])]
-    body = ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
-                                  usage=result.usage())
+    body = chat_response(req, result, client.tokenizer, model, rid, created)
     return JSONResponse(body.model_dump())
 
 
@@ -113,7 +135,7 @@ async def _stream(state: ServerState, group: RequestGroup, req: ChatCompletionRe
                   model: str, rid: str, created: int, include_usage: bool) -> AsyncIterator[str]:
     """Chunks: the role first, then content deltas, the finish reasons, usage, [DONE]."""
     texts = TokenTexts(state.client.tokenizer)
-    k = (req.top_logprobs or 0) if req.logprobs else None
+    k = logprobs_k(req)
 
     def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
         return sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=choices,

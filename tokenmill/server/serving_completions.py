@@ -12,6 +12,7 @@ from tokenmill.core.sched_output import TokenLogprobs
 from tokenmill.engine.async_llm import EngineDeadError, RequestGroup
 from tokenmill.engine.llm_engine import PromptType
 from tokenmill.outputs import CompletionOutput
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.protocol import (
     CompletionChoice,
@@ -23,6 +24,7 @@ from tokenmill.server.protocol import (
     random_id,
 )
 from tokenmill.server.serving_base import (
+    Collected,
     EngineStreamingResponse,
     TokenTexts,
     check_context,
@@ -37,33 +39,36 @@ from tokenmill.server.serving_base import (
     until_disconnect,
 )
 from tokenmill.server.state import ServerState
+from tokenmill.tokenizer import Tokenizer
 
 
 @dataclass
-class _Prompt:
+class CompletionPrompt:
+    """One prompt of a completions request, as the engine and the response need it."""
+
     engine_prompt: PromptType
     token_ids: list[int]
     text: str  # for echo
 
 
-def _prompts(state: ServerState, req: CompletionRequest) -> list[_Prompt]:
+def _prompts(req: CompletionRequest, tok: Tokenizer, vocab: int) -> list[CompletionPrompt]:
     """Tokenized, validated prompts; 400 names what is wrong."""
     raw = req.prompt
     if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
         raw = [raw]  # type: ignore[list-item]
     if not raw:
         raise bad_request("prompt must not be empty", "prompt")
-    tok, vocab = state.client.tokenizer, state.client.vocab_size
     out = []
     for p in raw:
         if isinstance(p, str):
             if not p:
                 raise bad_request("prompt must not be an empty string", "prompt")
             ids = tok.encode(p)
-            out.append(_Prompt({"prompt": p, "prompt_token_ids": ids}, ids, p))
+            out.append(CompletionPrompt({"prompt": p, "prompt_token_ids": ids}, ids, p))
         else:
             check_token_ids(p, vocab, "prompt")
-            out.append(_Prompt(list(p), list(p), tok.decode(p, skip_special_tokens=False)))
+            text = tok.decode(p, skip_special_tokens=False)
+            out.append(CompletionPrompt(list(p), list(p), text))
     return out
 
 
@@ -92,18 +97,18 @@ def _merge(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
                               tokens=a.tokens + b.tokens, top_logprobs=a.top_logprobs + b.top_logprobs)
 
 
-def _echo_logprobs(prompt: _Prompt, lps: list[TokenLogprobs | None] | None, k: int,
+def _echo_logprobs(prompt: CompletionPrompt, lps: list[TokenLogprobs | None] | None, k: int,
                    texts: TokenTexts) -> CompletionLogprobs:
     entries = list(lps or [None])
     entries += [None] * (len(prompt.token_ids) - len(entries))
     return completion_logprobs(prompt.token_ids, entries[:len(prompt.token_ids)], k, texts, 0)
 
 
-async def create_completion(state: ServerState, req: CompletionRequest,
-                            raw: Request) -> Response:
-    """Validate, submit and answer one completions request."""
-    model = check_model(state, req.model)
-    client = state.client
+def prepare_completion(req: CompletionRequest, tokenizer: Tokenizer, vocab_size: int,
+                       max_model_len: int) -> tuple[list[CompletionPrompt], SamplingParams]:
+    """The prompts and sampling parameters of a completions request; 400 names the bad field.
+
+    Shared by the server and the batch job, so both accept and reject the same bodies."""
     if req.suffix is not None:
         raise bad_request("suffix is not supported", "suffix")
     best_of = req.n if req.best_of is None else req.best_of
@@ -112,30 +117,28 @@ async def create_completion(state: ServerState, req: CompletionRequest,
     if best_of > req.n and req.stream:
         raise bad_request("best_of > n cannot be streamed: the best are known only at the end",
                           "best_of")
-    prompts = _prompts(state, req)
+    prompts = _prompts(req, tokenizer, vocab_size)
     if req.max_tokens is not None and req.max_tokens < 1:
         raise bad_request(f"max_tokens must be >= 1, got {req.max_tokens}", "max_tokens")
     for p in prompts:
-        check_context(len(p.token_ids), req.max_tokens, client.max_model_len, "prompt")
-    k = req.logprobs
+        check_context(len(p.token_ids), req.max_tokens, max_model_len, "prompt")
     # best_of ranks its samples by the sum of their tokens' logprobs: ask for those.
-    params = sampling_params(req, client.vocab_size, max_tokens=req.max_tokens,
+    k = req.logprobs
+    params = sampling_params(req, vocab_size, max_tokens=req.max_tokens,
                              logprobs=0 if k is None and best_of > req.n else k,
                              prompt_logprobs=k if req.echo else None)
-    params = replace(params, n=best_of)
-    group = await submit(state, [p.engine_prompt for p in prompts], params, "cmpl")
-    rid, created = random_id("cmpl"), now()
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        events = _stream(state, group, req, prompts, model, rid, created, include_usage)
-        return EngineStreamingResponse(events, group.close)
-    result = await until_disconnect(raw.receive, collect(group, len(prompts), best_of))
-    if result is None:  # the client is gone; nobody reads this
-        return Response(status_code=499)
-    texts = TokenTexts(client.tokenizer)
+    return prompts, replace(params, n=best_of)
+
+
+def completion_response(req: CompletionRequest, prompts: list[CompletionPrompt],
+                        result: Collected, tokenizer: Tokenizer, model: str, rid: str,
+                        created: int) -> CompletionResponse:
+    """The whole (non-streamed) response body of a finished completions request."""
+    texts = TokenTexts(tokenizer)
+    k = req.logprobs
     choices = []
     for p_index, (prompt, per_prompt) in enumerate(zip(prompts, result.choices, strict=True)):
-        if best_of > req.n:
+        if len(per_prompt) > req.n:  # best_of: the most likely samples
             per_prompt = sorted(per_prompt, key=lambda c: -sum(lp.logprob for lp in c.logprobs))
         for c_index, c in enumerate(per_prompt[:req.n]):
             text = "".join(c.text)
@@ -150,12 +153,31 @@ async def create_completion(state: ServerState, req: CompletionRequest,
             choices.append(CompletionChoice(
                 index=p_index * req.n + c_index, text=prompt.text + text if req.echo else text,
                 logprobs=lps, finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-    body = CompletionResponse(id=rid, created=created, model=model, choices=choices,
+    return CompletionResponse(id=rid, created=created, model=model, choices=choices,
                               usage=result.usage())
+
+
+async def create_completion(state: ServerState, req: CompletionRequest,
+                            raw: Request) -> Response:
+    """Validate, submit and answer one completions request."""
+    model = check_model(state, req.model)
+    client = state.client
+    prompts, params = prepare_completion(req, client.tokenizer, client.vocab_size,
+                                         client.max_model_len)
+    group = await submit(state, [p.engine_prompt for p in prompts], params, "cmpl")
+    rid, created = random_id("cmpl"), now()
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        events = _stream(state, group, req, prompts, model, rid, created, include_usage)
+        return EngineStreamingResponse(events, group.close)
+    result = await until_disconnect(raw.receive, collect(group, len(prompts), params.n))
+    if result is None:  # the client is gone; nobody reads this
+        return Response(status_code=499)
+    body = completion_response(req, prompts, result, client.tokenizer, model, rid, created)
     return JSONResponse(body.model_dump())
 
 
-def _stream_choice(req: CompletionRequest, prompt: _Prompt,
+def _stream_choice(req: CompletionRequest, prompt: CompletionPrompt,
                    prompt_lps: list[TokenLogprobs | None] | None, c: CompletionOutput,
                    index: int, first: bool, offset: int, texts: TokenTexts) -> CompletionChoice:
     """One choice's delta; the first one of a choice carries the prompt when echoing."""
@@ -173,7 +195,7 @@ def _stream_choice(req: CompletionRequest, prompt: _Prompt,
 
 
 async def _stream(state: ServerState, group: RequestGroup, req: CompletionRequest,
-                  prompts: list[_Prompt], model: str, rid: str, created: int,
+                  prompts: list[CompletionPrompt], model: str, rid: str, created: int,
                   include_usage: bool) -> AsyncIterator[str]:
     """Chunks of new text per choice (echo first), usage when asked, then [DONE]."""
     texts = TokenTexts(state.client.tokenizer)

@@ -1,0 +1,62 @@
+"""`tokenmill batch`: an OpenAI Batch API JSONL file through the engine, resumable, on one
+process or on Ray Data actors."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tokenmill.batch import DEFAULT_MAX_IN_FLIGHT
+
+
+def add_batch_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `tokenmill batch`."""
+    from tokenmill.cli import add_engine_args
+
+    p = subparsers.add_parser(
+        "batch", help="answer an OpenAI Batch API JSONL file (resumable)",
+        description="Answer every line of an OpenAI Batch API input file ({custom_id, method, "
+                    "url: /v1/chat/completions | /v1/completions, body}) into a results file. "
+                    "Answers are appended as they finish: run the same command again after a "
+                    "crash and it finishes the rest.")
+    p.add_argument("-i", "--input", required=True, help="input JSONL file")
+    p.add_argument("-o", "--output", required=True, help="results JSONL file (appended to)")
+    p.add_argument("--max-in-flight", type=int, default=DEFAULT_MAX_IN_FLIGHT,
+                   help="requests queued in the engine at once (per engine)")
+    p.add_argument("--served-model-name", default=None,
+                   help="`model` in the response bodies (default: the model file's name)")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    g = p.add_argument_group("ray", "scale out on Ray Data (pip install 'ray[data]')")
+    g.add_argument("--ray", action="store_true", help="run on Ray Data actors")
+    g.add_argument("--ray-actors", type=int, default=2, help="actors, each holding an engine")
+    g.add_argument("--ray-batch-size", type=int, default=64, help="lines per actor call")
+    g.add_argument("--ray-cpus-per-actor", type=float, default=1.0)
+    g.add_argument("--ray-address", default=None,
+                   help="Ray cluster to join (default: $RAY_ADDRESS, else a local one)")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_batch)
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    """Run `tokenmill batch`."""
+    from tokenmill.cli import engine_config_from_args
+
+    config = engine_config_from_args(args)
+    if args.ray:
+        from tokenmill.batch.ray_job import run_batch_ray
+
+        stats = run_batch_ray(args.input, args.output, config, num_actors=args.ray_actors,
+                              batch_size=args.ray_batch_size,
+                              cpus_per_actor=args.ray_cpus_per_actor, address=args.ray_address,
+                              model_name=args.served_model_name,
+                              max_in_flight=args.max_in_flight, progress=args.progress)
+    else:
+        from tokenmill.batch.job import check_paths, run_batch
+        from tokenmill.engine.llm_engine import LLMEngine
+
+        check_paths(args.input, args.output)  # before the model loads
+        stats = run_batch(args.input, args.output, LLMEngine(config),
+                          max_in_flight=args.max_in_flight, model_name=args.served_model_name,
+                          progress=args.progress)
+    print(stats.summary(), file=sys.stderr)
+    return 0
