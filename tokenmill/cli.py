@@ -53,7 +53,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-model", default=None, metavar="PATH",
                    help="draft model with the target's tokenizer, or self:N for the target's "
                         "first N layers (implies --speculative draft)")
-    g.add_argument("--num-speculative-tokens", type=int, default=4)
+    g.add_argument("--num-speculative-tokens", type=int, default=3,
+                   help="draft tokens verified per step")
     g.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram prompt lookup uses")
     g.add_argument("--ngram-max", type=int, default=4, help="longest n-gram prompt lookup uses")
 

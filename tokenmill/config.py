@@ -127,10 +127,14 @@ class SpeculativeConfig:
     suffix n-gram, ``ngram_max`` down to ``ngram_min`` tokens, that occurred before); "draft"
     runs ``draft_model``, a GGUF file or Hugging Face folder with the target's tokenizer, or
     "self:N" for the target's first N layers.
+
+    The default of 3 drafts verifies 4 positions per step: on the CPU the int4 kernel computes
+    rows in tiles of 4, so 4 rows cost about 1.5x one row, 5 to 8 rows about 2.8x (7 drafts
+    pay off where nearly all are accepted, e.g. copying text).
     """
 
     method: str = "none"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 3
     ngram_min: int = 2
     ngram_max: int = 4
     draft_model: str | None = None

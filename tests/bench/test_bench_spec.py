@@ -22,6 +22,6 @@ def test_bench_spec_writes_rows(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert set(rows) == {"none", "ngram"}
     assert rows["none"]["speedup"] == pytest.approx(1.0)
     assert rows["none"]["mean_acceptance_length"] is None
-    assert rows["ngram"]["output_tokens"] == 12 and rows["ngram"]["same_tokens_as_none"]
+    assert rows["ngram"]["output_tokens"] == 12 and rows["ngram"]["same_tokens_as_first_mode"]
     assert rows["ngram"]["mean_acceptance_length"] >= 1.0
     assert "| ngram | code |" in capsys.readouterr().out

@@ -42,7 +42,8 @@ def tiny() -> LoadedModel:
             if p.ndim >= 2:
                 p.normal_(0.0, 0.25, generator=gen)
     tokenizer = SimpleNamespace(eos_token_ids=frozenset())
-    return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, path="tiny")  # type: ignore[arg-type]
+    return LoadedModel(model=model, arch=arch, path="tiny",
+                       tokenizer=tokenizer)  # type: ignore[arg-type]
 
 
 def make_core(tiny: LoadedModel, spec: SpeculativeConfig) -> EngineCore:

@@ -24,7 +24,8 @@ COMMON = dict(dtype="float32", quantization="none", max_model_len=512,
 
 
 def greedy(max_tokens: int = 32, **kw: object) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)  # type: ignore[arg-type]
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                          **kw)  # type: ignore[arg-type]
 
 
 def tokens(outputs: list) -> list[list[int]]:
@@ -43,7 +44,8 @@ def ngram() -> LLM:
 
 @pytest.fixture(scope="module")
 def self_draft() -> LLM:
-    return LLM(**COMMON, speculative_model="self:8", num_speculative_tokens=3)  # type: ignore[arg-type]
+    return LLM(**COMMON, speculative_model="self:8",  # type: ignore[arg-type]
+               num_speculative_tokens=3)
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "self_draft"])

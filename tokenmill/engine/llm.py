@@ -60,7 +60,7 @@ class LLM:
         quantization: str = "auto",
         speculative: str = "none",
         speculative_model: str | None = None,
-        num_speculative_tokens: int = 4,
+        num_speculative_tokens: int = 3,
         ngram_min: int = 2,
         ngram_max: int = 4,
     ) -> None:
