@@ -187,3 +187,15 @@ def test_config_errors_name_the_field() -> None:
     assert SpeculativeConfig.from_options(speculative_model="self:4").method == "draft"
     with pytest.raises(ValueError, match="fewer layers"):
         LLM(**COMMON, speculative_model="self:30")  # type: ignore[arg-type]
+
+
+def test_draft_model_loaded_from_a_path(plain: LLM, smollm_path: str) -> None:
+    """A draft from a model file (here the target's own GGUF: same tokenizer, and a draft that
+    agrees with the target on nearly every token)."""
+    spec = LLM(**COMMON, speculative_model=smollm_path,  # type: ignore[arg-type]
+               num_speculative_tokens=3)
+    assert tokens(spec.generate(PROMPTS[:2], greedy(24))) == tokens(
+        plain.generate(PROMPTS[:2], greedy(24)))
+    stats = spec.engine.core.spec_stats
+    assert stats is not None
+    assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens > 0
