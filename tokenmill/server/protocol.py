@@ -56,6 +56,8 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # False opts this request out of the server's speculative decoding.
+    speculative: bool = True
 
 
 class ChatCompletionRequest(_SamplingFields):

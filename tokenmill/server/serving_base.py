@@ -71,7 +71,7 @@ def sampling_params(req: _SamplingFields, vocab_size: int, *, max_tokens: int | 
             include_stop_str_in_output=req.include_stop_str_in_output,
             ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=req.skip_special_tokens)
+            skip_special_tokens=req.skip_special_tokens, speculative=req.speculative)
         params.validate(vocab_size=vocab_size)
     except ValueError as e:
         raise bad_request(str(e), _param_of(str(e))) from None
