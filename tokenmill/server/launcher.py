@@ -20,8 +20,7 @@ from types import FrameType
 import uvicorn
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.async_llm import AsyncLLM
-from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.async_llm import AsyncLLM, load_engine_for_thread
 from tokenmill.metrics.prometheus import PrometheusStatLogger
 from tokenmill.server.app import build_app
 from tokenmill.server.state import ServerConfig, ServerState
@@ -94,7 +93,8 @@ class _Server(uvicorn.Server):
 def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     """Serve until SIGTERM (exit code 0) or an engine failure (exit code 1)."""
     # The model loads before the port opens: anything that answers is ready to serve.
-    engine = LLMEngine(engine_config)
+    # Not in this thread: see load_engine_for_thread.
+    engine = load_engine_for_thread(engine_config)
     if config.served_model_name is None:
         config = dataclasses.replace(config, served_model_name=model_name(engine.core.model_path))
     metrics = PrometheusStatLogger(config.served_model_name or "default")
