@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from gguf_files import write_gguf
 
 from tokenmill.model_loader.gguf import (
     GGUFModel,
@@ -124,25 +125,9 @@ HIDDEN, HEADS, KV_HEADS, FFN, VOCAB = 64, 4, 2, 96, 32
 
 def _write(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, Q]],
            meta: dict[str, Any] | None = None) -> None:
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(1)
-    writer.add_context_length(4096)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_freq_base(500000.0)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    for key, value in (meta or {}).items():
-        getattr(writer, key)(value)
-    for name, (array, qtype) in tensors.items():
-        writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    base = {"add_rope_freq_base": 500000.0, "add_bos_token_id": 1, "add_eos_token_id": 2}
+    write_gguf(path, arch, tensors, hidden=HIDDEN, ffn=FFN, heads=HEADS, kv_heads=KV_HEADS,
+               context_length=4096, rms_eps=1e-6, meta={**base, **(meta or {})})
 
 
 def _weights(seed: int, qwen3: bool = False) -> dict[str, tuple[np.ndarray, Q]]:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import gguf
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from gguf_files import write_gguf
 from quant_helpers import logits_of
 
 from tokenmill.config import ModelConfig
@@ -53,20 +53,8 @@ def small_gguf(tmp_path_factory: pytest.TempPathFactory) -> GGUFModel:
         "output_norm.weight": (1 + r(HIDDEN), Q.F32),
     }
     path = tmp_path_factory.mktemp("gguf") / "small.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(1)
-    writer.add_context_length(256)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_layer_norm_rms_eps(1e-5)
-    for name, (array, qtype) in tensors.items():
-        writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf(path, "llama", tensors, hidden=HIDDEN, ffn=FFN, heads=HEADS, kv_heads=KV_HEADS,
+               context_length=256, rms_eps=1e-5)
     return load_gguf(str(path))
 
 
