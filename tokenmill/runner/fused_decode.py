@@ -63,7 +63,7 @@ def load_extension() -> ModuleType:
     # torch rebuilds when the .cpp changes but not when a header does: the name carries a
     # hash of every file in csrc, so an edited header is a new extension.
     digest = hashlib.sha256()
-    for path in sorted(_CSRC.iterdir()):
+    for path in sorted(p for p in _CSRC.iterdir() if p.is_file()):
         digest.update(path.name.encode() + path.read_bytes())
     return cpp_extension.load(
         name=f"tokenmill_fused_decode_{digest.hexdigest()[:12]}",
