@@ -26,20 +26,32 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Options shared by every command that starts an engine."""
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
-                   help="GGUF file or Hugging Face folder (default: embedded SmolLM2-135M-Instruct)")
+                   help="GGUF file or Hugging Face folder (default: embedded "
+                        "SmolLM2-135M-Instruct); with --load-format dummy also a preset: "
+                        "llama-3.1-8b, qwen3-0.6b")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"])
-    g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
-                   help="weight-only: int8 per channel or int4 in groups of 32 (CPU); auto "
-                        "keeps a GGUF file's Q4 (int4) or Q5-Q8 (int8) weights compact on the "
-                        "CPU and is none otherwise")
+    g.add_argument("--quantization", default="auto",
+                   choices=["auto", "none", "int8", "int4", "fp8"],
+                   help="int8 per channel or int4 in groups of 32 (weight-only), fp8 (e4m3 "
+                        "weights and per-token activations); auto keeps a GGUF file's Q4 (int4) "
+                        "or Q5-Q8 (int8) weights compact on the CPU and is none otherwise")
     g.add_argument("--device", default="auto")
     g.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES")
-    g.add_argument("--kv-cache-memory-fraction", type=float, default=0.2)
+    g.add_argument("--kv-cache-memory-fraction", type=float, default=0.2,
+                   help="share of free memory for the KV cache (CPU)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU's total memory the engine may use, weights included; "
+                        "the KV cache gets the rest after a profiling step (CUDA)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: run every decode step eagerly (CUDA)")
+    g.add_argument("--cuda-graph-max-batch-size", type=int, default=None,
+                   help="largest decode batch replayed from a CUDA graph (default: "
+                        "--max-num-seqs)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV cache of shared prompt prefixes (--no-prefix-caching: off)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
@@ -67,10 +79,13 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
                           kv_cache_memory_bytes=args.kv_cache_memory,
                           kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+                          gpu_memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens),
-        device=DeviceConfig(device=args.device, num_threads=args.threads),
+        device=DeviceConfig(device=args.device, num_threads=args.threads,
+                            enforce_eager=args.enforce_eager,
+                            cuda_graph_max_batch_size=args.cuda_graph_max_batch_size),
         speculative=SpeculativeConfig.from_options(
             args.speculative, args.speculative_model,
             num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,

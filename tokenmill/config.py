@@ -9,7 +9,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
 # "auto": keep a GGUF file's own 4- or 8-bit weights compact on the CPU, else none.
-QUANTIZATIONS = ("auto", "none", "int8", "int4")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
 
 
 def _positive(name: str, value: int | None) -> None:
@@ -22,9 +22,11 @@ class ModelConfig:
     """Which model to run and how to load it.
 
     ``model`` is a GGUF file or a Hugging Face folder; None means the embedded
-    SmolLM2-135M-Instruct GGUF. ``max_model_len`` None means the model's own context length.
-    ``quantization`` is weight-only: int8 per output channel or int4 in groups of 32 (CPU);
-    "auto" follows a GGUF file's own blocks on the CPU (Q4 -> int4, Q5/Q6/Q8 -> int8, float ->
+    SmolLM2-135M-Instruct GGUF. With ``load_format="dummy"`` it may also name a preset
+    architecture (``tokenmill.models.presets``: "llama-3.1-8b", "qwen3-0.6b") filled with random
+    weights, for benchmarks. ``max_model_len`` None means the model's own context length.
+    ``quantization``: int8 per output channel or int4 in groups of 32 are weight-only; fp8 (e4m3)
+    keeps weights per output channel and quantizes activations per token; "auto" follows a GGUF file's own blocks on the CPU (Q4 -> int4, Q5/Q6/Q8 -> int8, float ->
     none) and means none for Hugging Face folders and other devices.
     """
 
@@ -44,10 +46,16 @@ class ModelConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
-        if self.model is not None and self.load_format != "dummy" and not os.path.exists(self.model):
-            raise ValueError(
-                f"model {self.model!r} is neither a GGUF file nor a Hugging Face folder on disk "
-                "(models are never downloaded at run time)")
+        if self.model is None or os.path.exists(self.model):
+            return
+        if self.load_format == "dummy":
+            from tokenmill.models.presets import get_preset
+
+            get_preset(self.model)  # ValueError naming the presets
+            return
+        raise ValueError(
+            f"model {self.model!r} is neither a GGUF file nor a Hugging Face folder on disk "
+            "(models are never downloaded at run time)")
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,10 @@ class CacheConfig:
     The memory is, in order of precedence: ``num_blocks`` blocks, ``kv_cache_memory_bytes``
     bytes, or ``kv_cache_memory_fraction`` of the device memory free after loading the model.
     ``enable_prefix_caching`` reuses the KV blocks of earlier requests that share a prefix.
+
+    On CUDA the fraction is replaced by ``gpu_memory_utilization``, vLLM's meaning: the share of
+    the GPU's *total* memory this engine may use, weights and activations included; the KV
+    cache gets what is left of it after a profiling forward pass.
     """
 
     block_size: int = 16
@@ -64,9 +76,13 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     kv_cache_memory_fraction: float = 0.2
     enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization!r}")
         _positive("num_blocks", self.num_blocks)
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
         if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
@@ -90,15 +106,23 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class DeviceConfig:
-    """Where the model runs; "auto" picks CUDA when available, else the CPU."""
+    """Where the model runs; "auto" picks CUDA when available, else the CPU.
+
+    On CUDA, decode-only steps of up to ``cuda_graph_max_batch_size`` sequences (default: the
+    scheduler's ``max_num_seqs``) replay CUDA graphs captured at start-up for a ladder of batch
+    sizes; ``enforce_eager`` turns them off.
+    """
 
     device: str = "auto"
     num_threads: int | None = None
+    enforce_eager: bool = False
+    cuda_graph_max_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be one of {DEVICES} or 'cuda:N', got {self.device!r}")
         _positive("num_threads", self.num_threads)
+        _positive("cuda_graph_max_batch_size", self.cuda_graph_max_batch_size)
 
 
 SPECULATIVE_METHODS = ("none", "ngram", "draft")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,10 +57,14 @@ class KVCachePlan:
 
 
 def plan_kv_cache(cache: CacheConfig, platform: Platform, bytes_per_block: int,
-                  max_model_len: int) -> KVCachePlan:
-    """Size the KV cache: explicit blocks, explicit bytes, or a fraction of free memory."""
+                  max_model_len: int, profile: Callable[[], None] | None = None) -> KVCachePlan:
+    """Size the KV cache: explicit blocks, explicit bytes, on CUDA what ``gpu_memory_utilization``
+    leaves after ``profile`` (the largest step), else a fraction of free memory."""
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
+    elif cache.kv_cache_memory_bytes is None and platform.is_cuda and profile is not None:
+        num_blocks = platform.kv_cache_budget(cache.gpu_memory_utilization,
+                                              profile) // bytes_per_block
     else:
         budget = cache.kv_cache_memory_bytes
         if budget is None:
@@ -97,9 +102,18 @@ class EngineCore:
         self.runner = ModelRunner(
             loaded.model, loaded.arch, self.platform, self.dtype, config.cache.block_size,
             self.tokenizer.eos_token_ids)
+        sched_cfg = config.scheduler
+        profile_tokens = min(sched_cfg.max_num_batched_tokens, self.max_model_len)
+
+        def profile() -> None:
+            self.runner.profile_run(profile_tokens, sched_cfg.max_num_seqs)
+
         self.kv_plan = plan_kv_cache(config.cache, self.platform,
-                                     self.runner.kv_bytes_per_block(), self.max_model_len)
+                                     self.runner.kv_bytes_per_block(), self.max_model_len,
+                                     profile)
         self.runner.allocate_kv_cache(self.kv_plan.num_blocks)
+        if self.platform.is_cuda and not config.device.enforce_eager:
+            self._capture_graphs()
         kv = KVCacheManager(self.kv_plan.num_blocks, config.cache.block_size,
                             config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len)
@@ -111,6 +125,16 @@ class EngineCore:
         self.spec_stats = SpecDecodingStats() if self.proposer is not None else None
         # Draft distributions of the drafts proposed for the next step (draft models only).
         self._draft_probs: dict[str, torch.Tensor] = {}
+
+    def _capture_graphs(self) -> None:
+        """CUDA graphs of decode steps, where the attention backend's kernels allow them."""
+        if not getattr(self.runner.backend, "supports_cuda_graphs", False):
+            logger.info("CUDA graphs off: the %s attention backend does not support them",
+                        self.runner.backend.name)
+            return
+        max_bs = (self.config.device.cuda_graph_max_batch_size
+                  or self.config.scheduler.max_num_seqs)
+        self.runner.capture_decode_graphs(max_bs, self.max_model_len)
 
     def _resolve_max_model_len(self, asked: int | None) -> int:
         model_max = self.arch.max_position_embeddings

@@ -30,10 +30,15 @@ class LLM:
     """An engine for offline generation over many prompts at once.
 
     ``model`` is a GGUF file or a Hugging Face folder; None runs the embedded
-    SmolLM2-135M-Instruct. Memory for the KV cache is ``num_kv_blocks`` blocks, else
-    ``kv_cache_memory_bytes``, else ``kv_cache_memory_fraction`` of free memory.
-    ``quantization`` "int8" / "int4" stores the weights quantized (CPU, weight-only); "auto"
-    keeps a GGUF file's own Q4 / Q8 weights compact on the CPU, "none" computes in float.
+    SmolLM2-135M-Instruct; with ``load_format="dummy"`` it may name a preset architecture
+    ("llama-3.1-8b", "qwen3-0.6b") with random weights. Memory for the KV cache is
+    ``num_kv_blocks`` blocks, else ``kv_cache_memory_bytes``, else on CUDA what
+    ``gpu_memory_utilization`` of the GPU leaves after weights and activations, else
+    ``kv_cache_memory_fraction`` of free memory. On CUDA, decode steps replay CUDA graphs
+    (``enforce_eager=True``: off) for batches up to ``cuda_graph_max_batch_size``.
+    ``quantization`` "int8" / "int4" stores the weights quantized (weight-only), "fp8" in e4m3
+    with activations quantized per token; "auto" keeps a GGUF file's own Q4 / Q8 weights
+    compact on the CPU, "none" computes in float.
     ``speculative="ngram"`` (prompt lookup) or ``speculative_model`` (a model file with the same
     tokenizer, or "self:N": the first N layers of this one) turns on speculative decoding of
     ``num_speculative_tokens`` tokens per step; ``llm.engine.core.spec_stats`` counts them.
@@ -53,6 +58,9 @@ class LLM:
         num_kv_blocks: int | None = None,
         kv_cache_memory_bytes: int | None = None,
         kv_cache_memory_fraction: float = 0.2,
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
+        cuda_graph_max_batch_size: int | None = None,
         enable_prefix_caching: bool = True,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
@@ -70,11 +78,14 @@ class LLM:
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               kv_cache_memory_fraction=kv_cache_memory_fraction,
+                              gpu_memory_utilization=gpu_memory_utilization,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill),
-            device=DeviceConfig(device=device, num_threads=num_threads),
+            device=DeviceConfig(device=device, num_threads=num_threads,
+                                enforce_eager=enforce_eager,
+                                cuda_graph_max_batch_size=cuda_graph_max_batch_size),
             speculative=SpeculativeConfig.from_options(
                 speculative, speculative_model, num_speculative_tokens=num_speculative_tokens,
                 ngram_min=ngram_min, ngram_max=ngram_max),

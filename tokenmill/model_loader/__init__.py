@@ -15,6 +15,7 @@ from tokenmill.model_loader.dummy import init_dummy_weights
 from tokenmill.model_loader.gguf import GGUFModel, embedded_model_path, load_gguf
 from tokenmill.model_loader.hf import iter_safetensors, load_hf_config
 from tokenmill.models.config import ArchConfig
+from tokenmill.models.presets import get_preset
 from tokenmill.models.registry import get_model_class
 from tokenmill.tokenizer import Tokenizer
 
@@ -66,7 +67,12 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) ->
     path = resolve_model_path(config.model)
     started = time.perf_counter()
     is_gguf = os.path.isfile(path) and (path.endswith(".gguf") or config.load_format == "gguf")
-    if is_gguf:
+    is_preset = config.load_format == "dummy" and not os.path.exists(path)
+    if is_preset:
+        # A named architecture with random weights; the embedded model's tokenizer stands in.
+        hf_config = get_preset(path)
+        tokenizer = load_gguf(embedded_model_path()).tokenizer
+    elif is_gguf:
         gguf = load_gguf(path)
         hf_config, tokenizer = gguf.hf_config, gguf.tokenizer
         weights = gguf.tensors

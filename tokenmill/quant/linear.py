@@ -1,4 +1,4 @@
-"""Weight-only int8 / int4 replacements for ``nn.Linear`` on the CPU.
+"""Quantized replacements for ``nn.Linear``: weight-only int8 / int4, and fp8.
 
 Few rows (decode) run PyTorch's weight-only kernels, which read 1 or 0.5 byte per weight
 instead of 4 and beat the fp32 matmul about 2x. Many rows (prefill) are compute-bound, where
@@ -6,6 +6,12 @@ those kernels lose to a bf16 matmul; there the weight is dequantized to bf16 on 
 one dense matmul (see benchmarks/results/quant-kernels-cpu.md for the measurements behind
 ``dense_min_rows``). Either way activations go to the kernel in bf16 and the result comes
 back in the input's dtype; the bias is added before that cast.
+
+On CUDA the same modules call PyTorch's CUDA kernels: ``_weight_int8pack_mm`` for int8 (dense
+bf16 where this build lacks it) and tinygemm's ``_weight_int4pack_mm`` for int4, which needs
+its own packing (:class:`Int4TinyGemmLinear`). :class:`Fp8Linear` keeps e4m3 weights with a
+scale per output channel and quantizes activations per token for ``torch._scaled_mm``
+(Hopper/Ada GPUs, and the CPU).
 
 ``tokenmill.runner.fused_decode`` reads these modules' tensors (``weight``, ``bias``,
 ``scales`` / ``scales_and_zeros``, ``group_size``) and repeats the small-batch path in C++.
@@ -19,6 +25,7 @@ from torch import nn
 
 from tokenmill.quant.packing import (
     KERNEL_DTYPE,
+    QUANTIZE_ROWS,
     Int4Groups,
     dequantize_int4_t,
     dequantize_int8,
@@ -52,20 +59,33 @@ class _WeightOnlyLinear(nn.Module):
         self.dense_min_rows = dense_min_rows
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
+    # Whether _kernel runs on CUDA; False once this PyTorch build said it has no CUDA kernel.
+    cuda_kernel: bool = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         xb = x2.to(KERNEL_DTYPE)
-        # The int kernels are CPU ones; anywhere else the dense path is plain torch.
-        if x2.shape[0] >= self.dense_min_rows or x2.device.type != "cpu":
+        if x2.shape[0] >= self.dense_min_rows:
             y = self._dense(xb)
-        else:
+        elif x2.device.type == "cpu":
             y = self._kernel(xb)
+        else:
+            y = self._cuda_kernel(xb)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def _kernel(self, xb: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def _cuda_kernel(self, xb: torch.Tensor) -> torch.Tensor:
+        """``_kernel`` on a GPU, or the dense path where this build has no such kernel."""
+        if self.cuda_kernel:
+            try:
+                return self._kernel(xb)
+            except NotImplementedError:
+                type(self).cuda_kernel = False
+        return self._dense(xb)
 
     def _dense(self, xb: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -181,3 +201,136 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         q = q.float().view(flat.shape[0], -1, self.group_size) - 8.0
         rows = (q * sz[..., 0:1] + sz[..., 1:2]).view(flat.shape[0], self.in_features)
         return rows.to(dtype).view(*ids.shape, self.in_features)
+
+
+class Int4TinyGemmLinear(_WeightOnlyLinear):
+    """int4 on CUDA: tinygemm's ``_weight_int4pack_mm`` with the same arithmetic as
+    :class:`Int4WeightOnlyLinear` (``w = (q - 8) * scale + zero`` per group), in its own
+    packed layout (``_convert_weight_to_int4pack``, CUDA only). The kernel serves every batch
+    size: there is no dense fallback to dequantize from an opaque layout.
+    """
+
+    INNER_K_TILES = 8
+
+    def __init__(self, weight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                 out_features: int, bias: torch.Tensor | None) -> None:
+        in_features = scales_and_zeros.shape[0] * group_size
+        super().__init__(in_features, out_features, bias, dense_min_rows=1 << 62)
+        self.group_size = group_size
+        self.register_buffer("weight", weight)
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None,
+                    group_size: int = 32) -> Int4TinyGemmLinear:
+        """Quantize a CUDA float weight ``[out, in]`` (asymmetric min/max per group)."""
+        return cls.from_groups(quantize_int4(weight, group_size), bias)
+
+    @classmethod
+    def from_groups(cls, groups: Int4Groups, bias: torch.Tensor | None) -> Int4TinyGemmLinear:
+        n, k = groups.q.shape
+        if k % (cls.INNER_K_TILES * 16):
+            raise ValueError(f"in_features {k} is not a multiple of {cls.INNER_K_TILES * 16} "
+                             "(tinygemm's int4 tiles)")
+        q = groups.q.to(torch.uint8)
+        # Two nibbles a byte, the even column in the high half: the layout the op unpacks.
+        pairs = (q[:, ::2] << 4 | q[:, 1::2]).contiguous()
+        packed = torch.ops.aten._convert_weight_to_int4pack(pairs, cls.INNER_K_TILES)
+        zero = groups.min + 8.0 * groups.scale
+        scales_and_zeros = torch.stack([groups.scale, zero], dim=-1).transpose(0, 1)
+        return cls(packed, scales_and_zeros.to(KERNEL_DTYPE).contiguous(), groups.group_size,
+                   n, bias)
+
+    def _kernel(self, xb: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm(xb, self.weight, self.group_size,
+                                                  self.scales_and_zeros)
+
+    _cuda_kernel = _kernel
+    _dense = _kernel
+
+    def dequantize(self) -> torch.Tensor:
+        # The packed layout is the kernel's business: multiply the identity through it.
+        eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE, device=self.weight.device)
+        return self._kernel(eye).float().t().contiguous()
+
+
+# e4m3's largest finite value: scales map each row's (or token's) largest magnitude onto it.
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+# _scaled_mm wants both matrix dimensions of the weight to be multiples of this.
+FP8_DIM_MULTIPLE = 16
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """``torch._scaled_mm`` in e4m3 runs on the CPU and on CUDA GPUs of compute capability
+    8.9 or newer (Ada, Hopper, Blackwell)."""
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(e4m3 weight [N, K], fp32 scales [N])`` with ``w ~= q * scales`` per output row."""
+    qs, scales = [], []
+    for rows in weight.detach().split(QUANTIZE_ROWS):
+        w = rows.float()
+        amax = w.abs().amax(dim=1)
+        s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        qs.append((w / s.unsqueeze(1)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn))
+        scales.append(s)
+    return torch.cat(qs), torch.cat(scales)
+
+
+class Fp8Linear(nn.Module):
+    """``y = x @ w.T + bias`` in fp8 (e4m3): weights per output channel, activations per token.
+
+    Each call scales every token's activations onto e4m3's range, then one ``torch._scaled_mm``
+    multiplies both in fp8 and applies the two scale vectors (row-wise scaling) into a bf16
+    result. On an H100 that halves the weight bytes each decode step reads, and doubles the
+    tensor-core rate of prefill, against bf16.
+    """
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor,
+                 bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight)
+        # [1, N] so that _scaled_mm reads it as one scale per output column.
+        self.register_buffer("weight_scale", weight_scale.float().reshape(1, -1).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Fp8Linear:
+        n, k = weight.shape
+        if n % FP8_DIM_MULTIPLE or k % FP8_DIM_MULTIPLE:
+            raise ValueError(f"fp8 needs both weight dimensions to be multiples of "
+                             f"{FP8_DIM_MULTIPLE}, got [{n}, {k}]")
+        if not fp8_supported(weight.device):
+            raise ValueError(f"fp8 matmuls need a GPU of compute capability 8.9+ (Ada, Hopper) "
+                             f"or the CPU; {weight.device} has none")
+        q, scales = quantize_fp8(weight)
+        return cls(q, scales, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        xf = x2.float()
+        amax = xf.abs().amax(dim=1, keepdim=True)
+        x_scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        xq = (xf / x_scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        bias = None if self.bias is None else self.bias.to(KERNEL_DTYPE)
+        y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale,
+                             bias=bias, out_dtype=KERNEL_DTYPE)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight ``[out, in]`` this module computes with, in fp32."""
+        return self.weight.float() * self.weight_scale.reshape(-1, 1)
+
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` of the dequantized weight (an embedding lookup) in ``dtype``."""
+        flat = ids.reshape(-1)
+        rows = self.weight[flat].float() * self.weight_scale[0, flat].unsqueeze(1)
+        return rows.to(dtype).view(*ids.shape, self.in_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, fp8=e4m3")

@@ -10,7 +10,13 @@ from torch import nn
 
 from tokenmill.config import QUANTIZATIONS
 from tokenmill.quant.head import QuantizedEmbedding, QuantizedHead, QuantizedLinear
-from tokenmill.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+from tokenmill.quant.linear import (
+    Fp8Linear,
+    Int4TinyGemmLinear,
+    Int4WeightOnlyLinear,
+    Int8WeightOnlyLinear,
+    _WeightOnlyLinear,
+)
 from tokenmill.quant.packing import (
     INT4_GROUP_SIZES,
     check_int4_shape,
@@ -20,12 +26,14 @@ from tokenmill.quant.packing import (
 
 logger = logging.getLogger(__name__)
 
-QUANT_METHODS = tuple(q for q in QUANTIZATIONS if q != "auto")  # ("none", "int8", "int4")
+QUANT_METHODS = tuple(q for q in QUANTIZATIONS if q != "auto")  # none, int8, int4, fp8
 DEFAULT_GROUP_SIZE = 32
 # The output head (or tied embedding) under every method: on SmolLM2-135M an int4 head costs
 # +9.7% perplexity, an int8 one +0.2%, for 11 MiB (benchmarks/results/perplexity-cpu.md); GGUF
 # files keep it at 6-8 bits for the same reason.
 DEFAULT_HEAD_METHOD = "int8"
+# Every module quantize_model may put in place of a Linear layer.
+QUANTIZED_MODULES = (_WeightOnlyLinear, Fp8Linear)
 
 
 @dataclass
@@ -58,25 +66,28 @@ def check_quantization(method: str, group_size: int = DEFAULT_GROUP_SIZE) -> Non
 
 def quantize_weight(weight: torch.Tensor, bias: torch.Tensor | None, method: str,
                     group_size: int = DEFAULT_GROUP_SIZE) -> QuantizedLinear:
-    """A weight-only module for a float ``[out, in]`` weight; ValueError if the shape does not
-    suit the kernel (int4: ``in`` a multiple of the group size, ``out`` of 16)."""
+    """A quantized module for a float ``[out, in]`` weight on its device; ValueError if the shape
+    does not suit the kernel (int4: ``in`` a multiple of the group size, ``out`` of 16; fp8:
+    both multiples of 16)."""
     check_quantization(method, group_size)
     if method == "int8":
         return Int8WeightOnlyLinear.from_weight(weight, bias)
+    if method == "int4" and weight.device.type == "cuda":
+        return Int4TinyGemmLinear.from_weight(weight, bias, group_size)
     if method == "int4":
         return Int4WeightOnlyLinear.from_weight(weight, bias, group_size)
+    if method == "fp8":
+        return Fp8Linear.from_weight(weight, bias)
     raise ValueError(f"quantization {method!r} builds no quantized module")
 
 
 def count_parameters(model: nn.Module) -> int:
     """Weights the model computes with, quantized ones counted as the float matrix they stand
     for (``numel`` of a packed int4 buffer would count two weights as one)."""
-    from tokenmill.quant.linear import _WeightOnlyLinear
-
     counted: set[int] = set()
     total = 0
     for module in model.modules():
-        if isinstance(module, _WeightOnlyLinear):
+        if isinstance(module, QUANTIZED_MODULES):
             total += module.in_features * module.out_features
             tensors = [module.bias] if module.bias is not None else []
         else:
@@ -99,10 +110,15 @@ def model_weight_bytes(model: nn.Module) -> int:
     return total
 
 
-def resolve_head_method(method: str, head_method: str | None) -> str:
-    """The head's method: ``head_method`` if given, else int8 whenever ``method`` is not none."""
+def resolve_head_method(method: str, head_method: str | None,
+                        device: torch.device | None = None) -> str:
+    """The head's method: ``head_method`` if given, else int8 on the CPU whenever ``method`` is
+    not none. On GPUs the head stays in float, as vLLM and TensorRT-LLM keep it: it is a small
+    share of a large model's weights and the most sensitive one."""
     if head_method is None:
-        return "none" if method == "none" else DEFAULT_HEAD_METHOD
+        if method == "none" or (device is not None and device.type != "cpu"):
+            return "none"
+        return DEFAULT_HEAD_METHOD
     if head_method not in QUANT_METHODS:
         raise ValueError(f"head_method must be one of {QUANT_METHODS}, got {head_method!r}")
     return head_method
@@ -111,27 +127,32 @@ def resolve_head_method(method: str, head_method: str | None) -> str:
 def quantize_model(model: nn.Module, method: str, group_size: int = DEFAULT_GROUP_SIZE,
                    *, head_method: str | None = None) -> QuantizationSummary:
     """Replace the model's ``nn.Linear`` layers (fused qkv / gate_up included) in place with
-    weight-only int8 (per output channel) or int4 (``group_size`` columns per group) ones.
+    weight-only int8 (per output channel) or int4 (``group_size`` columns per group) ones, or
+    fp8 ones (per output channel, activations per token).
 
-    The output head gets ``head_method`` (default: int8 for both, see DEFAULT_HEAD_METHOD); a
-    tied embedding is then stored once, quantized, for both the lookup and the head. Layers
-    quantized earlier (e.g. straight from a GGUF file) are kept; layers the int4 kernel cannot
-    take stay float (listed in the summary). CPU only: ValueError for weights elsewhere.
+    The output head gets ``head_method`` (default on the CPU: int8, see DEFAULT_HEAD_METHOD; on
+    GPUs: float); a tied embedding is then stored once, quantized, for both the lookup and the
+    head. Layers quantized earlier (e.g. straight from a GGUF file) are kept; layers the kernel
+    cannot take stay float (listed in the summary).
     """
     check_quantization(method, group_size)
-    head_method = resolve_head_method(method, head_method)
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else None
+    head_method = resolve_head_method(method, head_method, device)
+    if "fp8" in (method, head_method) and device is not None:
+        from tokenmill.quant.linear import fp8_supported
+
+        if not fp8_supported(device):
+            raise ValueError(f"quantization 'fp8' needs a GPU of compute capability 8.9+ (Ada, "
+                             f"Hopper) or the CPU; the model is on {device}")
     summary = QuantizationSummary(method, group_size if method == "int4" else None)
     if method != "none" or head_method != "none":
-        devices = {p.device.type for p in model.parameters()}
-        if devices - {"cpu"}:
-            raise ValueError(f"quantization {method!r} runs on the CPU only, the model is on "
-                             f"{sorted(devices)}")
         if method != "none":
             _quantize_linears(model, method, group_size, summary)
         _quantize_head(model, head_method, group_size, summary)
         release_freed_memory()
     summary.head = describe_head(model)
-    summary.num_quantized = sum(isinstance(m, Int8WeightOnlyLinear | Int4WeightOnlyLinear)
+    summary.num_quantized = sum(isinstance(m, QUANTIZED_MODULES)
                                 for name, m in model.named_modules()
                                 if not name.endswith(("lm_head.linear", "embed_tokens.table")))
     summary.weight_bytes = model_weight_bytes(model)
@@ -209,7 +230,8 @@ def describe_head(model: nn.Module) -> str:
     module = head if head is not None else getattr(getattr(model, "model", None),
                                                    "embed_tokens", None)
     inner = getattr(module, "linear", None) or getattr(module, "table", None)
-    kind = {Int8WeightOnlyLinear: "int8", Int4WeightOnlyLinear: "int4"}.get(type(inner), "float")
+    kind = {Int8WeightOnlyLinear: "int8", Int4WeightOnlyLinear: "int4",
+            Int4TinyGemmLinear: "int4", Fp8Linear: "fp8"}.get(type(inner), "float")
     return kind + (" (tied embedding)" if head is None else "")
 
 

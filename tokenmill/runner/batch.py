@@ -9,6 +9,7 @@ import torch
 
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.runner.platform import host_tensor
 
 
 class FlatBatch:
@@ -61,13 +62,13 @@ class FlatBatch:
         meta = AttentionMetadata(
             backend=backend,
             kv_caches=kv_caches,
-            slot_mapping=torch.tensor(self.slots, dtype=torch.int64, device=device),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32, device=device),
-            block_tables=torch.tensor(table_rows, dtype=torch.int32, device=device),
+            slot_mapping=host_tensor(self.slots, torch.int64, device),
+            query_start_loc=host_tensor(qsl, torch.int32, device),
+            seq_lens=host_tensor(self.seq_lens, torch.int32, device),
+            block_tables=host_tensor(table_rows, torch.int32, device),
             query_lens_cpu=self.query_lens,
             seq_lens_cpu=self.seq_lens,
             block_size=self.block_size,
         )
-        return (torch.tensor(self.ids, dtype=torch.int64, device=device),
-                torch.tensor(self.positions, dtype=torch.int64, device=device), meta)
+        return (host_tensor(self.ids, torch.int64, device),
+                host_tensor(self.positions, torch.int64, device), meta)

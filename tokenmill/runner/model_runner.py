@@ -11,8 +11,9 @@ from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenmill.models.config import ArchConfig
 from tokenmill.runner.batch import FlatBatch
+from tokenmill.runner.cuda_graphs import DecodeGraphs, GraphCapture
 from tokenmill.runner.fused_decode import forward_step, make_fused_decoder
-from tokenmill.runner.platform import Platform
+from tokenmill.runner.platform import Platform, host_tensor
 from tokenmill.runner.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.verify import SpecRequest, verify_drafts
@@ -71,6 +72,9 @@ class _StepInputs:
 class ModelRunner:
     """Owns the model, the KV tensors and the per-request sampling state."""
 
+    # Captured decode steps (CUDA): set by capture_decode_graphs(), None when running eagerly.
+    decode_graphs: DecodeGraphs | None = None
+
     def __init__(self, model: nn.Module, arch: ArchConfig, platform: Platform,
                  dtype: torch.dtype, block_size: int, eos_token_ids: frozenset[int],
                  enable_fused_decode: bool | None = None) -> None:
@@ -110,6 +114,33 @@ class ModelRunner:
         for cache in self.kv_caches:
             cache.index_copy_(1, dst, cache.index_select(1, src))
 
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, num_seqs: int) -> None:
+        """Run the biggest step the scheduler can ask for, to measure peak activation memory:
+        one prompt of ``num_tokens`` tokens on a KV cache just large enough for it, and logits
+        plus a softmax for ``num_seqs`` rows. The KV cache is released afterwards."""
+        num_blocks = -(-num_tokens // self.block_size) + 1
+        self.allocate_kv_cache(num_blocks)
+        try:
+            batch = FlatBatch(self.block_size)
+            batch.add([0] * num_tokens, 0, list(range(1, num_blocks)))
+            input_ids, positions, meta = batch.build(self.backend, self.kv_caches, self.device)
+            hidden = self.model(input_ids, positions, meta)
+            rows = torch.arange(min(num_seqs, num_tokens), device=self.device)
+            self.model.compute_logits(hidden.index_select(0, rows)).softmax(-1)
+            self.platform.synchronize()
+        finally:
+            self.kv_caches = []
+
+    def capture_decode_graphs(self, max_batch_size: int, max_model_len: int,
+                              capturer: GraphCapture | None = None) -> None:
+        """Capture CUDA graphs of decode steps up to ``max_batch_size`` sequences (after the KV
+        cache is allocated). ``capturer`` replaces the CUDA capture (tests on the CPU)."""
+        graphs = DecodeGraphs(self.model, self.backend, self.kv_caches, self.block_size,
+                              max_batch_size, max_model_len, self.device, capturer)
+        graphs.capture()
+        self.decode_graphs = graphs
+
     # ------------------------------------------------------------------------ one step
 
     @torch.inference_mode()
@@ -133,7 +164,7 @@ class ModelRunner:
             self._prompt_logprobs(hidden, inputs, out)
         num_sampled = len(inputs.sample_rows)
         if num_sampled or inputs.spec.states:
-            rows = torch.tensor(inputs.sample_rows + inputs.spec.rows, device=self.device)
+            rows = host_tensor(inputs.sample_rows + inputs.spec.rows, torch.int64, self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))
             if num_sampled:
                 self._sample(logits[:num_sampled], inputs.sample_states, out)
@@ -142,7 +173,11 @@ class ModelRunner:
         return out
 
     def _forward(self, inputs: _StepInputs) -> torch.Tensor:
-        """``model.forward``, or the fused C++ stack for a decode-only step when it is on."""
+        """A captured decode graph, the fused C++ stack for a decode-only step when it is on,
+        or ``model.forward``."""
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.supports(inputs.input_ids.shape[0], inputs.attn_meta):
+            return graphs.run(inputs.input_ids, inputs.positions, inputs.attn_meta)
         hidden, self.fused_decoder = forward_step(self.model, self.fused_decoder, inputs.input_ids,
                                                   inputs.positions, inputs.attn_meta)
         return hidden

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, TorchAttentionBackend
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,8 +45,48 @@ class Platform:
             return int(free)
         return _host_available_memory()
 
+    def kv_cache_budget(self, gpu_memory_utilization: float, profile: Callable[[], None]) -> int:
+        """Bytes the KV cache may take on CUDA so the engine stays within
+        ``gpu_memory_utilization`` of the GPU's total memory.
+
+        ``profile`` runs the largest step the engine will run (without a KV cache of real
+        size); its peak, which counts the weights already loaded, plus what lies outside
+        PyTorch's allocator (the CUDA context, cuBLAS and NCCL workspaces) is subtracted.
+        """
+        if not self.is_cuda:
+            raise ValueError("gpu_memory_utilization applies to CUDA devices only")
+        dev = self.device
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        profile()
+        torch.cuda.synchronize(dev)
+        free, total = torch.cuda.mem_get_info(dev)
+        peak = torch.cuda.max_memory_allocated(dev)
+        non_torch = max(total - free - torch.cuda.memory_reserved(dev), 0)
+        torch.cuda.empty_cache()
+        budget = int(total * gpu_memory_utilization) - peak - non_torch
+        logger.info("GPU memory: %.1f GiB total, peak %.2f GiB in PyTorch (weights and "
+                    "activations), %.2f GiB outside it; KV cache budget %.2f GiB",
+                    total / 2**30, peak / 2**30, non_torch / 2**30, budget / 2**30)
+        if budget <= 0:
+            raise ValueError(
+                f"gpu_memory_utilization={gpu_memory_utilization} leaves no memory for the KV "
+                f"cache: the model and its activations take {peak / 2**30:.2f} GiB of "
+                f"{total / 2**30:.1f} GiB; raise it or shorten max_num_batched_tokens")
+        # Other processes may hold memory too: never plan past what is free now.
+        return min(budget, int(free * 0.98))
+
     def attention_backend(self) -> AttentionBackend:
-        """The attention implementation for this device."""
+        """The attention implementation for this device: Triton kernels on CUDA (when Triton is
+        installed, as it is with CUDA builds of PyTorch), plain PyTorch elsewhere."""
+        if self.is_cuda:
+            try:
+                from tokenmill.attention.triton_backend import TritonAttentionBackend
+            except ImportError as e:
+                logger.warning("Triton is not available (%s): CUDA attention runs on the "
+                               "PyTorch backend, without CUDA graphs", e)
+            else:
+                return TritonAttentionBackend()
         return TorchAttentionBackend()
 
     def set_num_threads(self, num_threads: int | None) -> None:
@@ -59,6 +103,19 @@ class Platform:
     def synchronize(self) -> None:
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
+
+
+def host_tensor(data: object, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``torch.tensor(data, dtype=dtype, device=device)`` without a stream sync on CUDA.
+
+    A copy from pageable host memory waits for the GPU to finish its queued work first; from
+    pinned memory it is queued behind that work instead, so the host can go on preparing the
+    step while the previous one still runs.
+    """
+    t = torch.tensor(data, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _host_available_memory() -> int:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.core.sched_output import TokenLogprobs
+from tokenmill.runner.platform import host_tensor
 from tokenmill.sampling_params import SamplingParams
 
 # Floor for the exponential draws: exponential_() can return exactly 0, and p / 0 would pick a
@@ -72,7 +73,7 @@ class SamplingMetadata:
         all_random = not any(greedy)
         greedy_mask = None
         if not all_greedy and not all_random:
-            greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)
+            greedy_mask = host_tensor(greedy, torch.bool, device)
 
         temperature = top_k = top_p = min_p = None
         max_top_k = 0
@@ -117,13 +118,13 @@ _Penalties = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch
 
 def _column(values: list[float] | list[int], device: torch.device | str,
             dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=device)
+    return host_tensor(values, dtype, device)
 
 
 def _pad(rows: list[Sequence[int]], device: torch.device | str) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0)
     padded = [list(r) + [-1] * (width - len(r)) for r in rows]
-    return torch.tensor(padded, dtype=torch.long, device=device).view(len(rows), width)
+    return host_tensor(padded, torch.long, device).view(len(rows), width)
 
 
 def _build_penalties(params: Sequence[SamplingParams], prompt_ids: Sequence[Sequence[int]],
@@ -155,9 +156,9 @@ def _build_logit_bias(params: Sequence[SamplingParams], device: torch.device | s
             vals.extend(p.logit_bias.values())
     if not rows:
         return None
-    return (torch.tensor(rows, dtype=torch.long, device=device),
-            torch.tensor(ids, dtype=torch.long, device=device),
-            torch.tensor(vals, dtype=torch.float32, device=device))
+    return (host_tensor(rows, torch.long, device),
+            host_tensor(ids, torch.long, device),
+            host_tensor(vals, torch.float32, device))
 
 
 def _build_min_tokens(params: Sequence[SamplingParams], output_ids: Sequence[Sequence[int]],
@@ -171,8 +172,8 @@ def _build_min_tokens(params: Sequence[SamplingParams], output_ids: Sequence[Seq
             ids.extend(stop_ids[i])
     if not rows:
         return None
-    return (torch.tensor(rows, dtype=torch.long, device=device),
-            torch.tensor(ids, dtype=torch.long, device=device))
+    return (host_tensor(rows, torch.long, device),
+            host_tensor(ids, torch.long, device))
 
 
 @dataclass
