@@ -35,6 +35,10 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
+    # Fixed upper bound on seq_lens, set by a CUDA-graph runner to the length it captured for, so
+    # that decode kernels size their launch from it instead of from this step's lengths (a
+    # replayed graph cannot change its grid). None outside graphs: backends use max_seq_len.
+    max_seq_len_bound: int | None = None
     # Backend-private plan of this step's layout (gather indices, masks), built by the backend on
     # the first layer's call and reused by the others, so per-layer work stays minimal.
     backend_plan: object | None = field(default=None, init=False, repr=False, compare=False)

@@ -1,0 +1,338 @@
+"""Triton paged-attention kernels and backend against dense attention and the torch backend.
+
+Without CUDA the kernels run in Triton's interpreter on CPU tensors (fp32 and fp16; the
+interpreter gets bf16 wrong, so bf16 is tested on CUDA only). With CUDA every test runs the
+compiled kernels on the GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
+from paged import PagedKVCache  # noqa: E402
+
+from tokenmill.attention.backend import AttentionBackend, TorchAttentionBackend  # noqa: E402
+from tokenmill.attention.metadata import AttentionMetadata  # noqa: E402
+from tokenmill.runner.batch import FlatBatch  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TOLS = {torch.float32: 1e-4, torch.float16: 1e-2}
+# (Hq, Hkv, D, block_size): GQA groups of 4 and 3, power-of-two and padded head dims.
+SHAPES = [(8, 2, 16, 4), (6, 2, 32, 16)]
+
+
+@contextmanager
+def interpreted_on_cpu() -> Iterator[None]:
+    """Set TRITON_INTERPRET=1 for the block when there is no GPU, then restore it.
+
+    Triton reads the variable when it is imported, when ``@triton.jit`` decorates a kernel,
+    and again in some modules it imports at launch: so it is set around this module's imports
+    and its tests, and nowhere else.
+    """
+    if DEVICE.type == "cuda":
+        yield
+        return
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+def _import_triton_modules() -> tuple[ModuleType, ModuleType]:
+    """The kernels and backend modules, interpreted when there is no GPU."""
+    triton = sys.modules.get("triton")
+    if DEVICE.type == "cpu" and triton is not None and not triton.knobs.runtime.interpret:
+        # Its own @triton.jit helpers (tl.sum, tl.max) were built for the compiler.
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set: run this "
+                    "module on its own", allow_module_level=True)
+    with interpreted_on_cpu():
+        pytest.importorskip("triton")
+        return (importlib.import_module("tokenmill.attention.triton_kernels"),
+                importlib.import_module("tokenmill.attention.triton_backend"))
+
+
+kernels, triton_backend = _import_triton_modules()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpret_while_testing() -> Iterator[None]:
+    """Launches read the variable too (see :func:`interpreted_on_cpu`)."""
+    with interpreted_on_cpu():
+        yield
+
+
+def new_cache(hkv: int, d: int, block_size: int, dtype: torch.dtype, num_blocks: int = 96,
+              backend: AttentionBackend | None = None) -> PagedKVCache:
+    """A one-layer shuffled paged cache on DEVICE."""
+    cache = PagedKVCache(1, hkv, d, num_blocks=num_blocks, block_size=block_size, dtype=dtype,
+                         backend=backend)
+    cache.kv_caches = [t.to(DEVICE) for t in cache.kv_caches]
+    return cache
+
+
+def to_device(meta: AttentionMetadata) -> AttentionMetadata:
+    """The metadata with its tensors on DEVICE (PagedKVCache builds them on the CPU)."""
+    return replace(meta, slot_mapping=meta.slot_mapping.to(DEVICE),
+                   query_start_loc=meta.query_start_loc.to(DEVICE),
+                   seq_lens=meta.seq_lens.to(DEVICE), block_tables=meta.block_tables.to(DEVICE))
+
+
+def fill(cache: PagedKVCache, lens: list[int], gen: torch.Generator) -> AttentionMetadata:
+    """Give sequence ``i`` a context of ``lens[i]`` unit-scale random K/V (written by torch)."""
+    meta = to_device(cache.step(list(enumerate(lens)))[0])
+    kv = cache.kv_caches[0]
+    _, _, _, hkv, d = kv.shape
+    for i in range(2):
+        new = torch.randn(len(meta.slot_mapping), hkv, d, generator=gen).to(kv)
+        kv[i].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, new)
+    return meta
+
+
+def dense(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, query_lens: list[int],
+          seq_lens: list[int], scale: float) -> torch.Tensor:
+    """Causal attention in fp32, each context gathered from the cache: ``[T, Hq, D]``."""
+    hq = q.shape[1]
+    _, _, block_size, hkv, d = kv_cache.shape
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    row = 0
+    for b, (n, total) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        if total:
+            blocks = tables[b, :-(-total // block_size)].long()
+            k, v = (kv_cache[i][blocks].reshape(-1, hkv, d)[:total].float()
+                    .repeat_interleave(hq // hkv, dim=1) for i in range(2))
+            s = torch.einsum("qhd,khd->hqk", q[row:row + n].float(), k) * scale
+            pos = torch.arange(total - n, total, device=q.device)
+            causal = torch.arange(total, device=q.device)[None, :] <= pos[:, None]
+            s = s.masked_fill(~causal, float("-inf"))
+            out[row:row + n] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+        row += n
+    return out
+
+
+def test_store_kv_writes_slots_and_skips_padding() -> None:
+    gen = torch.Generator().manual_seed(0)
+    kv_cache = torch.randn(2, 8, 4, 2, 16, generator=gen).to(DEVICE)
+    # A strided k, as the model passes it (a slice of a fused projection).
+    kv = torch.randn(5, 4, 16, generator=gen).to(DEVICE)
+    k, v = kv[:, :2], kv[:, 2:]
+    slots = torch.tensor([9, -1, 0, 31, -1], device=DEVICE)
+    expected = kv_cache.clone()
+    keep = slots >= 0
+    for i, x in enumerate((k, v)):
+        expected[i].view(-1, 2, 16)[slots[keep]] = x[keep]
+    kernels.store_kv(k, v, kv_cache, slots)
+    assert torch.equal(kv_cache, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hq,hkv,d,block_size", SHAPES + [(4, 4, 80, 16)])
+def test_decode_matches_dense(hq: int, hkv: int, d: int, block_size: int,
+                              dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    cache = new_cache(hkv, d, block_size, dtype)
+    # 1 and 16 tokens need one partition of 32, 300 needs ten; 0 is a padding row.
+    lens = [300, 1, 0, 45, 16]
+    meta = fill(cache, lens, gen)
+    q = torch.randn(len(lens), hq, d, generator=gen).to(dtype).to(DEVICE)
+    # A bound well past the longest context: most programs of the short rows have no keys.
+    out = kernels.decode_attention(q, cache.kv_caches[0], meta.block_tables, meta.seq_lens,
+                                   d ** -0.5, max_seq_len=400, partition_size=32)
+    ref = dense(q, cache.kv_caches[0], meta.block_tables, [1] * len(lens), lens, d ** -0.5)
+    assert out.dtype == dtype
+    assert torch.isfinite(out).all()
+    assert (out.float() - ref).abs().max().item() <= TOLS[dtype]
+    assert not out[2].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hq,hkv,d,block_size", SHAPES)
+def test_prefill_matches_dense(hq: int, hkv: int, d: int, block_size: int,
+                               dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(2)
+    cache = new_cache(hkv, d, block_size, dtype)
+    # Whole prompts, chunks after a cached prefix, and one-token rows.
+    seq_lens = [70, 50, 9, 1, 33]
+    query_lens = [70, 23, 1, 1, 8]
+    meta = fill(cache, seq_lens, gen)
+    q = torch.randn(sum(query_lens), hq, d, generator=gen).to(dtype).to(DEVICE)
+    starts = torch.tensor([0, *query_lens], device=DEVICE).cumsum(0).to(torch.int32)
+    out = kernels.prefill_attention(q, cache.kv_caches[0], meta.block_tables, starts,
+                                    meta.seq_lens, d ** -0.5, max_query_len=max(query_lens))
+    ref = dense(q, cache.kv_caches[0], meta.block_tables, query_lens, seq_lens, d ** -0.5)
+    assert out.dtype == dtype
+    assert (out.float() - ref).abs().max().item() <= TOLS[dtype]
+
+
+def batch_step(cache: PagedKVCache, chunks: list[tuple[int, int]],
+               split: tuple[int, int] | None = None) -> AttentionMetadata:
+    """Metadata on DEVICE for a step adding ``(seq_id, n)`` tokens per sequence, then the
+    ``split = (seq_id, n)`` tokens laid out as one-token sequences over the same blocks (how
+    speculative tokens are verified)."""
+    batch = FlatBatch(cache.block_size)
+    parts = [(c, False) for c in chunks] + ([(split, True)] if split else [])
+    for (seq_id, n), is_split in parts:
+        start = cache.num_cached.get(seq_id, 0)
+        table = cache.tables.setdefault(seq_id, [])
+        while len(table) * cache.block_size < start + n:
+            table.append(cache.free_blocks.pop())
+        batch.add([0] * n, start, table, split=is_split)
+        cache.num_cached[seq_id] = start + n
+    return batch.build(cache.backend, cache.kv_caches, DEVICE)[2]
+
+
+def compare_backends(triton_cache: PagedKVCache, torch_cache: PagedKVCache,
+                     chunks: list[tuple[int, int]], split: tuple[int, int] | None, hq: int,
+                     gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One layer step on twin caches: (triton output, torch output, dense reference)."""
+    kv = triton_cache.kv_caches[0]
+    _, _, _, hkv, d = kv.shape
+    metas = [batch_step(c, chunks, split) for c in (triton_cache, torch_cache)]
+    num_tokens = len(metas[0].slot_mapping)
+    q = torch.randn(num_tokens, hq, d, generator=gen).to(kv)
+    k, v = (torch.randn(num_tokens, hkv, d, generator=gen).to(kv) for _ in range(2))
+    outs = [cache.backend.forward(q, k, v, cache.kv_caches[0], meta, d ** -0.5)
+            for cache, meta in zip((triton_cache, torch_cache), metas, strict=True)]
+    assert torch.equal(triton_cache.kv_caches[0], torch_cache.kv_caches[0])
+    meta = metas[0]
+    ref = dense(q, kv, meta.block_tables, meta.query_lens_cpu, meta.seq_lens_cpu, d ** -0.5)
+    return outs[0], outs[1], ref.view(num_tokens, hq * d)
+
+
+def twin_caches(hkv: int, d: int, block_size: int, dtype: torch.dtype, num_blocks: int,
+                partition_size: int) -> tuple[PagedKVCache, PagedKVCache]:
+    """Identical caches, one for the Triton backend and one for the torch backend."""
+    backend = triton_backend.TritonAttentionBackend(decode_partition_size=partition_size)
+    tri = new_cache(hkv, d, block_size, dtype, num_blocks=num_blocks, backend=backend)
+    ref = tri.clone()
+    ref.backend = TorchAttentionBackend()
+    return tri, ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hq,hkv,d,block_size", SHAPES)
+def test_backend_matches_torch_backend(hq: int, hkv: int, d: int, block_size: int,
+                                       dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    tri, ref_cache = twin_caches(hkv, d, block_size, dtype, num_blocks=96, partition_size=32)
+    assert tri.backend.name == "triton"
+    steps: list[tuple[list[tuple[int, int]], tuple[int, int] | None]] = [
+        ([(0, 7), (1, 1), (2, 13)], None),  # fresh prefills, one of a single token
+        ([(0, 1), (1, 1), (2, 1)], None),  # decode only
+        ([(0, 5), (1, 1), (3, 150), (2, 1)], None),  # continued chunk, decodes, a new prompt
+        ([(3, 1)], None),  # a lone decode over five partitions
+        ([(1, 6)], None),  # a lone continued chunk
+        ([], (3, 3)),  # a split layout alone: decode-only
+        ([(4, 20)], (0, 2)),  # a split layout beside a prompt: the prefill kernel
+        ([(3, 1), (0, 1), (4, 1), (1, 1), (2, 1)], None),
+    ]
+    for chunks, split in steps:
+        out, torch_out, ref = compare_backends(tri, ref_cache, chunks, split, hq, gen)
+        assert out.dtype == dtype and out.shape == ref.shape
+        assert (out.float() - ref).abs().max().item() <= TOLS[dtype], chunks
+        assert (out.float() - torch_out.float()).abs().max().item() <= TOLS[dtype], chunks
+
+
+def test_backend_padded_decode_as_in_a_cuda_graph() -> None:
+    """Rows padded with slot -1 and seq_len 0, and a fixed bound on the lengths."""
+    gen = torch.Generator().manual_seed(4)
+    hq, hkv, d = 8, 2, 16
+    backend = triton_backend.TritonAttentionBackend(decode_partition_size=16)
+    cache = new_cache(hkv, d, 4, torch.float32, backend=backend)
+    fill(cache, [40, 3], gen)
+    meta = to_device(cache.step([(0, 1), (1, 1)])[0])
+    pad = 2
+    padded = replace(
+        meta,
+        slot_mapping=torch.cat([meta.slot_mapping, meta.slot_mapping.new_full((pad,), -1)]),
+        query_start_loc=torch.arange(3 + pad, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.cat([meta.seq_lens, meta.seq_lens.new_zeros(pad)]),
+        block_tables=torch.cat([meta.block_tables,
+                                meta.block_tables.new_zeros(pad, meta.block_tables.shape[1])]),
+        query_lens_cpu=[1] * (2 + pad), seq_lens_cpu=meta.seq_lens_cpu + [0] * pad,
+        max_seq_len_bound=128)
+    q = torch.randn(2 + pad, hq, d, generator=gen).to(DEVICE)
+    k, v = (torch.randn(2 + pad, hkv, d, generator=gen).to(DEVICE) for _ in range(2))
+    before = cache.kv_caches[0].clone()
+    out = backend.forward(q, k, v, cache.kv_caches[0], padded, d ** -0.5)
+    expected = before.clone()
+    for i, x in enumerate((k, v)):
+        expected[i].view(-1, hkv, d)[meta.slot_mapping] = x[:2]
+    assert torch.equal(cache.kv_caches[0], expected)
+    ref = dense(q[:2], cache.kv_caches[0], meta.block_tables, [1, 1], [41, 4], d ** -0.5)
+    assert (out[:2] - ref.view(2, -1)).abs().max().item() <= 1e-4
+    assert not out[2:].any()
+
+
+# Compiles each kernel for sm_80 and sm_90 with triton's own ptxas: no GPU needed.
+_COMPILE_CHECK = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tokenmill.attention import triton_kernels as tk
+
+POINTERS = {"table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32",
+            "slot_ptr": "*i64", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+# bf16, 32 query heads over 8 KV heads, a head dim of 80 (padded to 128 inside the kernels).
+KERNELS = [
+    (tk._store_kv_kernel, dict(NUM_HEADS=8, HEAD_DIM=80, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128)),
+    (tk._decode_split_kernel, dict(NUM_HEADS=32, GROUP=4, HEAD_DIM=80, BLOCK_SIZE=16,
+                                   PARTITION=512, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128,
+                                   DOT_PRECISION="tf32")),
+    (tk._decode_reduce_kernel, dict(NUM_HEADS=32, HEAD_DIM=80, PARTITION=512, BLOCK_D=128)),
+    (tk._prefill_kernel, dict(GROUP=4, HEAD_DIM=80, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=32,
+                              BLOCK_D=128, DOT_PRECISION="tf32")),
+]
+for fn, constexprs in KERNELS:
+    signature = {name: "constexpr" if name in constexprs
+                 else POINTERS.get(name, "*bf16") if name.endswith("_ptr")
+                 else "fp32" if name == "qk_scale" else "i32" for name in fn.arg_names}
+    for arch in (80, 90):
+        triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32))
+"""
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_cuda(tmp_path: Path) -> None:
+    """The other tests run the interpreter, which accepts kernels the compiler rejects (a
+    loop-carried value that changes type, for one)."""
+    triton = pytest.importorskip("triton")
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this triton has no NVIDIA backend")
+    import tokenmill
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(tokenmill.__file__).parents[1]),
+                                         env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _COMPILE_CHECK], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_backend_matches_torch_backend_on_cuda_bf16() -> None:
+    gen = torch.Generator().manual_seed(5)
+    tri, ref_cache = twin_caches(8, 128, 16, torch.bfloat16, num_blocks=256, partition_size=512)
+    for chunks in ([(0, 700), (1, 1), (2, 90)], [(0, 1), (1, 1), (2, 1)],
+                   [(0, 40), (1, 1), (3, 1200)], [(3, 1), (0, 1)]):
+        out, torch_out, ref = compare_backends(tri, ref_cache, chunks, None, 32, gen)
+        assert (out.float() - ref).abs().max().item() <= 3e-2, chunks
+        assert (out.float() - torch_out.float()).abs().max().item() <= 3e-2, chunks

@@ -1,0 +1,47 @@
+"""Paged attention with Triton kernels, for CUDA.
+
+Needs the ``triton`` package: import this module only where it is installed (it is not
+imported by ``tokenmill`` itself).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.attention.backend import AttentionBackend
+from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.attention.triton_kernels import decode_attention, prefill_attention, store_kv
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Stores the step's K/V, then runs split-K decode or variable-length prefill kernels.
+
+    A decode-only step (every sequence adds one token) uses flash decoding, whose launch
+    depends only on shapes and ``meta.max_seq_len_bound`` (when set), so it can be captured in
+    a CUDA graph. Any other step goes through the prefill kernel, which takes one-token
+    sequences as well, so mixed batches and split layouts need no second launch.
+    """
+
+    name = "triton"
+
+    def __init__(self, decode_partition_size: int = 512) -> None:
+        # Tokens per decode split: smaller gives long contexts more parallel programs.
+        self.decode_partition_size = decode_partition_size
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = q.shape
+        store_kv(k, v, kv_cache, meta.slot_mapping)
+        out = q.new_empty(num_tokens, num_heads, head_dim)
+        if meta.decode_only:
+            bound = meta.max_seq_len_bound
+            decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale,
+                             meta.max_seq_len if bound is None else bound, out=out,
+                             partition_size=self.decode_partition_size)
+        elif num_tokens:
+            if sum(meta.query_lens_cpu) != num_tokens:
+                raise ValueError(f"query_lens_cpu sums to {sum(meta.query_lens_cpu)} "
+                                 f"but q has {num_tokens} rows")
+            prefill_attention(q, kv_cache, meta.block_tables, meta.query_start_loc,
+                              meta.seq_lens, scale, meta.max_query_len, out=out)
+        return out.view(num_tokens, num_heads * head_dim)

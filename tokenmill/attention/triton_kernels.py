@@ -1,0 +1,351 @@
+"""Triton kernels for paged attention, and the Python functions that launch them.
+
+The layer cache is ``[2, num_blocks, block_size, Hkv, D]`` (keys, then values); token ``p`` of a
+sequence lives in block ``block_table[p // block_size]`` at offset ``p % block_size``. Every
+kernel gathers block ids per key tile, so tiles need not align with cache blocks and any block
+size works. Softmax runs in fp32 with base-2 exponentials (the scale is folded into
+``qk_scale = scale * log2(e)``); outputs are in the dtype of q.
+
+q/k/v may be strided views (slices of a fused projection) as long as the head dimension is
+contiguous; the cache must be contiguous in its last dimension too.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+# tl.dot needs every dimension >= 16 on GPUs: decode pads its query heads and the head dim up
+# to it, and decode partitions are at least this long.
+_MIN_DOT = 16
+_DECODE_BLOCK_N = 64
+_PREFILL_BLOCK_M = 64
+_PREFILL_BLOCK_N = 32
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_cb, stride_co, stride_ch,
+                     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per token: copy its K and V (all heads) to its cache slot."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    # A negative slot is a padding row (CUDA graphs pad the batch with -1): write nothing.
+    if slot < 0:
+        return
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < NUM_HEADS) & (d < HEAD_DIM)
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co + h * stride_ch + d
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+@triton.jit
+def _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, n0, end, kv_head,
+                  stride_cb, stride_co, stride_ch,
+                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    """K and V ``[BLOCK_N, BLOCK_D]`` of positions ``n0 .. n0+BLOCK_N-1`` (zeros from ``end``)."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    valid = pos < end
+    block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    row = block * stride_cb + (pos % BLOCK_SIZE) * stride_co + kv_head * stride_ch
+    d = tl.arange(0, BLOCK_D)
+    offs = row[:, None] + d[None, :]
+    mask = valid[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(k_cache_ptr + offs, mask=mask, other=0.0)
+    v = tl.load(v_cache_ptr + offs, mask=mask, other=0.0)
+    return k, v, pos, valid
+
+
+@triton.jit
+def _softmax_step(s, v, m, denom, acc, DOT_PRECISION: tl.constexpr):
+    """Fold a tile of base-2 scores ``s`` (-inf where masked) into the running max/sum/output."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m - m_new)
+    denom = denom * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, denom, acc
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_ptr,
+                         part_out_ptr, part_lse_ptr, qk_scale,
+                         stride_qb, stride_qh, stride_bt, stride_cb, stride_co, stride_ch,
+                         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr,
+                         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+    """Program (seq, kv head, split): the GROUP query heads of one KV head over one partition.
+
+    Writes the partition's normalized output and log2-sum-exp per query head, to be combined by
+    ``_decode_reduce_kernel``. A partition that starts at or past the sequence's end does nothing.
+    """
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    start = split * PARTITION
+    if start >= seq_len:
+        return
+    end = tl.minimum(start + PARTITION, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    denom = tl.full([BLOCK_G], 0.0, tl.float32)
+    acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
+    table = table_ptr + b * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        k, v, pos, valid = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, n0, end, kv_head,
+                                         stride_cb, stride_co, stride_ch,
+                                         HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m, denom, acc = _softmax_step(s, v, m, denom, acc, DOT_PRECISION)
+
+    # Scratch is [B, Hq, num_splits, D] and [B, Hq, num_splits], contiguous.
+    row = (b * NUM_HEADS + heads) * num_splits + split
+    tl.store(part_lse_ptr + row, m + tl.math.log2(denom), mask=g_mask)
+    tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / denom[:, None],
+             mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, num_splits,
+                          stride_ob, stride_oh,
+                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          PARTITION: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (seq, query head): combine the partitions that hold keys, weighted by their sums.
+
+    Only the first ``cdiv(seq_len, PARTITION)`` partitions are read, since the others were never
+    written; a sequence of length 0 (a padding row) gets zeros.
+    """
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b)
+    used = (seq_len + PARTITION - 1) // PARTITION
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    row0 = (b * NUM_HEADS + h) * num_splits
+    m = tl.full([BLOCK_D], float("-inf"), tl.float32)
+    total = tl.full([BLOCK_D], 0.0, tl.float32)
+    acc = tl.full([BLOCK_D], 0.0, tl.float32)
+    for split in range(0, used):
+        # The split's lse, broadcast over D so that the running values stay one shape.
+        lse = tl.load(part_lse_ptr + row0 + split + d * 0)
+        part = tl.load(part_out_ptr + (row0 + split) * HEAD_DIM + d, mask=d_mask, other=0.0)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.math.exp2(m - m_new)
+        w = tl.math.exp2(lse - m_new)
+        acc = acc * alpha + w * part
+        total = total * alpha + w
+        m = m_new
+    # total >= 1 whenever a partition was read (the largest lse has weight 1), and acc is 0
+    # when none was: dividing by max(total, 1) is exact in the first case and 0 in the second.
+    out = acc / tl.maximum(total, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d_mask)
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, table_ptr, query_start_ptr,
+                    seq_lens_ptr, qk_scale,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                    stride_cb, stride_co, stride_ch,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+    """Program (seq, query tile, kv head): causal attention of BLOCK_M // GROUP query tokens.
+
+    The tile's rows are (token, query head) pairs over the GROUP heads of one KV head, so each
+    K/V tile is loaded once for the whole group. The queries are the last ``query_len``
+    positions of the sequence; keys are read from the cache up to the tile's last position.
+    """
+    b = tl.program_id(0)
+    q_tile = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
+    q_start = tl.load(query_start_ptr + b)
+    q_len = tl.load(query_start_ptr + b + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx = seq_len - q_len  # position of the first query
+
+    r = tl.arange(0, BLOCK_M)
+    tok = q_tile * BLOCK_Q + r // GROUP
+    heads = kv_head * GROUP + r % GROUP
+    r_mask = (r < BLOCK_Q * GROUP) & (tok < q_len)
+    d = tl.arange(0, BLOCK_D)
+    mask = r_mask[:, None] & (d < HEAD_DIM)[None, :]
+    rows = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=mask, other=0.0)
+    q_pos = ctx + tok
+    # Every row sees key 0, so the first tile gives each row a finite max (no inf - inf).
+    end = tl.minimum(seq_len, ctx + (q_tile + 1) * BLOCK_Q)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    denom = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+    table = table_ptr + b * stride_bt
+    for n0 in range(0, end, BLOCK_N):
+        k, v, pos, valid = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, n0, end, kv_head,
+                                         stride_cb, stride_co, stride_ch,
+                                         HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m, denom, acc = _softmax_step(s, v, m, denom, acc, DOT_PRECISION)
+
+    out = acc / denom[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write ``k``/``v`` ``[T, Hkv, D]`` into ``kv_cache`` at ``slot_mapping`` ``[T]``.
+
+    Slots below 0 are skipped, so padded rows of a captured CUDA graph write nothing.
+    """
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _check_last_dim(k=k, v=v, kv_cache=kv_cache)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        NUM_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim))
+
+
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, max_seq_len: int,
+                     out: torch.Tensor | None = None,
+                     partition_size: int = 512) -> torch.Tensor:
+    """Attend one query per sequence over its paged context (flash decoding).
+
+    Each sequence's context is cut into partitions of ``partition_size`` tokens, attended in
+    parallel and then combined. The launch depends only on tensor shapes, ``max_seq_len`` and
+    ``partition_size``, never on the values in ``seq_lens``, so it can be captured in a CUDA
+    graph: pass a fixed bound (the graph's max model length) as ``max_seq_len``. Rows whose
+    ``seq_len`` is 0 (batch padding) get zeros.
+
+    Args:
+        q: ``[B, Hq, D]`` the query of each sequence.
+        kv_cache: ``[2, num_blocks, block_size, Hkv, D]`` the layer's cache.
+        block_tables: ``[B, max_blocks]`` int32 block ids of each sequence.
+        seq_lens: ``[B]`` int32 context lengths, each at most ``max_seq_len``.
+        scale: softmax scale.
+        max_seq_len: bound on ``seq_lens`` that sizes the grid of partitions.
+        out: optional ``[B, Hq, D]`` output (any strides with a contiguous last dimension).
+        partition_size: tokens per partition, a power of two of at least 16.
+
+    Returns:
+        ``out`` or a new ``[B, Hq, D]`` tensor in the dtype of q.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    if partition_size < _MIN_DOT or partition_size & (partition_size - 1):
+        raise ValueError(f"partition_size must be a power of two >= {_MIN_DOT}, "
+                         f"got {partition_size}")
+    if seq_lens.shape[0] != num_seqs:
+        raise ValueError(f"seq_lens has {seq_lens.shape[0]} rows but q has {num_seqs}")
+    if out is None:
+        out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    _check_last_dim(q=q, kv_cache=kv_cache, out=out)
+    num_splits = max(1, triton.cdiv(max_seq_len, partition_size))
+    part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32,
+                           device=q.device)
+    part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32,
+                           device=q.device)
+    group = num_heads // num_kv_heads
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    block_d = max(_MIN_DOT, triton.next_power_of_2(head_dim))
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, scale * _LOG2E,
+        q.stride(0), q.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        PARTITION=partition_size, BLOCK_G=max(_MIN_DOT, triton.next_power_of_2(group)),
+        BLOCK_N=min(_DECODE_BLOCK_N, partition_size), BLOCK_D=block_d,
+        DOT_PRECISION=_dot_precision(q))
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        part_out, part_lse, seq_lens, out, num_splits, out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, PARTITION=partition_size, BLOCK_D=block_d)
+    return out
+
+
+def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                      max_query_len: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of a flat batch of variable-length chunks over their paged contexts.
+
+    Sequence ``b`` owns rows ``query_start_loc[b]:query_start_loc[b+1]`` of q, the last
+    positions of a context of ``seq_lens[b]`` tokens; all keys, including the chunk's own, are
+    read from the cache, so call :func:`store_kv` first. Sequences of one token are fine.
+
+    Args:
+        q: ``[T, Hq, D]`` queries.
+        kv_cache: ``[2, num_blocks, block_size, Hkv, D]`` the layer's cache.
+        block_tables: ``[B, max_blocks]`` int32 block ids of each sequence.
+        query_start_loc: ``[B + 1]`` int32 cumulative query lengths.
+        seq_lens: ``[B]`` int32 context lengths.
+        scale: softmax scale.
+        max_query_len: the longest chunk (sizes the grid).
+        out: optional ``[T, Hq, D]`` output (any strides with a contiguous last dimension).
+
+    Returns:
+        ``out`` or a new ``[T, Hq, D]`` tensor in the dtype of q.
+    """
+    num_heads, head_dim = q.shape[1:]
+    num_seqs = seq_lens.shape[0]
+    num_kv_heads = kv_cache.shape[3]
+    if out is None:
+        out = torch.empty_like(q)
+    if num_seqs == 0 or max_query_len == 0:
+        return out
+    _check_last_dim(q=q, kv_cache=kv_cache, out=out)
+    group = num_heads // num_kv_heads
+    block_m = max(_PREFILL_BLOCK_M, triton.next_power_of_2(group))
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    grid = (num_seqs, triton.cdiv(max_query_len, block_m // group), num_kv_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m,
+        BLOCK_N=_PREFILL_BLOCK_N, BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)),
+        DOT_PRECISION=_dot_precision(q))
+    return out
+
+
+def _dot_precision(q: torch.Tensor) -> str:
+    """fp32 inputs get exact products: tl.dot would otherwise round them to tf32."""
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+def _check_last_dim(**tensors: torch.Tensor) -> None:
+    """The kernels index the head dimension with stride 1."""
+    for name, t in tensors.items():
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension, "
+                             f"got strides {tuple(t.stride())}")
