@@ -10,6 +10,12 @@ import torch
 # Tests compare numbers: keep them deterministic and the 2-core machine uncontended.
 torch.manual_seed(0)
 
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. Triton reads the
+# variable when it is imported and when kernels are defined, so it is set before any test
+# module can import it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(scope="session")
 def smollm_path() -> str:

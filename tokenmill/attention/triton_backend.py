@@ -23,6 +23,8 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     name = "triton"
+    # Decode steps may be captured in CUDA graphs (tokenmill.runner.cuda_graphs).
+    supports_cuda_graphs = True
 
     def __init__(self, decode_partition_size: int = 512) -> None:
         # Tokens per decode split: smaller gives long contexts more parallel programs.

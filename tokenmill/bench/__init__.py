@@ -11,10 +11,11 @@ import argparse
 
 
 def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
-    """Register `bench serve|throughput|latency|compare|prefix-cache|spec|batch` and
+    """Register `bench serve|throughput|latency|compare|prefix-cache|spec|batch|gpu` and
     `perplexity`."""
     from tokenmill.bench.batch import add_batch_bench_parser
     from tokenmill.bench.compare import add_compare_parser
+    from tokenmill.bench.gpu import add_gpu_parser
     from tokenmill.bench.latency import add_latency_parser
     from tokenmill.bench.prefix_cache import add_prefix_cache_parser
     from tokenmill.bench.serve import add_serve_parser
@@ -28,6 +29,7 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
     add_prefix_cache_parser(subparsers)
     add_spec_parser(subparsers)
     add_batch_bench_parser(subparsers)
+    add_gpu_parser(subparsers)
     _add_perplexity_parser(subparsers)
 
 

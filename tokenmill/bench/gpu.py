@@ -124,10 +124,11 @@ def run_decode(engine: LLMEngine, requests: list[SampleRequest], copy_bytes: int
             "prompt_tokens": timings[0].prompt_tokens, "output_tokens": timings[0].output_tokens}
 
 
-def hf_generate_batch(model_name: str, load_format: str, requests: list[SampleRequest],
-                      dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
-    """transformers' continuous batching on the workload: random weights of the same shape
-    (a preset) or the same Hugging Face folder; output tokens/s over the whole batch."""
+def hf_generate_batch(model_name: str, load_format: str, inputs: list[list[int]],
+                      max_new: int, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
+    """transformers' continuous batching on the prompts ``inputs``, ``max_new`` tokens each:
+    random weights of the same shape (a preset) or the same Hugging Face folder; output
+    tokens/s over the whole batch."""
     import transformers
 
     from tokenmill.models.presets import PRESETS
@@ -143,17 +144,19 @@ def hf_generate_batch(model_name: str, load_format: str, requests: list[SampleRe
         model = transformers.AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype)
         model = model.to(device)
     model.eval()
-    max_new = max(r.output_len for r in requests)
     gen = transformers.GenerationConfig(max_new_tokens=max_new, min_new_tokens=max_new,
                                         do_sample=False, eos_token_id=None, pad_token_id=0)
-    inputs = [list(r.prompt_token_ids) for r in requests]
     model.generate_batch(inputs[:2], generation_config=gen, max_new_tokens=4)  # warm-up
     start = time.perf_counter()
     outputs = model.generate_batch(inputs, generation_config=gen)
-    elapsed = time.perf_counter() - start
+    call_s = time.perf_counter() - start
+    # From the requests' creation (after the call's own warm-up, graph captures included) to
+    # the last one's end: the generation itself, as tokenmill's number is timed.
+    elapsed = (max(o.lifespan[1] for o in outputs.values())
+               - min(o.created_time for o in outputs.values()))
     out_tokens = sum(len(o.generated_tokens) for o in outputs.values())
     return {"peer": "transformers generate_batch", "version": transformers.__version__,
-            "num_requests": len(outputs), "elapsed_s": elapsed,
+            "num_requests": len(outputs), "elapsed_s": elapsed, "call_s": call_s,
             "total_output_tokens": out_tokens, "output_tokens_per_s": out_tokens / elapsed}
 
 
@@ -202,9 +205,15 @@ def cmd_gpu(args: argparse.Namespace) -> int:
         result["tokenmill"] = run_throughput(engine, requests, 0.0, progress=True)
         headline = f"{result['tokenmill']['output_tokens_per_s']:.1f} output tok/s"
         if args.suite == "hf-batch":
+            result["engine"] = engine_facts(engine, load_s)
+            inputs = [r.prompt if isinstance(r.prompt, list)
+                      else engine.tokenizer.encode(r.prompt, add_special_tokens=False)
+                      for r in requests]
             del engine  # give the GPU memory to the peer
-            torch.cuda.empty_cache() if device.type == "cuda" else None
-            peer = hf_generate_batch(args.model, args.load_format, requests,
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            peer = hf_generate_batch(args.model, args.load_format, inputs,
+                                     max(r.output_len for r in requests),
                                      _torch_dtype(args.dtype, device), device)
             result["peer"] = peer
             result["speedup"] = (result["tokenmill"]["output_tokens_per_s"]
@@ -214,7 +223,7 @@ def cmd_gpu(args: argparse.Namespace) -> int:
     result.update(reference=REFERENCES[args.suite], device=device_facts(device),
                   hardware=hardware(), date=now_iso(),
                   command=" ".join(["tokenmill", *sys.argv[1:]]))
-    if "engine" not in result and args.suite != "hf-batch":
+    if "engine" not in result:
         result["engine"] = engine_facts(engine, load_s)
     print(f"[{args.suite}] {args.model} on {result['device']['device']}: {headline}")
     if args.result_file:

@@ -98,9 +98,10 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) ->
         torch.set_default_dtype(default_dtype)
     if config.load_format == "dummy":
         init_dummy_weights(model, seed=config.seed)
-    elif is_gguf and method != "none":
+    elif is_gguf and method in ("int8", "int4") and torch.device(device).type == "cpu":
         # Linear layers come quantized from the file's blocks (Q4 ones exactly, for int4); only
         # the rest is loaded in float, so no float copy of those layers is ever filled in.
+        # (On GPUs the layers are loaded in float and quantized below, in the GPU's layouts.)
         # (Imported here: tokenmill.quant.gguf imports this package.)
         from tokenmill.quant.gguf import load_gguf_quantized
 

@@ -8,9 +8,9 @@ it launches them all in one go. A graph replays fixed addresses and shapes, so:
 - a step of ``n`` sequences runs the graph of the smallest captured size ``>= n``; the padding
   rows write their K/V to slot -1 (skipped by the store kernel) and have a context of 0 tokens
   (the attention kernels produce zeros for them), and their outputs are dropped;
-- the attention metadata seen at capture promises the longest context (``max_model_len``), so
-  the decode kernel's launch grid covers every context a replay can have, and reads the real
-  lengths from the ``seq_lens`` buffer on the device.
+- the attention metadata seen at capture promises the longest context a replay may have
+  (``max_seq_len_bound``), so the decode kernel's launch grid covers every context, and the
+  kernel reads the real lengths from the ``seq_lens`` buffer on the device.
 
 The capture itself is behind :class:`GraphCapture` so that the padding and buffer logic can be
 tested on the CPU, where :class:`EagerReplay` stands in for a graph by re-running the captured
@@ -30,6 +30,10 @@ from tokenmill.attention.backend import AttentionBackend
 from tokenmill.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
+
+# Longest context a captured graph serves (vLLM's default too): the decode kernel's scratch
+# grows with the promised context, and longer ones are rare enough to run eagerly.
+MAX_CAPTURED_SEQ_LEN = 8192
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:
@@ -108,11 +112,12 @@ class DecodeGraphs:
         self.backend = backend
         self.kv_caches = kv_caches
         self.block_size = block_size
-        self.max_model_len = max_model_len
+        # The longest context a replay may have; longer decode steps run eagerly.
+        self.max_seq_len = min(max_model_len, MAX_CAPTURED_SEQ_LEN)
         self.device = device
         self.sizes = capture_sizes(max_batch_size)
         self.max_batch_size = self.sizes[-1]
-        self.max_blocks = -(-max_model_len // block_size)
+        self.max_blocks = -(-self.max_seq_len // block_size)
         self.capturer = capturer if capturer is not None else GraphCapture(device)
         n = self.max_batch_size
         self.buffers = _Buffers(
@@ -129,7 +134,7 @@ class DecodeGraphs:
     def _metadata(self, bs: int) -> AttentionMetadata:
         """Metadata over the first ``bs`` buffer rows, promising the longest context."""
         b = self.buffers
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             backend=self.backend,
             kv_caches=self.kv_caches,
             slot_mapping=b.slot_mapping[:bs],
@@ -137,9 +142,11 @@ class DecodeGraphs:
             seq_lens=b.seq_lens[:bs],
             block_tables=b.block_tables[:bs],
             query_lens_cpu=[1] * bs,
-            seq_lens_cpu=[self.max_model_len] * bs,
+            seq_lens_cpu=[self.max_seq_len] * bs,
             block_size=self.block_size,
         )
+        meta.max_seq_len_bound = self.max_seq_len
+        return meta
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -159,7 +166,7 @@ class DecodeGraphs:
         return (bool(self.graphs) and meta.decode_only and num_tokens == meta.num_seqs
                 and num_tokens <= self.max_batch_size
                 and meta.block_tables.shape[1] <= self.max_blocks
-                and meta.max_seq_len <= self.max_model_len)
+                and meta.max_seq_len <= self.max_seq_len)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             meta: AttentionMetadata) -> torch.Tensor:

@@ -50,8 +50,9 @@ class Platform:
         ``gpu_memory_utilization`` of the GPU's total memory.
 
         ``profile`` runs the largest step the engine will run (without a KV cache of real
-        size); its peak, which counts the weights already loaded, plus what lies outside
-        PyTorch's allocator (the CUDA context, cuBLAS and NCCL workspaces) is subtracted.
+        size); its peak, which counts the weights already loaded, plus all memory in use
+        outside PyTorch's allocator (the CUDA context, cuBLAS and NCCL workspaces, and other
+        processes on the same GPU) is subtracted.
         """
         if not self.is_cuda:
             raise ValueError("gpu_memory_utilization applies to CUDA devices only")

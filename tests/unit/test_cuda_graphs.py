@@ -1,0 +1,124 @@
+"""Decode CUDA graphs' padding and persistent buffers, checked on the CPU.
+
+A real capture needs a GPU (tests/gpu has that test); here :class:`EagerReplay` stands in for the
+graph, re-running the captured function over the same persistent buffers, with the Triton
+backend in Triton's interpreter. What is tested is everything but the capture: the batch-size
+ladder, copying each step into the buffers, padding rows that must not write the KV cache nor
+disturb real rows, and the engine choosing graphs for decode steps only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from tokenmill.runner.cuda_graphs import DecodeGraphs, EagerReplay, capture_sizes  # noqa: E402
+
+
+def test_capture_sizes_ladder() -> None:
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    assert capture_sizes(8) == [1, 2, 4, 8]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(64)[-3:] == [48, 56, 64]
+
+
+def _tiny_llm(**kwargs: object) -> LLM:
+    return LLM(model="tiny-llama", load_format="dummy", num_kv_blocks=64, max_model_len=256,
+               max_num_batched_tokens=64, max_num_seqs=8, **kwargs)
+
+
+def _with_graphs(llm: LLM, max_batch_size: int) -> DecodeGraphs:
+    """Switch the engine to the Triton backend and stand-in graphs, as EngineCore does on
+    CUDA."""
+    runner = llm.engine.core.runner
+    runner.backend = TritonAttentionBackend(decode_partition_size=32)
+    runner.fused_decoder = None
+    runner.capture_decode_graphs(max_batch_size, llm.engine.core.max_model_len,
+                                 capturer=EagerReplay())
+    assert runner.decode_graphs is not None
+    return runner.decode_graphs
+
+
+def test_padded_graph_replays_match_eager_decoding() -> None:
+    """Batches of 3 and 5 sequences replay the graphs of 4 and 8 (padded); greedy tokens equal
+    those of the eager torch backend, so padding rows neither wrote into other sequences' KV
+    nor changed their outputs."""
+    prompts = [[11, 12, 13], [21, 22, 23, 24, 25, 26, 27], [31] * 19, [41, 42], [51] * 40]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    eager = _tiny_llm().generate([{"prompt_token_ids": p} for p in prompts], params)
+
+    llm = _tiny_llm()
+    graphs = _with_graphs(llm, max_batch_size=8)
+    assert graphs.sizes == [1, 2, 4, 8]
+    replays: list[int] = []
+    for bs, (replay, out) in list(graphs.graphs.items()):
+        def counted(replay=replay, bs=bs) -> None:
+            replays.append(bs)
+            replay()
+        graphs.graphs[bs] = (counted, out)
+    for group in (prompts[:3], prompts):
+        outs = llm.generate([{"prompt_token_ids": p} for p in group], params)
+        want = eager[:len(group)]
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
+    assert 4 in replays and 8 in replays  # 3 and 5 sequences, padded
+
+
+def test_steps_graphs_cannot_serve_run_eagerly() -> None:
+    llm = _tiny_llm()
+    graphs = _with_graphs(llm, max_batch_size=2)
+    runner = llm.engine.core.runner
+    from tokenmill.runner.batch import FlatBatch
+
+    batch = FlatBatch(16)
+    batch.add([1, 2, 3], 0, [1])  # a prefill: never from a graph
+    _, _, meta = batch.build(runner.backend, runner.kv_caches, runner.device)
+    assert not graphs.supports(3, meta)
+    batch = FlatBatch(16)
+    for i in range(3):  # three decodes: more than the largest graph
+        batch.add([5], 4, [2 + i])
+    _, _, meta = batch.build(runner.backend, runner.kv_caches, runner.device)
+    assert not graphs.supports(3, meta)
+    batch = FlatBatch(16)
+    batch.add([5], 4, [2])
+    _, _, meta = batch.build(runner.backend, runner.kv_caches, runner.device)
+    assert graphs.supports(1, meta)
+    # More sequences than any graph: the engine still answers, eagerly.
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": [7, i + 1]} for i in range(4)], params)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+
+
+def test_padding_rows_do_not_touch_the_kv_cache() -> None:
+    llm = _tiny_llm()
+    graphs = _with_graphs(llm, max_batch_size=8)
+    runner = llm.engine.core.runner
+    before = [c.clone() for c in runner.kv_caches]
+    from tokenmill.runner.batch import FlatBatch
+
+    batch = FlatBatch(16)
+    for token, block in ((9, 3), (8, 4), (7, 5)):  # three first tokens, in blocks 3, 4, 5
+        batch.add([token], 0, [block])
+    ids, pos, meta = batch.build(runner.backend, runner.kv_caches, runner.device)
+    with torch.inference_mode():
+        graphs.run(ids, pos, meta)  # 3 rows -> the graph of 4
+    for old, new in zip(before, runner.kv_caches, strict=True):
+        changed = (old != new).flatten(2).any(-1)  # [2, blocks]
+        assert set(changed.nonzero()[:, 1].tolist()) == {3, 4, 5}
+    assert graphs.buffers.slot_mapping[3].item() == -1
+    assert graphs.buffers.seq_lens[3].item() == 0
+
+
+def test_max_captured_context_is_capped() -> None:
+    from tokenmill.runner import cuda_graphs
+
+    llm = _tiny_llm()
+    graphs = DecodeGraphs(llm.engine.core.runner.model, TritonAttentionBackend(),
+                          llm.engine.core.runner.kv_caches, 16, 4, 100_000, torch.device("cpu"),
+                          EagerReplay())
+    assert graphs.max_seq_len == cuda_graphs.MAX_CAPTURED_SEQ_LEN
+    assert graphs.buffers.block_tables.shape == (4, cuda_graphs.MAX_CAPTURED_SEQ_LEN // 16)
