@@ -1,0 +1,71 @@
+"""The fused CUDA elementwise kernels against the PyTorch code of models/layers.py.
+
+Without a GPU they run in Triton's interpreter on CPU tensors (fp32 and fp16; the interpreter
+gets bf16 wrong, so bf16 is compared on CUDA only).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from tokenmill.models import fused_ops  # noqa: E402
+from tokenmill.models.layers import RMSNorm, RotaryEmbedding, apply_rotary  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    assert err < TOL[dtype], err
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols", [64, 96, 576])
+def test_rms_norm_with_and_without_residual(dtype: torch.dtype, cols: int) -> None:
+    gen = torch.Generator().manual_seed(cols)
+    norm = RMSNorm(cols, 1e-5)
+    norm.weight.data = torch.rand(cols, generator=gen) + 0.5
+    norm = norm.to(DEVICE, dtype)
+    x = torch.randn(5, cols, generator=gen).to(DEVICE, dtype)
+    res = torch.randn(5, cols, generator=gen).to(DEVICE, dtype)
+    _close(fused_ops.rms_norm(x, norm.weight, norm.eps), norm(x), dtype)
+    summed = x + res
+    res_in = res.clone()
+    out = fused_ops.rms_norm(x, norm.weight, norm.eps, residual=res_in)
+    _close(res_in, summed, dtype)  # the residual now holds the sum
+    _close(out, norm(summed), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [48, 1536, 2500])
+def test_silu_and_mul(dtype: torch.dtype, n: int) -> None:
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(3, 2 * n, generator=gen).to(DEVICE, dtype)
+    gate, up = x.split(n, dim=-1)
+    _close(fused_ops.silu_and_mul(x), F.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,dim", [(12, 64), (5, 80)])
+def test_rotary_in_place_on_a_strided_view(dtype: torch.dtype, heads: int, dim: int) -> None:
+    gen = torch.Generator().manual_seed(heads)
+    rope = RotaryEmbedding(dim, 512, 10000.0, None).to(DEVICE)
+    positions = torch.tensor([0, 7, 300, 511, 3], device=DEVICE)
+    fused = torch.randn(5, heads * dim + 32, generator=gen).to(DEVICE, dtype)  # + other columns
+    x = fused[:, :heads * dim].view(5, heads, dim)
+    cos, sin = rope.cos_sin(positions, dtype)
+    want = apply_rotary(x.clone(), cos, sin)
+    tail = fused[:, heads * dim:].clone()
+    fused_ops.rotary_(x, positions, rope.cos_half, rope.sin_half)
+    _close(x, want, dtype)
+    assert torch.equal(fused[:, heads * dim:], tail)  # nothing outside the view written
+
+
+def test_enabled_only_for_cuda_tensors() -> None:
+    assert not fused_ops.enabled(torch.zeros(1))
