@@ -198,6 +198,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("device", str(core.platform.device)),
         ("dtype", str(core.dtype).removeprefix("torch.")),
         ("threads", str(torch.get_num_threads())),
+        ("attention backend", core.runner.backend.name),
+        ("decode CUDA graphs", _describe_graphs(core)),
         ("max model len", str(core.max_model_len)),
         ("kv cache", core.kv_plan.describe().removeprefix("KV cache: ")),
         ("torch", torch.__version__),
@@ -206,6 +208,14 @@ def cmd_info(args: argparse.Namespace) -> int:
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     return 0
+
+
+def _describe_graphs(core: object) -> str:
+    graphs = core.runner.decode_graphs  # type: ignore[attr-defined]
+    if graphs is None:
+        return "off"
+    return (f"batch sizes {graphs.sizes[0]}..{graphs.sizes[-1]} ({len(graphs.sizes)} graphs), "
+            f"contexts up to {graphs.max_seq_len}")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
