@@ -38,20 +38,19 @@ def enabled(x: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, eps,
-                         stride_x, stride_res, stride_out,
+    def _rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, n_cols, eps,
+                         stride_x, stride_res, stride_res_out, stride_out,
                          HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-        """One program per row: (residual += x; x = residual), then out = norm(x) * w."""
+        """One program per row: (s = x + residual, written out), out = norm(s or x) * w."""
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
             r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
-            x = x + r
             # Round the sum to the activations' dtype first, as the eager add does.
-            x = x.to(res_ptr.dtype.element_ty)
-            tl.store(res_ptr + row * stride_res + cols, x, mask=mask)
+            x = (x + r).to(res_out_ptr.dtype.element_ty)
+            tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
             x = x.to(tl.float32)
         var = tl.sum(x * x, axis=0) / n_cols
         y = x * (1.0 / tl.sqrt(var + eps))
@@ -76,20 +75,19 @@ if triton is not None:
         tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_cos,
+    def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_ct, stride_st,
                        NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                        BLOCK_D: tl.constexpr):
-        """One program per token: rotate every head of x in place (rotate-half layout)."""
+        """One program per token: rotate every head of x in place (rotate-half layout) by the
+        token's cos and sign-folded sin rows (``RotaryEmbedding.cos_sin``'s)."""
         t = tl.program_id(0)
-        pos = tl.load(pos_ptr + t).to(tl.int64)
         h = tl.arange(0, BLOCK_H)[:, None]
         d = tl.arange(0, BLOCK_D)[None, :]
         mask = (h < NUM_HEADS) & (d < HALF)
-        cos = tl.load(cos_ptr + pos * stride_cos + d, mask=d < HALF, other=0.0)
-        sin = tl.load(sin_ptr + pos * stride_cos + d, mask=d < HALF, other=0.0)
-        # The eager path rounds cos/sin to the activations' dtype first.
-        cos = cos.to(x_ptr.dtype.element_ty).to(tl.float32)
-        sin = sin.to(x_ptr.dtype.element_ty).to(tl.float32)
+        cos = tl.load(cos_ptr + t * stride_ct + d, mask=d < HALF, other=0.0).to(tl.float32)
+        # The table's first half holds -sin, its second half +sin: read the second.
+        sin = tl.load(sin_ptr + t * stride_st + HALF + d, mask=d < HALF, other=0.0)
+        sin = sin.to(tl.float32)
         base = x_ptr + t * stride_xt + h * stride_xh + d
         x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
@@ -98,16 +96,17 @@ if triton is not None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor:
-    """``norm(x) * weight`` over the last dimension of a 2-D ``x``; with ``residual``, first
-    ``residual += x`` (in place) and the norm is of that sum."""
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(s) * weight, s)`` over the last dimension of a 2-D ``x``, where ``s`` is
+    ``x + residual`` (a new tensor) or, without a residual, ``x`` itself."""
     rows, cols = x.shape
     out = torch.empty_like(x)
     res = x if residual is None else residual
+    res_out = x if residual is None else torch.empty_like(x)
     _rms_norm_kernel[(rows,)](
-        x, res, weight, out, cols, eps, x.stride(0), res.stride(0), out.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols))
-    return out
+        x, res, res_out, weight, out, cols, eps, x.stride(0), res.stride(0), res_out.stride(0),
+        out.stride(0), HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols))
+    return out, res_out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -121,16 +120,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def rotary_(x: torch.Tensor, positions: torch.Tensor, cos_half: torch.Tensor,
-            sin_half: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, H, D]`` in place by the fp32 half-width tables ``[max_pos, D/2]`` at
-    ``positions``; ``x`` may be a strided view (the q/k columns of the fused projection)."""
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`tokenmill.models.layers.apply_rotary` in place: rotate ``x`` ``[T, H, D]`` by the
+    step's ``[T, 1, D]`` cos and sign-folded sin. ``x`` may be a strided view (the q/k columns
+    of the fused projection) whose head dimension is contiguous."""
     tokens, heads, dim = x.shape
     if x.stride(2) != 1:
         raise ValueError("rotary_ needs the head dimension to be contiguous")
     half = dim // 2
-    _rotary_kernel[(tokens,)](x, positions, cos_half, sin_half, x.stride(0), x.stride(1),
-                              cos_half.stride(0), NUM_HEADS=heads, HALF=half,
+    _rotary_kernel[(tokens,)](x, cos, sin, x.stride(0), x.stride(1), cos.stride(0),
+                              sin.stride(0), NUM_HEADS=heads, HALF=half,
                               BLOCK_H=triton.next_power_of_2(heads),
                               BLOCK_D=triton.next_power_of_2(half))
     return x
