@@ -11,6 +11,13 @@ from tokenmill.config import CacheConfig, EngineConfig
 from tokenmill.core.kv_cache import KVCacheManager, cdiv
 from tokenmill.core.sched_output import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from tokenmill.core.scheduler import Scheduler
+from tokenmill.distributed import unsharded
+from tokenmill.distributed.executor import (
+    TPExecutor,
+    check_parallel_config,
+    cpu_threads_per_rank,
+    rank_device,
+)
 from tokenmill.model_loader import LoadedModel, load_model
 from tokenmill.request import Request, RequestStatus
 from tokenmill.runner.model_runner import ModelRunner
@@ -56,14 +63,18 @@ class KVCachePlan:
 
 
 def plan_kv_cache(cache: CacheConfig, platform: Platform, bytes_per_block: int,
-                  max_model_len: int) -> KVCachePlan:
-    """Size the KV cache: explicit blocks, explicit bytes, or a fraction of free memory."""
+                  max_model_len: int, free_memory: int | None = None) -> KVCachePlan:
+    """Size the KV cache: explicit blocks, explicit bytes, or a fraction of free memory
+    (``free_memory`` bytes when given, e.g. the tightest of several ranks, else the
+    platform's)."""
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
     else:
         budget = cache.kv_cache_memory_bytes
         if budget is None:
-            budget = int(platform.available_memory() * cache.kv_cache_memory_fraction)
+            if free_memory is None:
+                free_memory = platform.available_memory()
+            budget = int(free_memory * cache.kv_cache_memory_fraction)
             if not platform.is_cuda:
                 budget = min(budget, CPU_DEFAULT_KV_BYTES_CAP)
         num_blocks = budget // bytes_per_block
@@ -79,13 +90,41 @@ def plan_kv_cache(cache: CacheConfig, platform: Platform, bytes_per_block: int,
 
 
 class EngineCore:
-    """Owns scheduler and runner; ``step()`` is one forward pass of the continuous batch."""
+    """Owns scheduler and runner; ``step()`` is one forward pass of the continuous batch.
+
+    With ``tensor_parallel_size`` > 1 this process is rank 0: ``executor`` starts the other
+    ranks and sends them each step; call :meth:`close` (or drop the engine) to stop them.
+    """
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         """``loaded``: a model already in memory (tests, tools) instead of ``config.model``."""
         self.config = config
         self.platform = get_platform(config.device.device)
-        self.platform.set_num_threads(config.device.num_threads)
+        tp = config.parallel.tensor_parallel_size
+        check_parallel_config(config, self.platform.device)
+        if tp > 1 and loaded is not None:
+            raise ValueError("a model loaded beforehand cannot be sharded: give config.model "
+                             f"with tensor_parallel_size={tp}")
+        num_threads = cpu_threads_per_rank(config.device.num_threads, tp)
+        self.executor: TPExecutor | None = None
+        if tp > 1:
+            self.platform = Platform(rank_device(self.platform.device, 0))
+            if self.platform.is_cuda:
+                torch.cuda.set_device(self.platform.device)
+            self.executor = TPExecutor(config, self.platform.device, num_threads)
+        try:
+            if self.executor is None:
+                with unsharded():  # whole, even beside a tensor-parallel engine (tests)
+                    self._build(config, loaded, num_threads)
+            else:
+                self._build(config, loaded, num_threads)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig, loaded: LoadedModel | None,
+               num_threads: int | None) -> None:
+        self.platform.set_num_threads(num_threads)
         self.dtype = self.platform.resolve_dtype(config.model.dtype)
         if loaded is None:
             loaded = load_model(config.model, self.platform.device, self.dtype)
@@ -97,9 +136,7 @@ class EngineCore:
         self.runner = ModelRunner(
             loaded.model, loaded.arch, self.platform, self.dtype, config.cache.block_size,
             self.tokenizer.eos_token_ids)
-        self.kv_plan = plan_kv_cache(config.cache, self.platform,
-                                     self.runner.kv_bytes_per_block(), self.max_model_len)
-        self.runner.allocate_kv_cache(self.kv_plan.num_blocks)
+        self._allocate_kv_cache(config.cache)
         kv = KVCacheManager(self.kv_plan.num_blocks, config.cache.block_size,
                             config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len)
@@ -111,6 +148,25 @@ class EngineCore:
         self.spec_stats = SpecDecodingStats() if self.proposer is not None else None
         # Draft distributions of the drafts proposed for the next step (draft models only).
         self._draft_probs: dict[str, torch.Tensor] = {}
+
+    def _allocate_kv_cache(self, cache: CacheConfig) -> None:
+        """Size the cache by the tightest rank's free memory and give every rank one."""
+        free = None
+        if self.executor is not None:
+            free = self.executor.min_free_memory(self.platform.available_memory())
+            if not self.platform.is_cuda:
+                free //= self.executor.tp  # the CPU ranks share one memory
+        self.kv_plan = plan_kv_cache(cache, self.platform, self.runner.kv_bytes_per_block(),
+                                     self.max_model_len, free)
+        if self.executor is not None:
+            self.executor.allocate_kv_cache(self.runner, self.kv_plan.num_blocks)
+        else:
+            self.runner.allocate_kv_cache(self.kv_plan.num_blocks)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent); no step runs afterwards."""
+        if self.executor is not None:
+            self.executor.close()
 
     def _resolve_max_model_len(self, asked: int | None) -> int:
         model_max = self.arch.max_position_embeddings
@@ -141,7 +197,10 @@ class EngineCore:
         next step's draft tokens when speculating."""
         sched = self.scheduler.schedule()
         self.last_batch = (len(sched.num_scheduled_tokens), sched.total_num_scheduled_tokens)
-        runner_out = self.runner.execute(sched, self._draft_probs)
+        if self.executor is not None:
+            runner_out = self.executor.execute(self.runner, sched, self._draft_probs)
+        else:
+            runner_out = self.runner.execute(sched, self._draft_probs)
         if self.spec_stats is not None:
             for rid, drafts in sched.scheduled_spec_decode_tokens.items():
                 emitted = len(runner_out.sampled_token_ids.get(rid, ()))

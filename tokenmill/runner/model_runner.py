@@ -86,8 +86,14 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, _RequestState] = {}
         self.sampling_states: dict[str, _SamplingState] = {}
-        # Decode-only steps through the C++ layer stack; None when off or unsupported.
+        # This rank's share of the KV heads: each tensor-parallel rank caches its own heads.
+        tp = getattr(model, "tp_size", 1)
+        self.num_kv_heads = arch.num_key_value_heads // tp
+        # Decode-only steps through the C++ layer stack; None when off or unsupported (always
+        # off under tensor parallelism: the C++ stack has no all-reduce between layers).
         # enable_fused_decode None defers to $TOKENMILL_FUSED_DECODE (see fused_decode.py).
+        if tp > 1:
+            enable_fused_decode = False
         self.fused_decoder = make_fused_decoder(model, self.device, enable_fused_decode)
 
     # ------------------------------------------------------------------------ KV memory
@@ -95,11 +101,11 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         a = self.arch
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return a.num_hidden_layers * 2 * self.block_size * a.num_key_value_heads * a.head_dim * elem
+        return a.num_hidden_layers * 2 * self.block_size * self.num_kv_heads * a.head_dim * elem
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         a = self.arch
-        shape = (2, num_blocks, self.block_size, a.num_key_value_heads, a.head_dim)
+        shape = (2, num_blocks, self.block_size, self.num_kv_heads, a.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(a.num_hidden_layers)]
 
