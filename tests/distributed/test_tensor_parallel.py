@@ -201,6 +201,32 @@ def test_dead_worker_is_an_error(llama_dir: str) -> None:
     assert tp_size() == 1
 
 
+@pytest.mark.slow
+def test_gguf_model_on_three_ranks() -> None:
+    """The embedded SmolLM2 GGUF (9 query / 3 KV heads, tied 49152-row vocabulary) on three
+    CPU processes: dequantized q/k rows un-permuted, then sharded, give the same text; with
+    quantization "auto" each rank quantizes its float shards to int4 instead of keeping the
+    file's Q4 blocks (which are not cut to shards), and still answers sensibly."""
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    options: dict = dict(kv_cache_memory_bytes=64 << 20, max_model_len=512)
+    one = LLM(dtype="float32", quantization="none", **options)
+    expected = [o.outputs[0].text for o in one.generate(prompts, params)]
+    del one
+    options["tensor_parallel_size"] = 3
+    tp3 = LLM(dtype="float32", quantization="none", **options)
+    try:
+        assert [o.outputs[0].text for o in tp3.generate(prompts, params)] == expected
+    finally:
+        tp3.close()
+    tp3 = LLM(**options)
+    try:
+        assert tp3.engine.core.quantization == "int4"
+        assert tp3.generate(prompts[0], params)[0].outputs[0].text.startswith(" Paris")
+    finally:
+        tp3.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_two_gpus_match_one(llama_dir: str) -> None:
