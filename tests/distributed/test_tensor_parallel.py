@@ -50,7 +50,7 @@ def _tokens(llm: LLM, params: SamplingParams | list[SamplingParams] = GREEDY,
 def _workers(llm: LLM) -> list:
     executor = llm.engine.core.executor
     assert executor is not None
-    return list(executor._workers.procs)
+    return executor.processes
 
 
 def _wait_dead(procs: list, seconds: float = 15.0) -> bool:
@@ -132,6 +132,23 @@ def test_random_sampling_keeps_ranks_in_step(llama_tp1: LLM, llama_tp2: LLM) -> 
         ref = llama_tp1.generate([prompt + sampled], score, use_tqdm=False)[0]
         expected = [lp.logprob for lp in ref.prompt_logprobs[len(prompt):]]
         assert reported == pytest.approx(expected, abs=1e-3)
+
+
+def test_preemption_and_forks(llama_dir: str) -> None:
+    """A KV cache too small for the batch preempts and recomputes; n=2 forks share prompt
+    blocks and copy them on write: every rank follows the scheduler's blocks and copies."""
+    prompts = [PROMPTS[2], [7 + (i * 3) % 200 for i in range(45)], PROMPTS[1]]
+    params = [GREEDY, GREEDY,
+              SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=16, ignore_eos=True)]
+    results, preemptions = [], []
+    for tp in (1, 2):
+        llm = _llm(llama_dir, tp, num_kv_blocks=12, block_size=8, max_num_batched_tokens=32)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results.append([[c.token_ids for c in o.outputs] for o in outs])
+        preemptions.append(llm.engine.core.stats().num_preemptions_total)
+        llm.close()
+    assert results[1] == results[0]
+    assert preemptions[1] > 0
 
 
 def test_one_tensor_parallel_engine_per_process(llama_tp2: LLM, llama_dir: str) -> None:

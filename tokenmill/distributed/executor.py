@@ -165,6 +165,11 @@ class TPExecutor:
             self.close()
             raise
 
+    @property
+    def processes(self) -> list[mp.Process]:
+        """The worker processes, rank 1 first."""
+        return list(self._workers.procs)
+
     def min_free_memory(self, local_free: int) -> int:
         """The least free device memory over the ranks, once every worker has its shard."""
         self._wait_for("loaded")
