@@ -14,6 +14,7 @@ from tokenmill.config import (
     DeviceConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
@@ -38,7 +39,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "weights and per-token activations); auto keeps a GGUF file's Q4 (int4) "
                         "or Q5-Q8 (int8) weights compact on the CPU and is none otherwise")
     g.add_argument("--device", default="auto")
-    g.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="CPU threads per process (default: all cores, shared among the ranks)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="shard the model over N GPUs (or N CPU processes)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES")
@@ -90,6 +94,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             args.speculative, args.speculative_model,
             num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
             ngram_max=args.ngram_max),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
     )
 
 

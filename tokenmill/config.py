@@ -125,6 +125,28 @@ class DeviceConfig:
         _positive("cuda_graph_max_batch_size", self.cuda_graph_max_batch_size)
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How many processes share the model.
+
+    ``tensor_parallel_size`` ranks each hold a slice of every layer (query and KV heads, MLP
+    columns, vocabulary rows) and add their partial results with all-reduces: NCCL across the
+    GPUs of one machine (rank r on cuda:r, counted from the configured device), gloo across
+    CPU processes. Rank 0 is the engine process; the others are workers it starts.
+    ``timeout_s`` bounds worker start-up and each collective of a step, so that a worker that
+    stops answering becomes an error, not a hang.
+    """
+
+    tensor_parallel_size: int = 1
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int | float)
+                or self.timeout_s <= 0):
+            raise ValueError(f"timeout_s must be a positive number, got {self.timeout_s!r}")
+
+
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 # More draft tokens than this per step cost more to verify than they can save.
 MAX_SPECULATIVE_TOKENS = 32
@@ -212,4 +234,5 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     log_stats: bool = False

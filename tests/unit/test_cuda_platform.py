@@ -45,11 +45,25 @@ def test_gpu_memory_utilization_leaves_weights_activations_and_context(
     assert budget == int(80 * GIB * 0.9) - 18 * GIB - GIB // 2
     # Through plan_kv_cache: whole blocks of that budget.
     plan = plan_kv_cache(CacheConfig(gpu_memory_utilization=0.9), platform, 2 << 20, 8192,
-                         fake.profile)
+                         profiled_budget=budget)
     assert plan.num_blocks == budget // (2 << 20)
     # Explicit sizes still win over the utilization.
-    plan = plan_kv_cache(CacheConfig(num_blocks=100), platform, 2 << 20, 8192, fake.profile)
+    plan = plan_kv_cache(CacheConfig(num_blocks=100), platform, 2 << 20, 8192,
+                         profiled_budget=budget)
     assert plan.num_blocks == 100
+
+
+def test_profiling_applies_to_cuda_without_an_explicit_size() -> None:
+    from tokenmill.config import EngineConfig
+    from tokenmill.runner.model_runner import profiled_kv_budget
+
+    class Runner:  # profiled_kv_budget only looks at the platform before profiling
+        platform = Platform(torch.device("cpu"))
+
+    assert profiled_kv_budget(Runner(), EngineConfig(), 4096) is None  # type: ignore[arg-type]
+    Runner.platform = Platform(torch.device("cuda"))
+    sized = EngineConfig(cache=CacheConfig(num_blocks=10))
+    assert profiled_kv_budget(Runner(), sized, 4096) is None  # type: ignore[arg-type]
 
 
 def test_other_processes_memory_counts_against_the_budget(

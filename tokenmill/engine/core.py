@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -12,9 +11,20 @@ from tokenmill.config import CacheConfig, EngineConfig
 from tokenmill.core.kv_cache import KVCacheManager, cdiv
 from tokenmill.core.sched_output import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from tokenmill.core.scheduler import Scheduler
+from tokenmill.distributed import unsharded
+from tokenmill.distributed.executor import (
+    TPExecutor,
+    check_parallel_config,
+    cpu_threads_per_rank,
+    rank_device,
+)
 from tokenmill.model_loader import LoadedModel, load_model
 from tokenmill.request import Request, RequestStatus
-from tokenmill.runner.model_runner import ModelRunner
+from tokenmill.runner.model_runner import (
+    ModelRunner,
+    capture_decode_graphs,
+    profiled_kv_budget,
+)
 from tokenmill.runner.platform import Platform, get_platform
 from tokenmill.spec_decode.metrics import SpecDecodingStats
 from tokenmill.spec_decode.proposer import make_proposer
@@ -57,18 +67,22 @@ class KVCachePlan:
 
 
 def plan_kv_cache(cache: CacheConfig, platform: Platform, bytes_per_block: int,
-                  max_model_len: int, profile: Callable[[], None] | None = None) -> KVCachePlan:
-    """Size the KV cache: explicit blocks, explicit bytes, on CUDA what ``gpu_memory_utilization``
-    leaves after ``profile`` (the largest step), else a fraction of free memory."""
+                  max_model_len: int, free_memory: int | None = None,
+                  profiled_budget: int | None = None) -> KVCachePlan:
+    """Size the KV cache: explicit blocks, explicit bytes, ``profiled_budget`` bytes (on CUDA:
+    what ``gpu_memory_utilization`` leaves after a profiling step, the tightest rank's under
+    tensor parallelism), else a fraction of free memory (``free_memory`` bytes when given,
+    e.g. the tightest of several ranks, else the platform's)."""
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
-    elif cache.kv_cache_memory_bytes is None and platform.is_cuda and profile is not None:
-        num_blocks = platform.kv_cache_budget(cache.gpu_memory_utilization,
-                                              profile) // bytes_per_block
+    elif cache.kv_cache_memory_bytes is None and profiled_budget is not None:
+        num_blocks = profiled_budget // bytes_per_block
     else:
         budget = cache.kv_cache_memory_bytes
         if budget is None:
-            budget = int(platform.available_memory() * cache.kv_cache_memory_fraction)
+            if free_memory is None:
+                free_memory = platform.available_memory()
+            budget = int(free_memory * cache.kv_cache_memory_fraction)
             if not platform.is_cuda:
                 budget = min(budget, CPU_DEFAULT_KV_BYTES_CAP)
         num_blocks = budget // bytes_per_block
@@ -84,13 +98,41 @@ def plan_kv_cache(cache: CacheConfig, platform: Platform, bytes_per_block: int,
 
 
 class EngineCore:
-    """Owns scheduler and runner; ``step()`` is one forward pass of the continuous batch."""
+    """Owns scheduler and runner; ``step()`` is one forward pass of the continuous batch.
+
+    With ``tensor_parallel_size`` > 1 this process is rank 0: ``executor`` starts the other
+    ranks and sends them each step; call :meth:`close` (or drop the engine) to stop them.
+    """
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         """``loaded``: a model already in memory (tests, tools) instead of ``config.model``."""
         self.config = config
         self.platform = get_platform(config.device.device)
-        self.platform.set_num_threads(config.device.num_threads)
+        tp = config.parallel.tensor_parallel_size
+        check_parallel_config(config, self.platform.device)
+        if tp > 1 and loaded is not None:
+            raise ValueError("a model loaded beforehand cannot be sharded: give config.model "
+                             f"with tensor_parallel_size={tp}")
+        num_threads = cpu_threads_per_rank(config.device.num_threads, tp)
+        self.executor: TPExecutor | None = None
+        if tp > 1:
+            self.platform = Platform(rank_device(self.platform.device, 0))
+            if self.platform.is_cuda:
+                torch.cuda.set_device(self.platform.device)
+            self.executor = TPExecutor(config, self.platform.device, num_threads)
+        try:
+            if self.executor is None:
+                with unsharded():  # whole, even beside a tensor-parallel engine (tests)
+                    self._build(config, loaded, num_threads)
+            else:
+                self._build(config, loaded, num_threads)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig, loaded: LoadedModel | None,
+               num_threads: int | None) -> None:
+        self.platform.set_num_threads(num_threads)
         self.dtype = self.platform.resolve_dtype(config.model.dtype)
         if loaded is None:
             loaded = load_model(config.model, self.platform.device, self.dtype)
@@ -102,18 +144,10 @@ class EngineCore:
         self.runner = ModelRunner(
             loaded.model, loaded.arch, self.platform, self.dtype, config.cache.block_size,
             self.tokenizer.eos_token_ids)
-        sched_cfg = config.scheduler
-        profile_tokens = min(sched_cfg.max_num_batched_tokens, self.max_model_len)
-
-        def profile() -> None:
-            self.runner.profile_run(profile_tokens, sched_cfg.max_num_seqs)
-
-        self.kv_plan = plan_kv_cache(config.cache, self.platform,
-                                     self.runner.kv_bytes_per_block(), self.max_model_len,
-                                     profile)
-        self.runner.allocate_kv_cache(self.kv_plan.num_blocks)
-        if self.platform.is_cuda and not config.device.enforce_eager:
-            self._capture_graphs()
+        self._allocate_kv_cache(config)
+        if capture_decode_graphs(self.runner, config, self.max_model_len):
+            logger.info("decode CUDA graphs captured for batch sizes %s",
+                        self.runner.decode_graphs.sizes)  # type: ignore[union-attr]
         kv = KVCacheManager(self.kv_plan.num_blocks, config.cache.block_size,
                             config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len)
@@ -126,15 +160,33 @@ class EngineCore:
         # Draft distributions of the drafts proposed for the next step (draft models only).
         self._draft_probs: dict[str, torch.Tensor] = {}
 
-    def _capture_graphs(self) -> None:
-        """CUDA graphs of decode steps, where the attention backend's kernels allow them."""
-        if not getattr(self.runner.backend, "supports_cuda_graphs", False):
-            logger.info("CUDA graphs off: the %s attention backend does not support them",
-                        self.runner.backend.name)
-            return
-        max_bs = (self.config.device.cuda_graph_max_batch_size
-                  or self.config.scheduler.max_num_seqs)
-        self.runner.capture_decode_graphs(max_bs, self.max_model_len)
+    def _allocate_kv_cache(self, config: EngineConfig) -> None:
+        """Size the cache by the tightest rank's memory and give every rank one.
+
+        On CUDA without an explicit size, every rank first runs the profiling step (in lock
+        step: its all-reduces pair up) to learn what ``gpu_memory_utilization`` leaves."""
+        cache = config.cache
+        if self.executor is not None:
+            self.executor.wait_until_loaded()
+        budget = profiled_kv_budget(self.runner, config, self.max_model_len)
+        free = budget if budget is not None else self.platform.available_memory()
+        if self.executor is not None:
+            free = self.executor.min_free_memory(free)
+            if budget is None and not self.platform.is_cuda:
+                free //= self.executor.tp  # the CPU ranks share one memory
+        self.kv_plan = plan_kv_cache(
+            cache, self.platform, self.runner.kv_bytes_per_block(), self.max_model_len,
+            free_memory=None if budget is not None else free,
+            profiled_budget=free if budget is not None else None)
+        if self.executor is not None:
+            self.executor.allocate_kv_cache(self.runner, self.kv_plan.num_blocks)
+        else:
+            self.runner.allocate_kv_cache(self.kv_plan.num_blocks)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent); no step runs afterwards."""
+        if self.executor is not None:
+            self.executor.close()
 
     def _resolve_max_model_len(self, asked: int | None) -> int:
         model_max = self.arch.max_position_embeddings
@@ -165,7 +217,10 @@ class EngineCore:
         next step's draft tokens when speculating."""
         sched = self.scheduler.schedule()
         self.last_batch = (len(sched.num_scheduled_tokens), sched.total_num_scheduled_tokens)
-        runner_out = self.runner.execute(sched, self._draft_probs)
+        if self.executor is not None:
+            runner_out = self.executor.execute(self.runner, sched, self._draft_probs)
+        else:
+            runner_out = self.runner.execute(sched, self._draft_probs)
         if self.spec_stats is not None:
             for rid, drafts in sched.scheduled_spec_decode_tokens.items():
                 emitted = len(runner_out.sampled_token_ids.get(rid, ()))

@@ -12,6 +12,7 @@ from tokenmill.config import (
     DeviceConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
@@ -42,6 +43,8 @@ class LLM:
     ``speculative="ngram"`` (prompt lookup) or ``speculative_model`` (a model file with the same
     tokenizer, or "self:N": the first N layers of this one) turns on speculative decoding of
     ``num_speculative_tokens`` tokens per step; ``llm.engine.core.spec_stats`` counts them.
+    ``tensor_parallel_size`` > 1 shards the model over that many processes (GPUs, or CPU
+    processes); :meth:`close` stops them, as does dropping the LLM or leaving the interpreter.
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class LLM:
         num_speculative_tokens: int = 3,
         ngram_min: int = 2,
         ngram_max: int = 4,
+        tensor_parallel_size: int = 1,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len,
@@ -89,9 +93,14 @@ class LLM:
             speculative=SpeculativeConfig.from_options(
                 speculative, speculative_model, num_speculative_tokens=num_speculative_tokens,
                 ngram_min=ngram_min, ngram_max=ngram_max),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel worker processes, if any."""
+        self.engine.core.close()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
+from tokenmill.distributed import tp_size
 from tokenmill.model_loader.dummy import init_dummy_weights
 from tokenmill.model_loader.gguf import GGUFModel, embedded_model_path, load_gguf
 from tokenmill.model_loader.hf import iter_safetensors, load_hf_config
@@ -98,10 +99,12 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) ->
         torch.set_default_dtype(default_dtype)
     if config.load_format == "dummy":
         init_dummy_weights(model, seed=config.seed)
-    elif is_gguf and method in ("int8", "int4") and torch.device(device).type == "cpu":
+    elif (is_gguf and method in ("int8", "int4") and torch.device(device).type == "cpu"
+          and tp_size() == 1):
         # Linear layers come quantized from the file's blocks (Q4 ones exactly, for int4); only
         # the rest is loaded in float, so no float copy of those layers is ever filled in.
-        # (On GPUs the layers are loaded in float and quantized below, in the GPU's layouts.)
+        # On GPUs the layers are loaded in float and quantized below, in the GPU's layouts;
+        # under tensor parallelism too (the file's blocks are not cut to the shards).
         # (Imported here: tokenmill.quant.gguf imports this package.)
         from tokenmill.quant.gguf import load_gguf_quantized
 

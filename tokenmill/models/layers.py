@@ -11,7 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.distributed import tensor_model_parallel_all_reduce, tp_rank, tp_size
 from tokenmill.models.config import ArchConfig
+from tokenmill.models.parallel import VocabParallelEmbedding, divide
 
 
 class Linear(nn.Linear):
@@ -116,18 +118,26 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul.
+
+    Under tensor parallelism each rank holds ``intermediate_size / tp`` columns of gate and up
+    and the matching rows of down; the all-reduce adds the partial outputs. A down bias lives
+    on rank 0 only, so it is added once.
+    """
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.tp_size = tp_size()
+        self.intermediate_size = divide(intermediate_size, self.tp_size, "intermediate_size")
+        self.gate_up_proj = Linear(hidden_size, 2 * self.intermediate_size, bias=bias)
+        self.down_proj = Linear(self.intermediate_size, hidden_size,
+                                bias=bias and tp_rank() == 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
 
 
 @dataclass(frozen=True)
@@ -140,20 +150,28 @@ class AttentionOptions:
 
 
 class Attention(nn.Module):
-    """Self-attention with fused q/k/v projection; the attention itself is the backend's."""
+    """Self-attention with fused q/k/v projection; the attention itself is the backend's.
+
+    Under tensor parallelism each rank holds ``heads / tp`` query and KV heads (its KV cache
+    too) and the matching input rows of o_proj; the all-reduce adds the partial outputs. An
+    o_proj bias lives on rank 0 only, so it is added once.
+    """
 
     def __init__(self, config: ArchConfig, layer_idx: int, options: AttentionOptions) -> None:
         super().__init__()
+        self.tp_size = tp_size()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = divide(config.num_attention_heads, self.tp_size, "num_attention_heads")
+        self.num_kv_heads = divide(config.num_key_value_heads, self.tp_size,
+                                   "num_key_value_heads")
         self.head_dim = config.head_dim
         self.scale = self.head_dim ** -0.5
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                bias=options.qkv_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=options.o_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size,
+                             bias=options.o_bias and tp_rank() == 0)
         self.qk_norm = options.qk_norm
         if options.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -173,7 +191,8 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = meta.backend.forward(qk[:, :hq], qk[:, hq:], v, meta.kv_caches[self.layer_idx],
                                    meta, self.scale)
-        return self.o_proj(out)
+        out = self.o_proj(out)
+        return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
 
 
 class DecoderLayer(nn.Module):
@@ -197,7 +216,7 @@ class DecoderModel(nn.Module):
 
     def __init__(self, config: ArchConfig, options: AttentionOptions) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, options) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

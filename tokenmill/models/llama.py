@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.distributed import tensor_model_parallel_all_gather, tp_rank, tp_size
 from tokenmill.models.config import ArchConfig
 from tokenmill.models.layers import AttentionOptions, DecoderModel, Linear, RotaryEmbedding
+from tokenmill.models.parallel import VocabShard, copy_rank_slice
 
 # Checkpoint tensors that live in one fused parameter here: (fused module, HF module, shard).
 STACKED_PARAMS: tuple[tuple[str, str, int], ...] = (
@@ -22,6 +25,22 @@ STACKED_PARAMS: tuple[tuple[str, str, int], ...] = (
 )
 # Checkpoint entries that are derived data, not weights.
 IGNORED_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
+# Row-parallel layers: each rank holds a slice of their input columns; their bias is on rank 0.
+ROW_PARALLEL = ("o_proj", "down_proj")
+VOCAB_PARALLEL = ("embed_tokens", "lm_head")
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where one checkpoint tensor goes: rows ``[start, start + rows)`` of ``param`` (all of it
+    for start None), filled with this rank's slice along ``split_dim`` (None: the whole
+    tensor), which is ``full_size`` long in the checkpoint."""
+
+    param: nn.Parameter
+    start: int | None
+    rows: int
+    split_dim: int | None = None
+    full_size: int = 0
 
 
 class LlamaForCausalLM(nn.Module):
@@ -38,8 +57,12 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling)
         # Tied models reuse the embedding matrix, so no vocab x hidden copy is allocated.
+        # Under tensor parallelism each rank holds a slice of the vocabulary (VocabShard).
+        self.tp_size = tp_size()
+        self.tp_rank = tp_rank()
         self.lm_head = (None if config.tie_word_embeddings
-                        else Linear(config.hidden_size, config.vocab_size, bias=False))
+                        else Linear(config.hidden_size, VocabShard.of(config.vocab_size).rows,
+                                    bias=False))
         # Inference only: no autograd bookkeeping even outside torch.inference_mode().
         self.requires_grad_(False)
 
@@ -56,7 +79,8 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def num_kv_heads(self) -> int:
-        return self.config.num_key_value_heads
+        """KV heads of this rank's cache (all of them without tensor parallelism)."""
+        return self.config.num_key_value_heads // self.tp_size
 
     @property
     def head_dim(self) -> int:
@@ -69,9 +93,13 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, cos, sin, attn_meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, vocab]`` fp32 logits of the given hidden states."""
+        """``[N, vocab]`` fp32 logits of the given hidden states (every rank gets them all)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)
+        if self.tp_size > 1:
+            vocab = self.config.vocab_size
+            logits = tensor_model_parallel_all_gather(logits, dim=-1)[..., :vocab].contiguous()
+        return logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face named tensors into the (fused) parameters.
@@ -87,16 +115,21 @@ class LlamaForCausalLM(nn.Module):
                     continue
                 if name == "lm_head.weight" and self.lm_head is None:
                     continue  # tied: the embedding already holds it
+                if self.tp_rank > 0 and name.endswith(tuple(f"{m}.bias" for m in ROW_PARALLEL)):
+                    continue  # added once, by rank 0
                 target = targets.get(name)
                 if target is None:
                     raise ValueError(f"unexpected tensor {name!r} in checkpoint for "
                                      f"{self.config.architecture}")
-                param, start, size = target
-                dst = param if start is None else param.narrow(0, start, size)
-                if tuple(tensor.shape) != tuple(dst.shape):
+                dst = (target.param if target.start is None
+                       else target.param.narrow(0, target.start, target.rows))
+                expected = list(dst.shape)
+                if target.split_dim is not None:
+                    expected[target.split_dim] = target.full_size
+                if list(tensor.shape) != expected:
                     raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(dst.shape)}")
-                dst.copy_(tensor)
+                                     f"expected {tuple(expected)}")
+                copy_rank_slice(dst, tensor, target.split_dim, self.tp_rank)
                 loaded.add(name)
         missing = sorted(set(targets) - loaded)
         if missing:
@@ -104,23 +137,28 @@ class LlamaForCausalLM(nn.Module):
             more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
             raise ValueError(f"checkpoint is missing tensors {shown}{more}")
 
-    def _hf_targets(self) -> dict[str, tuple[nn.Parameter, int | None, int]]:
-        """HF tensor name -> (parameter, first row in it or None for all, number of rows)."""
+    def _hf_targets(self) -> dict[str, _Target]:
+        """HF tensor name -> where this rank's part of it goes."""
         c = self.config
-        q_rows = c.num_attention_heads * c.head_dim
-        kv_rows = c.num_key_value_heads * c.head_dim
-        inter = c.intermediate_size
+        tp = self.tp_size
+        q_rows = c.num_attention_heads * c.head_dim // tp
+        kv_rows = c.num_key_value_heads * c.head_dim // tp
+        inter = c.intermediate_size // tp
         shard_rows = {"qkv_proj": (q_rows, kv_rows, kv_rows), "gate_up_proj": (inter, inter)}
-        targets: dict[str, tuple[nn.Parameter, int | None, int]] = {}
+        targets: dict[str, _Target] = {}
         for name, param in self.named_parameters():
             module_path, _, leaf = name.rpartition(".")
             parent, _, module = module_path.rpartition(".")
-            if module not in shard_rows:
-                targets[name] = (param, None, param.shape[0])
-                continue
-            sizes = shard_rows[module]
-            for fused, hf_module, shard in STACKED_PARAMS:
-                if fused == module:
-                    start = sum(sizes[:shard])
-                    targets[f"{parent}.{hf_module}.{leaf}"] = (param, start, sizes[shard])
+            if module in shard_rows:  # column-parallel parts of a fused parameter
+                sizes = shard_rows[module]
+                for fused, hf_module, shard in STACKED_PARAMS:
+                    if fused == module:
+                        targets[f"{parent}.{hf_module}.{leaf}"] = _Target(
+                            param, sum(sizes[:shard]), sizes[shard], 0, sizes[shard] * tp)
+            elif module in VOCAB_PARALLEL:
+                targets[name] = _Target(param, None, param.shape[0], 0, c.vocab_size)
+            elif module in ROW_PARALLEL and leaf == "weight":
+                targets[name] = _Target(param, None, param.shape[0], 1, param.shape[1] * tp)
+            else:
+                targets[name] = _Target(param, None, param.shape[0])
         return targets

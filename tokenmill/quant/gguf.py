@@ -139,6 +139,9 @@ def load_gguf_quantized(model: nn.Module, gguf: GGUFModel, method: str,
     """
     check_quantization(method, group_size)
     head_method = resolve_head_method(method, head_method)
+    if getattr(model, "tp_size", 1) > 1:
+        raise ValueError("load_gguf_quantized builds whole layers, not tensor-parallel shards; "
+                         "load the shards in float and quantize_model them (as load_model does)")
     if device is not None and torch.device(device).type != "cpu":
         raise ValueError(f"quantization {method!r} runs on the CPU only, not on {device}")
     names = [name for name, m in model.named_modules()

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.distributed import tp_rank, tp_size
+from tokenmill.models.parallel import vocab_parallel_lookup
 from tokenmill.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
 QuantizedLinear = Int8WeightOnlyLinear | Int4WeightOnlyLinear
@@ -74,7 +76,12 @@ class QuantizedHead(nn.Module):
 
 class QuantizedEmbedding(nn.Module):
     """A tied embedding table stored once, quantized: lookups dequantize the rows they read,
-    and ``F.linear(h, embedding.weight)`` (the tied head) runs the quantized matmul."""
+    and ``F.linear(h, embedding.weight)`` (the tied head) runs the quantized matmul.
+
+    Under tensor parallelism ``table`` is this rank's vocabulary shard (rows from
+    ``rank * rows``, as ``VocabParallelEmbedding`` lays them out) and lookups are masked and
+    all-reduced the same way.
+    """
 
     def __init__(self, table: QuantizedLinear, dtype: torch.dtype) -> None:
         super().__init__()
@@ -82,13 +89,18 @@ class QuantizedEmbedding(nn.Module):
         self.dtype = dtype
         self.num_embeddings = table.out_features
         self.embedding_dim = table.in_features
+        self.tp_size = tp_size()
+        self.vocab_start = tp_rank() * table.out_features
 
     @property
     def weight(self) -> QuantizedMatrix:
         return QuantizedMatrix(self.table, self.dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.table.lookup(input_ids, self.dtype)
+        if self.tp_size == 1:
+            return self.table.lookup(input_ids, self.dtype)
+        return vocab_parallel_lookup(input_ids, self.vocab_start, self.num_embeddings,
+                                     lambda ids: self.table.lookup(ids, self.dtype))
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, dtype={self.dtype}"

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenmill.models.config import ArchConfig
 from tokenmill.runner.batch import FlatBatch
@@ -90,8 +91,14 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, _RequestState] = {}
         self.sampling_states: dict[str, _SamplingState] = {}
-        # Decode-only steps through the C++ layer stack; None when off or unsupported.
+        # This rank's share of the KV heads: each tensor-parallel rank caches its own heads.
+        tp = getattr(model, "tp_size", 1)
+        self.num_kv_heads = arch.num_key_value_heads // tp
+        # Decode-only steps through the C++ layer stack; None when off or unsupported (always
+        # off under tensor parallelism: the C++ stack has no all-reduce between layers).
         # enable_fused_decode None defers to $TOKENMILL_FUSED_DECODE (see fused_decode.py).
+        if tp > 1:
+            enable_fused_decode = False
         self.fused_decoder = make_fused_decoder(model, self.device, enable_fused_decode)
 
     # ------------------------------------------------------------------------ KV memory
@@ -99,11 +106,11 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         a = self.arch
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return a.num_hidden_layers * 2 * self.block_size * a.num_key_value_heads * a.head_dim * elem
+        return a.num_hidden_layers * 2 * self.block_size * self.num_kv_heads * a.head_dim * elem
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         a = self.arch
-        shape = (2, num_blocks, self.block_size, a.num_key_value_heads, a.head_dim)
+        shape = (2, num_blocks, self.block_size, self.num_kv_heads, a.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(a.num_hidden_layers)]
 
@@ -307,6 +314,34 @@ class ModelRunner:
             out.sampled_token_ids[state.request_id] = token_ids
             if logprobs is not None:
                 out.logprobs[state.request_id] = logprobs
+
+
+def profiled_kv_budget(runner: ModelRunner, config: EngineConfig,
+                       max_model_len: int) -> int | None:
+    """On CUDA without an explicit KV size: the bytes ``gpu_memory_utilization`` leaves for the
+    KV cache after a profiling run of the largest step; None elsewhere. Every tensor-parallel
+    rank calls this at the same point, so the profiling forward passes meet in their
+    all-reduces."""
+    cache, sched = config.cache, config.scheduler
+    if (not runner.platform.is_cuda or cache.num_blocks is not None
+            or cache.kv_cache_memory_bytes is not None):
+        return None
+    tokens = min(sched.max_num_batched_tokens, max_model_len)
+    return runner.platform.kv_cache_budget(
+        cache.gpu_memory_utilization, lambda: runner.profile_run(tokens, sched.max_num_seqs))
+
+
+def capture_decode_graphs(runner: ModelRunner, config: EngineConfig, max_model_len: int) -> bool:
+    """Capture the decode CUDA graphs where they apply (CUDA, not ``enforce_eager``, an
+    attention backend that supports them); returns whether it did. Every tensor-parallel rank
+    calls this at the same point, so captures meet in their all-reduces."""
+    if not runner.platform.is_cuda or config.device.enforce_eager:
+        return False
+    if not getattr(runner.backend, "supports_cuda_graphs", False):
+        return False
+    max_bs = config.device.cuda_graph_max_batch_size or config.scheduler.max_num_seqs
+    runner.capture_decode_graphs(max_bs, max_model_len)
+    return True
 
 
 def _trim(lp: TokenLogprobs, k: int) -> TokenLogprobs:
