@@ -69,5 +69,30 @@ def test_rotary_in_place_on_a_strided_view(dtype: torch.dtype, heads: int, dim: 
     assert torch.equal(fused[:, heads * dim:], tail)  # nothing outside the view written
 
 
-def test_enabled_only_for_cuda_tensors() -> None:
-    assert not fused_ops.enabled(torch.zeros(1))
+def test_cuda_kernels_only_for_cuda_tensors() -> None:
+    from tokenmill.models.layers import cuda_kernels
+
+    assert cuda_kernels(torch.zeros(1)) is None
+
+
+@pytest.mark.parametrize("arch_name", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_model_with_fused_kernels_matches_eager(monkeypatch: pytest.MonkeyPatch,
+                                                arch_name: str) -> None:
+    """The layers' fused paths (norms, residual adds, SiLU-and-mul, rotary) give the logits of
+    their PyTorch code: the kernels are forced on for CPU tensors, in the interpreter."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "quant"))
+    from quant_helpers import PagedKVCache, run_step, tiny_arch, tiny_model
+
+    from tokenmill.models import layers
+
+    arch = tiny_arch(arch_name)
+    model = tiny_model(arch)
+    batch = [(0, [5, 17, 33, 2, 91, 8]), (1, [4, 4, 9])]
+    want = run_step(model, PagedKVCache(2, arch.num_key_value_heads, arch.head_dim), batch)
+    monkeypatch.setattr(layers, "cuda_kernels", lambda x: fused_ops)
+    got = run_step(model, PagedKVCache(2, arch.num_key_value_heads, arch.head_dim), batch)
+    for g, w in zip(got, want, strict=True):
+        _close(g.to(DEVICE), w.to(DEVICE), torch.float32)

@@ -7,92 +7,73 @@ through device memory and, even inside a CUDA graph, a few microseconds of its o
 per layer add up to milliseconds per token on an 8B model. Each function here is one Triton
 kernel with the same arithmetic as the PyTorch code in ``models/layers.py`` (fp32 inside).
 
-The functions take and return the same tensors as their PyTorch counterparts; the layers call
-them only for CUDA tensors (``enabled``), and the tests run them in Triton's interpreter on the
-CPU against those counterparts.
+The layers call them for CUDA tensors only (``layers.cuda_kernels``, which imports this module
+on first use); the tests run them in Triton's interpreter on the CPU against the PyTorch code.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU-only install: layers use their PyTorch code
-    triton = None
+import triton
+import triton.language as tl
 
 
-@functools.cache
-def _triton_available() -> bool:
-    return triton is not None
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, n_cols, eps,
+                     stride_x, stride_res, stride_res_out, stride_out,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row: (s = x + residual, written out), out = norm(s or x) * w."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
+        # Round the sum to the activations' dtype first, as the eager add does.
+        x = (x + r).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
+        x = x.to(tl.float32)
+    var = tl.sum(x * x, axis=0) / n_cols
+    y = x * (1.0 / tl.sqrt(var + eps))
+    # Low-precision activations: normalized in fp32, rounded, then scaled (as HF does).
+    y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (y * w).to(out_ptr.dtype.element_ty),
+             mask=mask)
 
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_out,
+                         BLOCK: tl.constexpr):
+    """Program (row, column block): out = silu(gate) * up, gate and up halves of x."""
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
+    # silu rounded to the activations' dtype before the product, as eager does.
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)
+    out = act.to(tl.float32) * up.to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
-def enabled(x: torch.Tensor) -> bool:
-    """Whether the fused kernels serve ``x``: a CUDA tensor, with Triton installed."""
-    return x.is_cuda and _triton_available()
-
-
-if triton is not None:
-
-    @triton.jit
-    def _rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, n_cols, eps,
-                         stride_x, stride_res, stride_res_out, stride_out,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-        """One program per row: (s = x + residual, written out), out = norm(s or x) * w."""
-        row = tl.program_id(0)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
-            # Round the sum to the activations' dtype first, as the eager add does.
-            x = (x + r).to(res_out_ptr.dtype.element_ty)
-            tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
-            x = x.to(tl.float32)
-        var = tl.sum(x * x, axis=0) / n_cols
-        y = x * (1.0 / tl.sqrt(var + eps))
-        # Low-precision activations: normalized in fp32, rounded, then scaled (as HF does).
-        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_out + cols, (y * w).to(out_ptr.dtype.element_ty),
-                 mask=mask)
-
-    @triton.jit
-    def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_out,
-                             BLOCK: tl.constexpr):
-        """Program (row, column block): out = silu(gate) * up, gate and up halves of x."""
-        row = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
-        # silu rounded to the activations' dtype before the product, as eager does.
-        act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)
-        out = act.to(tl.float32) * up.to(tl.float32)
-        tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_ct, stride_st,
-                       NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_D: tl.constexpr):
-        """One program per token: rotate every head of x in place (rotate-half layout) by the
-        token's cos and sign-folded sin rows (``RotaryEmbedding.cos_sin``'s)."""
-        t = tl.program_id(0)
-        h = tl.arange(0, BLOCK_H)[:, None]
-        d = tl.arange(0, BLOCK_D)[None, :]
-        mask = (h < NUM_HEADS) & (d < HALF)
-        cos = tl.load(cos_ptr + t * stride_ct + d, mask=d < HALF, other=0.0).to(tl.float32)
-        # The table's first half holds -sin, its second half +sin: read the second.
-        sin = tl.load(sin_ptr + t * stride_st + HALF + d, mask=d < HALF, other=0.0)
-        sin = sin.to(tl.float32)
-        base = x_ptr + t * stride_xt + h * stride_xh + d
-        x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
-        tl.store(base, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
-        tl.store(base + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+@triton.jit
+def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_ct, stride_st,
+                   NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
+    """One program per token: rotate every head of x in place (rotate-half layout) by the
+    token's cos and sign-folded sin rows (``RotaryEmbedding.cos_sin``'s)."""
+    t = tl.program_id(0)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < NUM_HEADS) & (d < HALF)
+    cos = tl.load(cos_ptr + t * stride_ct + d, mask=d < HALF, other=0.0).to(tl.float32)
+    # The table's first half holds -sin, its second half +sin: read the second.
+    sin = tl.load(sin_ptr + t * stride_st + HALF + d, mask=d < HALF, other=0.0)
+    sin = sin.to(tl.float32)
+    base = x_ptr + t * stride_xt + h * stride_xh + d
+    x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(base, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(base + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

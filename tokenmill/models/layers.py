@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -33,6 +35,22 @@ class Embedding(nn.Embedding):
         pass
 
 
+def cuda_kernels(x: torch.Tensor) -> ModuleType | None:
+    """:mod:`tokenmill.models.fused_ops` for a CUDA tensor when Triton is installed, else None.
+
+    Imported on first use, so a CPU run never imports Triton."""
+    return _fused_ops() if x.is_cuda else None
+
+
+@functools.cache
+def _fused_ops() -> ModuleType | None:
+    try:
+        from tokenmill.models import fused_ops
+    except ImportError:
+        return None
+    return fused_ops
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm over the last dimension, computed in fp32 like Hugging Face's."""
 
@@ -43,11 +61,21 @@ class RMSNorm(nn.Module):
         self.shape = (dim,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.ndim == 2 and (ops := cuda_kernels(x)) is not None:
+            return ops.rms_norm(x, self.weight, self.eps)[0]
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.shape, self.weight, self.eps)
         # Low-precision inputs: normalize in fp32, scale in the input dtype, as HF does.
         y = F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype)
         return y * self.weight
+
+    def add_forward(self, x: torch.Tensor,
+                    residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``: one kernel on CUDA."""
+        if x.ndim == 2 and (ops := cuda_kernels(x)) is not None:
+            return ops.rms_norm(x, self.weight, self.eps, residual=residual)
+        h = residual + x
+        return self(h), h
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -135,8 +163,12 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        out = self.down_proj(F.silu(gate) * up)
+        if gate_up.ndim == 2 and (ops := cuda_kernels(gate_up)) is not None:
+            act = ops.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            act = F.silu(gate) * up
+        out = self.down_proj(act)
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
 
 
@@ -187,7 +219,10 @@ class Attention(nn.Module):
                                                       self.head_dim)
         if self.qk_norm:
             qk = torch.cat([self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])], dim=1)
-        qk = apply_rotary(qk, cos, sin)
+        if qk.stride(2) == 1 and (ops := cuda_kernels(qk)) is not None:
+            qk = ops.rotary_(qk, cos, sin)  # in place, one kernel
+        else:
+            qk = apply_rotary(qk, cos, sin)
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = meta.backend.forward(qk[:, :hq], qk[:, hq:], v, meta.kv_caches[self.layer_idx],
                                    meta, self.scale)
@@ -207,8 +242,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attn = self.self_attn(self.input_layernorm(h), cos, sin, meta)
+        x, h = self.post_attention_layernorm.add_forward(attn, h)
+        return h + self.mlp(x)
 
 
 class DecoderModel(nn.Module):
