@@ -194,12 +194,15 @@ class AsyncLLM:
         self._thread.start()
 
     async def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread; requests still in flight end with finish_reason "abort"."""
+        """Stop the engine thread; requests still in flight end with finish_reason "abort".
+        Tensor-parallel worker processes stop with it."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout)
+        if self._thread is None or not self._thread.is_alive():
+            self.engine.core.close()
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until nothing is in flight; False if ``timeout`` seconds passed first."""
