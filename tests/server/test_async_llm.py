@@ -20,7 +20,10 @@ class FakeEngine:
 
     def __init__(self, max_num_seqs: int = 2) -> None:
         self.config = SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=max_num_seqs))
-        self.core = SimpleNamespace(last_batch=(0, 0), stats=SchedulerStats)
+        # close(): AsyncLLM.shutdown stops the core's tensor-parallel workers with it.
+        self.core = SimpleNamespace(last_batch=(0, 0), stats=SchedulerStats,
+                                    close=lambda: setattr(self, "core_closed", True))
+        self.core_closed = False
         self.processor = SimpleNamespace(parents={})
         self.requests: dict[str, tuple[int, int]] = {}  # id -> (generated, max_tokens)
         self.aborted: list[str] = []
@@ -133,6 +136,7 @@ def test_close_aborts_in_engine_and_loop_sleeps_when_idle() -> None:
 
     run(go, engine)
     assert engine.aborted and not engine.requests
+    assert engine.core_closed
 
 
 def test_step_failure_fails_requests_and_refuses_new_ones() -> None:
