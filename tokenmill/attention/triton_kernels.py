@@ -20,9 +20,14 @@ _LOG2E = 1.4426950408889634
 # tl.dot needs every dimension >= 16 on GPUs: decode pads its query heads and the head dim up
 # to it, and decode partitions are at least this long.
 _MIN_DOT = 16
-_DECODE_BLOCK_N = 64
+# Tile sizes and warps, chosen from ptxas's register report for sm_90 at head dim 128 (no GPU
+# was at hand to time them; benchmarks/results/gpu/kernel-notes.md): decode tiles of 64 keys
+# spilled at 4 warps, 32 keys at 8 warps use 169 registers without spills; the prefill tile
+# of 64 x 32 needs 255 registers at 4 warps and 128 at 8.
+_DECODE_BLOCK_N = 32
 _PREFILL_BLOCK_M = 64
 _PREFILL_BLOCK_N = 32
+NUM_WARPS = 8
 
 
 @triton.jit
@@ -287,7 +292,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         PARTITION=partition_size, BLOCK_G=max(_MIN_DOT, triton.next_power_of_2(group)),
         BLOCK_N=min(_DECODE_BLOCK_N, partition_size), BLOCK_D=block_d,
-        DOT_PRECISION=_dot_precision(q))
+        DOT_PRECISION=_dot_precision(q), num_warps=NUM_WARPS)
     _decode_reduce_kernel[(num_seqs, num_heads)](
         part_out, part_lse, seq_lens, out, num_splits, out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, PARTITION=partition_size, BLOCK_D=block_d)
@@ -334,7 +339,7 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m,
         BLOCK_N=_PREFILL_BLOCK_N, BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)),
-        DOT_PRECISION=_dot_precision(q))
+        DOT_PRECISION=_dot_precision(q), num_warps=NUM_WARPS)
     return out
 
 

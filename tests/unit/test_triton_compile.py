@@ -1,0 +1,68 @@
+"""Every Triton kernel of the CUDA backend compiles for sm_80 and sm_90, without a GPU.
+
+The other tests run the kernels in Triton's interpreter, which accepts code the compiler
+rejects (a loop-carried value that changes type, for one); this compiles them with Triton's own
+ptxas in a subprocess without TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# Compiles each kernel for sm_80 and sm_90 with triton's own ptxas: no GPU needed.
+_COMPILE_CHECK = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tokenmill.attention import triton_kernels as tk
+from tokenmill.models import fused_ops as fo
+
+POINTERS = {"table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32",
+            "slot_ptr": "*i64", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+# bf16, 32 query heads over 8 KV heads, a head dim of 80 (padded to 128 inside the kernels),
+# the attention kernels with the warps they are launched with.
+W = {"num_warps": tk.NUM_WARPS}
+KERNELS = [
+    (tk._store_kv_kernel, dict(NUM_HEADS=8, HEAD_DIM=80, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128)),
+    (tk._decode_split_kernel, dict(NUM_HEADS=32, GROUP=4, HEAD_DIM=80, BLOCK_SIZE=16,
+                                   PARTITION=512, BLOCK_G=16, BLOCK_N=tk._DECODE_BLOCK_N,
+                                   BLOCK_D=128, DOT_PRECISION="tf32"), W),
+    (tk._decode_reduce_kernel, dict(NUM_HEADS=32, HEAD_DIM=80, PARTITION=512, BLOCK_D=128)),
+    (tk._prefill_kernel, dict(GROUP=4, HEAD_DIM=80, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=32,
+                              BLOCK_D=128, DOT_PRECISION="tf32"), W),
+    # The layers' fused kernels, at Llama-3.1-8B's widths.
+    (fo._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=4096)),
+    (fo._silu_and_mul_kernel, dict(BLOCK=1024)),
+    (fo._rotary_kernel, dict(NUM_HEADS=48, HALF=64, BLOCK_H=64, BLOCK_D=64)),
+]
+for fn, constexprs, *options in KERNELS:
+    signature = {name: "constexpr" if name in constexprs
+                 else POINTERS.get(name, "*bf16") if name.endswith("_ptr")
+                 else "fp32" if name in ("qk_scale", "eps") else "i32" for name in fn.arg_names}
+    for arch in (80, 90):
+        triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32),
+                       options=options[0] if options else None)
+"""
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_cuda(tmp_path: Path) -> None:
+    """The other tests run the interpreter, which accepts kernels the compiler rejects (a
+    loop-carried value that changes type, for one)."""
+    triton = pytest.importorskip("triton")
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this triton has no NVIDIA backend")
+    import tokenmill
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(tokenmill.__file__).parents[1]),
+                                         env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _COMPILE_CHECK], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
