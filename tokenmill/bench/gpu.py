@@ -21,6 +21,7 @@ the same code runs on the CPU (tests do, at toy sizes).
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import subprocess
 import sys
@@ -209,7 +210,8 @@ def cmd_gpu(args: argparse.Namespace) -> int:
             inputs = [r.prompt if isinstance(r.prompt, list)
                       else engine.tokenizer.encode(r.prompt, add_special_tokens=False)
                       for r in requests]
-            del engine  # give the GPU memory to the peer
+            del engine  # give the GPU memory (weights, KV cache, graphs) to the peer
+            gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             peer = hf_generate_batch(args.model, args.load_format, inputs,
