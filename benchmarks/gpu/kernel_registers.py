@@ -23,6 +23,7 @@ from tokenmill.attention import triton_kernels as tk
 from tokenmill.models import fused_ops as fo
 
 POINTERS = {"table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32",
+            "tile_seq_ptr": "*i32", "tile_idx_ptr": "*i32",
             "slot_ptr": "*i64", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
 # Llama-3.1-8B's shapes in bf16: 32 query heads over 8 KV heads of 128, hidden 4096.
 ATTN = dict(HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_D=128, DOT_PRECISION="tf32")

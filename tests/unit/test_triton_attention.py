@@ -173,7 +173,7 @@ def test_prefill_matches_dense(hq: int, hkv: int, d: int, block_size: int,
     q = torch.randn(sum(query_lens), hq, d, generator=gen).to(dtype).to(DEVICE)
     starts = torch.tensor([0, *query_lens], device=DEVICE).cumsum(0).to(torch.int32)
     out = kernels.prefill_attention(q, cache.kv_caches[0], meta.block_tables, starts,
-                                    meta.seq_lens, d ** -0.5, max_query_len=max(query_lens))
+                                    meta.seq_lens, d ** -0.5, query_lens)
     ref = dense(q, cache.kv_caches[0], meta.block_tables, query_lens, seq_lens, d ** -0.5)
     assert out.dtype == dtype
     assert (out.float() - ref).abs().max().item() <= TOLS[dtype]
@@ -289,3 +289,13 @@ def test_backend_matches_torch_backend_on_cuda_bf16() -> None:
         out, torch_out, ref = compare_backends(tri, ref_cache, chunks, None, 32, gen)
         assert (out.float() - ref).abs().max().item() <= 3e-2, chunks
         assert (out.float() - torch_out.float()).abs().max().item() <= 3e-2, chunks
+
+
+def test_prefill_tiles_list_only_the_tiles_sequences_have() -> None:
+    """A mixed step launches one program per (sequence, query tile) that has queries, not
+    the longest chunk's tile count for every sequence."""
+    # 8 query heads over 2 KV heads: groups of 4, so tiles of 64 rows hold 16 tokens.
+    tiles = kernels.prefill_tiles([1, 40, 1, 17], 8, 2, torch.device("cpu"))
+    assert tiles.tolist() == [[0, 1, 1, 1, 2, 3, 3], [0, 0, 1, 2, 0, 0, 1]]
+    assert kernels.prefill_tiles([], 8, 2, torch.device("cpu")).shape == (2, 0)
+

@@ -23,6 +23,7 @@ from tokenmill.attention import triton_kernels as tk
 from tokenmill.models import fused_ops as fo
 
 POINTERS = {"table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32",
+            "tile_seq_ptr": "*i32", "tile_idx_ptr": "*i32",
             "slot_ptr": "*i64", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
 # bf16, 32 query heads over 8 KV heads, a head dim of 80 (padded to 128 inside the kernels),
 # the attention kernels with the warps they are launched with.

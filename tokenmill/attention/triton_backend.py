@@ -10,7 +10,12 @@ import torch
 
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.attention.metadata import AttentionMetadata
-from tokenmill.attention.triton_kernels import decode_attention, prefill_attention, store_kv
+from tokenmill.attention.triton_kernels import (
+    decode_attention,
+    prefill_attention,
+    prefill_tiles,
+    store_kv,
+)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -44,6 +49,11 @@ class TritonAttentionBackend(AttentionBackend):
             if sum(meta.query_lens_cpu) != num_tokens:
                 raise ValueError(f"query_lens_cpu sums to {sum(meta.query_lens_cpu)} "
                                  f"but q has {num_tokens} rows")
+            # The tile list is the same for every layer: built on the first, kept on meta.
+            tiles = meta.backend_plan
+            if not isinstance(tiles, torch.Tensor):
+                tiles = prefill_tiles(meta.query_lens_cpu, num_heads, k.shape[1], q.device)
+                meta.backend_plan = tiles
             prefill_attention(q, kv_cache, meta.block_tables, meta.query_start_loc,
-                              meta.seq_lens, scale, meta.max_query_len, out=out)
+                              meta.seq_lens, scale, meta.query_lens_cpu, out=out, tiles=tiles)
         return out.view(num_tokens, num_heads * head_dim)

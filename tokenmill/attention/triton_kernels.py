@@ -12,9 +12,13 @@ contiguous; the cache must be contiguous in its last dimension too.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
+
+from tokenmill.runner.platform import host_tensor
 
 _LOG2E = 1.4426950408889634
 # tl.dot needs every dimension >= 16 on GPUs: decode pads its query heads and the head dim up
@@ -169,21 +173,24 @@ def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, num
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, table_ptr, query_start_ptr,
-                    seq_lens_ptr, qk_scale,
+                    seq_lens_ptr, tile_seq_ptr, tile_idx_ptr, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                     stride_cb, stride_co, stride_ch,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     DOT_PRECISION: tl.constexpr):
-    """Program (seq, query tile, kv head): causal attention of BLOCK_M // GROUP query tokens.
+    """Program (tile, kv head): causal attention of BLOCK_M // GROUP query tokens of one
+    sequence; the step's tiles are listed in ``tile_seq`` / ``tile_idx`` (sequence, tile of it),
+    so a mixed step launches no programs for the empty tiles of its short sequences.
 
     The tile's rows are (token, query head) pairs over the GROUP heads of one KV head, so each
     K/V tile is loaded once for the whole group. The queries are the last ``query_len``
     positions of the sequence; keys are read from the cache up to the tile's last position.
     """
-    b = tl.program_id(0)
-    q_tile = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    tile = tl.program_id(0)
+    b = tl.load(tile_seq_ptr + tile)
+    q_tile = tl.load(tile_idx_ptr + tile)
+    kv_head = tl.program_id(1)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
     q_start = tl.load(query_start_ptr + b)
     q_len = tl.load(query_start_ptr + b + 1) - q_start
@@ -299,9 +306,32 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     return out
 
 
+def prefill_block_m(num_heads: int, num_kv_heads: int) -> int:
+    """Rows of a prefill tile: (token, query head) pairs, at least the whole GQA group."""
+    return max(_PREFILL_BLOCK_M, triton.next_power_of_2(num_heads // num_kv_heads))
+
+
+def prefill_tiles(query_lens: Sequence[int], num_heads: int, num_kv_heads: int,
+                  device: torch.device) -> torch.Tensor:
+    """``[2, num_tiles]`` int32: each prefill program's sequence and query tile within it.
+
+    Built on the host from the step's query lengths (no device sync) once per step; a
+    sequence of ``n`` tokens gets ``cdiv(n, tokens per tile)`` tiles, a decode row one.
+    """
+    block_q = prefill_block_m(num_heads, num_kv_heads) // (num_heads // num_kv_heads)
+    seqs: list[int] = []
+    idx: list[int] = []
+    for b, n in enumerate(query_lens):
+        count = triton.cdiv(n, block_q)
+        seqs.extend([b] * count)
+        idx.extend(range(count))
+    return host_tensor([seqs, idx], torch.int32, device)
+
+
 def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                      max_query_len: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                      query_lens: Sequence[int], out: torch.Tensor | None = None,
+                      tiles: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a flat batch of variable-length chunks over their paged contexts.
 
     Sequence ``b`` owns rows ``query_start_loc[b]:query_start_loc[b+1]`` of q, the last
@@ -315,8 +345,9 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
         query_start_loc: ``[B + 1]`` int32 cumulative query lengths.
         seq_lens: ``[B]`` int32 context lengths.
         scale: softmax scale.
-        max_query_len: the longest chunk (sizes the grid).
+        query_lens: the ``B`` chunk lengths, on the host (they lay out the grid).
         out: optional ``[T, Hq, D]`` output (any strides with a contiguous last dimension).
+        tiles: :func:`prefill_tiles` of ``query_lens``, when the caller keeps it for every layer.
 
     Returns:
         ``out`` or a new ``[T, Hq, D]`` tensor in the dtype of q.
@@ -326,19 +357,20 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     num_kv_heads = kv_cache.shape[3]
     if out is None:
         out = torch.empty_like(q)
-    if num_seqs == 0 or max_query_len == 0:
+    if num_seqs == 0 or max(query_lens, default=0) == 0:
         return out
     _check_last_dim(q=q, kv_cache=kv_cache, out=out)
     group = num_heads // num_kv_heads
-    block_m = max(_PREFILL_BLOCK_M, triton.next_power_of_2(group))
+    if tiles is None:
+        tiles = prefill_tiles(query_lens, num_heads, num_kv_heads, q.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    grid = (num_seqs, triton.cdiv(max_query_len, block_m // group), num_kv_heads)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, scale * _LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m,
-        BLOCK_N=_PREFILL_BLOCK_N, BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)),
+    _prefill_kernel[(tiles.shape[1], num_kv_heads)](
+        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, tiles[0], tiles[1],
+        scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=prefill_block_m(num_heads, num_kv_heads), BLOCK_N=_PREFILL_BLOCK_N,
+        BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)),
         DOT_PRECISION=_dot_precision(q), num_warps=NUM_WARPS)
     return out
 
