@@ -207,6 +207,7 @@ def cmd_gpu(args: argparse.Namespace) -> int:
         headline = f"{result['tokenmill']['output_tokens_per_s']:.1f} output tok/s"
         if args.suite == "hf-batch":
             result["engine"] = engine_facts(engine, load_s)
+            dtype = engine.core.dtype  # the peer computes in the engine's own dtype
             inputs = [r.prompt if isinstance(r.prompt, list)
                       else engine.tokenizer.encode(r.prompt, add_special_tokens=False)
                       for r in requests]
@@ -216,7 +217,7 @@ def cmd_gpu(args: argparse.Namespace) -> int:
                 torch.cuda.empty_cache()
             peer = hf_generate_batch(args.model, args.load_format, inputs,
                                      max(r.output_len for r in requests),
-                                     _torch_dtype(args.dtype, device), device)
+                                     dtype, device)
             result["peer"] = peer
             result["speedup"] = (result["tokenmill"]["output_tokens_per_s"]
                                  / peer["output_tokens_per_s"])
@@ -232,8 +233,3 @@ def cmd_gpu(args: argparse.Namespace) -> int:
         write_json(args.result_file, result)
     return 0
 
-
-def _torch_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)

@@ -28,7 +28,7 @@ from tokenmill.distributed.parallel_state import (
 )
 from tokenmill.runner.model_runner import (
     ModelRunner,
-    capture_decode_graphs,
+    maybe_capture_decode_graphs,
     profiled_kv_budget,
 )
 from tokenmill.runner.platform import get_platform
@@ -120,7 +120,7 @@ def _serve(args: WorkerArgs, store: dist.Store, timeout: timedelta) -> None:
     num_blocks = broadcast_object()
     assert isinstance(num_blocks, int)
     runner.allocate_kv_cache(num_blocks)
-    capture_decode_graphs(runner, config, max_model_len)
+    maybe_capture_decode_graphs(runner, config, max_model_len)
     step_loop(runner)
 
 

@@ -22,7 +22,7 @@ from tokenmill.model_loader import LoadedModel, load_model
 from tokenmill.request import Request, RequestStatus
 from tokenmill.runner.model_runner import (
     ModelRunner,
-    capture_decode_graphs,
+    maybe_capture_decode_graphs,
     profiled_kv_budget,
 )
 from tokenmill.runner.platform import Platform, get_platform
@@ -145,7 +145,7 @@ class EngineCore:
             loaded.model, loaded.arch, self.platform, self.dtype, config.cache.block_size,
             self.tokenizer.eos_token_ids)
         self._allocate_kv_cache(config)
-        if capture_decode_graphs(self.runner, config, self.max_model_len):
+        if maybe_capture_decode_graphs(self.runner, config, self.max_model_len):
             logger.info("decode CUDA graphs captured for batch sizes %s",
                         self.runner.decode_graphs.sizes)  # type: ignore[union-attr]
         kv = KVCacheManager(self.kv_plan.num_blocks, config.cache.block_size,
@@ -165,19 +165,21 @@ class EngineCore:
 
         On CUDA without an explicit size, every rank first runs the profiling step (in lock
         step: its all-reduces pair up) to learn what ``gpu_memory_utilization`` leaves."""
-        cache = config.cache
         if self.executor is not None:
             self.executor.wait_until_loaded()
         budget = profiled_kv_budget(self.runner, config, self.max_model_len)
-        free = budget if budget is not None else self.platform.available_memory()
-        if self.executor is not None:
-            free = self.executor.min_free_memory(free)
-            if budget is None and not self.platform.is_cuda:
-                free //= self.executor.tp  # the CPU ranks share one memory
-        self.kv_plan = plan_kv_cache(
-            cache, self.platform, self.runner.kv_bytes_per_block(), self.max_model_len,
-            free_memory=None if budget is not None else free,
-            profiled_budget=free if budget is not None else None)
+        free = None
+        if budget is not None and self.executor is not None:
+            budget = self.executor.min_free_memory(budget)
+        elif budget is None:
+            free = self.platform.available_memory()
+            if self.executor is not None:
+                free = self.executor.min_free_memory(free)
+                if not self.platform.is_cuda:
+                    free //= self.executor.tp  # the CPU ranks share one memory
+        self.kv_plan = plan_kv_cache(config.cache, self.platform,
+                                     self.runner.kv_bytes_per_block(), self.max_model_len,
+                                     free_memory=free, profiled_budget=budget)
         if self.executor is not None:
             self.executor.allocate_kv_cache(self.runner, self.kv_plan.num_blocks)
         else:

@@ -30,6 +30,7 @@ from tokenmill.quant.packing import (
     dequantize_int4_t,
     dequantize_int8,
     int4_layout_known,
+    int4_scales_and_zeros,
     pack_int4,
     quantize_int4,
     quantize_int8,
@@ -236,10 +237,7 @@ class Int4TinyGemmLinear(_WeightOnlyLinear):
         # Two nibbles a byte, the even column in the high half: the layout the op unpacks.
         pairs = (q[:, ::2] << 4 | q[:, 1::2]).contiguous()
         packed = torch.ops.aten._convert_weight_to_int4pack(pairs, cls.INNER_K_TILES)
-        zero = groups.min + 8.0 * groups.scale
-        scales_and_zeros = torch.stack([groups.scale, zero], dim=-1).transpose(0, 1)
-        return cls(packed, scales_and_zeros.to(KERNEL_DTYPE).contiguous(), groups.group_size,
-                   n, bias)
+        return cls(packed, int4_scales_and_zeros(groups), groups.group_size, n, bias)
 
     def _kernel(self, xb: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm(xb, self.weight, self.group_size,

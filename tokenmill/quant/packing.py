@@ -138,9 +138,15 @@ def pack_int4(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor]:
                             for rows in groups.q.split(QUANTIZE_ROWS)]).view(n, k // 2)
     else:
         packed = convert(groups.q.to(torch.int32), 1)
+    return packed, int4_scales_and_zeros(groups)
+
+
+def int4_scales_and_zeros(groups: Int4Groups) -> torch.Tensor:
+    """bf16 ``[K // g, N, 2]`` (scale, zero) with ``w = (q - 8) * scale + zero``: the form both
+    int4 kernels (the CPU one and CUDA's tinygemm) take."""
     zero = groups.min + 8.0 * groups.scale
     scales_and_zeros = torch.stack([groups.scale, zero], dim=-1).transpose(0, 1)
-    return packed, scales_and_zeros.to(KERNEL_DTYPE).contiguous()
+    return scales_and_zeros.to(KERNEL_DTYPE).contiguous()
 
 
 def _layout_indices(n: int, k: int, rows: torch.Tensor, block_n: int

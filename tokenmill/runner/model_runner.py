@@ -331,7 +331,8 @@ def profiled_kv_budget(runner: ModelRunner, config: EngineConfig,
         cache.gpu_memory_utilization, lambda: runner.profile_run(tokens, sched.max_num_seqs))
 
 
-def capture_decode_graphs(runner: ModelRunner, config: EngineConfig, max_model_len: int) -> bool:
+def maybe_capture_decode_graphs(runner: ModelRunner, config: EngineConfig,
+                                max_model_len: int) -> bool:
     """Capture the decode CUDA graphs where they apply (CUDA, not ``enforce_eager``, an
     attention backend that supports them); returns whether it did. Every tensor-parallel rank
     calls this at the same point, so captures meet in their all-reduces."""
