@@ -23,7 +23,7 @@ class ModelConfig:
 
     ``model`` is a GGUF file or a Hugging Face folder; None means the embedded
     SmolLM2-135M-Instruct GGUF. With ``load_format="dummy"`` it may also name a preset
-    architecture (``tokenmill.models.presets``: "llama-3.1-8b", "qwen3-0.6b") filled with random
+    architecture (``tokenmill.presets``: "llama-3.1-8b", "qwen3-0.6b") filled with random
     weights, for benchmarks. ``max_model_len`` None means the model's own context length.
     ``quantization``: int8 per output channel or int4 in groups of 32 are weight-only; fp8 (e4m3)
     keeps weights per output channel and quantizes activations per token; "auto" follows a GGUF file's own blocks on the CPU (Q4 -> int4, Q5/Q6/Q8 -> int8, float ->
@@ -49,7 +49,7 @@ class ModelConfig:
         if self.model is None or os.path.exists(self.model):
             return
         if self.load_format == "dummy":
-            from tokenmill.models.presets import get_preset
+            from tokenmill.presets import get_preset
 
             get_preset(self.model)  # ValueError naming the presets
             return

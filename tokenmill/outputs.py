@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenmill.core.sched_output import TokenLogprobs
+
+@dataclass
+class TokenLogprobs:
+    """The logprob of one chosen token and of the top alternatives at that position."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: dict[int, float]
 
 
 @dataclass

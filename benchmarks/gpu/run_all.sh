@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu/run_all.sh            # all suites
 #   SUITES="decode nano-vllm" bash benchmarks/gpu/run_all.sh
 #
-# Dummy bf16 weights of the published shapes (tokenmill/models/presets.py), so nothing is
+# Dummy bf16 weights of the published shapes (tokenmill/presets.py), so nothing is
 # downloaded. Each JSON holds the GPU name, driver, CUDA, torch and triton versions.
 set -euo pipefail
 cd "$(dirname "$0")/../.."

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tokenmill.core.sched_output import SchedulerStats
 from tokenmill.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
+from tokenmill.metrics.stats import SchedulerStats
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 

@@ -8,7 +8,8 @@ import torch
 
 from tokenmill.config import CacheConfig, DeviceConfig, ModelConfig
 from tokenmill.engine.core import plan_kv_cache
-from tokenmill.runner.platform import Platform, host_tensor
+from tokenmill.runner.platform import Platform
+from tokenmill.utils import host_tensor
 
 GIB = 1 << 30
 
@@ -109,7 +110,7 @@ def test_config_validation_names_the_field() -> None:
 
 def test_presets_build_the_published_shapes() -> None:
     from tokenmill.models.config import ArchConfig
-    from tokenmill.models.presets import get_preset
+    from tokenmill.presets import get_preset
 
     llama = ArchConfig.from_hf_dict(get_preset("llama-3.1-8b"))
     assert (llama.num_hidden_layers, llama.num_attention_heads, llama.num_key_value_heads,

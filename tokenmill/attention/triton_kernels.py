@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.runner.platform import host_tensor
+from tokenmill.utils import host_tensor
 
 _LOG2E = 1.4426950408889634
 # tl.dot needs every dimension >= 16 on GPUs: decode pads its query heads and the head dim up

@@ -132,7 +132,7 @@ def hf_generate_batch(model_name: str, load_format: str, inputs: list[list[int]]
     tokens/s over the whole batch."""
     import transformers
 
-    from tokenmill.models.presets import PRESETS
+    from tokenmill.presets import PRESETS
 
     if load_format == "dummy" and model_name in PRESETS:
         preset = dict(PRESETS[model_name])

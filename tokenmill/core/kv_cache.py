@@ -23,14 +23,11 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tokenmill.utils import cdiv
+
 NULL_BLOCK_ID = 0
 
 BlockHash = bytes
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division."""
-    return -(-a // b)
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:

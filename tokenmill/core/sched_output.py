@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.outputs import TokenLogprobs
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec_decode.metrics import SpecDecodingStats
 
 
 @dataclass
@@ -74,16 +74,6 @@ class RunnerOutput:
 
 
 @dataclass
-class TokenLogprobs:
-    """The logprob of one chosen token and of the top alternatives at that position."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: dict[int, float]
-
-
-@dataclass
 class EngineCoreOutput:
     """One request's news from one step: new tokens, and how it ended if it did."""
 
@@ -99,19 +89,3 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-
-@dataclass
-class SchedulerStats:
-    """A snapshot of the scheduler for loggers and metrics."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_preemptions_total: int = 0
-    num_scheduled_tokens: int = 0
-    # Prompt tokens looked up in the prefix cache and found there, since the start.
-    prefix_cache_queries_total: int = 0
-    prefix_cache_hits_total: int = 0
-    # Running totals of speculative decoding; None when the engine does not speculate.
-    spec_decoding: SpecDecodingStats | None = None

@@ -24,8 +24,8 @@ from tokenmill.core.sched_output import (
     NewRequestData,
     RunnerOutput,
     SchedulerOutput,
-    SchedulerStats,
 )
+from tokenmill.metrics.stats import SchedulerStats
 from tokenmill.request import Request, RequestStatus
 
 

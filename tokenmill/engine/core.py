@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.config import CacheConfig, EngineConfig
-from tokenmill.core.kv_cache import KVCacheManager, cdiv
-from tokenmill.core.sched_output import EngineCoreOutput, SchedulerOutput, SchedulerStats
+from tokenmill.core.kv_cache import KVCacheManager
+from tokenmill.core.sched_output import EngineCoreOutput, SchedulerOutput
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.distributed import unsharded
 from tokenmill.distributed.executor import (
@@ -18,6 +18,7 @@ from tokenmill.distributed.executor import (
     cpu_threads_per_rank,
     rank_device,
 )
+from tokenmill.metrics.stats import SchedulerStats, SpecDecodingStats
 from tokenmill.model_loader import LoadedModel, load_model
 from tokenmill.request import Request, RequestStatus
 from tokenmill.runner.model_runner import (
@@ -26,8 +27,8 @@ from tokenmill.runner.model_runner import (
     profiled_kv_budget,
 )
 from tokenmill.runner.platform import Platform, get_platform
-from tokenmill.spec_decode.metrics import SpecDecodingStats
 from tokenmill.spec_decode.proposer import make_proposer
+from tokenmill.utils import cdiv
 
 logger = logging.getLogger(__name__)
 

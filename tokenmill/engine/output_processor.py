@@ -6,9 +6,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from tokenmill.core.sched_output import EngineCoreOutput, TokenLogprobs
+from tokenmill.core.sched_output import EngineCoreOutput
 from tokenmill.detokenizer import IncrementalDetokenizer, StopChecker
-from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Tokenizer
 

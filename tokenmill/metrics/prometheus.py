@@ -11,9 +11,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from tokenmill.core.sched_output import SchedulerStats
-from tokenmill.metrics.stats import IterationStats
-from tokenmill.spec_decode.metrics import SpecDecodingStats
+from tokenmill.metrics.stats import IterationStats, SchedulerStats, SpecDecodingStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
                     5.0, 10.0, 20.0, 40.0, 80.0)

@@ -10,8 +10,65 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tokenmill.core.sched_output import SchedulerStats
 from tokenmill.outputs import RequestOutput
+
+
+@dataclass
+class SpecDecodingStats:
+    """What was proposed and accepted since the engine started.
+
+    A "draft" is one request's proposal verified in one step; it yields ``accepted + 1`` tokens
+    (the accepted drafts and the target's own next token).
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # accepted_per_position[i]: drafts whose token i (0-based) was accepted.
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """Count one verified draft of ``num_draft_tokens`` tokens, ``num_accepted`` accepted."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        missing = num_accepted - len(self.accepted_per_position)
+        if missing > 0:
+            self.accepted_per_position.extend([0] * missing)
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens (0 before any draft)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens gained per verified draft: accepted + 1 (1.0 before any draft)."""
+        if not self.num_drafts:
+            return 1.0
+        return 1.0 + self.num_accepted_tokens / self.num_drafts
+
+    def copy(self) -> SpecDecodingStats:
+        return SpecDecodingStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                                 list(self.accepted_per_position))
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot of the scheduler for loggers and metrics."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions_total: int = 0
+    num_scheduled_tokens: int = 0
+    # Prompt tokens looked up in the prefix cache and found there, since the start.
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+    # Running totals of speculative decoding; None when the engine does not speculate.
+    spec_decoding: SpecDecodingStats | None = None
 
 
 @dataclass

@@ -16,8 +16,8 @@ from tokenmill.model_loader.dummy import init_dummy_weights
 from tokenmill.model_loader.gguf import GGUFModel, embedded_model_path, load_gguf
 from tokenmill.model_loader.hf import iter_safetensors, load_hf_config
 from tokenmill.models.config import ArchConfig
-from tokenmill.models.presets import get_preset
 from tokenmill.models.registry import get_model_class
+from tokenmill.presets import get_preset
 from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ import torch
 
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.attention.metadata import AttentionMetadata
-from tokenmill.runner.platform import host_tensor
+from tokenmill.utils import host_tensor
 
 
 class FlatBatch:

@@ -9,15 +9,17 @@ from torch import nn
 
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.config import EngineConfig
-from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput, TokenLogprobs
+from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
 from tokenmill.models.config import ArchConfig
+from tokenmill.outputs import TokenLogprobs
 from tokenmill.runner.batch import FlatBatch
 from tokenmill.runner.cuda_graphs import DecodeGraphs, GraphCapture
 from tokenmill.runner.fused_decode import forward_step, make_fused_decoder
-from tokenmill.runner.platform import Platform, host_tensor
+from tokenmill.runner.platform import Platform
 from tokenmill.runner.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.verify import SpecRequest, verify_drafts
+from tokenmill.utils import host_tensor
 
 
 @dataclass

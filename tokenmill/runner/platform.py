@@ -106,19 +106,6 @@ class Platform:
             torch.cuda.synchronize(self.device)
 
 
-def host_tensor(data: object, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """``torch.tensor(data, dtype=dtype, device=device)`` without a stream sync on CUDA.
-
-    A copy from pageable host memory waits for the GPU to finish its queued work first; from
-    pinned memory it is queued behind that work instead, so the host can go on preparing the
-    step while the previous one still runs.
-    """
-    t = torch.tensor(data, dtype=dtype)
-    if torch.device(device).type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 def _host_available_memory() -> int:
     try:
         with open("/proc/meminfo") as f:

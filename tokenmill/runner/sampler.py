@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.core.sched_output import TokenLogprobs
-from tokenmill.runner.platform import host_tensor
+from tokenmill.outputs import TokenLogprobs
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.utils import host_tensor
 
 # Floor for the exponential draws: exponential_() can return exactly 0, and p / 0 would pick a
 # token of probability 0 (or give NaN).

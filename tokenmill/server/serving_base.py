@@ -13,10 +13,9 @@ from typing import Any, TypeVar
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from tokenmill.core.sched_output import TokenLogprobs
 from tokenmill.engine.async_llm import EngineDeadError, EngineOverloadedError, RequestGroup
 from tokenmill.engine.llm_engine import PromptType
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import RequestOutput, TokenLogprobs
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.protocol import UsageInfo, _SamplingFields

@@ -8,9 +8,9 @@ import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenmill.core.sched_output import TokenLogprobs
 from tokenmill.engine.async_llm import EngineDeadError, RequestGroup
 from tokenmill.engine.llm_engine import PromptType
+from tokenmill.outputs import TokenLogprobs
 from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.protocol import (

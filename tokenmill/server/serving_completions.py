@@ -8,10 +8,9 @@ from dataclasses import dataclass, replace
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenmill.core.sched_output import TokenLogprobs
 from tokenmill.engine.async_llm import EngineDeadError, RequestGroup
 from tokenmill.engine.llm_engine import PromptType
-from tokenmill.outputs import CompletionOutput
+from tokenmill.outputs import CompletionOutput, TokenLogprobs
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.protocol import (

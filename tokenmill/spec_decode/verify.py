@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.core.sched_output import TokenLogprobs
+from tokenmill.outputs import TokenLogprobs
 from tokenmill.runner.sampler import (
     SamplingMetadata,
     apply_logits_processors,
