@@ -18,7 +18,7 @@ from tokenmill.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.llm_engine import LLMEngine, ModelInfo
 from tokenmill.engine.output_processor import OutputKind
 from tokenmill.sampling_params import SamplingParams
 
@@ -185,28 +185,24 @@ def cmd_info(args: argparse.Namespace) -> int:
     import torch
 
     engine = LLMEngine(engine_config_from_args(args))
-    core = engine.core
-    arch = core.arch
-    from tokenmill.quant.model import count_parameters, model_weight_bytes
-
-    model = core.runner.model
+    info = engine.model_info()
     rows = [
-        ("model", core.model_path),
-        ("architecture", arch.architecture),
-        ("parameters", f"{count_parameters(model) / 1e6:.1f} M"),
-        ("quantization", core.quantization),
-        ("weights in memory", f"{model_weight_bytes(model) / 2**20:.0f} MiB"),
+        ("model", info.path),
+        ("architecture", info.architecture),
+        ("parameters", f"{info.num_parameters / 1e6:.1f} M"),
+        ("quantization", info.quantization),
+        ("weights in memory", f"{info.weight_bytes / 2**20:.0f} MiB"),
         ("layers / heads / kv heads / head dim",
-         f"{arch.num_hidden_layers} / {arch.num_attention_heads} / "
-         f"{arch.num_key_value_heads} / {arch.head_dim}"),
-        ("vocab size", str(arch.vocab_size)),
-        ("device", str(core.platform.device)),
-        ("dtype", str(core.dtype).removeprefix("torch.")),
+         f"{info.num_hidden_layers} / {info.num_attention_heads} / "
+         f"{info.num_key_value_heads} / {info.head_dim}"),
+        ("vocab size", str(info.vocab_size)),
+        ("device", info.device),
+        ("dtype", info.dtype),
         ("threads", str(torch.get_num_threads())),
-        ("attention backend", core.runner.backend.name),
-        ("decode CUDA graphs", _describe_graphs(core)),
-        ("max model len", str(core.max_model_len)),
-        ("kv cache", core.kv_plan.describe().removeprefix("KV cache: ")),
+        ("attention backend", info.attention_backend),
+        ("decode CUDA graphs", _describe_graphs(info)),
+        ("max model len", str(info.max_model_len)),
+        ("kv cache", info.kv_cache.describe().removeprefix("KV cache: ")),
         ("torch", torch.__version__),
     ]
     width = max(len(k) for k, _ in rows)
@@ -215,12 +211,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _describe_graphs(core: object) -> str:
-    graphs = core.runner.decode_graphs  # type: ignore[attr-defined]
-    if graphs is None:
+def _describe_graphs(info: ModelInfo) -> str:
+    sizes = info.decode_graph_sizes
+    if not sizes:
         return "off"
-    return (f"batch sizes {graphs.sizes[0]}..{graphs.sizes[-1]} ({len(graphs.sizes)} graphs), "
-            f"contexts up to {graphs.max_seq_len}")
+    return (f"batch sizes {sizes[0]}..{sizes[-1]} ({len(sizes)} graphs), "
+            f"contexts up to {info.decode_graph_max_seq_len}")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

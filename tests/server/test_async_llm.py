@@ -20,11 +20,11 @@ class FakeEngine:
 
     def __init__(self, max_num_seqs: int = 2) -> None:
         self.config = SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=max_num_seqs))
-        # close(): AsyncLLM.shutdown stops the core's tensor-parallel workers with it.
-        self.core = SimpleNamespace(last_batch=(0, 0), stats=SchedulerStats,
-                                    close=lambda: setattr(self, "core_closed", True))
-        self.core_closed = False
-        self.processor = SimpleNamespace(parents={})
+        self.last_batch = (0, 0)
+        self.stats = SchedulerStats
+        # close(): AsyncLLM.shutdown stops the engine's tensor-parallel workers with it.
+        self.closed = False
+        self.parents: dict[str, None] = {}
         self.requests: dict[str, tuple[int, int]] = {}  # id -> (generated, max_tokens)
         self.aborted: list[str] = []
         self.steps = 0
@@ -35,7 +35,7 @@ class FakeEngine:
         if prompt == "bad":
             raise ValueError("the request needs more KV cache than there is")
         self.requests[rid] = (0, params.max_tokens or 1)
-        self.processor.parents[rid] = None
+        self.parents[rid] = None
 
     def _output(self, rid: str, tokens: list[int], reason: str | None) -> RequestOutput:
         return RequestOutput(rid, None, [1, 2], [CompletionOutput(0, "x" * len(tokens), tokens,
@@ -46,8 +46,14 @@ class FakeEngine:
         if self.requests.pop(rid, None) is None:
             return None
         self.aborted.append(rid)
-        del self.processor.parents[rid]
+        del self.parents[rid]
         return self._output(rid, [], "abort")
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self.parents)
+
+    def close(self) -> None:
+        self.closed = True
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -57,7 +63,7 @@ class FakeEngine:
             raise RuntimeError("boom")
         time.sleep(0.001)  # a forward pass takes time; without it the thread floods the loop
         self.steps += 1
-        self.core.last_batch = (len(self.requests), len(self.requests))
+        self.last_batch = (len(self.requests), len(self.requests))
         outs = []
         for rid, (done, limit) in list(self.requests.items()):
             finished = done + 1 >= limit
@@ -65,7 +71,7 @@ class FakeEngine:
             self.requests[rid] = (done + 1, limit)
             if finished:
                 del self.requests[rid]
-                del self.processor.parents[rid]
+                del self.parents[rid]
         return outs
 
 
@@ -136,7 +142,7 @@ def test_close_aborts_in_engine_and_loop_sleeps_when_idle() -> None:
 
     run(go, engine)
     assert engine.aborted and not engine.requests
-    assert engine.core_closed
+    assert engine.closed
 
 
 def test_step_failure_fails_requests_and_refuses_new_ones() -> None:

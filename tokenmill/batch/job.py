@@ -135,7 +135,7 @@ def run_batch(input_path: str, output_path: str, engine: LLM | LLMEngine, *,
     check_paths(input_path, output_path)
     if isinstance(engine, LLM):
         engine = engine.engine
-    processor = BatchProcessor(engine, model_name or default_name(engine.core.model_path),
+    processor = BatchProcessor(engine, model_name or default_name(engine.model_path),
                                max_in_flight)
     with ResultsFile(output_path) as results, progress_bar(input_path, results, progress) as bar:
         rec = Recorder(results, bar)

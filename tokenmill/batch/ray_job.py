@@ -39,7 +39,7 @@ class EngineActor:
 
         engine = LLMEngine(config)
         self.processor = BatchProcessor(
-            engine, model_name or default_name(engine.core.model_path), max_in_flight)
+            engine, model_name or default_name(engine.model_path), max_in_flight)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         import numpy as np

@@ -103,18 +103,11 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 20)
     return 2 * nbytes / best
 
 
-def weight_bytes(engine: LLMEngine) -> int:
-    """Bytes a decode step reads from the model's weights (each tensor once)."""
-    from tokenmill.quant.model import model_weight_bytes
-
-    return model_weight_bytes(engine.core.runner.model)
-
-
 def run_decode(engine: LLMEngine, requests: list[SampleRequest], copy_bytes: int) -> dict[str, Any]:
     """Single-stream decode tokens/s (median of the requests) and its share of the roofline."""
-    device = engine.core.platform.device
-    bandwidth = copy_bandwidth(device, copy_bytes)
-    nbytes = weight_bytes(engine)
+    info = engine.model_info()
+    bandwidth = copy_bandwidth(torch.device(info.device), copy_bytes)
+    nbytes = info.weight_bytes  # what a decode step reads from the weights (each tensor once)
     roofline = bandwidth / nbytes
     timings = [time_one(engine, f"decode-{i}", req, 0.0) for i, req in enumerate(requests)]
     decode = statistics.median(t.decode_tps for t in timings if t.decode_tps is not None)
@@ -190,7 +183,7 @@ def cmd_gpu(args: argparse.Namespace) -> int:
     input_len = args.input_len or input_len
     output_len = args.output_len or output_len
     engine, load_s = load_engine(args)
-    device = engine.core.platform.device
+    device = torch.device(engine.model_info().device)
     requests = random_requests(engine.tokenizer, num, input_len, output_len, args.seed)
     warm_up(engine, requests[0], 1)
     result: dict[str, Any] = {"suite": args.suite, "model": args.model,
@@ -207,7 +200,8 @@ def cmd_gpu(args: argparse.Namespace) -> int:
         headline = f"{result['tokenmill']['output_tokens_per_s']:.1f} output tok/s"
         if args.suite == "hf-batch":
             result["engine"] = engine_facts(engine, load_s)
-            dtype = engine.core.dtype  # the peer computes in the engine's own dtype
+            # The peer computes in the engine's own dtype.
+            dtype = getattr(torch, engine.model_info().dtype)
             inputs = [r.prompt if isinstance(r.prompt, list)
                       else engine.tokenizer.encode(r.prompt, add_special_tokens=False)
                       for r in requests]

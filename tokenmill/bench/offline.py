@@ -54,7 +54,7 @@ def engine_facts(engine: LLMEngine, load_s: float) -> dict[str, Any]:
     """What ran: model file, dtype, threads and the whole engine configuration."""
     import torch
 
-    return {"model": engine.core.model_path, "dtype": str(engine.core.dtype).removeprefix("torch."),
+    return {"model": engine.model_path, "dtype": engine.model_info().dtype,
             "threads": torch.get_num_threads(), "load_s": load_s,
             "config": dataclasses.asdict(engine.config)}
 

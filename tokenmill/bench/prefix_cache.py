@@ -55,7 +55,7 @@ def cmd_prefix_cache(args: argparse.Namespace) -> int:
              args.temperature)
     warm = [time_one(engine, f"warm-{i}", SampleRequest(shared + ids(args.suffix_len), 0, out_len),
                      args.temperature) for i in range(n)]
-    stats = engine.core.scheduler.stats()
+    stats = engine.stats()
     cold_ms = statistics.median(t.ttft for t in cold) * 1000
     warm_ms = statistics.median(t.ttft for t in warm) * 1000
     result: dict[str, Any] = {

@@ -119,7 +119,7 @@ def run_timed(engine: LLMEngine, rid: str, prompt: dict, max_tokens: int,
 
 
 def _spec_totals(engine: LLMEngine) -> tuple[int, int, int]:
-    stats = engine.core.spec_stats
+    stats = engine.stats().spec_decoding
     if stats is None:
         return 0, 0, 0
     return stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens

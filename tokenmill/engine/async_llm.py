@@ -202,7 +202,7 @@ class AsyncLLM:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout)
         if self._thread is None or not self._thread.is_alive():
-            self.engine.core.close()
+            self.engine.close()
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until nothing is in flight; False if ``timeout`` seconds passed first."""
@@ -296,7 +296,7 @@ class AsyncLLM:
                 if commands is None:
                     break
                 self._round(commands)
-            self._round([_Abort(rid) for rid in list(self.engine.processor.parents)])
+            self._round([_Abort(rid) for rid in self.engine.unfinished_request_ids()])
         except Exception as e:  # the engine's state is unknown now: fail everything
             logger.exception("the engine loop failed; failing all requests in flight")
             self.dead_reason = f"the engine failed: {type(e).__name__}: {e}"
@@ -333,11 +333,11 @@ class AsyncLLM:
             if self._num_steps == self.debug_fail_at_step:
                 raise InjectedFaultError(f"debug_fail_at_step={self._num_steps}")
             outputs.extend(engine.step())
-            batch_size, batch_tokens = engine.core.last_batch
+            batch_size, batch_tokens = engine.last_batch
         items.extend((o.request_id, o) for o in outputs)
         if items:
             self._post(self._deliver, items)
         iteration = self._stats.observe(outputs, batch_size, batch_tokens)
-        sched = engine.core.stats()
+        sched = engine.stats()
         for stat_logger in self.stat_loggers:
             stat_logger.record(sched, iteration)

@@ -20,6 +20,7 @@ from tokenmill.distributed.executor import (
 )
 from tokenmill.metrics.stats import SchedulerStats, SpecDecodingStats
 from tokenmill.model_loader import LoadedModel, load_model
+from tokenmill.quant.model import count_parameters, model_weight_bytes
 from tokenmill.request import Request, RequestStatus
 from tokenmill.runner.model_runner import (
     ModelRunner,
@@ -96,6 +97,30 @@ def plan_kv_cache(cache: CacheConfig, platform: Platform, bytes_per_block: int,
         logger.warning("the KV cache (%d blocks) cannot hold one request of max_model_len=%d "
                        "tokens; such requests are rejected", num_blocks, max_model_len)
     return KVCachePlan(num_blocks, cache.block_size, bytes_per_block, max_model_len)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the engine runs, as plain data for front doors, tools and benchmarks."""
+
+    path: str
+    architecture: str
+    quantization: str
+    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
+    device: str
+    max_model_len: int
+    vocab_size: int
+    num_parameters: int
+    weight_bytes: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    attention_backend: str
+    # The decode CUDA graphs' batch sizes and longest context; () and 0 when there are none.
+    decode_graph_sizes: tuple[int, ...]
+    decode_graph_max_seq_len: int
+    kv_cache: KVCachePlan
 
 
 class EngineCore:
@@ -244,6 +269,24 @@ class EngineCore:
             {r.request_id: proposals[r.request_id].token_ids if r.request_id in proposals else []
              for r in candidates})
         self._draft_probs = {rid: p.probs for rid, p in proposals.items() if p.probs is not None}
+
+    def model_info(self) -> ModelInfo:
+        """The model, its weights and the KV cache as this engine (rank 0) holds them."""
+        arch, runner = self.arch, self.runner
+        graphs = runner.decode_graphs
+        return ModelInfo(
+            path=self.model_path, architecture=arch.architecture,
+            quantization=self.quantization, dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.platform.device), max_model_len=self.max_model_len,
+            vocab_size=arch.vocab_size, num_parameters=count_parameters(runner.model),
+            weight_bytes=model_weight_bytes(runner.model),
+            num_hidden_layers=arch.num_hidden_layers,
+            num_attention_heads=arch.num_attention_heads,
+            num_key_value_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
+            attention_backend=runner.backend.name,
+            decode_graph_sizes=tuple(graphs.sizes) if graphs is not None else (),
+            decode_graph_max_seq_len=graphs.max_seq_len if graphs is not None else 0,
+            kv_cache=self.kv_plan)
 
     def stats(self) -> SchedulerStats:
         stats = self.scheduler.stats()

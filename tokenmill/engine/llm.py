@@ -42,7 +42,7 @@ class LLM:
     compact on the CPU, "none" computes in float.
     ``speculative="ngram"`` (prompt lookup) or ``speculative_model`` (a model file with the same
     tokenizer, or "self:N": the first N layers of this one) turns on speculative decoding of
-    ``num_speculative_tokens`` tokens per step; ``llm.engine.core.spec_stats`` counts them.
+    ``num_speculative_tokens`` tokens per step; ``llm.engine.stats().spec_decoding`` counts them.
     ``tensor_parallel_size`` > 1 shards the model over that many processes (GPUs, or CPU
     processes); :meth:`close` stops them, as does dropping the LLM or leaving the interpreter.
     """
@@ -100,7 +100,7 @@ class LLM:
 
     def close(self) -> None:
         """Stop the engine's tensor-parallel worker processes, if any."""
-        self.engine.core.close()
+        self.engine.close()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer

@@ -6,8 +6,9 @@ import dataclasses
 import time
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.core import EngineCore
+from tokenmill.engine.core import EngineCore, ModelInfo
 from tokenmill.engine.output_processor import OutputKind, OutputProcessor
+from tokenmill.metrics.stats import SchedulerStats
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
@@ -28,6 +29,32 @@ class LLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.core.max_model_len
+
+    @property
+    def model_path(self) -> str:
+        """The file or folder the weights came from (a preset's name for dummy weights)."""
+        return self.core.model_path
+
+    def model_info(self) -> ModelInfo:
+        """The model, its weights, device and KV cache, as plain data."""
+        return self.core.model_info()
+
+    def stats(self) -> SchedulerStats:
+        """A snapshot of the scheduler: queues, KV usage, prefix-cache and speculation totals."""
+        return self.core.stats()
+
+    @property
+    def last_batch(self) -> tuple[int, int]:
+        """(requests, tokens) the latest step computed."""
+        return self.core.last_batch
+
+    def unfinished_request_ids(self) -> list[str]:
+        """Requests added and not yet finished or aborted (the ids given to ``add_request``)."""
+        return list(self.processor.parents)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (idempotent)."""
+        self.core.close()
 
     @property
     def vocab_size(self) -> int:

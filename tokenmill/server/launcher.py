@@ -96,7 +96,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     # Not in this thread: see load_engine_for_thread.
     engine = load_engine_for_thread(engine_config)
     if config.served_model_name is None:
-        config = dataclasses.replace(config, served_model_name=model_name(engine.core.model_path))
+        config = dataclasses.replace(config, served_model_name=model_name(engine.model_path))
     metrics = PrometheusStatLogger(config.served_model_name or "default")
     client = AsyncLLM(engine, max_queue=config.max_queue, stat_loggers=[metrics],
                       debug_fail_at_step=config.debug_fail_at_step)
