@@ -13,12 +13,12 @@ from quant_helpers import logits_of
 
 from tokenmill.config import ModelConfig
 from tokenmill.model_loader import load_model, resolve_quantization
-from tokenmill.model_loader.gguf import GGUFModel, load_gguf
+from tokenmill.model_loader.gguf import GGUFModel, float_from_gguf, load_gguf
+from tokenmill.model_loader.gguf_quantized import int4_groups_from_gguf, load_gguf_quantized
+from tokenmill.model_loader.gguf_quantized import quantized_linear_from_gguf as from_gguf
 from tokenmill.models.config import ArchConfig
 from tokenmill.models.registry import get_model_class
 from tokenmill.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear, QuantizedEmbedding
-from tokenmill.quant.gguf import float_from_gguf, int4_groups_from_gguf, load_gguf_quantized
-from tokenmill.quant.gguf import quantized_linear_from_gguf as from_gguf
 
 HIDDEN, HEADS, KV_HEADS, FFN, VOCAB = 64, 4, 2, 96, 64
 QKV = "model.layers.0.self_attn.qkv_proj"

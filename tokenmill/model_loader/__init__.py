@@ -14,10 +14,12 @@ from tokenmill.config import ModelConfig
 from tokenmill.distributed import tp_size
 from tokenmill.model_loader.dummy import init_dummy_weights
 from tokenmill.model_loader.gguf import GGUFModel, embedded_model_path, load_gguf
+from tokenmill.model_loader.gguf_quantized import load_gguf_quantized
 from tokenmill.model_loader.hf import iter_safetensors, load_hf_config
 from tokenmill.models.config import ArchConfig
 from tokenmill.models.registry import get_model_class
 from tokenmill.presets import get_preset
+from tokenmill.quant import quantize_model
 from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -42,7 +44,7 @@ def resolve_model_path(model: str | None) -> str:
 
 # GGUF block types by the weight-only method that keeps them compact under quantization="auto":
 # Q4_0/Q4_1 blocks become int4 groups of 32 exactly; the wider ones lose nothing that matters at
-# int8 per channel (see tokenmill.quant.gguf).
+# int8 per channel (see tokenmill.model_loader.gguf_quantized).
 _GGUF_INT4 = frozenset({"Q4_0", "Q4_1"})
 _GGUF_INT8 = frozenset({"Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"})
 
@@ -105,15 +107,10 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) ->
         # the rest is loaded in float, so no float copy of those layers is ever filled in.
         # On GPUs the layers are loaded in float and quantized below, in the GPU's layouts;
         # under tensor parallelism too (the file's blocks are not cut to the shards).
-        # (Imported here: tokenmill.quant.gguf imports this package.)
-        from tokenmill.quant.gguf import load_gguf_quantized
-
         load_gguf_quantized(model, gguf, method, device=device, dtype=dtype)
     else:
         model.load_weights((name, t.to(device=device, dtype=dtype)) for name, t in weights())
     if method != "none":
-        from tokenmill.quant import quantize_model
-
         logger.info(quantize_model(model, method).describe())
     model.eval()
     logger.info("loaded %s (%s, %s) in %.1f s", path, arch.architecture, dtype,

@@ -94,6 +94,14 @@ def dequantize_array(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarra
     return np.asarray(out, dtype=np.float32)
 
 
+def float_tensor(data: np.ndarray, qtype: GGMLQuantizationType,
+                 shape: tuple[int, ...]) -> torch.Tensor:
+    """The float32 values of stored ``data`` as a writable tensor of ``shape``."""
+    values = dequantize_array(data, qtype).reshape(shape)
+    # The reader's arrays are read-only views of a memmap; torch needs writable memory.
+    return torch.from_numpy(values if values.flags.writeable else np.array(values, copy=True))
+
+
 @dataclass(frozen=True)
 class RawTensor:
     """One tensor as stored in the file: ``data`` holds one row of quantized blocks (uint8) or
@@ -103,6 +111,11 @@ class RawTensor:
     data: np.ndarray
     qtype: GGMLQuantizationType
     shape: tuple[int, ...]
+
+
+def float_from_gguf(raw: RawTensor) -> torch.Tensor:
+    """The fp32 values of a tensor as stored (dequantized if it is quantized)."""
+    return float_tensor(raw.data, raw.qtype, raw.shape)
 
 
 class GGUFModel:
@@ -150,11 +163,7 @@ class GGUFModel:
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor as ``(hf_name, float32 tensor of HF shape)``, one at a time."""
         for name in self._by_hf_name:
-            raw = self.raw_tensor(name)
-            values = dequantize_array(raw.data, raw.qtype).reshape(raw.shape)
-            # The reader's arrays are read-only views of a memmap; torch needs writable memory.
-            yield name, torch.from_numpy(np.array(values, dtype=np.float32, copy=True)
-                                         if not values.flags.writeable else values)
+            yield name, float_from_gguf(self.raw_tensor(name))
 
     def _permute_heads(self, name: str) -> int | None:
         """Head count to un-permute ``name`` by, or None when it was stored unpermuted."""

@@ -1,7 +1,8 @@
 """Weight-only int8 / int4 quantization for the CPU (``--quantization none|int8|int4``).
 
 ``quantize_model`` swaps a loaded model's Linear layers and head for the modules in
-``linear`` / ``head``; ``gguf`` builds them straight from a GGUF file's Q4_0 / Q4_1 blocks.
+``linear`` / ``head``; ``tokenmill.model_loader.gguf_quantized`` builds them straight from a
+GGUF file's Q4_0 / Q4_1 blocks.
 """
 
 from tokenmill.quant.head import QuantizedEmbedding, QuantizedHead, QuantizedMatrix

@@ -16,6 +16,7 @@ from tokenmill.quant.linear import (
     Int4WeightOnlyLinear,
     Int8WeightOnlyLinear,
     _WeightOnlyLinear,
+    fp8_supported,
 )
 from tokenmill.quant.packing import (
     INT4_GROUP_SIZES,
@@ -139,12 +140,9 @@ def quantize_model(model: nn.Module, method: str, group_size: int = DEFAULT_GROU
     param = next(model.parameters(), None)
     device = param.device if param is not None else None
     head_method = resolve_head_method(method, head_method, device)
-    if "fp8" in (method, head_method) and device is not None:
-        from tokenmill.quant.linear import fp8_supported
-
-        if not fp8_supported(device):
-            raise ValueError(f"quantization 'fp8' needs a GPU of compute capability 8.9+ (Ada, "
-                             f"Hopper) or the CPU; the model is on {device}")
+    if "fp8" in (method, head_method) and device is not None and not fp8_supported(device):
+        raise ValueError(f"quantization 'fp8' needs a GPU of compute capability 8.9+ (Ada, "
+                         f"Hopper) or the CPU; the model is on {device}")
     summary = QuantizationSummary(method, group_size if method == "int4" else None)
     if method != "none" or head_method != "none":
         if method != "none":
@@ -159,13 +157,20 @@ def quantize_model(model: nn.Module, method: str, group_size: int = DEFAULT_GROU
     return summary
 
 
+def linear_layer_names(model: nn.Module) -> list[str]:
+    """The float Linear layers that the weight-only methods replace: all but the output head
+    (which has its own method, see :func:`head_slot`).
+
+    Names, not modules: each float layer is freed as soon as it is replaced, so memory never
+    holds both whole models.
+    """
+    return [name for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and name != "lm_head"]
+
+
 def _quantize_linears(model: nn.Module, method: str, group_size: int,
                       summary: QuantizationSummary) -> None:
-    # Names, not modules: each float layer is freed as soon as it is replaced, so memory never
-    # holds both whole models.
-    names = [name for name, m in model.named_modules()
-             if isinstance(m, nn.Linear) and name != "lm_head"]
-    for name in names:
+    for name in linear_layer_names(model):
         linear = model.get_submodule(name)
         try:
             quantized = quantize_weight(linear.weight, linear.bias, method, group_size)
@@ -173,7 +178,7 @@ def _quantize_linears(model: nn.Module, method: str, group_size: int,
             summary.kept_float[name] = str(e)
             logger.warning("%s stays in float: %s", name, e)
             continue
-        _replace(model, name, quantized)
+        replace_module(model, name, quantized)
 
 
 def head_slot(model: nn.Module) -> tuple[str, bool] | None:
@@ -221,7 +226,7 @@ def _quantize_head(model: nn.Module, method: str, group_size: int,
         return
     linear = quantize_weight(float_module.weight, getattr(float_module, "bias", None), method,
                              group_size)
-    _replace(model, name, wrap_head(linear, tied, float_module.weight.dtype))
+    replace_module(model, name, wrap_head(linear, tied, float_module.weight.dtype))
 
 
 def describe_head(model: nn.Module) -> str:
@@ -235,7 +240,8 @@ def describe_head(model: nn.Module) -> str:
     return kind + (" (tied embedding)" if head is None else "")
 
 
-def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put ``module`` in place of the submodule called ``name``."""
     parent_name, _, leaf = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, leaf, module)

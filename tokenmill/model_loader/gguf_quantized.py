@@ -1,4 +1,4 @@
-"""Quantized layers straight from a GGUF file's blocks.
+"""Load a GGUF file into quantized layers straight from its blocks.
 
 Q4_1 stores 32 weights as ``d * q + m`` (fp16 ``d`` and ``m``, 4-bit ``q``) and Q4_0 as
 ``d * (q - 8)``: both are exactly :class:`~tokenmill.quant.packing.Int4Groups` with group size
@@ -24,7 +24,7 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from tokenmill.model_loader.gguf import GGUFModel, RawTensor, dequantize_array
+from tokenmill.model_loader.gguf import GGUFModel, RawTensor, float_from_gguf, float_tensor
 from tokenmill.models.llama import STACKED_PARAMS
 from tokenmill.quant.head import QuantizedLinear
 from tokenmill.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
@@ -33,6 +33,8 @@ from tokenmill.quant.model import (
     check_quantization,
     head_slot,
     head_unsupported,
+    linear_layer_names,
+    replace_module,
     resolve_head_method,
     wrap_head,
 )
@@ -70,18 +72,11 @@ def int4_groups_from_gguf(raw: RawTensor) -> Int4Groups:
     return Int4Groups(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m), GGUF_GROUP)
 
 
-def float_from_gguf(raw: RawTensor) -> torch.Tensor:
-    """The fp32 values of a tensor as stored (dequantized if it is quantized)."""
-    values = dequantize_array(raw.data, raw.qtype).reshape(raw.shape)
-    return torch.from_numpy(np.array(values, dtype=np.float32, copy=True))
-
-
 def _float_rows(raw: RawTensor) -> Iterator[torch.Tensor]:
     """The fp32 values of a 2-D tensor, ``QUANTIZE_ROWS`` rows at a time (bounded memory)."""
     for r0 in range(0, raw.shape[0], QUANTIZE_ROWS):
         rows = raw.data[r0:r0 + QUANTIZE_ROWS]
-        values = dequantize_array(rows, raw.qtype).reshape(rows.shape[0], raw.shape[1])
-        yield torch.from_numpy(np.array(values, dtype=np.float32, copy=True))
+        yield float_tensor(rows, raw.qtype, (rows.shape[0], raw.shape[1]))
 
 
 def _part_names(module_name: str) -> list[str]:
@@ -144,11 +139,9 @@ def load_gguf_quantized(model: nn.Module, gguf: GGUFModel, method: str,
                          "load the shards in float and quantize_model them (as load_model does)")
     if device is not None and torch.device(device).type != "cpu":
         raise ValueError(f"quantization {method!r} runs on the CPU only, not on {device}")
-    names = [name for name, m in model.named_modules()
-             if isinstance(m, nn.Linear) and name != "lm_head"]
     built: list[str] = []
     consumed: set[str] = set()
-    for name in names:
+    for name in linear_layer_names(model):
         try:
             module: nn.Module = quantized_linear_from_gguf(gguf, name, method, group_size, dtype)
         except ValueError:
@@ -171,9 +164,7 @@ def load_gguf_quantized(model: nn.Module, gguf: GGUFModel, method: str,
 
 
 def _install(model: nn.Module, name: str, module: nn.Module, device: torch.device | None) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf,
-            module.to(device) if device is not None else module)
+    replace_module(model, name, module.to(device) if device is not None else module)
 
 
 def _float_tensors(gguf: GGUFModel, skip: set[str], device: torch.device | None,
