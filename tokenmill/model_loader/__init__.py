@@ -17,7 +17,7 @@ from tokenmill.model_loader.gguf import GGUFModel, embedded_model_path, load_ggu
 from tokenmill.model_loader.gguf_quantized import load_gguf_quantized
 from tokenmill.model_loader.hf import iter_safetensors, load_hf_config
 from tokenmill.models.config import ArchConfig
-from tokenmill.models.registry import get_model_class
+from tokenmill.models.registry import create_model
 from tokenmill.presets import get_preset
 from tokenmill.quant import quantize_model
 from tokenmill.tokenizer import Tokenizer
@@ -91,14 +91,7 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) ->
     method = resolve_quantization(config.quantization, gguf if is_gguf else None,
                                   torch.device(device))
     arch = ArchConfig.from_hf_dict(hf_config)
-    model_cls = get_model_class([arch.architecture])
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # build parameters in the target dtype, no fp32 detour
-    try:
-        with torch.device(device):
-            model = model_cls(arch)
-    finally:
-        torch.set_default_dtype(default_dtype)
+    model = create_model(arch, dtype, device)
     if config.load_format == "dummy":
         init_dummy_weights(model, seed=config.seed)
     elif (is_gguf and method in ("int8", "int4") and torch.device(device).type == "cpu"

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from tokenmill.models.config import ArchConfig
-from tokenmill.models.registry import get_model_class
+from tokenmill.models.registry import create_model
 
 # Big CPU matrices repeat one block of this many normal samples: drawing 8B independent values
 # takes ~40 s on two cores, copying a block takes a few. Prime, so that the repeats do not line
@@ -51,13 +51,6 @@ def _fill_normal(param: torch.Tensor, std: float, gen: torch.Generator) -> None:
 def build_dummy_model(arch: ArchConfig, dtype: torch.dtype, device: torch.device | str,
                       seed: int = 0) -> nn.Module:
     """Create the model for ``arch`` directly on ``device`` in ``dtype`` with dummy weights."""
-    model_cls = get_model_class([arch.architecture])
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # parameters are born in the target dtype
-    try:
-        with torch.device(device):
-            model = model_cls(arch)
-    finally:
-        torch.set_default_dtype(default_dtype)
+    model = create_model(arch, dtype, device)
     init_dummy_weights(model, seed=seed)
     return model.eval()

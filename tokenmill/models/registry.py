@@ -1,10 +1,14 @@
-"""Hugging Face ``architectures`` names -> model classes, imported only when asked for."""
+"""Hugging Face ``architectures`` names -> model classes, imported only when asked for, and
+the one way to build an empty model of a class in the target dtype."""
 
 from __future__ import annotations
 
 import importlib
 
+import torch
 from torch import nn
+
+from tokenmill.models.config import ArchConfig
 
 # architecture name -> (module, class); lazy so that importing the registry stays cheap.
 _MODELS: dict[str, tuple[str, str]] = {
@@ -28,3 +32,16 @@ def get_model_class(architectures: list[str]) -> type[nn.Module]:
             return getattr(importlib.import_module(module_name), class_name)
     raise ValueError(f"unsupported architectures {architectures}; supported: "
                      f"{', '.join(supported_architectures())}")
+
+
+def create_model(arch: ArchConfig, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """The model class for ``arch`` built on ``device`` with its parameters created in
+    ``dtype`` (no fp32 detour, no host copy); their values are whatever the constructor left."""
+    model_cls = get_model_class([arch.architecture])
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return model_cls(arch)
+    finally:
+        torch.set_default_dtype(default_dtype)
