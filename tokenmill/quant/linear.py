@@ -34,6 +34,7 @@ from tokenmill.quant.packing import (
     pack_int4,
     quantize_int4,
     quantize_int8,
+    scale_rows_absmax,
     unpack_int4,
     unpack_int4_rows,
 )
@@ -270,11 +271,9 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(e4m3 weight [N, K], fp32 scales [N])`` with ``w ~= q * scales`` per output row."""
     qs, scales = [], []
     for rows in weight.detach().split(QUANTIZE_ROWS):
-        w = rows.float()
-        amax = w.abs().amax(dim=1)
-        s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-        qs.append((w / s.unsqueeze(1)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn))
-        scales.append(s)
+        scaled, s = scale_rows_absmax(rows, FP8_MAX)
+        qs.append(scaled.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn))
+        scales.append(s.view(-1))
     return torch.cat(qs), torch.cat(scales)
 
 
@@ -309,11 +308,8 @@ class Fp8Linear(nn.Module):
         return cls(q, scales, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
-        xf = x2.float()
-        amax = xf.abs().amax(dim=1, keepdim=True)
-        x_scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-        xq = (xf / x_scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        scaled, x_scale = scale_rows_absmax(x.reshape(-1, self.in_features), FP8_MAX)
+        xq = scaled.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         bias = None if self.bias is None else self.bias.to(KERNEL_DTYPE)
         y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale,
                              bias=bias, out_dtype=KERNEL_DTYPE)

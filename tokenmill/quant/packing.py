@@ -73,22 +73,37 @@ def check_int4_shape(out_features: int, in_features: int, group_size: int) -> No
         raise ValueError(f"out_features {out_features} is not a multiple of {INT4_N_MULTIPLE}")
 
 
+# ------------------------------------------------------------------------ symmetric, per row
+
+
+def scale_rows_absmax(x: torch.Tensor, max_value: float,
+                      scale_dtype: torch.dtype = torch.float32
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x / scale, scale)`` for a symmetric per-row format whose largest value is
+    ``max_value``: ``scale`` ``[N, 1]`` maps each row's largest magnitude onto ``max_value``
+    (1 for an all-zero row), and ``x / scale`` is in fp32, ready to round or cast.
+
+    The scale is rounded to ``scale_dtype`` *before* dividing, so that the quantized values
+    are the best choice for the scale the kernel will actually use.
+    """
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / max_value, torch.ones_like(amax)).to(scale_dtype)
+    return xf / scale.float(), scale
+
+
 # ---------------------------------------------------------------------------------- int8
+
+INT8_MAX = 127
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8: ``(q int8 [N, K], scales bf16 [N])``, ``w ~= q * scales``.
-
-    The scale is rounded to bf16 *before* rounding the weights, so that ``q`` is the best
-    choice for the scale the kernel will actually use.
-    """
+    """Symmetric per-row int8: ``(q int8 [N, K], scales bf16 [N])``, ``w ~= q * scales``."""
     qs, scales = [], []
     for rows in weight.detach().split(QUANTIZE_ROWS):
-        w = rows.float()
-        amax = w.abs().amax(dim=1)
-        s = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax)).to(KERNEL_DTYPE)
-        qs.append(torch.round(w / s.float().unsqueeze(1)).clamp_(-128, 127).to(torch.int8))
-        scales.append(s)
+        scaled, s = scale_rows_absmax(rows, INT8_MAX, KERNEL_DTYPE)
+        qs.append(torch.round(scaled).clamp_(-128, INT8_MAX).to(torch.int8))
+        scales.append(s.view(-1))
     return torch.cat(qs), torch.cat(scales)
 
 
