@@ -48,6 +48,11 @@ LARGE_WEIGHT_NUMEL = 1 << 23
 INT8_LARGE_DENSE_MIN_ROWS = 256
 INT4_LARGE_DENSE_MIN_ROWS = 512
 
+# The module classes whose ``_kernel`` this PyTorch build lacks on CUDA, learned from the first
+# call that raised NotImplementedError. It is a fact about the build, not about one layer, so
+# one layer's failure sends every layer of its class to the dense path from then on.
+MISSING_CUDA_KERNELS: set[type[nn.Module]] = set()
+
 
 class _WeightOnlyLinear(nn.Module):
     """What the int8 and int4 modules share: shapes, bias, the row-count dispatch."""
@@ -60,9 +65,6 @@ class _WeightOnlyLinear(nn.Module):
         # Rows from which forward() dequantizes for one bf16 matmul; tests move it.
         self.dense_min_rows = dense_min_rows
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
-
-    # Whether _kernel runs on CUDA; False once this PyTorch build said it has no CUDA kernel.
-    cuda_kernel: bool = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
@@ -82,11 +84,11 @@ class _WeightOnlyLinear(nn.Module):
 
     def _cuda_kernel(self, xb: torch.Tensor) -> torch.Tensor:
         """``_kernel`` on a GPU, or the dense path where this build has no such kernel."""
-        if self.cuda_kernel:
+        if type(self) not in MISSING_CUDA_KERNELS:
             try:
                 return self._kernel(xb)
             except NotImplementedError:
-                type(self).cuda_kernel = False
+                MISSING_CUDA_KERNELS.add(type(self))
         return self._dense(xb)
 
     def _dense(self, xb: torch.Tensor) -> torch.Tensor:
