@@ -94,15 +94,19 @@ def test_fork_shares_then_copies_on_write() -> None:
     assert kv.get_block_ids("c") == parent
     assert [kv.pool.blocks[i].ref_cnt for i in parent] == [2, 2, 2]
     # The child writes position 9 (recomputing the last prompt token): its block is copied.
-    assert kv.allocate_slots("c", 10, 9) == []
+    allocation = kv.allocate_slots("c", 10, 9)
+    assert allocation is not None and allocation.new_block_ids == []
     child = kv.get_block_ids("c")
     assert child[:2] == parent[:2] and child[2] not in parent
-    assert kv.take_copies() == [(parent[2], child[2])]
-    assert kv.take_rewritten("c") and not kv.take_rewritten("c")
+    assert allocation.copies == [(parent[2], child[2])] and allocation.rewritten
     assert [kv.pool.blocks[i].ref_cnt for i in parent] == [2, 2, 1]
+    # Its copy is private now: writing it again copies nothing.
+    again = kv.allocate_slots("c", 10, 9)
+    assert again is not None and again.copies == [] and not again.rewritten
+    assert kv.get_block_ids("c") == child
     # The parent writes on into its own block: nothing to copy.
-    assert kv.allocate_slots("p", 11, 10) == []
-    assert kv.take_copies() == []
+    allocation = kv.allocate_slots("p", 11, 10)
+    assert allocation is not None and allocation.new_block_ids == [] and allocation.copies == []
     kv.free("c")
     kv.free("p")
     assert kv.pool.num_free_blocks == 15

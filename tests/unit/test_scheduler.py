@@ -207,9 +207,12 @@ def test_block_pool_reference_counts() -> None:
 
 def test_kv_manager_grows_by_blocks() -> None:
     kv = KVCacheManager(num_blocks=10, block_size=4)
-    assert len(kv.allocate_slots("r", 5) or []) == 2
-    assert kv.allocate_slots("r", 8) == []
-    assert len(kv.allocate_slots("r", 9) or []) == 1
+    new_block_counts = []
+    for num_tokens in (5, 8, 9):
+        allocation = kv.allocate_slots("r", num_tokens)
+        assert allocation is not None and allocation.copies == []
+        new_block_counts.append(len(allocation.new_block_ids))
+    assert new_block_counts == [2, 0, 1]
     assert kv.allocate_slots("other", 100) is None
     assert "other" not in kv.req_blocks
     kv.free("r")

@@ -12,7 +12,7 @@ is handed out again.
 
 Copy-on-write: ``fork`` lets a request share another's blocks (n > 1 samples of one prompt);
 a write into a block that more than one request holds first moves the writer to a copy, and
-the copies to make are queued for the runner (``take_copies``).
+``allocate_slots`` returns the copies the runner must make (``SlotAllocation.copies``).
 """
 
 from __future__ import annotations
@@ -144,6 +144,22 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
+@dataclass(frozen=True)
+class SlotAllocation:
+    """What ``allocate_slots`` changed in one request's block list."""
+
+    # Blocks appended to the end of the list (possibly none).
+    new_block_ids: list[int]
+    # (source, destination) blocks the runner must copy, in every layer, before the step
+    # writes: shared blocks in the written range that the request now holds a private copy of.
+    copies: list[tuple[int, int]]
+
+    @property
+    def rewritten(self) -> bool:
+        """Whether blocks inside the list were swapped for copies (not only appended to)."""
+        return bool(self.copies)
+
+
 class KVCacheManager:
     """Which blocks each request holds; grows a request's blocks as its tokens are scheduled."""
 
@@ -156,10 +172,6 @@ class KVCacheManager:
         # tokens only grow), and how many of its held blocks are registered.
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_registered: dict[str, int] = {}
-        # (source, destination) block copies the runner must make before the next forward, and
-        # the requests whose block lists changed by something other than appending.
-        self._copies: list[tuple[int, int]] = []
-        self._rewritten: set[str] = set()
         self.prefix_stats = PrefixCacheStats()
 
     @property
@@ -259,28 +271,16 @@ class KVCacheManager:
         self.req_blocks[child_id] = list(shared)
         self._num_registered[child_id] = min(self._num_registered.get(parent_id, 0), len(shared))
 
-    def take_copies(self) -> list[tuple[int, int]]:
-        """The (source, destination) block copies queued since the last call."""
-        copies, self._copies = self._copies, []
-        return copies
-
-    def take_rewritten(self, request_id: str) -> bool:
-        """Whether the request's block list had a block swapped for a copy since the last call."""
-        if request_id in self._rewritten:
-            self._rewritten.discard(request_id)
-            return True
-        return False
-
     # ------------------------------------------------------------------ growing and freeing
 
     def allocate_slots(self, request_id: str, num_total_tokens: int,
-                       num_computed_tokens: int | None = None) -> list[int] | None:
+                       num_computed_tokens: int | None = None) -> SlotAllocation | None:
         """Make room for ``num_total_tokens`` tokens of a request, whose tokens from
         ``num_computed_tokens`` on are written in the coming step.
 
-        Returns the newly added block ids (possibly none), or None when the pool has too few
-        free blocks; then nothing changed. Shared blocks that the step writes into are swapped
-        for private copies first (``num_computed_tokens`` given; see ``take_copies``).
+        Returns the blocks added and copied, or None when the pool has too few free blocks;
+        then nothing changed. Shared blocks that the step writes into are swapped for private
+        copies first (``num_computed_tokens`` given).
         """
         blocks = self.req_blocks.setdefault(request_id, [])
         need = max(self.blocks_needed(num_total_tokens) - len(blocks), 0)
@@ -293,25 +293,22 @@ class KVCacheManager:
             if not blocks:
                 del self.req_blocks[request_id]
             return None
+        copies = []
         for i in shared:
             (copy,) = self.pool.allocate(1)
-            self._copies.append((blocks[i], copy))
+            copies.append((blocks[i], copy))
             self.pool.free([blocks[i]])
             blocks[i] = copy
-            self._rewritten.add(request_id)
             # The copy is private: registering it again would only duplicate the original.
             self._num_registered[request_id] = min(self._num_registered.get(request_id, 0), i)
-        if need == 0:
-            return []
-        new = self.pool.allocate(need)
+        new = self.pool.allocate(need) if need else []
         blocks.extend(new)
-        return new
+        return SlotAllocation(new, copies)
 
     def free(self, request_id: str) -> None:
         """Give back every block of a request (finished, aborted or preempted)."""
         blocks = self.req_blocks.pop(request_id, None)
         self._num_registered.pop(request_id, None)
-        self._rewritten.discard(request_id)
         if blocks:
             # Reversed, so that the tail blocks (least likely to be shared) are reused first.
             self.pool.free(blocks[::-1])

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from enum import Enum
 
 from tokenmill.config import SchedulerConfig
-from tokenmill.core.kv_cache import KVCacheManager
+from tokenmill.core.kv_cache import KVCacheManager, SlotAllocation
 from tokenmill.core.sched_output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -27,6 +28,17 @@ from tokenmill.core.sched_output import (
 )
 from tokenmill.metrics.stats import SchedulerStats
 from tokenmill.request import Request, RequestStatus
+
+
+class PromptSource(Enum):
+    """Where a waiting request's prompt KV comes from when it is admitted."""
+
+    # Computed by the request itself, after any prefix-cache hit.
+    COMPUTE = "compute"
+    # Shared from its leader, a running sample of the same prompt that has computed it.
+    SHARE_LEADER = "share_leader"
+    # Its leader is still computing the prompt: the request waits, letting others pass.
+    WAIT_FOR_LEADER = "wait_for_leader"
 
 
 class Scheduler:
@@ -107,16 +119,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            new_blocks, drafts = self._allocate_drafts(request, num_new, budget)
-            if new_blocks is None:
-                new_blocks = self._allocate_or_preempt(request, num_new)
-            if new_blocks is None:
+            allocation, drafts = self._allocate_drafts(request, num_new, budget)
+            if allocation is None:
+                allocation = self._allocate_or_preempt(request, num_new)
+            if allocation is None:
                 break  # request itself was preempted; it was the last running one
-            data = CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens)
-            if self.kv.take_rewritten(request.request_id):
-                data = CachedRequestData(request.request_id, [], request.num_computed_tokens,
-                                         block_ids=list(self.kv.get_block_ids(request.request_id)))
-            out.cached_requests.append(data)
+            out.kv_copies.extend(allocation.copies)
+            out.cached_requests.append(self._cached_request_data(request, allocation))
             if drafts:
                 out.scheduled_spec_decode_tokens[request.request_id] = drafts
                 num_new += len(drafts)
@@ -135,22 +144,31 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
-        out.kv_copies = self.kv.take_copies()
         out.preempted_request_ids |= self._preempted_ids
         self._preempted_ids = set()
         return out
 
+    def _cached_request_data(self, request: Request,
+                             allocation: SlotAllocation) -> CachedRequestData:
+        """What the runner learns about a running request's blocks this step: the appended
+        ones, or the whole list when a block inside it was swapped for a copy."""
+        rid = request.request_id
+        if allocation.rewritten:
+            return CachedRequestData(rid, [], request.num_computed_tokens,
+                                     block_ids=list(self.kv.get_block_ids(rid)))
+        return CachedRequestData(rid, allocation.new_block_ids, request.num_computed_tokens)
+
     def _allocate_drafts(self, request: Request, num_new: int,
-                         budget: int) -> tuple[list[int] | None, list[int]]:
-        """New blocks and the draft tokens to verify, when a decoding request has drafts that
+                         budget: int) -> tuple[SlotAllocation | None, list[int]]:
+        """The slots and the draft tokens to verify, when a decoding request has drafts that
         fit in the budget and in free blocks; (None, []) otherwise. Drafts never preempt."""
         drafts, request.spec_token_ids = request.spec_token_ids[:budget - num_new], []
         if not drafts or num_new != 1 or request.num_computed_tokens + 1 != request.num_tokens:
             return None, []
-        new_blocks = self.kv.allocate_slots(
+        allocation = self.kv.allocate_slots(
             request.request_id, request.num_computed_tokens + 1 + len(drafts),
             request.num_computed_tokens)
-        return (None, []) if new_blocks is None else (new_blocks, drafts)
+        return (None, []) if allocation is None else (allocation, drafts)
 
     def set_draft_tokens(self, drafts: dict[str, list[int]]) -> None:
         """Draft tokens proposed for running requests, verified when next scheduled. Cut so
@@ -163,15 +181,15 @@ class Scheduler:
             room = request.max_total_tokens - request.num_tokens - 1
             request.spec_token_ids = token_ids[:max(room, 0)]
 
-    def _allocate_or_preempt(self, request: Request, num_new: int) -> list[int] | None:
-        """Blocks for ``num_new`` more tokens of a running request, preempting the newest
+    def _allocate_or_preempt(self, request: Request, num_new: int) -> SlotAllocation | None:
+        """Slots for ``num_new`` more tokens of a running request, preempting the newest
         running requests until they fit. None if ``request`` itself had to be preempted."""
         while True:
-            new_blocks = self.kv.allocate_slots(
+            allocation = self.kv.allocate_slots(
                 request.request_id, request.num_computed_tokens + num_new,
                 request.num_computed_tokens)
-            if new_blocks is not None:
-                return new_blocks
+            if allocation is not None:
+                return allocation
             victim = self.running.pop()
             self._preempt(victim)
             if victim is request:
@@ -182,18 +200,16 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[i]
-            leader = self._fork_source(request)
-            if leader is False:
-                i += 1  # its first sample is still computing the prompt: let others pass
+            source = self._prompt_source(request)
+            if source is PromptSource.WAIT_FOR_LEADER:
+                i += 1
                 continue
-            if leader is not None:
-                num_new = self._fork(request, leader)
-                if num_new is None:
-                    break
+            if source is PromptSource.SHARE_LEADER:
+                num_new = self._fork(request, out)
             else:
                 num_new = self._start(request, budget)
-                if num_new is None:
-                    break
+            if num_new is None:
+                break
             del self.waiting[i]
             self.running.append(request)
             request.status = RequestStatus.RUNNING
@@ -209,26 +225,31 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _fork_source(self, request: Request) -> Request | None | bool:
-        """The running request whose prompt blocks ``request`` can share now; False while that
-        prompt is still being computed; None to start on its own."""
+    def _prompt_source(self, request: Request) -> PromptSource:
+        """Whether ``request`` shares a running leader's prompt blocks now, waits for them, or
+        computes its prompt itself (not a later sample, resumed with outputs, or no leader)."""
         if request.fork_of is None or request.num_output_tokens:
-            return None
+            return PromptSource.COMPUTE
         leader = self.requests.get(request.fork_of)
         if leader is None or leader.status != RequestStatus.RUNNING:
-            return None
+            return PromptSource.COMPUTE
         # An output token means the step that computed the prompt has run: its KV is written.
-        return leader if leader.num_output_tokens else False
+        if leader.num_output_tokens:
+            return PromptSource.SHARE_LEADER
+        return PromptSource.WAIT_FOR_LEADER
 
-    def _fork(self, request: Request, leader: Request) -> int | None:
+    def _fork(self, request: Request, out: SchedulerOutput) -> int | None:
         """Share the leader's prompt blocks and recompute only the last prompt token (for this
-        sample's own first token); that token's write copies the block it lands in."""
+        sample's own first token); that token's write copies the block it lands in (the copy
+        goes to ``out``; the request's NewRequestData carries its whole block list)."""
+        assert request.fork_of is not None  # _prompt_source said SHARE_LEADER
         n = request.num_prompt_tokens
-        self.kv.fork(leader.request_id, request.request_id, n)
-        if self.kv.allocate_slots(request.request_id, n, n - 1) is None:
+        self.kv.fork(request.fork_of, request.request_id, n)
+        allocation = self.kv.allocate_slots(request.request_id, n, n - 1)
+        if allocation is None:
             self.kv.free(request.request_id)
             return None
-        self.kv.take_rewritten(request.request_id)  # its NewRequestData carries the copy
+        out.kv_copies.extend(allocation.copies)
         request.num_computed_tokens = n - 1
         return 1
 
