@@ -1,4 +1,5 @@
-"""The `tokenmill` command: generate, chat, info."""
+"""The `tokenmill` command: serve, generate, chat, info here; bench, batch and stream in their
+packages, every one registered from the `COMMANDS` table."""
 
 from __future__ import annotations
 
@@ -7,114 +8,22 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-from tokenmill.config import (
-    CacheConfig,
-    DeviceConfig,
-    EngineConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
+from tokenmill.batch.cli import add_batch_parser
+from tokenmill.bench import batch as bench_batch
+from tokenmill.bench import compare, gpu, latency, prefix_cache, spec, throughput
+from tokenmill.bench import serve as bench_serve
+from tokenmill.engine.args import (
+    add_engine_args,
+    add_sampling_args,
+    engine_config_from_args,
+    sampling_params_from_args,
 )
 from tokenmill.engine.llm_engine import LLMEngine, ModelInfo
 from tokenmill.engine.output_processor import OutputKind
 from tokenmill.sampling_params import SamplingParams
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Options shared by every command that starts an engine."""
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="GGUF file or Hugging Face folder (default: embedded "
-                        "SmolLM2-135M-Instruct); with --load-format dummy also a preset: "
-                        "llama-3.1-8b, qwen3-0.6b")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"])
-    g.add_argument("--quantization", default="auto",
-                   choices=["auto", "none", "int8", "int4", "fp8"],
-                   help="int8 per channel or int4 in groups of 32 (weight-only), fp8 (e4m3 "
-                        "weights and per-token activations); auto keeps a GGUF file's Q4 (int4) "
-                        "or Q5-Q8 (int8) weights compact on the CPU and is none otherwise")
-    g.add_argument("--device", default="auto")
-    g.add_argument("--threads", type=int, default=None,
-                   help="CPU threads per process (default: all cores, shared among the ranks)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
-                   help="shard the model over N GPUs (or N CPU processes)")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES")
-    g.add_argument("--kv-cache-memory-fraction", type=float, default=0.2,
-                   help="share of free memory for the KV cache (CPU)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="share of the GPU's total memory the engine may use, weights included; "
-                        "the KV cache gets the rest after a profiling step (CUDA)")
-    g.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs: run every decode step eagerly (CUDA)")
-    g.add_argument("--cuda-graph-max-batch-size", type=int, default=None,
-                   help="largest decode batch replayed from a CUDA graph (default: "
-                        "--max-num-seqs)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV cache of shared prompt prefixes (--no-prefix-caching: off)")
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help=argparse.SUPPRESS)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=512)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--speculative", default="none", choices=["none", "ngram", "draft"],
-                   help="speculative decoding: ngram (prompt lookup) or draft (needs "
-                        "--speculative-model)")
-    g.add_argument("--speculative-model", default=None, metavar="PATH",
-                   help="draft model with the target's tokenizer, or self:N for the target's "
-                        "first N layers (implies --speculative draft)")
-    g.add_argument("--num-speculative-tokens", type=int, default=3,
-                   help="draft tokens verified per step")
-    g.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram prompt lookup uses")
-    g.add_argument("--ngram-max", type=int, default=4, help="longest n-gram prompt lookup uses")
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                          load_format=args.load_format, seed=args.seed,
-                          quantization=args.quantization),
-        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
-                          kv_cache_memory_bytes=args.kv_cache_memory,
-                          kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-                          gpu_memory_utilization=args.gpu_memory_utilization,
-                          enable_prefix_caching=args.enable_prefix_caching),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens),
-        device=DeviceConfig(device=args.device, num_threads=args.threads,
-                            enforce_eager=args.enforce_eager,
-                            cuda_graph_max_batch_size=args.cuda_graph_max_batch_size),
-        speculative=SpeculativeConfig.from_options(
-            args.speculative, args.speculative_model,
-            num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
-            ngram_max=args.ngram_max),
-        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
-    )
-
-
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.7)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--sampling-seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-
-
-def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-        seed=args.sampling_seed, stop=args.stop)
+from tokenmill.stream.cli import add_stream_parser
 
 
 def stream_text(engine: LLMEngine, prompt: str | dict, params: SamplingParams) -> Iterator[str]:
@@ -253,52 +162,100 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="TESTING ONLY: make the N-th engine step raise (fault injection)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference engine")
-    parser.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `tokenmill serve`."""
+    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     add_engine_args(p)
     add_serve_args(p)
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("generate", help="generate from a prompt, streaming to the terminal")
+
+def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `tokenmill generate`."""
+    p = subparsers.add_parser("generate", help="generate from a prompt, streaming to the terminal")
     p.add_argument("prompt")
     add_engine_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("chat", help="interactive chat with history")
+
+def add_chat_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `tokenmill chat`."""
+    p = subparsers.add_parser("chat", help="interactive chat with history")
     p.add_argument("--system", default=None, help="system message")
     add_engine_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_chat)
 
-    p = sub.add_parser("info", help="print model, device, dtype and the KV memory plan")
+
+def add_info_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `tokenmill info`."""
+    p = subparsers.add_parser("info", help="print model, device, dtype and the KV memory plan")
     add_engine_args(p)
     p.set_defaults(func=cmd_info)
 
-    add_bench_parser(sub)
-    add_batch_and_stream_parsers(sub)
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `tokenmill bench` and its suites (`BENCH_SUITES`)."""
+    p = subparsers.add_parser("bench", help="benchmarks: load generator, throughput, latency, compare")
+    suites = p.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    for register in BENCH_SUITES:
+        register(suites)
+
+
+def _add_perplexity_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `bench perplexity` from tokenmill/bench/perplexity.py, a separate module.
+
+    This parser is built for every `tokenmill` command, so a missing module leaves the
+    sub-command out and a broken one only breaks `bench perplexity` itself (it then explains
+    the import error), never `tokenmill serve` and the rest.
+    """
+    try:
+        from tokenmill.bench.perplexity import add_perplexity_parser  # type: ignore[import-not-found]
+    except ModuleNotFoundError as e:
+        if e.name == "tokenmill.bench.perplexity":
+            return
+        error: ImportError = e
+    except ImportError as e:
+        error = e
+    else:
+        add_perplexity_parser(subparsers)
+        return
+
+    def unavailable(args: argparse.Namespace) -> int:
+        raise ValueError(f"bench perplexity is unavailable: {error}")
+
+    p = subparsers.add_parser("perplexity", help="(unavailable: see `bench perplexity`)")
+    p.set_defaults(func=unavailable)
+
+
+# Registers one sub-command on a subparsers action: its name, help, options, and its handler
+# as the `func` default, all of which belong to the module that runs the command.
+Registrar = Callable[[argparse._SubParsersAction], None]
+
+# Every `tokenmill` command, in the order `tokenmill --help` lists them: the one place that
+# says which commands exist, so no subpackage needs to import this module.
+COMMANDS: tuple[Registrar, ...] = (
+    add_serve_parser, add_generate_parser, add_chat_parser, add_info_parser, add_bench_parser,
+    add_batch_parser, add_stream_parser,
+)
+
+# `tokenmill bench <suite>`, in the order `tokenmill bench --help` lists them.
+BENCH_SUITES: tuple[Registrar, ...] = (
+    bench_serve.add_serve_parser, throughput.add_throughput_parser, latency.add_latency_parser,
+    compare.add_compare_parser, prefix_cache.add_prefix_cache_parser, spec.add_spec_parser,
+    bench_batch.add_batch_bench_parser, gpu.add_gpu_parser, _add_perplexity_parser,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `tokenmill` parser with every command of `COMMANDS`."""
+    parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference engine")
+    parser.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for register in COMMANDS:
+        register(sub)
     return parser
-
-
-def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    """`tokenmill bench serve|throughput|latency|compare|spec|perplexity` (tokenmill/bench/)."""
-    from tokenmill.bench import add_bench_parsers
-
-    p = sub.add_parser("bench", help="benchmarks: load generator, throughput, latency, compare")
-    add_bench_parsers(p.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK"))
-
-
-def add_batch_and_stream_parsers(sub: argparse._SubParsersAction) -> None:
-    """`tokenmill batch` (tokenmill/batch/) and `tokenmill stream` (tokenmill/stream/)."""
-    from tokenmill.batch.cli import add_batch_parser
-    from tokenmill.stream.cli import add_stream_parser
-
-    add_batch_parser(sub)
-    add_stream_parser(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

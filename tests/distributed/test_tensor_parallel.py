@@ -17,10 +17,11 @@ from hf_checkpoints import load_ours
 from tp_helpers import ShardJob, run_sharded, two_step_logits
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.cli import build_parser, engine_config_from_args
+from tokenmill.cli import build_parser
 from tokenmill.config import EngineConfig, ParallelConfig, SpeculativeConfig
 from tokenmill.distributed import tp_size
 from tokenmill.distributed.executor import WorkerDiedError, check_parallel_config
+from tokenmill.engine.args import engine_config_from_args
 from tokenmill.quant import quantize_model
 
 # Three prompts of different lengths; with 16 batched tokens a step, their prefills take

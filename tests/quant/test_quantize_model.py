@@ -104,7 +104,8 @@ def test_invalid_options_name_the_field() -> None:
 
 def test_cli_and_offline_api_take_the_option() -> None:
     from tokenmill import LLM
-    from tokenmill.cli import build_parser, engine_config_from_args
+    from tokenmill.cli import build_parser
+    from tokenmill.engine.args import engine_config_from_args
 
     args = build_parser().parse_args(["generate", "hi", "--quantization", "int8"])
     assert engine_config_from_args(args).model.quantization == "int8"

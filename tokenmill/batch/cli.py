@@ -7,12 +7,11 @@ import argparse
 import sys
 
 from tokenmill.batch import DEFAULT_MAX_IN_FLIGHT
+from tokenmill.engine.args import add_engine_args, engine_config_from_args
 
 
 def add_batch_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `tokenmill batch`."""
-    from tokenmill.cli import add_engine_args
-
     p = subparsers.add_parser(
         "batch", help="answer an OpenAI Batch API JSONL file (resumable)",
         description="Answer every line of an OpenAI Batch API input file ({custom_id, method, "
@@ -39,8 +38,6 @@ def add_batch_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def cmd_batch(args: argparse.Namespace) -> int:
     """Run `tokenmill batch`."""
-    from tokenmill.cli import engine_config_from_args
-
     config = engine_config_from_args(args)
     if args.ray:
         from tokenmill.batch.ray_job import run_batch_ray

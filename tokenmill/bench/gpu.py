@@ -35,6 +35,7 @@ from tokenmill.bench.latency import time_one
 from tokenmill.bench.offline import engine_facts, load_engine, warm_up
 from tokenmill.bench.report import hardware, now_iso, write_json
 from tokenmill.bench.throughput import run_throughput
+from tokenmill.engine.args import add_engine_args
 from tokenmill.engine.llm_engine import LLMEngine
 
 SUITES = ("decode", "throughput", "nano-vllm", "hf-batch")
@@ -156,8 +157,6 @@ def hf_generate_batch(model_name: str, load_format: str, inputs: list[list[int]]
 
 def add_gpu_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `tokenmill bench gpu`."""
-    from tokenmill.cli import add_engine_args
-
     p = subparsers.add_parser("gpu", help="the CUDA backend's numbers against the roofline "
                               "and the peers' published ones", description=__doc__.splitlines()[0])
     add_engine_args(p)

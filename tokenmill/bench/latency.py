@@ -16,11 +16,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from tokenmill.bench.datasets import SampleRequest
-from tokenmill.bench.metrics import percentile
 from tokenmill.bench.offline import add_offline_args, engine_facts, load_engine, sampling, workload
 from tokenmill.bench.report import hardware, now_iso, peak_rss_mib, write_json
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.output_processor import OutputKind
+from tokenmill.metrics.summary import percentile
 
 
 @dataclass

@@ -12,10 +12,10 @@ Everything here is pure Python over plain numbers, so it is unit-tested on synth
 
 from __future__ import annotations
 
-import math
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from tokenmill.metrics.summary import Summary, summarize
 
 # The latency metrics whose percentiles are reported, in the order vLLM prints them.
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -47,16 +47,6 @@ class RequestResult:
 
 
 @dataclass
-class Summary:
-    """mean / median / std and the chosen percentiles of one latency metric, in ms."""
-
-    mean: float
-    median: float
-    std: float
-    percentiles: dict[float, float]
-
-
-@dataclass
 class BenchmarkMetrics:
     """The aggregate result of one load-generator run."""
 
@@ -71,27 +61,6 @@ class BenchmarkMetrics:
     request_goodput: float | None
     max_concurrent_requests: int
     latencies: dict[str, Summary]
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100) with linear interpolation, as numpy's default."""
-    if not values:
-        return 0.0
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile must be in [0, 100], got {q}")
-    data = sorted(values)
-    pos = (len(data) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
-
-
-def summarize(values_s: Sequence[float], percentiles: Sequence[float]) -> Summary:
-    """Summary of values given in seconds, reported in milliseconds (zeros when empty)."""
-    ms = [v * 1000 for v in values_s]
-    if not ms:
-        return Summary(0.0, 0.0, 0.0, {p: 0.0 for p in percentiles})
-    return Summary(mean=statistics.fmean(ms), median=statistics.median(ms),
-                   std=statistics.pstdev(ms), percentiles={p: percentile(ms, p) for p in percentiles})
 
 
 def parse_goodput(specs: Sequence[str] | None) -> dict[str, float]:

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from tokenmill.bench.datasets import SampleRequest, load_jsonl, random_requests
+from tokenmill.engine.args import add_engine_args, engine_config_from_args
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams
 
@@ -15,8 +16,6 @@ from tokenmill.sampling_params import SamplingParams
 def add_offline_args(p: argparse.ArgumentParser, input_len: str, output_len: str,
                      num_prompts: int | None) -> None:
     """Engine options (as every command that starts an engine) plus the workload's."""
-    from tokenmill.cli import add_engine_args
-
     add_engine_args(p)
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", default="random",
@@ -31,8 +30,6 @@ def add_offline_args(p: argparse.ArgumentParser, input_len: str, output_len: str
 
 def load_engine(args: argparse.Namespace) -> tuple[LLMEngine, float]:
     """The engine of the command-line options and the seconds it took to load."""
-    from tokenmill.cli import engine_config_from_args
-
     start = time.perf_counter()
     engine = LLMEngine(engine_config_from_args(args))
     return engine, time.perf_counter() - start

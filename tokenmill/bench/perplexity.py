@@ -167,7 +167,7 @@ def add_perplexity_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def add_perplexity_args(p: argparse.ArgumentParser) -> None:
     """The options of `bench perplexity` (engine options included)."""
-    from tokenmill.cli import add_engine_args
+    from tokenmill.engine.args import add_engine_args
 
     add_engine_args(p)
     g = p.add_argument_group("perplexity")
@@ -252,7 +252,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, bool]:
     """
     from dataclasses import replace
 
-    from tokenmill.cli import engine_config_from_args
+    from tokenmill.engine.args import engine_config_from_args
     from tokenmill.model_loader import load_model
     from tokenmill.quant import quantize_model
     from tokenmill.runner.platform import get_platform

@@ -20,6 +20,7 @@ from typing import Any
 
 from tokenmill.bench.report import hardware, hardware_line, now_iso, write_json
 from tokenmill.config import SpeculativeConfig
+from tokenmill.engine.args import add_engine_args, engine_config_from_args
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.output_processor import OutputKind
 from tokenmill.sampling_params import SamplingParams
@@ -100,8 +101,6 @@ def run_one(engine: LLMEngine, rid: str, prompt: dict, max_tokens: int) -> Run:
 
 def make_engine(args: argparse.Namespace, mode: str) -> LLMEngine:
     """An engine with the command's options and ``mode``'s speculative decoding."""
-    from tokenmill.cli import engine_config_from_args
-
     spec = SpeculativeConfig.from_options(
         "ngram" if mode == "ngram" else "none", None if mode in ("none", "ngram") else mode,
         num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
@@ -144,8 +143,6 @@ def summarize(mode: str, task: str, prompt: dict, runs: list[Run],
 
 def add_spec_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `tokenmill bench spec`."""
-    from tokenmill.cli import add_engine_args
-
     p = subparsers.add_parser("spec", help="decode speed-up of speculative decoding",
                               description=__doc__.splitlines()[0])
     add_engine_args(p)

@@ -10,11 +10,16 @@ import socket
 import sys
 from types import FrameType
 
+from tokenmill.engine.args import (
+    add_engine_args,
+    add_sampling_args,
+    engine_config_from_args,
+    sampling_params_from_args,
+)
+
 
 def add_stream_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `tokenmill stream`."""
-    from tokenmill.cli import add_engine_args, add_sampling_args
-
     p = subparsers.add_parser(
         "stream", help="answer records from stdin or a Redis Stream as they arrive",
         description="Read JSON records from stdin (one object per line) or entries of a Redis "
@@ -48,7 +53,6 @@ def add_stream_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def cmd_stream(args: argparse.Namespace) -> int:
     """Run `tokenmill stream` until stdin ends, SIGTERM / SIGINT, or --exit-when-idle."""
-    from tokenmill.cli import engine_config_from_args, sampling_params_from_args
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.stream.records import PromptTemplate
     from tokenmill.stream.runner import StreamRunner

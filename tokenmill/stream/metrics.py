@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from tokenmill.bench.metrics import summarize
+from tokenmill.metrics.summary import summarize
 from tokenmill.stream.records import StreamResult
 
 PERCENTILES = (50.0, 90.0, 99.0)

@@ -1,7 +1,7 @@
 """Time the weight-only kernels against float matmuls on this CPU, for every path a quantized
 layer can take, at decode (1 row) and prefill (32-512 rows) sizes.
 
-    python -m tokenmill.quant.kernel_bench --threads 2 --result-file out.json
+    python -m tokenmill.bench.quant_kernels --threads 2 --result-file out.json
 
 Each cell is the fastest of many calls (the minimum is the least disturbed by other work on
 the machine) in microseconds, activations fp32 in and out as the model has them. This is
@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from tokenmill.bench.report import hardware, now_iso, write_json
 from tokenmill.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
 # (name, out_features, in_features): SmolLM2-135M's projections and its tied head.
@@ -81,7 +82,7 @@ def run(rows_list: list[int], budget_s: float) -> list[dict[str, object]]:
 
 def main(argv: list[str] | None = None) -> int:
     """Print the timings; optionally write them as JSON."""
-    p = argparse.ArgumentParser(prog="python -m tokenmill.quant.kernel_bench",
+    p = argparse.ArgumentParser(prog="python -m tokenmill.bench.quant_kernels",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -93,8 +94,6 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     records = run(args.rows, args.budget)
     if args.result_file:
-        from tokenmill.bench.report import hardware, now_iso, write_json
-
         write_json(args.result_file, {"benchmark": "quant-kernels", "timestamp": now_iso(),
                                       "hardware": hardware(), "threads": torch.get_num_threads(),
                                       "unit": "microseconds, best of many", "records": records})

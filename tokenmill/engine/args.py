@@ -1,0 +1,149 @@
+"""Command-line options of an engine and of its sampling, shared by every command that starts one.
+
+`tokenmill serve|generate|chat|info`, the batch and stream jobs and the offline benchmarks all
+add these groups to their parsers; the choices and defaults come from ``tokenmill.config``'s
+constants and dataclass defaults, so the command line and the Python API cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from tokenmill.config import (
+    DTYPES,
+    LOAD_FORMATS,
+    QUANTIZATIONS,
+    SPECULATIVE_METHODS,
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from tokenmill.sampling_params import SamplingParams
+
+# The CLI's sampling defaults: a chat-like temperature and room for a paragraph, where
+# SamplingParams' own defaults (temperature 1, 16 tokens) follow the OpenAI API.
+CLI_MAX_TOKENS = 256
+CLI_TEMPERATURE = 0.7
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Options shared by every command that starts an engine."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=ModelConfig.model,
+                   help="GGUF file or Hugging Face folder (default: embedded "
+                        "SmolLM2-135M-Instruct); with --load-format dummy also a preset: "
+                        "llama-3.1-8b, qwen3-0.6b")
+    g.add_argument("--dtype", default=ModelConfig.dtype, choices=DTYPES)
+    g.add_argument("--max-model-len", type=int, default=ModelConfig.max_model_len)
+    g.add_argument("--load-format", default=ModelConfig.load_format, choices=LOAD_FORMATS)
+    g.add_argument("--quantization", default=ModelConfig.quantization,
+                   choices=QUANTIZATIONS,
+                   help="int8 per channel or int4 in groups of 32 (weight-only), fp8 (e4m3 "
+                        "weights and per-token activations); auto keeps a GGUF file's Q4 (int4) "
+                        "or Q5-Q8 (int8) weights compact on the CPU and is none otherwise")
+    g.add_argument("--device", default=DeviceConfig.device)
+    g.add_argument("--threads", type=int, default=DeviceConfig.num_threads,
+                   help="CPU threads per process (default: all cores, shared among the ranks)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int,
+                   default=ParallelConfig.tensor_parallel_size, metavar="N",
+                   help="shard the model over N GPUs (or N CPU processes)")
+    _add_cache_args(g)
+    g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int,
+                   default=SchedulerConfig.max_num_batched_tokens)
+    g.add_argument("--seed", type=int, default=ModelConfig.seed)
+    _add_speculative_args(g)
+
+
+def _add_cache_args(g: argparse._ArgumentGroup) -> None:
+    """The KV cache's size and layout, and CUDA graphs (which are sized like the cache)."""
+    g.add_argument("--block-size", type=int, default=CacheConfig.block_size)
+    g.add_argument("--num-kv-blocks", type=int, default=CacheConfig.num_blocks)
+    g.add_argument("--kv-cache-memory", type=int, default=CacheConfig.kv_cache_memory_bytes,
+                   metavar="BYTES")
+    g.add_argument("--kv-cache-memory-fraction", type=float,
+                   default=CacheConfig.kv_cache_memory_fraction,
+                   help="share of free memory for the KV cache (CPU)")
+    g.add_argument("--gpu-memory-utilization", type=float,
+                   default=CacheConfig.gpu_memory_utilization,
+                   help="share of the GPU's total memory the engine may use, weights included; "
+                        "the KV cache gets the rest after a profiling step (CUDA)")
+    g.add_argument("--enforce-eager", action="store_true", default=DeviceConfig.enforce_eager,
+                   help="no CUDA graphs: run every decode step eagerly (CUDA)")
+    g.add_argument("--cuda-graph-max-batch-size", type=int,
+                   default=DeviceConfig.cuda_graph_max_batch_size,
+                   help="largest decode batch replayed from a CUDA graph (default: "
+                        "--max-num-seqs)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=CacheConfig.enable_prefix_caching,
+                   help="reuse the KV cache of shared prompt prefixes (--no-prefix-caching: off)")
+    # The short spelling the help names, beside BooleanOptionalAction's --no-enable-prefix-caching.
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help=argparse.SUPPRESS)
+
+
+def _add_speculative_args(g: argparse._ArgumentGroup) -> None:
+    """Speculative decoding: the method, the draft model and how many tokens to propose."""
+    g.add_argument("--speculative", default=SpeculativeConfig.method,
+                   choices=SPECULATIVE_METHODS,
+                   help="speculative decoding: ngram (prompt lookup) or draft (needs "
+                        "--speculative-model)")
+    g.add_argument("--speculative-model", default=SpeculativeConfig.draft_model, metavar="PATH",
+                   help="draft model with the target's tokenizer, or self:N for the target's "
+                        "first N layers (implies --speculative draft)")
+    g.add_argument("--num-speculative-tokens", type=int,
+                   default=SpeculativeConfig.num_speculative_tokens,
+                   help="draft tokens verified per step")
+    g.add_argument("--ngram-min", type=int, default=SpeculativeConfig.ngram_min,
+                   help="shortest n-gram prompt lookup uses")
+    g.add_argument("--ngram-max", type=int, default=SpeculativeConfig.ngram_max,
+                   help="longest n-gram prompt lookup uses")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of the options that `add_engine_args` added."""
+    return EngineConfig(
+        model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                          load_format=args.load_format, seed=args.seed,
+                          quantization=args.quantization),
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
+                          kv_cache_memory_bytes=args.kv_cache_memory,
+                          kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          enable_prefix_caching=args.enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens),
+        device=DeviceConfig(device=args.device, num_threads=args.threads,
+                            enforce_eager=args.enforce_eager,
+                            cuda_graph_max_batch_size=args.cuda_graph_max_batch_size),
+        speculative=SpeculativeConfig.from_options(
+            args.speculative, args.speculative_model,
+            num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
+            ngram_max=args.ngram_max),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """Sampling options of the commands that generate text (generate, chat, stream)."""
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=CLI_MAX_TOKENS)
+    g.add_argument("--temperature", type=float, default=CLI_TEMPERATURE)
+    g.add_argument("--top-p", type=float, default=SamplingParams.top_p)
+    g.add_argument("--top-k", type=int, default=SamplingParams.top_k)
+    g.add_argument("--min-p", type=float, default=SamplingParams.min_p)
+    g.add_argument("--repetition-penalty", type=float, default=SamplingParams.repetition_penalty)
+    g.add_argument("--sampling-seed", type=int, default=SamplingParams.seed)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
+    """The SamplingParams of the options that `add_sampling_args` added."""
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        seed=args.sampling_seed, stop=args.stop)
