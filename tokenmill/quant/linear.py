@@ -29,7 +29,7 @@ from tokenmill.quant.packing import (
     Int4Groups,
     dequantize_int4_t,
     dequantize_int8,
-    int4_layout_known,
+    int4_block_n,
     int4_scales_and_zeros,
     pack_int4,
     quantize_int4,
@@ -159,9 +159,10 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         self.group_size = group_size
         self.register_buffer("weight", weight)
         self.register_buffer("scales_and_zeros", scales_and_zeros)
-        # Dense decoding reads the packed layout: only where it is the known one, and whole
-        # blocks of 64 rows make it a handful of views.
-        self._can_decode = out_features % 64 == 0 and int4_layout_known()
+        # Dense decoding reads the packed layout: only where it is a known one, and whole
+        # blocks of rows make it a handful of views.
+        block_n = int4_block_n()
+        self._can_decode = block_n is not None and out_features % block_n == 0
 
     @classmethod
     def from_groups(cls, groups: Int4Groups, bias: torch.Tensor | None) -> Int4WeightOnlyLinear:

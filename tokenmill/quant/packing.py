@@ -7,8 +7,8 @@ int4: asymmetric per group of ``group_size`` input columns, ``w = q * scale + mi
 [0, 15] (:class:`Int4Groups`, GGUF Q4_1's form). ``_weight_int4pack_mm_for_cpu`` wants the
 nibbles in an opaque packed layout and ``(scale, zero)`` pairs in the activation dtype with
 ``w = (q - 8) * scale + zero``; :func:`pack_int4` converts, :func:`unpack_int4` undoes the
-packing for the dense (large-batch) path, and :func:`int4_layout_known` checks once that the
-layout is the one this module expects.
+packing for the dense (large-batch) path, and :func:`int4_block_n` finds once which width of
+row blocks this build packs with (it follows the CPU: 64 rows with AVX-512, 32 with AVX2 only).
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def pack_int4(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor]:
     check_int4_shape(n, k, groups.group_size)
     convert = torch.ops.aten._convert_weight_to_int4pack_for_cpu
     if n > QUANTIZE_ROWS and int4_layout_known():
-        # The layout is block-major, so whole blocks of 64 rows pack independently: the int32
+        # The layout is block-major, so whole blocks of rows pack independently: the int32
         # copy the op wants stays a few MB instead of 4 bytes per weight.
         packed = torch.cat([convert(rows.to(torch.int32), 1).reshape(-1)
                             for rows in groups.q.split(QUANTIZE_ROWS)]).view(n, k // 2)
@@ -186,13 +186,14 @@ def _layout_indices(n: int, k: int, rows: torch.Tensor, block_n: int
 
 
 def unpack_int4_rows(packed: torch.Tensor, n: int, k: int, rows: torch.Tensor,
-                     block_n: int = 64) -> torch.Tensor:
-    """The nibbles ``[R, K]`` (uint8) of the given rows of a weight packed by :func:`pack_int4`."""
-    offsets, shift = _layout_indices(n, k, rows.to(torch.int64), block_n)
+                     block_n: int | None = None) -> torch.Tensor:
+    """The nibbles ``[R, K]`` (uint8) of the given rows of a weight packed by :func:`pack_int4`
+    (in blocks of ``block_n`` rows; default: this build's, :func:`int4_block_n`)."""
+    offsets, shift = _layout_indices(n, k, rows.to(torch.int64), block_n or _known_block_n())
     return (packed.reshape(-1)[offsets] >> shift) & 15
 
 
-def unpack_int4(packed: torch.Tensor, n: int, k: int, block_n: int = 64) -> torch.Tensor:
+def unpack_int4(packed: torch.Tensor, n: int, k: int, block_n: int | None = None) -> torch.Tensor:
     """All nibbles ``[N, K]`` (uint8) of a weight packed by :func:`pack_int4`."""
     return unpack_int4_rows(packed, n, k, torch.arange(n), block_n)
 
@@ -201,11 +202,13 @@ def dequantize_int4_t(packed: torch.Tensor, scales_and_zeros: torch.Tensor, grou
                       n: int, k: int) -> torch.Tensor:
     """The transposed weight ``[K, N]`` in bf16, for ``x @ w.T`` as one dense matmul.
 
-    Only for ``n % 64 == 0``: whole blocks of 64 rows decode with views and two nibble ops
-    (about a third of a bf16 matmul at 512 rows); use :func:`unpack_int4` otherwise.
+    Only for ``n`` a multiple of :func:`int4_block_n`: whole blocks of rows decode with views
+    and two nibble ops (about a third of a bf16 matmul at 512 rows); use :func:`unpack_int4`
+    otherwise.
     """
-    blocks = packed.view(n // 64, k, 32)
-    # [N/64, K, 64] with rows in order; q - 8 in int8 (half the bytes of doing it in bf16).
+    block_n = _known_block_n()
+    blocks = packed.view(n // block_n, k, block_n // 2)
+    # [N/block_n, K, block_n] with rows in order; q - 8 in int8 (half the bytes of bf16).
     centred = torch.cat([blocks & 15, blocks >> 4], dim=-1).view(torch.int8).sub_(8)
     q = centred.permute(1, 0, 2).reshape(k // group_size, group_size, n).to(KERNEL_DTYPE)
     # Contiguous scale / zero rows keep addcmul on its fast path; it rounds
@@ -215,22 +218,43 @@ def dequantize_int4_t(packed: torch.Tensor, scales_and_zeros: torch.Tensor, grou
     return torch.addcmul(zero, q, scale).view(k, n)
 
 
+# Row-block widths ``_convert_weight_to_int4pack_for_cpu`` is known to pack with: 64 where the
+# CPU has AVX-512, 32 where it has AVX2 only.
+INT4_BLOCK_NS = (64, 32)
+
+
 @functools.cache
-def int4_layout_known() -> bool:
-    """Whether this PyTorch packs int4 weights the way :func:`unpack_int4` reads them.
+def int4_block_n() -> int | None:
+    """The width of the row blocks this PyTorch, on this CPU, packs int4 weights in; None if
+    the packing matches none of the layouts :func:`unpack_int4` reads.
 
     The layout is an implementation detail of ``_convert_weight_to_int4pack_for_cpu``; if a
     release changes it, the int4 modules keep to the kernel itself instead of decoding it.
     """
     gen = torch.Generator().manual_seed(0)
-    for n in (64, 80, 176):  # whole blocks and each kind of tail
-        q = torch.randint(0, 16, (n, 64), generator=gen, dtype=torch.int32)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        if not torch.equal(unpack_int4(packed, n, 64).to(torch.int32), q):
-            logger.warning("unknown int4 packed layout in torch %s: int4 layers use the int4 "
-                           "kernel at every batch size", torch.__version__)
-            return False
-    return True
+    # Whole blocks and each kind of tail, for either width.
+    samples = [torch.randint(0, 16, (n, 64), generator=gen, dtype=torch.int32)
+               for n in (64, 80, 176)]
+    packed = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1) for q in samples]
+    for block_n in INT4_BLOCK_NS:
+        if all(torch.equal(unpack_int4(p, q.shape[0], 64, block_n).to(torch.int32), q)
+               for p, q in zip(packed, samples, strict=True)):
+            return block_n
+    logger.warning("unknown int4 packed layout in torch %s: int4 layers use the int4 kernel "
+                   "at every batch size", torch.__version__)
+    return None
+
+
+def int4_layout_known() -> bool:
+    """Whether :func:`unpack_int4` can read this build's int4 packing."""
+    return int4_block_n() is not None
+
+
+def _known_block_n() -> int:
+    block_n = int4_block_n()
+    if block_n is None:
+        raise RuntimeError("this PyTorch packs int4 weights in an unknown layout")
+    return block_n
 
 
 def release_freed_memory() -> None:
