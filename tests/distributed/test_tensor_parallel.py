@@ -20,8 +20,8 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.cli import build_parser
 from tokenmill.config import EngineConfig, ParallelConfig, SpeculativeConfig
 from tokenmill.distributed import tp_size
-from tokenmill.distributed.executor import WorkerDiedError, check_parallel_config
 from tokenmill.engine.args import engine_config_from_args
+from tokenmill.executor.tensor_parallel import WorkerDiedError, check_parallel_config
 from tokenmill.quant import quantize_model
 
 # Three prompts of different lengths; with 16 batched tokens a step, their prefills take

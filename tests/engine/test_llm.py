@@ -89,7 +89,7 @@ def test_chunked_prefill_gives_the_same_logits(llm: LLM) -> None:
     def prompt_logits(max_batched: int) -> torch.Tensor:
         engine = LLM(dtype="float32", max_model_len=2048, kv_cache_memory_bytes=128 << 20,
                      max_num_batched_tokens=max_batched, quantization="none")
-        model = engine.engine.core.runner.model
+        model = engine.engine.core.executor.runner.model
         captured: list[torch.Tensor] = []
         original = model.compute_logits
 

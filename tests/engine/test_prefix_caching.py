@@ -55,7 +55,7 @@ def test_cached_blocks_survive_their_request_and_are_evicted_lru(llm: LLM) -> No
 
 
 def test_greedy_samples_share_the_prompt_and_equal_one_sample(llm: LLM) -> None:
-    runner = llm.engine.core.runner
+    runner = llm.engine.core.executor.runner
     copies: list[tuple[int, int]] = []
     original = runner.copy_blocks
 

@@ -48,9 +48,9 @@ def test_triton_backend_matches_torch_backend_on_cuda() -> None:
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     llm = LLM(device="cuda", dtype="float32", quantization="none", enforce_eager=True,
               max_model_len=512)
-    assert llm.engine.core.runner.backend.name == "triton"
+    assert llm.engine.core.executor.runner.backend.name == "triton"
     triton_out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-    llm.engine.core.runner.backend = TorchAttentionBackend()
+    llm.engine.core.executor.runner.backend = TorchAttentionBackend()
     torch_out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     assert triton_out == torch_out
 

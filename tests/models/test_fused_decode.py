@@ -139,7 +139,7 @@ def test_engine_greedy_identical_on_and_off(llm) -> None:  # noqa: ANN001 (sessi
     """The embedded SmolLM2 through the whole engine: 64 greedy tokens, fused on and off."""
     from tokenmill import SamplingParams
 
-    runner = llm.engine.core.runner
+    runner = llm.engine.core.executor.runner
     saved = runner.fused_decoder
     fused = FusedDecoder(runner.model)
     calls = 0
@@ -173,7 +173,7 @@ def test_runner_falls_back_when_the_stack_fails(llm) -> None:  # noqa: ANN001
         def forward(self, *args: object) -> torch.Tensor:
             raise RuntimeError("boom")
 
-    runner = llm.engine.core.runner
+    runner = llm.engine.core.executor.runner
     saved = runner.fused_decoder
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from stats_helpers import chi_square_pvalue
 
-from tokenmill.spec_decode.rejection import (
+from tokenmill.runner.rejection import (
     draw_randomness,
     greedy_accept,
     rejection_sample,

@@ -7,8 +7,8 @@ from tokenmill.core.kv_cache import KVCacheManager
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.request import Request
+from tokenmill.runner.rejection import greedy_accept
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec_decode.rejection import greedy_accept
 
 EOS = 2
 

@@ -35,7 +35,7 @@ def _tiny_llm(**kwargs: object) -> LLM:
 def _with_graphs(llm: LLM, max_batch_size: int) -> DecodeGraphs:
     """Switch the engine to the Triton backend and stand-in graphs, as EngineCore does on
     CUDA."""
-    runner = llm.engine.core.runner
+    runner = llm.engine.core.executor.runner
     runner.backend = TritonAttentionBackend(decode_partition_size=32)
     runner.fused_decoder = None
     runner.capture_decode_graphs(max_batch_size, llm.engine.core.max_model_len,
@@ -71,7 +71,7 @@ def test_padded_graph_replays_match_eager_decoding() -> None:
 def test_steps_graphs_cannot_serve_run_eagerly() -> None:
     llm = _tiny_llm()
     graphs = _with_graphs(llm, max_batch_size=2)
-    runner = llm.engine.core.runner
+    runner = llm.engine.core.executor.runner
     from tokenmill.runner.batch import FlatBatch
 
     batch = FlatBatch(16)
@@ -96,7 +96,7 @@ def test_steps_graphs_cannot_serve_run_eagerly() -> None:
 def test_padding_rows_do_not_touch_the_kv_cache() -> None:
     llm = _tiny_llm()
     graphs = _with_graphs(llm, max_batch_size=8)
-    runner = llm.engine.core.runner
+    runner = llm.engine.core.executor.runner
     before = [c.clone() for c in runner.kv_caches]
     from tokenmill.runner.batch import FlatBatch
 
@@ -117,8 +117,8 @@ def test_max_captured_context_is_capped() -> None:
     from tokenmill.runner import cuda_graphs
 
     llm = _tiny_llm()
-    graphs = DecodeGraphs(llm.engine.core.runner.model, TritonAttentionBackend(),
-                          llm.engine.core.runner.kv_caches, 16, 4, 100_000, torch.device("cpu"),
-                          EagerReplay())
+    runner = llm.engine.core.executor.runner
+    graphs = DecodeGraphs(runner.model, TritonAttentionBackend(), runner.kv_caches, 16, 4,
+                          100_000, torch.device("cpu"), EagerReplay())
     assert graphs.max_seq_len == cuda_graphs.MAX_CAPTURED_SEQ_LEN
     assert graphs.buffers.block_tables.shape == (4, cuda_graphs.MAX_CAPTURED_SEQ_LEN // 16)

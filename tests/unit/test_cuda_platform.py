@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tokenmill.config import CacheConfig, DeviceConfig, ModelConfig
-from tokenmill.engine.core import plan_kv_cache
+from tokenmill.runner.kv_memory import plan_kv_cache
 from tokenmill.runner.platform import Platform
 from tokenmill.utils import host_tensor
 
@@ -56,7 +56,7 @@ def test_gpu_memory_utilization_leaves_weights_activations_and_context(
 
 def test_profiling_applies_to_cuda_without_an_explicit_size() -> None:
     from tokenmill.config import EngineConfig
-    from tokenmill.runner.model_runner import profiled_kv_budget
+    from tokenmill.runner.kv_memory import profiled_kv_budget
 
     class Runner:  # profiled_kv_budget only looks at the platform before profiling
         platform = Platform(torch.device("cpu"))

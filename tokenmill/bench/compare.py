@@ -32,6 +32,7 @@ from tokenmill.bench.datasets import SampleRequest, random_requests, write_jsonl
 from tokenmill.bench.procs import free_port, run_json_job, start_server
 from tokenmill.bench.report import hardware, now_iso, write_json
 from tokenmill.bench.serve import LoadSpec, benchmark, quiet_http_logs, server_model
+from tokenmill.core.kv_cache import blocks_for_tokens
 
 SYSTEMS = ("tokenmill", "llama.cpp", "transformers")
 PEERS_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers.py")
@@ -128,9 +129,9 @@ def run_tokenmill(cfg: CompareConfig, wl: Workloads, folder: str) -> dict[str, A
               *cfg.tokenmill_args]
     # One context of MAX_MODEL_LEN for the single stream (as llama.cpp's n_ctx); every stream's
     # prompt + output, plus a block each for rounding, for the batch and the server.
-    single = ["--num-kv-blocks", str(-(-MAX_MODEL_LEN // BLOCK_SIZE) + 1)]
+    single = ["--num-kv-blocks", str(blocks_for_tokens(MAX_MODEL_LEN, BLOCK_SIZE))]
     streams = max(cfg.batch_size, *cfg.levels)
-    per_stream = -(-(cfg.serve_input_len + cfg.output_len) // BLOCK_SIZE) + 1
+    per_stream = blocks_for_tokens(cfg.serve_input_len + cfg.output_len, BLOCK_SIZE)
     many = ["--num-kv-blocks", str(streams * per_stream)]
     tm = [sys.executable, "-m", "tokenmill", "-q"]
     out: dict[str, Any] = {}

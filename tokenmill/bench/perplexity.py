@@ -2,7 +2,7 @@
 
 The text is tokenized once and scored in sliding windows of ``--context`` tokens that start
 every ``--stride`` tokens (Hugging Face's recipe): each window is one sequence through the
-model's own ``forward`` on a paged KV cache, and only the tokens not scored by an earlier
+model's own ``forward`` on a paged KV cache (the runner's :class:`PromptScorer`), and only the tokens not scored by an earlier
 window count, so every token after the first is scored exactly once (for stride < context),
 with at least ``context - stride`` tokens of history once the first window is past.
 
@@ -35,12 +35,10 @@ import torch
 from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend, TorchAttentionBackend
-from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.runner.scoring import PromptScorer
 
 DEFAULT_TEXT_PACKAGE = "numpy"
 DEFAULT_TEXT_NAME = "LICENSE.txt"
-# Rows of logits materialized at once: [rows, vocab] fp32 plus its log-softmax.
-LOGIT_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -81,34 +79,6 @@ def window_spans(num_tokens: int, context: int, stride: int) -> list[tuple[int, 
     return spans
 
 
-class _SingleSequenceCache:
-    """A paged KV cache for one sequence of up to ``max_tokens`` tokens (blocks 1..n)."""
-
-    def __init__(self, model: nn.Module, max_tokens: int, dtype: torch.dtype,
-                 device: torch.device, backend: AttentionBackend, block_size: int = 16) -> None:
-        num_blocks = -(-max_tokens // block_size) + 1  # block 0 stays unused, as in the runner
-        shape = (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
-                          for _ in range(model.num_layers)]
-        self.block_size = block_size
-        self.device = device
-        self.backend = backend
-        self.table = list(range(1, num_blocks))
-
-    def metadata(self, num_tokens: int) -> AttentionMetadata:
-        """One fresh sequence of ``num_tokens`` tokens, all computed in this step."""
-        bs, dev = self.block_size, self.device
-        slots = [self.table[p // bs] * bs + p % bs for p in range(num_tokens)]
-        used = self.table[:-(-num_tokens // bs)]
-        return AttentionMetadata(
-            backend=self.backend, kv_caches=self.kv_caches,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
-            block_tables=torch.tensor([used], dtype=torch.int32, device=dev),
-            query_lens_cpu=[num_tokens], seq_lens_cpu=[num_tokens], block_size=bs)
-
-
 @torch.inference_mode()
 def perplexity(model: nn.Module, token_ids: list[int], context: int = 512, stride: int = 256,
                backend: AttentionBackend | None = None) -> PerplexityResult:
@@ -118,21 +88,14 @@ def perplexity(model: nn.Module, token_ids: list[int], context: int = 512, strid
     # The final norm stays float under every quantization: it tells the activation dtype.
     dtype = model.model.norm.weight.dtype
     device = model.model.norm.weight.device
-    cache = _SingleSequenceCache(model, min(context, len(token_ids)), dtype, device,
-                                 backend or TorchAttentionBackend())
-    ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
+    scorer = PromptScorer(model, backend or TorchAttentionBackend(),
+                          min(context, len(token_ids)), dtype, device)
     nll = 0.0
     scored = 0
     for begin, end, first in spans:
-        n = end - begin
-        hidden = model(ids[begin:end], torch.arange(n, device=device), cache.metadata(n))
-        # Row r predicts token begin + r + 1: targets [first, end) come from rows first-1-begin..
-        for r0 in range(first - 1 - begin, n - 1, LOGIT_ROWS):
-            r1 = min(r0 + LOGIT_ROWS, n - 1)
-            logprobs = torch.log_softmax(model.compute_logits(hidden[r0:r1]).float(), dim=-1)
-            targets = ids[begin + r0 + 1:begin + r1 + 1]
-            nll -= logprobs.gather(1, targets.unsqueeze(1)).double().sum().item()
-            scored += r1 - r0
+        for logprobs in scorer.token_logprobs(token_ids[begin:end], first - begin):
+            nll -= logprobs.double().sum().item()
+            scored += logprobs.numel()
     mean = nll / scored
     return PerplexityResult(math.exp(mean), mean, scored, len(token_ids), len(spans),
                             context, stride)

@@ -25,7 +25,20 @@ from dataclasses import dataclass
 
 from tokenmill.utils import cdiv
 
+# Never handed out (see above). Counts of blocks against tokens go through the two helpers
+# below, so that this rule is written once.
 NULL_BLOCK_ID = 0
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """Blocks a KV cache needs to hold one sequence of ``num_tokens`` tokens: the sequence's
+    own blocks plus the reserved null block."""
+    return cdiv(num_tokens, block_size) + 1
+
+
+def tokens_in_blocks(num_blocks: int, block_size: int) -> int:
+    """Tokens a KV cache of ``num_blocks`` blocks holds at once (the null block holds none)."""
+    return (num_blocks - 1) * block_size
 
 BlockHash = bytes
 

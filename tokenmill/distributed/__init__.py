@@ -1,5 +1,6 @@
-"""Tensor parallelism over the processes of one machine: process groups and collectives
-(``parallel_state``) and the executor that runs the worker ranks (``executor``, ``worker``)."""
+"""Tensor parallelism over the processes of one machine: process groups and the collectives
+the sharded model calls (``parallel_state``). The processes themselves are started and fed
+by ``tokenmill.executor``."""
 
 from tokenmill.distributed.parallel_state import (
     all_reduce_min,

@@ -9,16 +9,18 @@ from torch import nn
 
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.config import EngineConfig
+from tokenmill.core.kv_cache import blocks_for_tokens
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
 from tokenmill.models.config import ArchConfig
 from tokenmill.outputs import TokenLogprobs
 from tokenmill.runner.batch import FlatBatch
 from tokenmill.runner.cuda_graphs import DecodeGraphs, GraphCapture
 from tokenmill.runner.fused_decode import forward_step, make_fused_decoder
+from tokenmill.runner.kv_memory import KVCacheShape
 from tokenmill.runner.platform import Platform
 from tokenmill.runner.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
+from tokenmill.runner.spec_verify import SpecRequest, verify_drafts
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec_decode.verify import SpecRequest, verify_drafts
 from tokenmill.utils import host_tensor
 
 
@@ -75,9 +77,6 @@ class _StepInputs:
 class ModelRunner:
     """Owns the model, the KV tensors and the per-request sampling state."""
 
-    # Captured decode steps (CUDA): set by capture_decode_graphs(), None when running eagerly.
-    decode_graphs: DecodeGraphs | None = None
-
     def __init__(self, model: nn.Module, arch: ArchConfig, platform: Platform,
                  dtype: torch.dtype, block_size: int, eos_token_ids: frozenset[int],
                  enable_fused_decode: bool | None = None) -> None:
@@ -95,7 +94,10 @@ class ModelRunner:
         self.sampling_states: dict[str, _SamplingState] = {}
         # This rank's share of the KV heads: each tensor-parallel rank caches its own heads.
         tp = getattr(model, "tp_size", 1)
-        self.num_kv_heads = arch.num_key_value_heads // tp
+        self.kv_shape = KVCacheShape(arch.num_hidden_layers, block_size,
+                                     arch.num_key_value_heads // tp, arch.head_dim, dtype)
+        # Captured decode steps (CUDA): set by capture_decode_graphs(); None runs eagerly.
+        self.decode_graphs: DecodeGraphs | None = None
         # Decode-only steps through the C++ layer stack; None when off or unsupported (always
         # off under tensor parallelism: the C++ stack has no all-reduce between layers).
         # enable_fused_decode None defers to $TOKENMILL_FUSED_DECODE (see fused_decode.py).
@@ -106,15 +108,12 @@ class ModelRunner:
     # ------------------------------------------------------------------------ KV memory
 
     def kv_bytes_per_block(self) -> int:
-        a = self.arch
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return a.num_hidden_layers * 2 * self.block_size * self.num_kv_heads * a.head_dim * elem
+        """Bytes one KV block takes on this rank, over every layer."""
+        return self.kv_shape.bytes_per_block
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        a = self.arch
-        shape = (2, num_blocks, self.block_size, self.num_kv_heads, a.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                          for _ in range(a.num_hidden_layers)]
+        """Give the runner a zeroed KV cache of ``num_blocks`` blocks."""
+        self.kv_caches = self.kv_shape.allocate(num_blocks, self.device)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy KV blocks (source, destination) in every layer: copy-on-write of shared blocks."""
@@ -128,7 +127,7 @@ class ModelRunner:
         """Run the biggest step the scheduler can ask for, to measure peak activation memory:
         one prompt of ``num_tokens`` tokens on a KV cache just large enough for it, and logits
         plus a softmax for ``num_seqs`` rows. The KV cache is released afterwards."""
-        num_blocks = -(-num_tokens // self.block_size) + 1
+        num_blocks = blocks_for_tokens(num_tokens, self.block_size)
         self.allocate_kv_cache(num_blocks)
         try:
             batch = FlatBatch(self.block_size)
@@ -318,25 +317,11 @@ class ModelRunner:
                 out.logprobs[state.request_id] = logprobs
 
 
-def profiled_kv_budget(runner: ModelRunner, config: EngineConfig,
-                       max_model_len: int) -> int | None:
-    """On CUDA without an explicit KV size: the bytes ``gpu_memory_utilization`` leaves for the
-    KV cache after a profiling run of the largest step; None elsewhere. Every tensor-parallel
-    rank calls this at the same point, so the profiling forward passes meet in their
-    all-reduces."""
-    cache, sched = config.cache, config.scheduler
-    if (not runner.platform.is_cuda or cache.num_blocks is not None
-            or cache.kv_cache_memory_bytes is not None):
-        return None
-    tokens = min(sched.max_num_batched_tokens, max_model_len)
-    return runner.platform.kv_cache_budget(
-        cache.gpu_memory_utilization, lambda: runner.profile_run(tokens, sched.max_num_seqs))
-
-
-def maybe_capture_decode_graphs(runner: ModelRunner, config: EngineConfig,
-                                max_model_len: int) -> bool:
-    """Capture the decode CUDA graphs where they apply (CUDA, not ``enforce_eager``, an
-    attention backend that supports them); returns whether it did. Every tensor-parallel rank
+def capture_decode_graphs_if_enabled(runner: ModelRunner, config: EngineConfig,
+                                     max_model_len: int) -> bool:
+    """Capture the decode CUDA graphs where the configuration and the platform allow them
+    (CUDA, not ``enforce_eager``, an attention backend that supports them); returns whether
+    it did. Every tensor-parallel rank
     calls this at the same point, so captures meet in their all-reduces."""
     if not runner.platform.is_cuda or config.device.enforce_eager:
         return False

@@ -1,7 +1,7 @@
-"""Speculative decoding: cheap proposers guess the next tokens, the target model verifies them.
+"""Speculative decoding's proposers: cheap guesses of the next tokens, made after each step.
 
-``proposer`` (the interface and its factory), ``ngram`` (prompt lookup) and ``draft`` (a small
-model, or the target's first layers) make the guesses; ``rejection`` accepts or rejects them so
-that the output keeps the target model's distribution; ``verify`` prepares the target's
-distributions from the runner's logits; ``metrics`` counts what was proposed and accepted.
+``proposer`` (the interface, what a proposer knows of the target, and the factory), ``ngram``
+(prompt lookup) and ``draft`` (a small model, or the target's first layers) make the guesses.
+The target model verifies them inside the runner (``tokenmill.runner.spec_verify`` and
+``tokenmill.runner.rejection``), so that the output keeps the target's distribution.
 """

@@ -13,17 +13,19 @@ import copy
 import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from tokenmill.config import SpeculativeConfig
 from tokenmill.core.kv_cache import KVCacheManager
+from tokenmill.distributed import unsharded
+from tokenmill.model_loader import load_model
 from tokenmill.models.config import ArchConfig
 from tokenmill.request import Request
 from tokenmill.runner.batch import FlatBatch
 from tokenmill.runner.fused_decode import forward_step, make_fused_decoder
+from tokenmill.runner.kv_memory import KVCacheShape
 from tokenmill.runner.platform import Platform
 from tokenmill.runner.sampler import (
     SamplingMetadata,
@@ -31,10 +33,7 @@ from tokenmill.runner.sampler import (
     exponential_race,
     sampling_weights,
 )
-from tokenmill.spec_decode.proposer import Proposal
-
-if TYPE_CHECKING:
-    from tokenmill.engine.core import EngineCore
+from tokenmill.spec_decode.proposer import Proposal, TargetModel
 
 # Seeded requests' draft generators start from seed + this (mod 2**63): a stream of their own,
 # not a copy of the target's.
@@ -60,30 +59,31 @@ def self_draft_model(target: nn.Module, num_layers: int) -> nn.Module:
     return draft
 
 
-def build_draft_proposer(config: SpeculativeConfig, core: EngineCore) -> DraftModelProposer:
-    """The draft model ``config`` names, next to ``core``'s target; ValueError if unusable."""
-    target_arch = core.arch
+def build_draft_proposer(config: SpeculativeConfig, target: TargetModel) -> DraftModelProposer:
+    """The draft model ``config`` names, next to ``target``; ValueError if unusable."""
+    target_arch = target.arch
     num_layers = config.self_draft_layers
     if num_layers is not None:
         if num_layers >= target_arch.num_hidden_layers:
             raise ValueError(f"speculative_model self:{num_layers} must take fewer layers than "
                              f"the target's {target_arch.num_hidden_layers}")
-        model = self_draft_model(core.runner.model, num_layers)
+        model = self_draft_model(target.model, num_layers)
         arch = dataclasses.replace(target_arch, num_hidden_layers=num_layers)
     else:
-        from tokenmill.model_loader import load_model
-
-        loaded = load_model(dataclasses.replace(core.config.model, model=config.draft_model),
-                            core.platform.device, core.dtype)
+        # Whole, even in a process that also runs a tensor-parallel engine: a draft model
+        # always runs on one rank.
+        with unsharded():
+            loaded = load_model(dataclasses.replace(target.model_config, model=config.draft_model),
+                                target.platform.device, target.dtype)
         model, arch = loaded.model, loaded.arch
         if arch.vocab_size != target_arch.vocab_size:
             raise ValueError(f"speculative_model has a vocabulary of {arch.vocab_size} tokens, "
                              f"the target {target_arch.vocab_size}: they must share a tokenizer")
-        if arch.max_position_embeddings < core.max_model_len:
+        if arch.max_position_embeddings < target.max_model_len:
             raise ValueError(f"speculative_model's context ({arch.max_position_embeddings}) is "
-                             f"shorter than max_model_len={core.max_model_len}")
-    return DraftModelProposer(model, arch, core.platform, core.dtype, core.config.cache.block_size,
-                              core.kv_plan.num_blocks, config.num_speculative_tokens)
+                             f"shorter than max_model_len={target.max_model_len}")
+    return DraftModelProposer(model, arch, target.platform, target.dtype, target.block_size,
+                              target.num_blocks, config.num_speculative_tokens)
 
 
 @dataclass
@@ -118,9 +118,9 @@ class DraftModelProposer:
         self.num_speculative_tokens = num_speculative_tokens
         self.backend = platform.attention_backend()
         self.kv = KVCacheManager(num_blocks, block_size)
-        shape = (2, num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=self.device)
-                          for _ in range(arch.num_hidden_layers)]
+        shape = KVCacheShape(arch.num_hidden_layers, block_size, arch.num_key_value_heads,
+                             arch.head_dim, dtype)
+        self.kv_caches = shape.allocate(num_blocks, self.device)
         self.fused_decoder = make_fused_decoder(model, self.device)
         self.states: dict[str, _DraftState] = {}
 

@@ -1,18 +1,33 @@
-"""The proposers' common interface, and the one the engine's configuration asks for."""
+"""The proposers' common interface, what they know of the target model, and the one the
+engine's configuration asks for."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-from tokenmill.config import SpeculativeConfig
+import torch
+from torch import nn
+
+from tokenmill.config import ModelConfig, SpeculativeConfig
+from tokenmill.models.config import ArchConfig
 from tokenmill.request import Request
+from tokenmill.runner.platform import Platform
 
-if TYPE_CHECKING:
-    import torch
 
-    from tokenmill.engine.core import EngineCore
+@dataclass(frozen=True)
+class TargetModel:
+    """The engine's target model as a proposer sees it: a draft runs beside it."""
+
+    model: nn.Module  # a self-draft ("self:N") shares its first layers
+    arch: ArchConfig
+    model_config: ModelConfig  # how the target was loaded; a draft model loads the same way
+    platform: Platform
+    dtype: torch.dtype
+    block_size: int
+    num_blocks: int  # blocks of the target's KV cache: a draft model's cache gets as many
+    max_model_len: int
 
 
 @dataclass
@@ -38,8 +53,8 @@ class Proposer(Protocol):
         ...
 
 
-def make_proposer(config: SpeculativeConfig, core: EngineCore) -> Proposer | None:
-    """The proposer ``config`` asks for, built next to ``core``'s model; None when off."""
+def make_proposer(config: SpeculativeConfig, target: TargetModel) -> Proposer | None:
+    """The proposer ``config`` asks for, built next to ``target``; None when off."""
     if config.method == "ngram":
         from tokenmill.spec_decode.ngram import NgramProposer
 
@@ -47,5 +62,5 @@ def make_proposer(config: SpeculativeConfig, core: EngineCore) -> Proposer | Non
     if config.method == "draft":
         from tokenmill.spec_decode.draft import build_draft_proposer
 
-        return build_draft_proposer(config, core)
+        return build_draft_proposer(config, target)
     return None

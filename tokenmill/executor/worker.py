@@ -26,11 +26,9 @@ from tokenmill.distributed.parallel_state import (
     destroy_distributed,
     init_distributed,
 )
-from tokenmill.runner.model_runner import (
-    ModelRunner,
-    maybe_capture_decode_graphs,
-    profiled_kv_budget,
-)
+from tokenmill.executor.base import load_runner
+from tokenmill.runner.kv_memory import profiled_kv_budget
+from tokenmill.runner.model_runner import ModelRunner, capture_decode_graphs_if_enabled
 from tokenmill.runner.platform import get_platform
 
 logger = logging.getLogger(__name__)
@@ -96,9 +94,6 @@ def run_worker(args: WorkerArgs) -> None:
 
 
 def _serve(args: WorkerArgs, store: dist.Store, timeout: timedelta) -> None:
-    # Imported here: the loader imports the models, which import this package.
-    from tokenmill.model_loader import load_model
-
     config = args.config
     platform = get_platform(args.device)
     if platform.is_cuda:
@@ -107,12 +102,9 @@ def _serve(args: WorkerArgs, store: dist.Store, timeout: timedelta) -> None:
     store.set(stage_key("joined", args.rank), "1")
     init_distributed(args.rank, config.parallel.tensor_parallel_size,
                      dist.PrefixStore(DIST_PREFIX, store), platform.device, timeout)
-    dtype = platform.resolve_dtype(config.model.dtype)
-    loaded = load_model(config.model, platform.device, dtype)
-    runner = ModelRunner(loaded.model, loaded.arch, platform, dtype, config.cache.block_size,
-                         loaded.tokenizer.eos_token_ids)
+    loaded, runner = load_runner(config, platform)
     store.set(stage_key("loaded", args.rank), "1")
-    # The same sizing and capture steps as EngineCore, at the same points: their forward
+    # The same sizing and capture steps as rank 0's executor, at the same points: their forward
     # passes (profiling, graph warm-up and capture) meet rank 0's in the all-reduces.
     max_model_len = config.model.max_model_len or loaded.arch.max_position_embeddings
     budget = profiled_kv_budget(runner, config, max_model_len)
@@ -120,7 +112,7 @@ def _serve(args: WorkerArgs, store: dist.Store, timeout: timedelta) -> None:
     num_blocks = broadcast_object()
     assert isinstance(num_blocks, int)
     runner.allocate_kv_cache(num_blocks)
-    maybe_capture_decode_graphs(runner, config, max_model_len)
+    capture_decode_graphs_if_enabled(runner, config, max_model_len)
     step_loop(runner)
 
 

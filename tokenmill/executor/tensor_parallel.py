@@ -1,7 +1,7 @@
 """Rank 0's side of tensor parallelism: start the workers, send them each step, stop them.
 
 The engine process is rank 0: it keeps the scheduler and runs its own shard in its own
-ModelRunner. :class:`TPExecutor` spawns ranks 1..tp-1 (``tokenmill.distributed.worker``),
+ModelRunner. :class:`TPExecutor` spawns ranks 1..tp-1 (``tokenmill.executor.worker``),
 joins the process groups with them, agrees on the KV cache size, and broadcasts every step
 before running it. Workers never outlive the engine: ``close()``, garbage collection of the
 executor and interpreter exit all send the shutdown message (and kill what does not stop),
@@ -32,7 +32,8 @@ from tokenmill.distributed.parallel_state import (
     in_tp_group,
     init_distributed,
 )
-from tokenmill.distributed.worker import (
+from tokenmill.executor.base import Executor
+from tokenmill.executor.worker import (
     DIST_PREFIX,
     STORE_HOST,
     StepMessage,
@@ -42,6 +43,7 @@ from tokenmill.distributed.worker import (
     stage_key,
 )
 from tokenmill.runner.model_runner import ModelRunner
+from tokenmill.runner.platform import Platform
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -131,26 +133,28 @@ class _Workers:
             destroy_distributed()
 
 
-class TPExecutor:
-    """Starts ranks 1..tp-1 and sends them each step; rank 0's runner is the engine's own."""
+class TPExecutor(Executor):
+    """Starts ranks 1..tp-1 and sends them each step; rank 0's runner is this process's."""
 
-    def __init__(self, config: EngineConfig, device: torch.device,
+    def __init__(self, config: EngineConfig, platform: Platform,
                  num_threads: int | None) -> None:
         """Spawn the workers and join the process groups with them (this process is rank 0
-        on ``device``); they load their shards while the engine loads its own."""
+        on ``platform``'s device); they load their shards while this process loads its own
+        (:meth:`load_model`)."""
         if in_tp_group():
             raise RuntimeError("this process already runs a tensor-parallel engine; close it "
                                "first (one per process)")
         parallel = config.parallel
-        self.tp = parallel.tensor_parallel_size
+        super().__init__(config, platform, num_threads, parallel.tensor_parallel_size)
         self.timeout = timedelta(seconds=parallel.timeout_s)
-        store = dist.TCPStore(STORE_HOST, 0, self.tp, is_master=True, timeout=self.timeout,
-                              wait_for_workers=False)
+        device = platform.device
+        store = dist.TCPStore(STORE_HOST, 0, self.num_ranks, is_master=True,
+                              timeout=self.timeout, wait_for_workers=False)
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=run_worker, name=f"tokenmill-tp-rank{rank}", daemon=True,
                              args=(WorkerArgs(rank, config, store.port,
                                               str(rank_device(device, rank)), num_threads),))
-                 for rank in range(1, self.tp)]
+                 for rank in range(1, self.num_ranks)]
         self._workers = _Workers(procs, store)
         self._finalizer = weakref.finalize(self, self._workers.stop)
         self._last_sampled: dict[str, list[int]] = {}
@@ -158,7 +162,7 @@ class TPExecutor:
             for proc in procs:
                 proc.start()
             self._wait_for("joined")
-            init_distributed(0, self.tp, dist.PrefixStore(DIST_PREFIX, store), device,
+            init_distributed(0, self.num_ranks, dist.PrefixStore(DIST_PREFIX, store), device,
                              self.timeout)
             self._workers.joined = True
         except BaseException:
@@ -180,19 +184,19 @@ class TPExecutor:
         self._wait_for("loaded")
         return self._guard(all_reduce_min, local_free)
 
-    def allocate_kv_cache(self, runner: ModelRunner, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int) -> None:
         """Give every rank a KV cache of ``num_blocks`` blocks (of its own KV heads); the
         workers then capture their CUDA graphs, as rank 0 does next."""
         self._guard(broadcast_object, num_blocks)
         self._workers.serving = True
-        runner.allocate_kv_cache(num_blocks)
+        self.runner.allocate_kv_cache(num_blocks)
 
-    def execute(self, runner: ModelRunner, sched: SchedulerOutput,
+    def execute(self, sched: SchedulerOutput,
                 draft_probs: dict[str, torch.Tensor]) -> RunnerOutput:
         """Send the step to the workers, then run rank 0's share of it."""
         self._raise_if_failed()
         msg = StepMessage(sched, draft_probs, self._last_sampled)
-        out = self._guard(self._broadcast_and_run, runner, msg)
+        out = self._guard(self._broadcast_and_run, self.runner, msg)
         self._last_sampled = out.sampled_token_ids
         return out
 
@@ -226,7 +230,7 @@ class TPExecutor:
     def _wait_for(self, stage: str) -> None:
         """Wait until every worker reached ``stage``, failing fast if one dies."""
         deadline = time.monotonic() + self.timeout.total_seconds()
-        pending = set(range(1, self.tp))
+        pending = set(range(1, self.num_ranks))
         while pending:
             pending = {r for r in pending if not self._workers.store.check([stage_key(stage, r)])}
             self._raise_if_failed()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.outputs import TokenLogprobs
+from tokenmill.runner.rejection import draw_randomness, greedy_accept, rejection_sample
 from tokenmill.runner.sampler import (
     SamplingMetadata,
     apply_logits_processors,
@@ -21,7 +22,6 @@ from tokenmill.runner.sampler import (
     sampling_weights,
 )
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec_decode.rejection import draw_randomness, greedy_accept, rejection_sample
 
 
 @dataclass
