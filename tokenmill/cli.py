@@ -40,6 +40,7 @@ def stream_text(engine: LLMEngine, prompt: str | dict, params: SamplingParams) -
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    """Run `tokenmill generate`: one prompt, streamed to stdout."""
     engine = LLMEngine(engine_config_from_args(args))
     params = sampling_params_from_args(args)
     for delta in stream_text(engine, args.prompt, params):
@@ -50,6 +51,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    """Run `tokenmill chat`: read messages from the terminal until /exit or EOF."""
     engine = LLMEngine(engine_config_from_args(args))
     params = sampling_params_from_args(args)
     tok = engine.tokenizer
@@ -91,6 +93,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    """Run `tokenmill info`: load the engine and print what it runs and how."""
     import torch
 
     engine = LLMEngine(engine_config_from_args(args))
@@ -129,6 +132,7 @@ def _describe_graphs(info: ModelInfo) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """Run `tokenmill serve` until SIGTERM / SIGINT."""
     from tokenmill.server.launcher import run_server
     from tokenmill.server.state import ServerConfig
 
@@ -259,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `tokenmill` entry point: parse, set up logging, run the command; 2 on a user error."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
