@@ -14,6 +14,7 @@ from tokenmill.batch.cli import add_batch_parser
 from tokenmill.bench import batch as bench_batch
 from tokenmill.bench import compare, gpu, latency, prefix_cache, spec, throughput
 from tokenmill.bench import serve as bench_serve
+from tokenmill.config import ServerConfig
 from tokenmill.engine.args import (
     add_engine_args,
     add_sampling_args,
@@ -134,7 +135,6 @@ def _describe_graphs(info: ModelInfo) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run `tokenmill serve` until SIGTERM / SIGINT."""
     from tokenmill.server.launcher import run_server
-    from tokenmill.server.state import ServerConfig
 
     config = ServerConfig(
         served_model_name=args.served_model_name, host=args.host, port=args.port,
@@ -148,17 +148,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """Options of the OpenAI-compatible HTTP server."""
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--host", default=ServerConfig.host, help="address to bind (default: loopback)")
+    g.add_argument("--port", type=int, default=ServerConfig.port)
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (default: $TOKENMILL_API_KEY)")
     g.add_argument("--served-model-name", default=None,
                    help="the name clients send as `model` (default: the model file's name)")
-    g.add_argument("--max-queue", type=int, default=128,
+    g.add_argument("--max-queue", type=int, default=ServerConfig.max_queue,
                    help="sequences that may wait beyond --max-num-seqs before 503s")
-    g.add_argument("--max-body-bytes", type=int, default=4 << 20,
+    g.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
                    help="larger request bodies get 413")
-    g.add_argument("--drain-timeout", type=float, default=30.0,
+    g.add_argument("--drain-timeout", type=float, default=ServerConfig.drain_timeout,
                    help="seconds SIGTERM waits for requests in flight before aborting them")
     g.add_argument("--auth-health-metrics", action="store_true",
                    help="also require the API key on /health and /metrics")

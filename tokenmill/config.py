@@ -236,3 +236,37 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     log_stats: bool = False
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the HTTP server behaves; the engine has its own EngineConfig.
+
+    ``max_queue``: sequences that may wait beyond ``max_num_seqs`` running ones before new
+    requests get 503. ``drain_timeout``: seconds SIGTERM waits for requests in flight before
+    aborting them. ``auth_health_metrics``: also require the API key on /health and /metrics.
+    ``debug_fail_at_step``: make the N-th engine step raise (fault-injection tests only).
+    """
+
+    # None: the model file's name without its extension (resolved by the launcher).
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_queue: int = 128
+    max_body_bytes: int = 4 << 20
+    drain_timeout: float = 30.0
+    auth_health_metrics: bool = False
+    debug_fail_at_step: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.max_body_bytes <= 0:
+            raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+        if self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (leave it unset to disable auth)")

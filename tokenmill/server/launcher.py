@@ -19,11 +19,11 @@ from types import FrameType
 
 import uvicorn
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.engine.async_llm import AsyncLLM, load_engine_for_thread
 from tokenmill.metrics.prometheus import PrometheusStatLogger
 from tokenmill.server.app import build_app
-from tokenmill.server.state import ServerConfig, ServerState
+from tokenmill.server.state import ServerState
 
 logger = logging.getLogger(__name__)
 
