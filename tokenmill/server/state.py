@@ -5,9 +5,9 @@ from __future__ import annotations
 import hmac
 from dataclasses import dataclass, field
 
+from tokenmill.api.protocol import now
 from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.metrics.prometheus import PrometheusStatLogger
-from tokenmill.server.protocol import now
 
 
 @dataclass(frozen=True)
