@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tokenmill.sampling_params import SamplingParams
@@ -34,6 +35,35 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
+
+
+def first_invalid_token_id(token_ids: Sequence[object], vocab_size: int) -> int | None:
+    """The index of the first entry that is not a token id in [0, vocab_size); None if all are.
+
+    A bool is not a token id, although Python counts it as an int. The engine and the API each
+    word the error their own way (their callers see different messages)."""
+    for i, tid in enumerate(token_ids):
+        if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < vocab_size:
+            return i
+    return None
+
+
+class ContextOverflow(enum.Enum):
+    """How a prompt and the tokens asked for do not fit in the model's context."""
+
+    PROMPT = enum.auto()  # the prompt alone leaves no room for one generated token
+    TOTAL = enum.auto()  # the prompt plus max_tokens is longer than the context
+
+
+def context_overflow(prompt_len: int, max_tokens: int | None,
+                     max_model_len: int) -> ContextOverflow | None:
+    """Whether a prompt of ``prompt_len`` tokens, plus ``max_tokens`` to generate (None: no
+    limit of its own), fits in ``max_model_len`` tokens; None when it does."""
+    if prompt_len >= max_model_len:
+        return ContextOverflow.PROMPT
+    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
+        return ContextOverflow.TOTAL
+    return None
 
 
 @dataclass

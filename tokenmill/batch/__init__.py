@@ -1,8 +1,8 @@
 """Batch inference over OpenAI Batch API files: ``run_batch`` on one engine, ``run_batch_ray``
 on Ray Data actors. Both resume a killed job from its results file.
 
-The API is imported on first use, so that registering `tokenmill batch` on the command line
-does not import the server's modules for every other command.
+The job's modules are imported on first use, so that registering `tokenmill batch` on the
+command line does not import them (nor tokenmill/api/ and its schemas) for every other command.
 """
 
 from __future__ import annotations

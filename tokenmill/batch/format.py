@@ -11,20 +11,13 @@ usable custom_id.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
 
-from tokenmill.server.errors import APIError
-from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
-
-# The endpoints a batch line may name, and the schema of their bodies.
-ENDPOINTS: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
-    "/v1/chat/completions": ChatCompletionRequest,
-    "/v1/completions": CompletionRequest,
-}
+from tokenmill.api.endpoints import ENDPOINTS
+from tokenmill.api.errors import APIError, loads_json
 
 
 @dataclass(frozen=True)
@@ -71,14 +64,10 @@ def output_id(line: int) -> str:
     return f"batch_req_{line}"
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
-
-
 def parse_line(line: int, raw: bytes) -> BatchRequest | LineError:
     """Check one input line's envelope; the error message names the line and the field."""
     try:
-        obj = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+        obj = loads_json(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
         return LineError(line, None, f"line {line}: not valid UTF-8 (byte {e.start})")
     except ValueError as e:

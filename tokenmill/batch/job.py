@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
@@ -121,22 +121,10 @@ def progress_bar(input_path: str, results: ResultsFile, show: bool) -> tqdm:
                 unit="req", disable=not show, dynamic_ncols=True)
 
 
-def run_batch(input_path: str, output_path: str, engine: LLM | LLMEngine, *,
-              max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, model_name: str | None = None,
-              progress: bool = True) -> BatchStats:
-    """Answer every line of ``input_path`` (OpenAI Batch JSONL) into ``output_path``.
-
-    Answers are appended as they finish, so running it again after a crash or a kill resumes:
-    lines already answered are skipped and each custom_id ends up answered exactly once.
-    ``model_name`` is the ``model`` of the response bodies (default: the model file's name).
-    """
-    from tokenmill.server.launcher import model_name as default_name
-
-    check_paths(input_path, output_path)
-    if isinstance(engine, LLM):
-        engine = engine.engine
-    processor = BatchProcessor(engine, model_name or default_name(engine.model_path),
-                               max_in_flight)
+def answer_lines(input_path: str, output_path: str, progress: bool,
+                 answer: Callable[[Iterator[BatchRequest]], Iterable[Answer]]) -> BatchStats:
+    """The job around whoever runs the engine: plan the lines that still need answers, answer
+    the bad ones here, hand the requests to ``answer`` and record each Answer it yields."""
     with ResultsFile(output_path) as results, progress_bar(input_path, results, progress) as bar:
         rec = Recorder(results, bar)
 
@@ -147,7 +135,23 @@ def run_batch(input_path: str, output_path: str, engine: LLM | LLMEngine, *,
                 else:
                     yield item
 
-        for answer in processor.run(requests()):
-            rec.answer(answer)
+        for done in answer(requests()):
+            rec.answer(done)
         rec.stats.elapsed_s = time.perf_counter() - rec.start
     return rec.stats
+
+
+def run_batch(input_path: str, output_path: str, engine: LLM | LLMEngine, *,
+              max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, model_name: str | None = None,
+              progress: bool = True) -> BatchStats:
+    """Answer every line of ``input_path`` (OpenAI Batch JSONL) into ``output_path``.
+
+    Answers are appended as they finish, so running it again after a crash or a kill resumes:
+    lines already answered are skipped and each custom_id ends up answered exactly once.
+    ``model_name`` is the ``model`` of the response bodies (default: the model file's name).
+    """
+    check_paths(input_path, output_path)
+    if isinstance(engine, LLM):
+        engine = engine.engine
+    processor = BatchProcessor(engine, model_name, max_in_flight)
+    return answer_lines(input_path, output_path, progress, processor.run)

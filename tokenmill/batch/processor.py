@@ -2,8 +2,8 @@
 
 Up to ``max_in_flight`` requests sit in the engine together, so continuous batching keeps it
 full; a finished request's slot is refilled before the next step. Bodies are validated and
-answered by the server's own code (``prepare_*`` / ``*_response``), so a batch line gets the
-status and body that the HTTP endpoint would have returned.
+answered by the API's code (``prepare`` and the call's ``response``, tokenmill/api/), so a batch
+line gets the status and body that the HTTP endpoint would have returned.
 """
 
 from __future__ import annotations
@@ -12,31 +12,15 @@ import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel
-
+from tokenmill.api.endpoints import ENDPOINTS, prepare
+from tokenmill.api.errors import APIError, bad_request, validate_body
+from tokenmill.api.protocol import now, random_id
+from tokenmill.api.responses import Call, Collected
+from tokenmill.api.validation import default_model_name
 from tokenmill.batch import DEFAULT_MAX_IN_FLIGHT
-from tokenmill.batch.format import (
-    ENDPOINTS,
-    BatchRequest,
-    api_error_line,
-    response_line,
-)
+from tokenmill.batch.format import BatchRequest, api_error_line, response_line
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import RequestOutput
-from tokenmill.server.errors import APIError, bad_request, validate_body
-from tokenmill.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    now,
-    random_id,
-)
-from tokenmill.server.serving_base import Collected
-from tokenmill.server.serving_chat import chat_response, prepare_chat
-from tokenmill.server.serving_completions import (
-    CompletionPrompt,
-    completion_response,
-    prepare_completion,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -55,21 +39,21 @@ class Answer:
 @dataclass
 class _Job:
     request: BatchRequest
-    body: ChatCompletionRequest | CompletionRequest
-    prompts: list[CompletionPrompt]  # completions only
-    request_ids: list[str]
+    call: Call
+    request_ids: list[str]  # one engine request per prompt
     outputs: dict[str, RequestOutput] = field(default_factory=dict)
 
 
 class BatchProcessor:
-    """Answers BatchRequests with one engine; ``model_name`` goes into the response bodies."""
+    """Answers BatchRequests with one engine; ``model_name`` goes into the response bodies
+    (None: the model file's name)."""
 
-    def __init__(self, engine: LLMEngine, model_name: str,
+    def __init__(self, engine: LLMEngine, model_name: str | None,
                  max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self.engine = engine
-        self.model_name = model_name
+        self.model_name = model_name or default_model_name(engine.model_path)
         self.max_in_flight = max_in_flight
 
     def run(self, requests: Iterable[BatchRequest]) -> Iterator[Answer]:
@@ -122,39 +106,24 @@ class BatchProcessor:
 
     def _queue(self, req: BatchRequest) -> _Job:
         engine = self.engine
-        tok, vocab, max_len = engine.tokenizer, engine.vocab_size, engine.max_model_len
-        body = validate_body(req.body, ENDPOINTS[req.url])
-        if isinstance(body, ChatCompletionRequest):
-            prompt, params = prepare_chat(body, tok, vocab, max_len)
-            job = _Job(req, body, [], [f"b{req.line}"])
-            engine_prompts = [prompt]
-        else:
-            prompts, params = prepare_completion(body, tok, vocab, max_len)
-            job = _Job(req, body, prompts, [f"b{req.line}-{i}" for i in range(len(prompts))])
-            engine_prompts = [p.engine_prompt for p in prompts]
+        call = prepare(validate_body(req.body, ENDPOINTS[req.url]), engine)
+        prompts = call.engine_prompts
+        request_ids = [f"b{req.line}-{i}" for i in range(len(prompts))]
         added: list[str] = []
         try:
-            for rid, prompt in zip(job.request_ids, engine_prompts, strict=True):
-                engine.add_request(rid, prompt, params)
+            for rid, prompt in zip(request_ids, prompts, strict=True):
+                engine.add_request(rid, prompt, call.params)
                 added.append(rid)
         except ValueError as e:  # e.g. a prompt the KV cache can never hold
             for rid in added:
                 engine.abort_request(rid)
             raise bad_request(str(e)) from None
-        return job
+        return _Job(req, call, request_ids)
 
     def _answer(self, job: _Job) -> Answer:
-        outputs = [job.outputs[rid] for rid in job.request_ids]
-        result = Collected.from_final(outputs)
-        tok = self.engine.tokenizer
-        body: BaseModel
-        if isinstance(job.body, ChatCompletionRequest):
-            rid = random_id("chatcmpl")
-            body = chat_response(job.body, result, tok, self.model_name, rid, now())
-        else:
-            rid = random_id("cmpl")
-            body = completion_response(job.body, job.prompts, result, tok, self.model_name, rid,
-                                       now())
+        result = Collected.from_final([job.outputs[rid] for rid in job.request_ids])
+        rid = random_id(job.call.id_prefix)
+        body = job.call.response(result, self.model_name, rid, now())
         usage = result.usage()
         return Answer(job.request.line, response_line(job.request, body, rid), ok=True,
                       prompt_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens)

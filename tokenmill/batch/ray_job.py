@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
+from collections.abc import Iterator
 from typing import Any
 
 from tokenmill.batch import DEFAULT_MAX_IN_FLIGHT
-from tokenmill.batch.format import BatchRequest, LineError
-from tokenmill.batch.job import BatchStats, Recorder, check_paths, plan, progress_bar
+from tokenmill.batch.format import BatchRequest
+from tokenmill.batch.job import BatchStats, answer_lines, check_paths
 from tokenmill.batch.processor import Answer
-from tokenmill.batch.results import ResultsFile
 from tokenmill.config import EngineConfig
 
 RAY_MISSING = ("the Ray batch mode needs Ray Data, which is not installed: "
@@ -35,11 +34,8 @@ class EngineActor:
     def __init__(self, config: EngineConfig, model_name: str | None, max_in_flight: int) -> None:
         from tokenmill.batch.processor import BatchProcessor
         from tokenmill.engine.llm_engine import LLMEngine
-        from tokenmill.server.launcher import model_name as default_name
 
-        engine = LLMEngine(config)
-        self.processor = BatchProcessor(
-            engine, model_name or default_name(engine.model_path), max_in_flight)
+        self.processor = BatchProcessor(LLMEngine(config), model_name, max_in_flight)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         import numpy as np
@@ -65,9 +61,8 @@ def run_batch_ray(input_path: str, output_path: str, config: EngineConfig, *,
     this job and stopped after it). Each actor reserves ``cpus_per_actor`` CPUs and, unless
     ``config`` sets a thread count, uses that many threads. Resumes like ``run_batch``.
     """
-    try:
-        import ray
-        import ray.data
+    try:  # here, so that a missing Ray fails the job before any work
+        import ray.data  # noqa: F401
     except ImportError as e:
         raise ValueError(f"{RAY_MISSING} ({e})") from None
     if num_actors < 1:
@@ -84,33 +79,48 @@ def run_batch_ray(input_path: str, output_path: str, config: EngineConfig, *,
         config = dataclasses.replace(
             config, device=dataclasses.replace(config.device, num_threads=threads))
 
-    with ResultsFile(output_path) as results, progress_bar(input_path, results, progress) as bar:
-        rec = Recorder(results, bar)
-        rows = []
-        for item in plan(input_path, results, rec.stats):
-            if isinstance(item, LineError):
-                rec.error(item)
-            else:
-                rows.append({"line": item.line, "custom_id": item.custom_id, "url": item.url,
-                             "body": json.dumps(item.body)})
-        if rows:
-            actor_kwargs = {"config": config, "model_name": model_name,
-                            "max_in_flight": max_in_flight}
-            started = not ray.is_initialized()
+    pool = _ActorPool(config, model_name, max_in_flight, num_actors, batch_size,
+                      cpus_per_actor, address)
+    return answer_lines(input_path, output_path, progress, pool.answer)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ActorPool:
+    """How the job's requests are handed to Ray Data actors (see ``run_batch_ray``)."""
+
+    config: EngineConfig
+    model_name: str | None
+    max_in_flight: int
+    num_actors: int
+    batch_size: int
+    cpus_per_actor: float
+    address: str | None
+
+    def answer(self, requests: Iterator[BatchRequest]) -> Iterator[Answer]:
+        """The actors' answers, as they arrive; Ray runs only while there is work."""
+        import ray
+        import ray.data
+
+        # The whole plan first (its bad lines are answered meanwhile): Ray Data wants rows.
+        rows = [{"line": r.line, "custom_id": r.custom_id, "url": r.url,
+                 "body": json.dumps(r.body)} for r in requests]
+        if not rows:
+            return
+        actor_kwargs = {"config": self.config, "model_name": self.model_name,
+                        "max_in_flight": self.max_in_flight}
+        started = not ray.is_initialized()
+        if started:
+            ray.init(address=self.address, include_dashboard=False)
+        try:
+            # The job's own bar counts requests and tokens; Ray's bars would fight with it.
+            ray.data.DataContext.get_current().enable_progress_bars = False
+            answers = ray.data.from_items(rows).map_batches(
+                EngineActor, batch_size=self.batch_size, concurrency=self.num_actors,
+                num_cpus=self.cpus_per_actor, batch_format="numpy",
+                fn_constructor_kwargs=actor_kwargs)
+            for row in answers.iter_rows():
+                yield Answer(int(row["line"]), str(row["text"]), bool(row["ok"]),
+                             int(row["prompt_tokens"]), int(row["output_tokens"]))
+        finally:
             if started:
-                ray.init(address=address, include_dashboard=False)
-            try:
-                # The job's own bar counts requests and tokens; Ray's bars would fight with it.
-                ray.data.DataContext.get_current().enable_progress_bars = False
-                answers = ray.data.from_items(rows).map_batches(
-                    EngineActor, batch_size=batch_size, concurrency=num_actors,
-                    num_cpus=cpus_per_actor, batch_format="numpy",
-                    fn_constructor_kwargs=actor_kwargs)
-                for row in answers.iter_rows():
-                    rec.answer(Answer(int(row["line"]), str(row["text"]), bool(row["ok"]),
-                                      int(row["prompt_tokens"]), int(row["output_tokens"])))
-            finally:
-                if started:
-                    ray.shutdown()
-        rec.stats.elapsed_s = time.perf_counter() - rec.start
-    return rec.stats
+                ray.shutdown()

@@ -27,7 +27,7 @@ from tokenmill.core.sched_output import (
     SchedulerOutput,
 )
 from tokenmill.metrics.stats import SchedulerStats
-from tokenmill.request import Request, RequestStatus
+from tokenmill.request import ContextOverflow, Request, RequestStatus, context_overflow
 
 
 class PromptSource(Enum):
@@ -65,7 +65,7 @@ class Scheduler:
         n = request.num_prompt_tokens
         if n == 0:
             raise ValueError("the prompt must contain at least one token")
-        if n >= self.max_model_len:
+        if context_overflow(n, None, self.max_model_len) is ContextOverflow.PROMPT:
             raise ValueError(
                 f"the prompt has {n} tokens, but max_model_len is {self.max_model_len}: "
                 "it must leave room for at least one generated token")

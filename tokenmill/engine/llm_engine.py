@@ -10,7 +10,7 @@ from tokenmill.engine.core import EngineCore, ModelInfo
 from tokenmill.engine.output_processor import OutputKind, OutputProcessor
 from tokenmill.metrics.stats import SchedulerStats
 from tokenmill.outputs import RequestOutput
-from tokenmill.request import Request
+from tokenmill.request import Request, first_invalid_token_id
 from tokenmill.sampling_params import SamplingParams
 
 # A prompt is text, token ids, or {"prompt": text, "prompt_token_ids": ids} (either key).
@@ -78,10 +78,10 @@ class LLMEngine:
         if not isinstance(prompt, list | tuple) or not prompt:
             raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
         vocab = self.vocab_size
-        for i, tid in enumerate(prompt):
-            if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < vocab:
-                raise ValueError(
-                    f"prompt token id at index {i} must be an integer in [0, {vocab}), got {tid!r}")
+        bad = first_invalid_token_id(prompt, vocab)
+        if bad is not None:
+            raise ValueError(f"prompt token id at index {bad} must be an integer in [0, {vocab}), "
+                             f"got {prompt[bad]!r}")
         return None, list(prompt)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,

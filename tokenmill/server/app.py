@@ -9,26 +9,19 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenmill.server.errors import (
-    APIError,
-    bad_request,
-    install_error_handlers,
-    parse_json,
-    read_body,
-)
-from tokenmill.server.protocol import (
+from tokenmill.api.errors import APIError, parse_json
+from tokenmill.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    DetokenizeResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
-    TokenizeResponse,
 )
-from tokenmill.server.serving_base import check_model, check_token_ids
-from tokenmill.server.serving_chat import create_chat_completion
-from tokenmill.server.serving_completions import create_completion
+from tokenmill.api.tokens import detokenize, tokenize
+from tokenmill.api.validation import check_model
+from tokenmill.server.errors import install_error_handlers, read_body
+from tokenmill.server.serving import create_response
 from tokenmill.server.state import ServerState
 
 
@@ -67,12 +60,12 @@ def _inference_routes(state: ServerState) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = parse_json(await read_body(request, limit), ChatCompletionRequest)
-        return await create_chat_completion(state, req, request)
+        return await create_response(state, req, request)
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = parse_json(await read_body(request, limit), CompletionRequest)
-        return await create_completion(state, req, request)
+        return await create_response(state, req, request)
 
     @router.get("/v1/models")
     async def models() -> JSONResponse:
@@ -81,31 +74,16 @@ def _inference_routes(state: ServerState) -> APIRouter:
         return JSONResponse(ModelList(data=[card]).model_dump())
 
     @router.post("/tokenize")
-    async def tokenize(request: Request) -> JSONResponse:
+    async def tokenize_route(request: Request) -> JSONResponse:
         req = parse_json(await read_body(request, limit), TokenizeRequest)
-        check_model(state, req.model)
-        tok = state.client.tokenizer
-        if req.messages is not None:
-            try:
-                text = tok.apply_chat_template(req.messages,
-                                               add_generation_prompt=req.add_generation_prompt)
-            except ValueError as e:
-                raise bad_request(f"messages: {e}", "messages") from None
-            ids = tok.encode(text, add_special_tokens=False)
-        elif req.prompt is not None:
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        else:
-            raise bad_request("send either prompt or messages", "prompt")
-        body = TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.client.max_model_len)
-        return JSONResponse(body.model_dump())
+        check_model(state.model_name, req.model)
+        return JSONResponse(tokenize(req, state.client).model_dump())
 
     @router.post("/detokenize")
-    async def detokenize(request: Request) -> JSONResponse:
+    async def detokenize_route(request: Request) -> JSONResponse:
         req = parse_json(await read_body(request, limit), DetokenizeRequest)
-        check_model(state, req.model)
-        check_token_ids(req.tokens, state.client.vocab_size, "tokens")
-        text = state.client.tokenizer.decode(req.tokens)
-        return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
+        check_model(state.model_name, req.model)
+        return JSONResponse(detokenize(req, state.client).model_dump())
 
     return router
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import signal
 import socket
 from types import FrameType
 
 import uvicorn
 
+from tokenmill.api.validation import default_model_name
 from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.engine.async_llm import AsyncLLM, load_engine_for_thread
 from tokenmill.metrics.prometheus import PrometheusStatLogger
@@ -31,12 +31,6 @@ logger = logging.getLogger(__name__)
 FAULT_EXIT_GRACE_S = 2.0
 # Seconds uvicorn waits for open connections after the drain before cancelling them.
 CONNECTION_CLOSE_TIMEOUT_S = 5
-
-
-def model_name(path: str) -> str:
-    """The default served name: the model file's or folder's name without its extension."""
-    base = os.path.basename(os.path.normpath(path))
-    return base.removesuffix(".gguf")
 
 
 class _Server(uvicorn.Server):
@@ -96,7 +90,8 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     # Not in this thread: see load_engine_for_thread.
     engine = load_engine_for_thread(engine_config)
     if config.served_model_name is None:
-        config = dataclasses.replace(config, served_model_name=model_name(engine.model_path))
+        config = dataclasses.replace(config,
+                                     served_model_name=default_model_name(engine.model_path))
     metrics = PrometheusStatLogger(config.served_model_name or "default")
     client = AsyncLLM(engine, max_queue=config.max_queue, stat_loggers=[metrics],
                       debug_fail_at_step=config.debug_fail_at_step)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import hmac
 from dataclasses import dataclass, field
 
+from tokenmill.api.protocol import now
 from tokenmill.config import ServerConfig
 from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.metrics.prometheus import PrometheusStatLogger
-from tokenmill.server.protocol import now
 
 
 @dataclass

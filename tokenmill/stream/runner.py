@@ -13,6 +13,7 @@ import itertools
 import time
 from typing import Protocol
 
+from tokenmill.api.chat import chat_prompt
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -104,12 +105,8 @@ class StreamRunner:
     def _prompt(self, text: str) -> PromptType:
         if not self.chat:
             return text
-        tok = self.engine.tokenizer
-        rendered = tok.apply_chat_template([{"role": "user", "content": text}],
-                                           add_generation_prompt=True)
-        # The template already holds any BOS the model wants.
-        return {"prompt": rendered,
-                "prompt_token_ids": tok.encode(rendered, add_special_tokens=False)}
+        rendered, ids = chat_prompt(self.engine.tokenizer, [{"role": "user", "content": text}])
+        return {"prompt": rendered, "prompt_token_ids": ids}
 
     @staticmethod
     def _result(record: Record, out: RequestOutput) -> StreamResult:

@@ -32,7 +32,7 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _SamplingFields(_Strict):
+class SamplingFields(_Strict):
     """Fields shared by chat and completions; the last group is tokenmill's (and vLLM's)."""
 
     model: str | None = None
@@ -59,8 +59,13 @@ class _SamplingFields(_Strict):
     # False opts this request out of the server's speculative decoding.
     speculative: bool = True
 
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed answer ends with a chunk that carries the usage."""
+        return bool(self.stream_options and self.stream_options.include_usage)
 
-class ChatCompletionRequest(_SamplingFields):
+
+class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[dict[str, Any]]
@@ -71,7 +76,7 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     """POST /v1/completions: ``prompt`` is a string, strings, token ids or lists of them."""
 
     prompt: str | list[str] | list[int] | list[list[int]]

@@ -1,0 +1,157 @@
+"""Chat completions: the chat template rendered into a prompt, the request validated into
+SamplingParams, and the answer built whole or as streamed chunks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import jinja2
+
+from tokenmill.api.errors import bad_request
+from tokenmill.api.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatTokenLogprob,
+    DeltaMessage,
+    TopLogprob,
+    UsageInfo,
+)
+from tokenmill.api.responses import Collected, TokenTexts, finite
+from tokenmill.api.validation import ServedModel, check_context, sampling_params
+from tokenmill.engine.llm_engine import PromptType
+from tokenmill.outputs import RequestOutput, TokenLogprobs
+from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
+from tokenmill.tokenizer import Tokenizer
+
+
+def chat_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]], /,
+                **template_kwargs: Any) -> tuple[str, list[int]]:
+    """The chat template applied to ``messages`` (ready for the assistant's turn), and its
+    token ids; whatever the template raises goes to the caller."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
+    # The template already holds any BOS the model wants.
+    return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+def render_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+    """The chat template applied to the messages, and its token ids; 400 if it cannot be."""
+    try:
+        return chat_prompt(tokenizer, req.messages, **(req.chat_template_kwargs or {}))
+    except (ValueError, TypeError, jinja2.TemplateError) as e:
+        raise bad_request(f"messages: {e}", "messages") from None
+
+
+def chat_logprobs(lps: list[TokenLogprobs], k: int, texts: TokenTexts) -> ChatLogprobs:
+    """OpenAI's chat ``logprobs.content`` for the given tokens, with ``k`` alternatives each."""
+    content = []
+    for lp in lps:
+        top = sorted(lp.top.items(), key=lambda kv: -kv[1])[:k]
+        token = texts(lp.token_id)
+        content.append(ChatTokenLogprob(
+            token=token, logprob=finite(lp.logprob), bytes=list(token.encode()),
+            top_logprobs=[TopLogprob(token=texts(t), logprob=finite(v),
+                                     bytes=list(texts(t).encode())) for t, v in top]))
+    return ChatLogprobs(content=content)
+
+
+def logprobs_k(req: ChatCompletionRequest) -> int | None:
+    """Alternatives per token that the response's logprobs carry; None without logprobs."""
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+@dataclass
+class ChatCall:
+    """A validated chat request: its one engine prompt and its sampling parameters."""
+
+    id_prefix: ClassVar[str] = "chatcmpl"
+    req: ChatCompletionRequest
+    engine_prompts: list[PromptType]
+    params: SamplingParams
+    tokenizer: Tokenizer
+
+    def response(self, result: Collected, model: str, rid: str,
+                 created: int) -> ChatCompletionResponse:
+        """The whole (non-streamed) response body of the finished request."""
+        texts = TokenTexts(self.tokenizer)
+        k = logprobs_k(self.req)
+        choices = [
+            ChatChoice(index=i, message=ChatMessage(content="".join(c.text)),
+                       logprobs=chat_logprobs(c.logprobs, k, texts) if k is not None else None,
+                       finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            for i, c in enumerate(result.choices[0])]
+        return ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
+                                      usage=result.usage())
+
+    def chunks(self, model: str, rid: str, created: int) -> ChatChunks:
+        return ChatChunks(self, model, rid, created)
+
+
+@dataclass
+class ChatChunks:
+    """Streamed chunks: the role first, then content deltas and the finish reasons."""
+
+    call: ChatCall
+    model: str
+    rid: str
+    created: int
+    # A finished sequence keeps its finish_reason in later deltas: send nothing more for it.
+    done: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.texts = TokenTexts(self.call.tokenizer)
+        self.k = logprobs_k(self.call.req)
+
+    def _chunk(self, choices: list[ChatChunkChoice],
+               usage: UsageInfo | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.rid, created=self.created, model=self.model,
+                                   choices=choices, usage=usage)
+
+    def opening(self) -> list[ChatCompletionChunk]:
+        return [self._chunk([ChatChunkChoice(index=i,
+                                             delta=DeltaMessage(role="assistant", content=""))
+                             for i in range(self.call.req.n)])]
+
+    def delta(self, index: int, out: RequestOutput) -> ChatCompletionChunk | None:
+        choices = []
+        for c in out.outputs:
+            if c.index in self.done or (not c.text and not c.token_ids and not c.finished):
+                continue
+            if c.finished:
+                self.done.add(c.index)
+            lps = chat_logprobs(c.logprobs or [], self.k, self.texts) \
+                if self.k is not None else None
+            choices.append(ChatChunkChoice(
+                index=c.index, delta=DeltaMessage(content=c.text), logprobs=lps,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        return self._chunk(choices) if choices else None
+
+    def usage(self, usage: UsageInfo) -> ChatCompletionChunk:
+        return self._chunk([], usage)
+
+
+def prepare_chat(req: ChatCompletionRequest, served: ServedModel) -> ChatCall:
+    """The engine prompt and sampling parameters of a chat request; 400 names the bad field.
+
+    Shared by the server and the batch job, so both accept and reject the same bodies."""
+    if not req.messages:
+        raise bad_request("messages must not be empty", "messages")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+                          "top_logprobs")
+    tokenizer = served.tokenizer
+    text, ids = render_prompt(tokenizer, req)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+        else req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    check_context(len(ids), max_tokens, served.max_model_len, "messages", param)
+    params = sampling_params(req, served.vocab_size, max_tokens=max_tokens,
+                             logprobs=logprobs_k(req))
+    return ChatCall(req, [{"prompt": text, "prompt_token_ids": ids}], params, tokenizer)

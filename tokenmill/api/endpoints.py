@@ -1,0 +1,22 @@
+"""The inference endpoints by URL, and the request of each prepared for the engine."""
+
+from __future__ import annotations
+
+from tokenmill.api.chat import ChatCall, prepare_chat
+from tokenmill.api.completions import CompletionCall, prepare_completion
+from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest
+from tokenmill.api.validation import ServedModel
+
+# The endpoints that generate, and the schema of their bodies.
+ENDPOINTS: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+}
+
+
+def prepare(req: ChatCompletionRequest | CompletionRequest,
+            served: ServedModel) -> ChatCall | CompletionCall:
+    """The engine prompts and sampling parameters of a request; 400 names the bad field."""
+    if isinstance(req, ChatCompletionRequest):
+        return prepare_chat(req, served)
+    return prepare_completion(req, served)

@@ -1,0 +1,79 @@
+"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` for every failure,
+and the parsing of a request body that turns any malformed input into one of them."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from tokenmill.api.protocol import ErrorInfo, ErrorResponse
+
+M = TypeVar("M", bound=BaseModel)
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          500: "server_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    """An error the API returns as-is: status, message, and OpenAI's ``param`` / ``code``;
+    ``headers`` go with it when it is answered over HTTP."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> ErrorResponse:
+        """The error as OpenAI's response body."""
+        return ErrorResponse(error=ErrorInfo(
+            message=self.message, type=_TYPES.get(self.status, "invalid_request_error"),
+            param=self.param, code=self.code))
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    """A 400 naming the offending field."""
+    return APIError(400, message, param=param, code="invalid_value" if param else None)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
+
+
+def loads_json(text: str) -> Any:
+    """``json.loads`` without NaN / Infinity, which JSON does not have; ValueError if invalid."""
+    return json.loads(text, parse_constant=_reject_constant)
+
+
+def parse_json(body: bytes, model: type[M]) -> M:
+    """Decode UTF-8, parse JSON (no NaN / Infinity) and validate against ``model``; 400s name
+    the first bad field."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad_request(f"the request body is not valid UTF-8 (byte {e.start})") from None
+    try:
+        obj = loads_json(text)
+    except ValueError as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise bad_request("the request body must be a JSON object")
+    return validate_body(obj, model)
+
+
+def validate_body(obj: dict[str, Any], model: type[M]) -> M:
+    """Validate a parsed body against ``model``; the 400 names the first bad field."""
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        # OpenAI's param is the top-level field; the message keeps the full location.
+        param = str(err["loc"][0]) if err["loc"] else None
+        raise bad_request(f"{where}: {err['msg']}" if where else err["msg"], param) from None

@@ -1,0 +1,36 @@
+"""POST /tokenize and /detokenize: text or chat messages to token ids and back."""
+
+from __future__ import annotations
+
+from tokenmill.api.errors import bad_request
+from tokenmill.api.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from tokenmill.api.validation import ServedModel, check_token_ids
+
+
+def tokenize(req: TokenizeRequest, served: ServedModel) -> TokenizeResponse:
+    """The token ids of a prompt, or of chat messages rendered by the template; 400 names the
+    bad field."""
+    tok = served.tokenizer
+    if req.messages is not None:
+        try:
+            text = tok.apply_chat_template(req.messages,
+                                           add_generation_prompt=req.add_generation_prompt)
+        except ValueError as e:
+            raise bad_request(f"messages: {e}", "messages") from None
+        ids = tok.encode(text, add_special_tokens=False)
+    elif req.prompt is not None:
+        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    else:
+        raise bad_request("send either prompt or messages", "prompt")
+    return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=served.max_model_len)
+
+
+def detokenize(req: DetokenizeRequest, served: ServedModel) -> DetokenizeResponse:
+    """The text of token ids; 400 unless each is in the vocabulary."""
+    check_token_ids(req.tokens, served.vocab_size, "tokens")
+    return DetokenizeResponse(prompt=served.tokenizer.decode(req.tokens))

@@ -1,0 +1,113 @@
+"""What chat and completions requests share: the model they name, their sampling parameters,
+and the limits a prompt must keep (context length, vocabulary). Every refusal is a 400 (or 404)
+that names the field."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from tokenmill.api.errors import APIError, bad_request
+from tokenmill.api.protocol import SamplingFields
+from tokenmill.request import ContextOverflow, context_overflow, first_invalid_token_id
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer import Tokenizer
+
+
+class ServedModel(Protocol):
+    """What validating a request needs of the model (an LLMEngine or an AsyncLLM)."""
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+
+def default_model_name(path: str) -> str:
+    """The default served name: the model file's or folder's name without its extension."""
+    base = os.path.basename(os.path.normpath(path))
+    return base.removesuffix(".gguf")
+
+
+def check_model(served: str, model: str | None) -> str:
+    """The served model's name; 404 if the request names another model."""
+    if model is not None and model != served:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {served!r}",
+                       param="model", code="model_not_found")
+    return served
+
+
+def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
+    if raw is None:
+        return None
+    out = {}
+    for key, bias in raw.items():
+        try:
+            out[int(key)] = bias
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}",
+                              "logit_bias") from None
+    return out
+
+
+def sampling_params(req: SamplingFields, vocab_size: int, *, max_tokens: int | None,
+                    logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+    """The request's SamplingParams, validated against the vocabulary; 400 names the field."""
+    try:
+        params = SamplingParams(
+            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p, seed=req.seed,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=_logit_bias(req.logit_bias), stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=req.skip_special_tokens, speculative=req.speculative)
+        params.validate(vocab_size=vocab_size)
+    except ValueError as e:
+        raise bad_request(str(e), _param_of(str(e))) from None
+    return params
+
+
+def _param_of(message: str) -> str | None:
+    """The field a SamplingParams error names (its messages start with the field)."""
+    head = message.split(" ", 1)[0].split("[", 1)[0]
+    return head if head.isidentifier() else None
+
+
+def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int,
+                  param: str, max_tokens_param: str = "max_tokens") -> None:
+    """400 when ``max_tokens`` is below 1, or when the prompt, plus the tokens asked for, does
+    not fit the context; ``param`` names the prompt's field, ``max_tokens_param`` the limit's."""
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"{max_tokens_param} must be >= 1, got {max_tokens}", max_tokens_param)
+    overflow = context_overflow(prompt_len, max_tokens, max_model_len)
+    if overflow is ContextOverflow.PROMPT:
+        raise bad_request(
+            f"this model's maximum context length is {max_model_len} tokens, and the prompt "
+            f"has {prompt_len}: it must leave room for at least one generated token", param)
+    if overflow is ContextOverflow.TOTAL:
+        assert max_tokens is not None
+        raise bad_request(
+            f"this model's maximum context length is {max_model_len} tokens; you requested "
+            f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} to generate)",
+            max_tokens_param)
+
+
+def check_token_ids(ids: Sequence[Any], vocab_size: int, param: str) -> None:
+    """400 unless ``ids`` is not empty and every id is an integer in [0, vocab_size)."""
+    if not ids:
+        raise bad_request(f"{param} must not be empty", param)
+    bad = first_invalid_token_id(ids, vocab_size)
+    if bad is not None:
+        raise bad_request(f"{param}: token id at index {bad} must be in [0, {vocab_size}), "
+                          f"got {ids[bad]!r}", param)

@@ -1,0 +1,56 @@
+"""POST /v1/chat/completions and /v1/completions: validate (in api/), submit to the engine,
+answer whole or as server-sent events."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenmill.api.endpoints import prepare
+from tokenmill.api.errors import APIError, bad_request
+from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest, now, random_id
+from tokenmill.api.responses import collect
+from tokenmill.api.validation import check_model
+from tokenmill.engine.async_llm import EngineDeadError, EngineOverloadedError, RequestGroup
+from tokenmill.engine.llm_engine import PromptType
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.state import ServerState
+from tokenmill.server.streaming import EngineStreamingResponse, stream_events, until_disconnect
+
+# Seconds a client is told to wait after a 503 for a full queue.
+RETRY_AFTER_S = 1
+
+
+async def submit(state: ServerState, prompts: Sequence[PromptType], params: SamplingParams,
+                 prefix: str) -> RequestGroup:
+    """Queue the prompts in the engine, turning refusals into HTTP errors."""
+    if state.draining:
+        raise APIError(503, "the server is shutting down", code="shutting_down")
+    try:
+        return await state.client.submit(prompts, params, prefix)
+    except EngineOverloadedError as e:
+        raise APIError(503, f"the server is overloaded ({e}); retry later", code="overloaded",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    except EngineDeadError as e:
+        raise APIError(503, str(e), code="engine_dead") from None
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+
+
+async def create_response(state: ServerState, req: ChatCompletionRequest | CompletionRequest,
+                          raw: Request) -> Response:
+    """Validate, submit and answer one chat or completions request."""
+    model = check_model(state.model_name, req.model)
+    call = prepare(req, state.client)
+    group = await submit(state, call.engine_prompts, call.params, call.id_prefix)
+    rid, created = random_id(call.id_prefix), now()
+    if req.stream:
+        events = stream_events(group, call.chunks(model, rid, created), req.include_usage)
+        return EngineStreamingResponse(events, group.close)
+    result = await until_disconnect(raw.receive,
+                                    collect(group, len(call.engine_prompts), call.params.n))
+    if result is None:  # the client is gone; nobody reads this
+        return Response(status_code=499)
+    return JSONResponse(call.response(result, model, rid, created).model_dump())
