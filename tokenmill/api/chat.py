@@ -89,6 +89,7 @@ class ChatCall:
                                       usage=result.usage())
 
     def chunks(self, model: str, rid: str, created: int) -> ChatChunks:
+        """The builder of this request's streamed chunks (see StreamChunks)."""
         return ChatChunks(self, model, rid, created)
 
 

@@ -132,6 +132,7 @@ class CompletionCall:
                                   usage=result.usage())
 
     def chunks(self, model: str, rid: str, created: int) -> CompletionChunks:
+        """The builder of this request's streamed chunks (see StreamChunks)."""
         return CompletionChunks(self, model, rid, created)
 
 
