@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 from tokenmill.batch.cli import add_batch_parser
 from tokenmill.bench import batch as bench_batch
-from tokenmill.bench import compare, gpu, latency, prefix_cache, spec, throughput
+from tokenmill.bench import compare, fuzz, gpu, latency, prefix_cache, spec, throughput
 from tokenmill.bench import serve as bench_serve
 from tokenmill.config import ServerConfig
 from tokenmill.engine.args import (
@@ -75,8 +75,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
-        text = tok.apply_chat_template(history, add_generation_prompt=True)
-        prompt = {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+        text, ids = tok.encode_chat(history, add_generation_prompt=True)
+        prompt = {"prompt": text, "prompt_token_ids": ids}
         reply = []
         try:
             for delta in stream_text(engine, prompt, params):
@@ -141,8 +141,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("TOKENMILL_API_KEY") or None,
         max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
         drain_timeout=args.drain_timeout, auth_health_metrics=args.auth_health_metrics,
-        debug_fail_at_step=args.debug_fail_at_step)
+        debug_fail_at_step=args.debug_fail_at_step, allowed_hosts=_names(args.allowed_hosts),
+        allowed_origins=_names(args.allowed_origins), header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout, max_connections=args.max_connections,
+        split_special_tokens=args.split_special_tokens)
     return run_server(engine_config_from_args(args), config)
+
+
+def _names(values: list[str]) -> tuple[str, ...]:
+    """Repeated or comma-separated option values as one tuple."""
+    return tuple(n.strip() for v in values for n in v.split(",") if n.strip())
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -162,6 +170,21 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds SIGTERM waits for requests in flight before aborting them")
     g.add_argument("--auth-health-metrics", action="store_true",
                    help="also require the API key on /health and /metrics")
+    g.add_argument("--allowed-hosts", action="append", default=[], metavar="HOST[,HOST]",
+                   help="Host names to answer besides IP addresses, localhost and this "
+                   "machine's names ('.example.com': a domain and its subdomains; '*': any)")
+    g.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGIN[,ORIGIN]",
+                   help="browser origins (https://app.example.com) allowed to call the API, "
+                   "with CORS; '*': any (default: none, only the server's own)")
+    g.add_argument("--header-timeout", type=float, default=ServerConfig.header_timeout,
+                   help="seconds a client has to send a request's headers")
+    g.add_argument("--body-timeout", type=float, default=ServerConfig.body_timeout,
+                   help="seconds a client has to send a request's body (then 408)")
+    g.add_argument("--max-connections", type=int, default=ServerConfig.max_connections,
+                   help="open connections at most; more are answered 503 and closed")
+    g.add_argument("--split-special-tokens", action="store_true",
+                   help="read special-token text (<|im_end|>...) in /v1/completions prompts "
+                   "as plain text; chat messages always are")
     g.add_argument("--debug-fail-at-step", type=int, default=None, metavar="N",
                    help="TESTING ONLY: make the N-th engine step raise (fault injection)")
 
@@ -249,6 +272,7 @@ BENCH_SUITES: tuple[Registrar, ...] = (
     bench_serve.add_serve_parser, throughput.add_throughput_parser, latency.add_latency_parser,
     compare.add_compare_parser, prefix_cache.add_prefix_cache_parser, spec.add_spec_parser,
     bench_batch.add_batch_bench_parser, gpu.add_gpu_parser, _add_perplexity_parser,
+    fuzz.add_fuzz_parser,
 )
 
 

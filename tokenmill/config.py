@@ -246,6 +246,14 @@ class ServerConfig:
     requests get 503. ``drain_timeout``: seconds SIGTERM waits for requests in flight before
     aborting them. ``auth_health_metrics``: also require the API key on /health and /metrics.
     ``debug_fail_at_step``: make the N-th engine step raise (fault-injection tests only).
+
+    Hostile clients: ``allowed_hosts`` are Host names answered besides this machine's own
+    names, IP addresses and localhost (``*``: any); ``allowed_origins`` are browser origins
+    allowed to call the API, with CORS (none by default). A client has ``header_timeout``
+    seconds to send a request's headers and ``body_timeout`` seconds for its body; at most
+    ``max_connections`` connections are open at once (more get 503).
+    ``split_special_tokens``: read special-token text in /v1/completions prompts as plain text
+    (chat messages always are).
     """
 
     # None: the model file's name without its extension (resolved by the launcher).
@@ -258,6 +266,12 @@ class ServerConfig:
     drain_timeout: float = 30.0
     auth_health_metrics: bool = False
     debug_fail_at_step: int | None = None
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
+    header_timeout: float = 10.0
+    body_timeout: float = 60.0
+    max_connections: int = 1024
+    split_special_tokens: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -270,3 +284,11 @@ class ServerConfig:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset to disable auth)")
+        if self.api_key is not None and not all("\x21" <= c <= "\x7e" for c in self.api_key):
+            raise ValueError("api_key must be visible ASCII characters without spaces (it is "
+                             "sent as 'Authorization: Bearer KEY')")
+        for name in ("header_timeout", "body_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")

@@ -56,8 +56,9 @@ class IncrementalDetokenizer:
         return self._emit(final=False)
 
     def flush(self) -> str:
-        """Text still held back (a trailing invalid or incomplete UTF-8 sequence, as U+FFFD);
-        call once when the sequence has finished."""
+        """Call once when the sequence has finished: the text still held back, without the
+        trailing U+FFFD of a character the last tokens left incomplete (max_tokens may end
+        the output between the bytes of an emoji: those bytes are not text)."""
         return self._emit(final=True)
 
     def _emit(self, final: bool) -> str:
@@ -70,6 +71,8 @@ class IncrementalDetokenizer:
             # Nothing new yet (a special token being skipped, or half a character).
             return ""
         delta = new_text[len(prefix_text):]
+        if final:
+            delta = delta.rstrip(_REPLACEMENT)
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         if self._prefix_offset >= _TRIM_AT:

@@ -12,6 +12,11 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 256
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# Token counts and top_k fit the sampler's int32/int64 tensors whatever the model; the API
+# bounds them further by the context length and the vocabulary.
+MAX_TOKEN_COUNT = 2**31 - 1
+# Seeds are what torch.Generator.manual_seed takes: 63 bits, not negative.
+MAX_SEED = 2**63 - 1
 
 
 def _check_number(name: str, value: Any, *, integer: bool = False) -> None:
@@ -104,16 +109,19 @@ class SamplingParams:
         _check_range("n", self.n, 1, MAX_N, integer=True)
         _check_range("temperature", self.temperature, 0.0, 100.0)
         _check_range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        _check_range("top_k", self.top_k, 0, None, integer=True)
+        # At most the vocabulary (0 keeps every token): a larger value means nothing and
+        # would not fit the sampler's int64 tensor.
+        _check_range("top_k", self.top_k, 0, MAX_TOKEN_COUNT if vocab_size is None
+                     else vocab_size, integer=True)
         _check_range("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
-            _check_range("seed", self.seed, 0, 2**63 - 1, integer=True)
+            _check_range("seed", self.seed, 0, MAX_SEED, integer=True)
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_range("repetition_penalty", self.repetition_penalty, 0.0, 10.0, lo_open=True)
         if self.max_tokens is not None:
-            _check_range("max_tokens", self.max_tokens, 1, None, integer=True)
-        _check_range("min_tokens", self.min_tokens, 0, None, integer=True)
+            _check_range("max_tokens", self.max_tokens, 1, MAX_TOKEN_COUNT, integer=True)
+        _check_range("min_tokens", self.min_tokens, 0, MAX_TOKEN_COUNT, integer=True)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "

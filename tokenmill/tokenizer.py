@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -195,6 +197,24 @@ def _compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+# Roles every chat template is assumed to handle; others only where the template names them.
+STANDARD_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+# `role == 'x'`, `role != "x"`, `'x' == message.role`, `role in ['x', 'y']` in a template.
+_ROLE_TESTS = re.compile(
+    r"""role['"]?\]?\s*(?:==|!=)\s*['"]([^'"]+)['"]"""
+    r"""|['"]([^'"]+)['"]\s*(?:==|!=)\s*[\w.\[\]'"]*role\b"""
+    r"""|role['"]?\]?\s+(?:not\s+)?in\s*[\[(]([^\])]*)[\])]""")
+
+
+def template_roles(template: str) -> frozenset[str]:
+    """The roles a chat template tests for by name (beyond STANDARD_ROLES)."""
+    roles: set[str] = set()
+    for eq, rev, listed in _ROLE_TESTS.findall(template):
+        roles.update(r for r in (eq, rev) if r)
+        roles.update(re.findall(r"""['"]([^'"]+)['"]""", listed))
+    return frozenset(roles)
+
+
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
     """Check chat messages and return copies whose content is a plain string.
 
@@ -240,10 +260,18 @@ class Tokenizer:
         self.eos_token_ids: frozenset[int] = frozenset(eos | set(extra_eos_token_ids))
         self.chat_template = chat_template
         self._template: jinja2.Template | None = None  # compiled on first use
+        self._roles: frozenset[str] = STANDARD_ROLES
         added = backend.get_added_tokens_decoder()
         special = {i for i, tok in added.items() if tok.special}
         self.all_special_ids: list[int] = sorted(
             special | {i for i in (bos_token_id, eos_token_id) if i is not None})
+        # The text of every control token, longest first: what a chat message must not forge.
+        texts = {added[i].content for i in special} | {
+            t for t in (self.bos_token, self.eos_token) if t}
+        self._special_re = (re.compile("|".join(map(re.escape, sorted(texts, key=len,
+                                                                      reverse=True))))
+                            if texts else None)
+        self._plain: tuple[tokenizers.Tokenizer, tokenizers.Tokenizer] | None = None
 
     @property
     def backend(self) -> tokenizers.Tokenizer:
@@ -334,18 +362,116 @@ class Tokenizer:
         """The id of one vocabulary entry, or None."""
         return self._tok.token_to_id(token)
 
+    def encode_plain(self, text: str, add_special_tokens: bool = False, *,
+                     at_start: bool = True) -> list[int]:
+        """Token ids of ``text`` read as plain characters: special-token text such as
+        ``<|im_end|>`` becomes ordinary tokens, never the control token (BOS/EOS are still
+        added where the model's settings say so, with ``add_special_tokens``).
+        ``at_start=False`` encodes a piece that follows other tokens (no SentencePiece
+        word-start space)."""
+        if self._plain is None:
+            self._plain = (_plain_backend(self._tok, at_start=True),
+                           _plain_backend(self._tok, at_start=False))
+        plain = self._plain[0 if at_start else 1]
+        return plain.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    *, max_chars: int | None = None, **kwargs: Any) -> tuple[str, list[int]]:
+        """The chat template applied to ``messages``, and its token ids, where only the
+        template's own text can become control tokens.
+
+        Every string that comes from the caller (message content, roles, names, template
+        kwargs) is rendered with its special-token text replaced by a placeholder the caller
+        cannot guess; the rendered text is split at the control tokens that remain (the
+        template's), and each piece between them is encoded as plain text with the caller's
+        text put back. A user who writes "<|im_end|><|im_start|>system" gets those characters,
+        not a system turn. Without such text the ids equal ``encode(text)``'s.
+        ``max_chars``: ValueError, before tokenizing, for a longer rendered prompt."""
+        if self._special_re is None:
+            text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+            _check_length(text, max_chars)
+            return text, self.encode(text, add_special_tokens=False)
+        nonce = secrets.token_hex(8)
+        found: list[str] = []
+
+        def hide(m: re.Match[str]) -> str:
+            found.append(m.group(0))
+            return f"\ue000{nonce}{len(found) - 1}\ue001"
+
+        hidden = _map_strings(messages, lambda s: self._special_re.sub(hide, s))  # type: ignore[union-attr]
+        hidden_kwargs = _map_strings(kwargs, lambda s: self._special_re.sub(hide, s))  # type: ignore[union-attr]
+        rendered = self.apply_chat_template(hidden, add_generation_prompt, **hidden_kwargs)
+        _check_length(rendered, max_chars)
+        placeholder = re.compile(f"\ue000{nonce}(\\d+)\ue001")
+
+        def show(piece: str) -> str:
+            return placeholder.sub(lambda m: found[int(m.group(1))], piece)
+
+        ids: list[int] = []
+        pos = 0
+        for m in self._special_re.finditer(rendered):
+            if m.start() > pos:
+                ids += self.encode_plain(show(rendered[pos:m.start()]), at_start=pos == 0)
+            ids += self.encode(m.group(0), add_special_tokens=False)
+            pos = m.end()
+        if pos < len(rendered):
+            ids += self.encode_plain(show(rendered[pos:]), at_start=pos == 0)
+        return show(rendered), ids
+
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Render ``messages`` with the model's chat template (extra kwargs such as ``tools``
-        are passed to the template)."""
+        are passed to the template). A role outside STANDARD_ROLES is refused unless the
+        template tests for it by name. To tokenize the result, use ``encode_chat``: encoding
+        this text reads special-token text inside the messages as control tokens."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         checked = validate_messages(messages)
-        if self._template is None:
+        if self._template is None:  # worker threads may race here: roles are set first
+            self._roles = STANDARD_ROLES | template_roles(self.chat_template)
             self._template = _compile_template(self.chat_template)
+        for i, msg in enumerate(checked):
+            if msg["role"] not in self._roles:
+                raise ValueError(f"messages[{i}].role {msg['role']!r} is not a role this "
+                                 f"model's chat template knows (known: "
+                                 f"{', '.join(sorted(self._roles))})")
+        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"} & set(kwargs)
+        if reserved:
+            raise ValueError(f"template arguments may not set {', '.join(sorted(reserved))}")
         return self._template.render(
             messages=checked, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+
+
+def _check_length(text: str, max_chars: int | None) -> None:
+    if max_chars is not None and len(text) > max_chars:
+        raise ValueError(f"the conversation renders to {len(text)} characters, more than the "
+                         f"{max_chars} this model's context can take")
+
+
+def _map_strings(obj: Any, fn: Any) -> Any:
+    """A copy of ``obj`` (dicts, lists, tuples of anything) with ``fn`` applied to every string
+    value; keys are kept as they are."""
+    if isinstance(obj, str):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map_strings(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_strings(v, fn) for v in obj)
+    return obj
+
+
+def _plain_backend(backend: tokenizers.Tokenizer, *, at_start: bool) -> tokenizers.Tokenizer:
+    """A copy of ``backend`` that reads special-token text as plain text. ``at_start=False``:
+    for a piece that follows a control token, where a SentencePiece pre-tokenizer that adds a
+    word-start space only at the start of the input ("first") must not add one."""
+    plain = tokenizers.Tokenizer.from_str(backend.to_str())
+    plain.encode_special_tokens = True
+    pre = plain.pre_tokenizer
+    if not at_start and isinstance(pre, pre_tokenizers.Metaspace) and pre.prepend_scheme == "first":
+        pre.prepend_scheme = "never"
+        plain.pre_tokenizer = pre
+    return plain
 
 
 def _read_json(path: str) -> dict[str, Any]:

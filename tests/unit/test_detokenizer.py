@@ -157,13 +157,20 @@ def test_special_tokens_between_text(smollm: Adapter) -> None:
     assert "".join(deltas) == "a b 🎉" == smollm.decode(ids)
 
 
-def test_flush_releases_incomplete_tail() -> None:
+def test_flush_drops_incomplete_tail() -> None:
     tok = byte_tokenizer()
     detok = IncrementalDetokenizer(tok, [])
     assert detok.add_tokens(list(b"ok")) == "ok"
     assert detok.add_tokens([0xF0, 0x9F]) == ""  # half an emoji: held back
-    assert FFFD in detok.flush()
+    # The output ended inside the character: its bytes are not text, not a U+FFFD either.
+    assert detok.flush() == ""
     assert detok.add_tokens([]) == ""
+
+
+def test_invalid_byte_inside_the_text_stays_visible() -> None:
+    detok = IncrementalDetokenizer(byte_tokenizer(), [])
+    text = detok.add_tokens([0xFF]) + detok.add_tokens(list(b"ok")) + detok.flush()
+    assert text == FFFD + "ok"  # not a cut character: a byte no UTF-8 text has
 
 
 # ---------------------------------------------------------------- stop strings

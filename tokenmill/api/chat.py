@@ -29,21 +29,38 @@ from tokenmill.outputs import RequestOutput, TokenLogprobs
 from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
+# More messages than any context holds; keeps template rendering bounded.
+MAX_CHAT_MESSAGES = 4096
+# A rendered prompt longer than max_model_len tokens of this many characters each cannot fit:
+# refused before it is tokenized. (Tokens of real text average 3-5 characters.)
+MAX_CHARS_PER_TOKEN = 32
+
+
+# What rendering a chat template can raise on the data it is given (the template is the
+# model's; what it is fed is the client's): a 400, never a 500.
+TEMPLATE_ERRORS = (ValueError, TypeError, LookupError, ArithmeticError, jinja2.TemplateError)
+
 
 def chat_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]], /,
-                **template_kwargs: Any) -> tuple[str, list[int]]:
+                max_chars: int | None = None, **template_kwargs: Any) -> tuple[str, list[int]]:
     """The chat template applied to ``messages`` (ready for the assistant's turn), and its
-    token ids; whatever the template raises goes to the caller."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
-    # The template already holds any BOS the model wants.
-    return text, tokenizer.encode(text, add_special_tokens=False)
+    token ids, special-token text inside the messages read as plain text (the template holds
+    any BOS the model wants); whatever the template raises goes to the caller."""
+    if len(messages) > MAX_CHAT_MESSAGES:
+        raise ValueError(f"a conversation may hold at most {MAX_CHAT_MESSAGES} messages, "
+                         f"got {len(messages)}")
+    return tokenizer.encode_chat(messages, add_generation_prompt=True, max_chars=max_chars,
+                                 **template_kwargs)
 
 
-def render_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest) -> tuple[str, list[int]]:
-    """The chat template applied to the messages, and its token ids; 400 if it cannot be."""
+def render_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest,
+                  max_model_len: int) -> tuple[str, list[int]]:
+    """The chat template applied to the messages, and its token ids; 400 if it cannot be, or
+    if the rendered text is too long for the context (checked before tokenizing it)."""
     try:
-        return chat_prompt(tokenizer, req.messages, **(req.chat_template_kwargs or {}))
-    except (ValueError, TypeError, jinja2.TemplateError) as e:
+        return chat_prompt(tokenizer, req.messages, max_model_len * MAX_CHARS_PER_TOKEN,
+                           **(req.chat_template_kwargs or {}))
+    except TEMPLATE_ERRORS as e:
         raise bad_request(f"messages: {e}", "messages") from None
 
 
@@ -148,7 +165,7 @@ def prepare_chat(req: ChatCompletionRequest, served: ServedModel) -> ChatCall:
         raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
                           "top_logprobs")
     tokenizer = served.tokenizer
-    text, ids = render_prompt(tokenizer, req)
+    text, ids = render_prompt(tokenizer, req, served.max_model_len)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"

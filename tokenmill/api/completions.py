@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
+from tokenmill.api.chat import MAX_CHARS_PER_TOKEN
 from tokenmill.api.errors import bad_request
 from tokenmill.api.protocol import (
     CompletionChoice,
@@ -23,7 +24,7 @@ from tokenmill.api.validation import (
 )
 from tokenmill.engine.llm_engine import PromptType
 from tokenmill.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import MAX_N, SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
 
@@ -36,8 +37,10 @@ class CompletionPrompt:
     text: str  # for echo
 
 
-def _prompts(req: CompletionRequest, tok: Tokenizer, vocab: int) -> list[CompletionPrompt]:
-    """Tokenized, validated prompts; 400 names what is wrong."""
+def _prompts(req: CompletionRequest, tok: Tokenizer, vocab: int, max_chars: int,
+             split_special_tokens: bool) -> list[CompletionPrompt]:
+    """Tokenized, validated prompts; 400 names what is wrong. ``split_special_tokens``: read
+    special-token text in text prompts as plain text."""
     raw = req.prompt
     if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
         raw = [raw]  # type: ignore[list-item]
@@ -48,7 +51,11 @@ def _prompts(req: CompletionRequest, tok: Tokenizer, vocab: int) -> list[Complet
         if isinstance(p, str):
             if not p:
                 raise bad_request("prompt must not be an empty string", "prompt")
-            ids = tok.encode(p)
+            if len(p) > max_chars:
+                raise bad_request(f"the prompt has {len(p)} characters, more than the "
+                                  f"{max_chars} this model's context can take", "prompt")
+            ids = tok.encode_plain(p, add_special_tokens=True) if split_special_tokens \
+                else tok.encode(p)
             out.append(CompletionPrompt({"prompt": p, "prompt_token_ids": ids}, ids, p))
         else:
             check_token_ids(p, vocab, "prompt")
@@ -195,20 +202,24 @@ class CompletionChunks:
         return self._chunk([], usage)
 
 
-def prepare_completion(req: CompletionRequest, served: ServedModel) -> CompletionCall:
+def prepare_completion(req: CompletionRequest, served: ServedModel, *,
+                       split_special_tokens: bool = False) -> CompletionCall:
     """The prompts and sampling parameters of a completions request; 400 names the bad field.
+    ``split_special_tokens``: special-token text in text prompts is plain text.
 
     Shared by the server and the batch job, so both accept and reject the same bodies."""
     if req.suffix is not None:
         raise bad_request("suffix is not supported", "suffix")
     best_of = req.n if req.best_of is None else req.best_of
-    if best_of < req.n:
-        raise bad_request(f"best_of must be >= n ({req.n}), got {best_of}", "best_of")
+    if req.best_of is not None and not req.n <= best_of <= MAX_N:
+        raise bad_request(f"best_of must be in [n ({req.n}), {MAX_N}], got {best_of}",
+                          "best_of")
     if best_of > req.n and req.stream:
         raise bad_request("best_of > n cannot be streamed: the best are known only at the end",
                           "best_of")
     tokenizer, vocab_size = served.tokenizer, served.vocab_size
-    prompts = _prompts(req, tokenizer, vocab_size)
+    prompts = _prompts(req, tokenizer, vocab_size, served.max_model_len * MAX_CHARS_PER_TOKEN,
+                       split_special_tokens)
     for p in prompts:
         check_context(len(p.token_ids), req.max_tokens, served.max_model_len, "prompt")
     # best_of ranks its samples by the sum of their tokens' logprobs: ask for those.

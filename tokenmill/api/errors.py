@@ -12,8 +12,9 @@ from tokenmill.api.protocol import ErrorInfo, ErrorResponse
 
 M = TypeVar("M", bound=BaseModel)
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
+          413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
           500: "server_error", 503: "server_error"}
 
 
@@ -47,8 +48,49 @@ def _reject_constant(name: str) -> Any:
 
 
 def loads_json(text: str) -> Any:
-    """``json.loads`` without NaN / Infinity, which JSON does not have; ValueError if invalid."""
-    return json.loads(text, parse_constant=_reject_constant)
+    """``json.loads`` without NaN / Infinity, which JSON does not have, nested at most
+    ``MAX_JSON_DEPTH`` levels and with no lone surrogate (``"\\ud800"``, which no UTF-8 text
+    can hold) in any string; ValueError naming what is wrong otherwise."""
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ValueError(f"it is nested more than {MAX_JSON_DEPTH} levels deep") from None
+    check_json_tree(obj)
+    return obj
+
+
+# Deeper than any request needs, shallow enough for every recursive step after parsing.
+MAX_JSON_DEPTH = 64
+
+
+def check_json_tree(obj: Any) -> None:
+    """ValueError if ``obj`` nests deeper than MAX_JSON_DEPTH or holds a string (key or value)
+    that is not valid Unicode text; walks without recursion, so any depth is safe to check."""
+    stack: list[tuple[Any, str, int]] = [(obj, "", 0)]
+    while stack:
+        node, where, depth = stack.pop()
+        if isinstance(node, str):
+            _check_text(node, where)
+            continue
+        if not isinstance(node, (dict, list)):
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            raise ValueError(f"it is nested more than {MAX_JSON_DEPTH} levels deep")
+        if isinstance(node, dict):
+            for key, value in node.items():
+                _check_text(key, f"a key in {where}" if where else "a key")
+                stack.append((value, f"{where}.{key}" if where else key, depth + 1))
+        else:
+            stack.extend((value, f"{where}[{i}]", depth + 1) for i, value in enumerate(node))
+
+
+def _check_text(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where or 'the body'} holds a lone surrogate "
+                         f"(U+{ord(text[e.start]):04X} at character {e.start}), "
+                         f"which is not valid Unicode text") from None
 
 
 def parse_json(body: bytes, model: type[M]) -> M:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tokenmill.api.chat import MAX_CHAT_MESSAGES, TEMPLATE_ERRORS
 from tokenmill.api.errors import bad_request
 from tokenmill.api.protocol import (
     DetokenizeRequest,
@@ -17,12 +18,14 @@ def tokenize(req: TokenizeRequest, served: ServedModel) -> TokenizeResponse:
     bad field."""
     tok = served.tokenizer
     if req.messages is not None:
+        if len(req.messages) > MAX_CHAT_MESSAGES:
+            raise bad_request(f"messages: at most {MAX_CHAT_MESSAGES} messages, got "
+                              f"{len(req.messages)}", "messages")
         try:
-            text = tok.apply_chat_template(req.messages,
-                                           add_generation_prompt=req.add_generation_prompt)
-        except ValueError as e:
+            _, ids = tok.encode_chat(req.messages,
+                                     add_generation_prompt=req.add_generation_prompt)
+        except TEMPLATE_ERRORS as e:
             raise bad_request(f"messages: {e}", "messages") from None
-        ids = tok.encode(text, add_special_tokens=False)
     elif req.prompt is not None:
         ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     else:

@@ -202,9 +202,9 @@ def cmd_spec(args: argparse.Namespace) -> int:
 def chat_prompt(engine: LLMEngine, task: str) -> dict:
     """The task's text as one user message in the model's chat template."""
     tok = engine.tokenizer
-    text = tok.apply_chat_template([{"role": "user", "content": TASKS[task]}],
-                                   add_generation_prompt=True)
-    return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+    text, ids = tok.encode_chat([{"role": "user", "content": TASKS[task]}],
+                                add_generation_prompt=True)
+    return {"prompt": text, "prompt_token_ids": ids}
 
 
 def add_speedups(rows: list[dict[str, Any]]) -> None:

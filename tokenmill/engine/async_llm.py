@@ -325,6 +325,10 @@ class AsyncLLM:
                     items.append((cmd.request_id, _ACCEPTED))
                 except ValueError as e:
                     items.append((cmd.request_id, e))
+                except Exception as e:  # noqa: BLE001 - one request's failure is its own
+                    # add_request leaves the engine as it was: only this request fails.
+                    logger.exception("request %s could not be added", cmd.request_id)
+                    items.append((cmd.request_id, e))
             elif (out := engine.abort_request(cmd.request_id)) is not None:
                 outputs.append(out)
         batch_size = batch_tokens = 0

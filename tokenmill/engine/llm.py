@@ -134,12 +134,11 @@ class LLM:
         tok = self.engine.tokenizer
         prompts: list[PromptType] = []
         for conversation in conversations:
-            text = tok.apply_chat_template(
+            # Special-token text inside the messages stays text (see Tokenizer.encode_chat).
+            text, ids = tok.encode_chat(
                 list(conversation), add_generation_prompt=add_generation_prompt,
                 **(chat_template_kwargs or {}))
-            # The template already holds any BOS the model wants.
-            prompts.append({"prompt": text,
-                            "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
         params = _params_per_prompt(sampling_params, len(prompts))
         return self._run(prompts, params, use_tqdm)
 

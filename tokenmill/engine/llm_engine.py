@@ -11,7 +11,7 @@ from tokenmill.engine.output_processor import OutputKind, OutputProcessor
 from tokenmill.metrics.stats import SchedulerStats
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request, first_invalid_token_id
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import MAX_SEED, SamplingParams
 
 # A prompt is text, token ids, or {"prompt": text, "prompt_token_ids": ids} (either key).
 PromptType = str | list[int] | dict
@@ -99,7 +99,7 @@ class LLMEngine:
             for child in children:
                 self.core.add_request(child)
                 added.append(child.request_id)
-        except ValueError:
+        except BaseException:
             self.core.abort_requests(added)
             raise
         self.processor.add_request(request_id, [c.request_id for c in children], text,
@@ -112,8 +112,9 @@ class LLMEngine:
             return [Request(request_id, token_ids, params, eos, arrival_time=arrival)]
         children = []
         for i in range(params.n):
-            # Each sample gets its own seed stream, derived from the request's seed.
-            seed = None if params.seed is None else params.seed + i
+            # Each sample gets its own seed stream, derived from the request's seed (wrapping
+            # inside the seed's 63-bit range).
+            seed = None if params.seed is None else (params.seed + i) % (MAX_SEED + 1)
             child_params = dataclasses.replace(params, n=1, seed=seed)
             # Samples after the first share its prompt's KV blocks instead of recomputing them.
             children.append(Request(f"{request_id}#{i}", token_ids, child_params, eos,

@@ -10,10 +10,13 @@ runner keeps ``model.forward`` for everything else.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
+import platform
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -55,18 +58,53 @@ def fused_decode_enabled(explicit: bool | None = None) -> bool:
     raise ValueError(f"{ENV_FLAG} must be 0 or 1, got {value!r}")
 
 
+def _cpu_flags() -> str:
+    """The CPU's feature flags (Linux), or the machine name elsewhere."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.machine()
+
+
+# A build takes about a minute: a lock older than this was left by a killed build.
+STALE_LOCK_S = 600
+
+
+def _remove_stale_lock(path: str) -> None:
+    """torch waits forever on the lock file of a build that was killed half-way: remove one
+    older than any build takes."""
+    try:
+        age = time.time() - os.path.getmtime(path)
+    except OSError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning("removing %s, left %.0f s ago by a build that did not finish", path, age)
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
 @functools.cache
 def load_extension() -> ModuleType:
     """Compile (first time, ~1 minute) or load the cached C++ extension."""
     from torch.utils import cpp_extension
 
-    # torch rebuilds when the .cpp changes but not when a header does: the name carries a
-    # hash of every file in csrc, so an edited header is a new extension.
-    digest = hashlib.sha256()
+    # torch rebuilds when the .cpp changes but not when a header does, and its cache is keyed
+    # by name alone: the name carries a hash of every file in csrc (an edited header is a new
+    # extension), of the checkout's path (two checkouts do not rebuild each other's copy) and
+    # of the CPU's features (-march=native code from another machine could crash here).
+    digest = hashlib.sha256(str(_CSRC).encode() + _cpu_flags().encode())
     for path in sorted(p for p in _CSRC.iterdir() if p.is_file()):
         digest.update(path.name.encode() + path.read_bytes())
+    name = f"tokenmill_fused_decode_{digest.hexdigest()[:12]}"
+    build_dir = getattr(cpp_extension, "_get_build_directory", None)  # private: may go away
+    if build_dir is not None:
+        _remove_stale_lock(os.path.join(build_dir(name, False), "lock"))
     return cpp_extension.load(
-        name=f"tokenmill_fused_decode_{digest.hexdigest()[:12]}",
+        name=name,
         sources=[str(_CSRC / "fused_decode.cpp")],
         extra_include_paths=[str(_CSRC)],
         # Built on the machine that runs it, so tuning for its CPU is safe. OpenMP makes

@@ -3,11 +3,15 @@ Prometheus metrics. ``build_app`` wires routes to a ServerState; launcher.py run
 
 from __future__ import annotations
 
+import importlib.metadata
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 
 from tokenmill.api.errors import APIError, parse_json
 from tokenmill.api.protocol import (
@@ -20,9 +24,13 @@ from tokenmill.api.protocol import (
 )
 from tokenmill.api.tokens import detokenize, tokenize
 from tokenmill.api.validation import check_model
-from tokenmill.server.errors import install_error_handlers, read_body
+from tokenmill.server.errors import check_json_content_type, install_error_handlers, read_body
+from tokenmill.server.guard import HostPolicy, RequestGuard
+from tokenmill.server.openapi import install_openapi, json_body
 from tokenmill.server.serving import create_response
 from tokenmill.server.state import ServerState
+
+M = TypeVar("M", bound=BaseModel)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -33,9 +41,12 @@ def build_app(state: ServerState) -> FastAPI:
         state.client.start()
         yield
         await state.client.shutdown()
+        state.workers.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url="/openapi.json")
+    install_openapi(app, [ChatCompletionRequest, CompletionRequest, TokenizeRequest,
+                          DetokenizeRequest], _version())
     app.state.tokenmill = state
     install_error_handlers(app)
 
@@ -50,21 +61,43 @@ def build_app(state: ServerState) -> FastAPI:
 
     app.include_router(_inference_routes(state), dependencies=[Depends(require_key)])
     app.include_router(_open_routes(state), dependencies=[Depends(require_key_if_configured)])
+    config = state.config
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"])
+    # Added last, so it runs first: nothing (CORS preflights included) answers a foreign Host.
+    app.add_middleware(RequestGuard, policy=HostPolicy(config.host, config.allowed_hosts,
+                                                      config.allowed_origins))
     return app
+
+
+async def read_json(state: ServerState, request: Request, model: type[M]) -> M:
+    """The body as ``model``: 415 unless it is declared JSON, 413/408 for a body too large or
+    too slow, 400 for anything ``parse_json`` refuses (parsed on a worker thread)."""
+    check_json_content_type(request)
+    config = state.config
+    body = await read_body(request, config.max_body_bytes, config.body_timeout)
+    return await state.offload(parse_json, body, model)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("tokenmill")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _inference_routes(state: ServerState) -> APIRouter:
     router = APIRouter()
-    limit = state.config.max_body_bytes
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
-        req = parse_json(await read_body(request, limit), ChatCompletionRequest)
+        req = await read_json(state, request, ChatCompletionRequest)
         return await create_response(state, req, request)
 
-    @router.post("/v1/completions")
+    @router.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
     async def completions(request: Request) -> Response:
-        req = parse_json(await read_body(request, limit), CompletionRequest)
+        req = await read_json(state, request, CompletionRequest)
         return await create_response(state, req, request)
 
     @router.get("/v1/models")
@@ -73,17 +106,17 @@ def _inference_routes(state: ServerState) -> APIRouter:
                          max_model_len=state.client.max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump())
 
-    @router.post("/tokenize")
+    @router.post("/tokenize", openapi_extra=json_body(TokenizeRequest))
     async def tokenize_route(request: Request) -> JSONResponse:
-        req = parse_json(await read_body(request, limit), TokenizeRequest)
+        req = await read_json(state, request, TokenizeRequest)
         check_model(state.model_name, req.model)
-        return JSONResponse(tokenize(req, state.client).model_dump())
+        return JSONResponse((await state.offload(tokenize, req, state.client)).model_dump())
 
-    @router.post("/detokenize")
+    @router.post("/detokenize", openapi_extra=json_body(DetokenizeRequest))
     async def detokenize_route(request: Request) -> JSONResponse:
-        req = parse_json(await read_body(request, limit), DetokenizeRequest)
+        req = await read_json(state, request, DetokenizeRequest)
         check_model(state.model_name, req.model)
-        return JSONResponse(detokenize(req, state.client).model_dump())
+        return JSONResponse((await state.offload(detokenize, req, state.client)).model_dump())
 
     return router
 

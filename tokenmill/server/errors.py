@@ -3,6 +3,7 @@ shape, and a request body read under a size limit."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from fastapi import FastAPI, Request
@@ -41,17 +42,38 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(APIError(500, f"internal error: {type(exc).__name__}"))
 
 
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The body, or 413 once it exceeds ``max_bytes`` (checked before and while reading)."""
+def check_json_content_type(request: Request) -> None:
+    """415 unless the body is declared JSON (``application/json`` or ``*/*+json``): a browser
+    page may post text/plain or a form to any address without asking, but not JSON."""
+    declared = request.headers.get("content-type", "")
+    media = declared.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/")
+                                            and media.endswith("+json")):
+        raise APIError(415, "the request body must be JSON sent with Content-Type: "
+                       f"application/json, got {declared or 'no Content-Type'!r}",
+                       param="content-type", code="unsupported_media_type")
+
+
+async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
+    """The body, or 413 once it exceeds ``max_bytes`` (checked before and while reading), or
+    408 if it has not all arrived within ``timeout`` seconds."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise APIError(413, f"the request body is {declared} bytes; the limit is {max_bytes}",
                        code="request_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise APIError(413, f"the request body exceeds the limit of {max_bytes} bytes",
-                           code="request_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
+
+    async def read() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise APIError(413, f"the request body exceeds the limit of {max_bytes} bytes",
+                               code="request_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s",
+                       code="request_timeout", headers={"Connection": "close"}) from None

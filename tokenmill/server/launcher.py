@@ -23,6 +23,7 @@ from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.engine.async_llm import AsyncLLM, load_engine_for_thread
 from tokenmill.metrics.prometheus import PrometheusStatLogger
 from tokenmill.server.app import build_app
+from tokenmill.server.connections import GuardedH11Protocol
 from tokenmill.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -101,7 +102,8 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
                        config.debug_fail_at_step)
     uv_config = uvicorn.Config(
         build_app(state), host=config.host, port=config.port, log_level="info",
-        timeout_graceful_shutdown=CONNECTION_CLOSE_TIMEOUT_S, lifespan="on")
+        timeout_graceful_shutdown=CONNECTION_CLOSE_TIMEOUT_S, lifespan="on",
+        http=GuardedH11Protocol.configured(config.header_timeout, config.max_connections))
     server = _Server(uv_config, state)
     logger.info("serving %r on http://%s:%d/v1 (auth %s)", state.model_name, config.host,
                 config.port, "on" if config.api_key else "off")

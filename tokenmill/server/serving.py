@@ -3,6 +3,7 @@ answer whole or as server-sent events."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from fastapi import Request
@@ -43,7 +44,8 @@ async def create_response(state: ServerState, req: ChatCompletionRequest | Compl
                           raw: Request) -> Response:
     """Validate, submit and answer one chat or completions request."""
     model = check_model(state.model_name, req.model)
-    call = prepare(req, state.client)
+    call = await state.offload(functools.partial(
+        prepare, split_special_tokens=state.config.split_special_tokens), req, state.client)
     group = await submit(state, call.engine_prompts, call.params, call.id_prefix)
     rid, created = random_id(call.id_prefix), now()
     if req.stream:
