@@ -27,6 +27,7 @@ from tokenmill.quant.packing import (
     KERNEL_DTYPE,
     QUANTIZE_ROWS,
     Int4Groups,
+    dense_dtype,
     dequantize_int4_t,
     dequantize_int8,
     int4_block_n,
@@ -62,7 +63,8 @@ class _WeightOnlyLinear(nn.Module):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        # Rows from which forward() dequantizes for one bf16 matmul; tests move it.
+        # Rows from which forward() dequantizes for one dense matmul (bf16, or fp32 on CPUs
+        # without native bf16: see dense_dtype); tests move it.
         self.dense_min_rows = dense_min_rows
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
@@ -129,7 +131,8 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
         return torch.ops.aten._weight_int8pack_mm(xb, self.weight, self.scales)
 
     def _dense(self, xb: torch.Tensor) -> torch.Tensor:
-        return F.linear(xb, dequantize_int8(self.weight, self.scales, KERNEL_DTYPE))
+        dtype = dense_dtype(xb.device.type)
+        return F.linear(xb.to(dtype), dequantize_int8(self.weight, self.scales, dtype))
 
     def dequantize(self) -> torch.Tensor:
         return dequantize_int8(self.weight, self.scales, torch.float32)
@@ -185,7 +188,8 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
             return self._kernel(xb)
         w_t = dequantize_int4_t(self.weight, self.scales_and_zeros, self.group_size,
                                 self.out_features, self.in_features)
-        return xb @ w_t
+        dtype = dense_dtype(xb.device.type)
+        return xb.to(dtype) @ w_t.to(dtype)
 
     def nibbles(self) -> torch.Tensor:
         """The 4-bit values ``[out, in]`` (uint8 in [0, 15])."""

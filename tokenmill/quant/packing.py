@@ -26,6 +26,16 @@ logger = logging.getLogger(__name__)
 
 # The quantized kernels take bf16 scales and activations; fp32 ones run ~10x slower on CPU.
 KERNEL_DTYPE = torch.bfloat16
+
+
+@functools.cache
+def dense_dtype(device_type: str) -> torch.dtype:
+    """The dtype of the dense path's matmul (many rows, weight dequantized on the fly): bf16,
+    except on CPUs that do not multiply bf16 natively (no AVX-512: oneDNN then runs bf16
+    matmuls about 80x slower than fp32, measured on an AVX2-only EPYC), where it is fp32."""
+    if device_type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.float32
+    return KERNEL_DTYPE
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 # _convert_weight_to_int4pack_for_cpu needs the output size to be a multiple of this.
 INT4_N_MULTIPLE = 16
