@@ -4,6 +4,7 @@ and the parsing of a request body that turns any malformed input into one of the
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -55,42 +56,75 @@ def loads_json(text: str) -> Any:
         obj = json.loads(text, parse_constant=_reject_constant)
     except RecursionError:
         raise ValueError(f"it is nested more than {MAX_JSON_DEPTH} levels deep") from None
-    check_json_tree(obj)
+    # Text decoded from UTF-8 holds no surrogate: only a \uD8xx-\uDFxx escape can make one.
+    check_json_tree(obj, check_strings=_SURROGATE_ESCAPE.search(text) is not None)
     return obj
 
 
 # Deeper than any request needs, shallow enough for every recursive step after parsing.
 MAX_JSON_DEPTH = 64
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
-def check_json_tree(obj: Any) -> None:
-    """ValueError if ``obj`` nests deeper than MAX_JSON_DEPTH or holds a string (key or value)
-    that is not valid Unicode text; walks without recursion, so any depth is safe to check."""
-    stack: list[tuple[Any, str, int]] = [(obj, "", 0)]
+def check_json_tree(obj: Any, check_strings: bool = True) -> None:
+    """ValueError if ``obj`` nests deeper than MAX_JSON_DEPTH or (``check_strings``) holds a
+    string, key or value, that is not valid Unicode text. Walks without recursion, so any
+    depth is safe, and visits only containers unless strings are to be checked: a body of
+    100,000 messages costs a few tens of milliseconds."""
+    stack: list[tuple[Any, int]] = [(obj, 0)]
     while stack:
-        node, where, depth = stack.pop()
-        if isinstance(node, str):
-            _check_text(node, where)
-            continue
-        if not isinstance(node, (dict, list)):
-            continue
+        node, depth = stack.pop()
         if depth >= MAX_JSON_DEPTH:
             raise ValueError(f"it is nested more than {MAX_JSON_DEPTH} levels deep")
         if isinstance(node, dict):
-            for key, value in node.items():
-                _check_text(key, f"a key in {where}" if where else "a key")
-                stack.append((value, f"{where}.{key}" if where else key, depth + 1))
+            if check_strings and not all(_is_text(k) for k in node):
+                _bad_text(obj)
+            children = node.values()
         else:
-            stack.extend((value, f"{where}[{i}]", depth + 1) for i, value in enumerate(node))
+            children = node
+        for child in children:
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
+            elif check_strings and isinstance(child, str) and not _is_text(child):
+                _bad_text(obj)
 
 
-def _check_text(text: str, where: str) -> None:
+def _is_text(s: str) -> bool:
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"{where or 'the body'} holds a lone surrogate "
-                         f"(U+{ord(text[e.start]):04X} at character {e.start}), "
-                         f"which is not valid Unicode text") from None
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _bad_text(obj: Any) -> None:
+    try:
+        _raise_bad_text(obj)
+    except RecursionError:  # deep, but within json.loads' limit: name no place
+        pass
+    raise ValueError("a string in the body holds a lone surrogate, which is not valid "
+                     "Unicode text")
+
+
+def _raise_bad_text(obj: Any, where: str = "") -> None:
+    """Find the first string of ``obj`` that is not valid text and raise a ValueError naming
+    where it is (the slow path, taken only once such a string is known to be there)."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{where or 'the body'} holds a lone surrogate "
+                             f"(U+{ord(obj[e.start]):04X} at character {e.start}), "
+                             f"which is not valid Unicode text") from None
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            if not _is_text(key):
+                raise ValueError(f"a key in {where or 'the body'} holds a lone surrogate, "
+                                 "which is not valid Unicode text")
+            _raise_bad_text(value, f"{where}.{key}" if where else key)
+    elif isinstance(obj, list):
+        for i, value in enumerate(obj):
+            _raise_bad_text(value, f"{where}[{i}]")
 
 
 def parse_json(body: bytes, model: type[M]) -> M:

@@ -40,6 +40,9 @@ class FuzzResult:
     server_errors: int = 0
     schemathesis_exit: int = 0
     schemathesis_summary: str = ""
+    # Requests that got no answer at all (status 0 in the HAR: a timeout or a dropped
+    # connection), as "METHOD url body[:300]".
+    unanswered: list[str] = field(default_factory=list)
     heavy_requests: int = 0
     heavy_statuses: dict[str, int] = field(default_factory=dict)
     health_polls: int = 0
@@ -50,7 +53,7 @@ class FuzzResult:
     @property
     def ok(self) -> bool:
         return (self.server_errors == 0 and self.alive_after and self.same_answer_after
-                and self.schemathesis_exit == 0)
+                and self.schemathesis_exit == 0 and not self.unanswered)
 
 
 def schemathesis_cli() -> list[str]:
@@ -65,8 +68,9 @@ def schemathesis_cli() -> list[str]:
 
 
 def run_schemathesis(base_url: str, max_time: int, workers: int, seed: int,
-                     headers: dict[str, str]) -> tuple[int, str, Counter[str]]:
-    """Fuzz every operation for ``max_time`` seconds; (exit code, summary, status counts)."""
+                     headers: dict[str, str]) -> tuple[int, str, Counter[str], list[str]]:
+    """Fuzz every operation for ``max_time`` seconds; (exit code, summary, status counts,
+    the requests that got no answer)."""
     import httpx
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -81,13 +85,19 @@ def run_schemathesis(base_url: str, max_time: int, workers: int, seed: int,
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max_time + 600,
                               env={**os.environ, "NO_COLOR": "1"})
         statuses: Counter[str] = Counter()
+        unanswered = []
         if os.path.exists(har):
             with open(har, encoding="utf-8") as f:
                 for entry in json.load(f)["log"]["entries"]:
-                    statuses[str(entry["response"]["status"])] += 1
-    summary = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
+                    status = entry["response"]["status"]
+                    statuses[str(status)] += 1
+                    if not status:
+                        req = entry["request"]
+                        body = (req.get("postData") or {}).get("text", "")
+                        unanswered.append(f"{req['method']} {req['url']} {body[:300]}")
+    summary = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-60:])
     httpx.get(f"{base_url}/health", timeout=30)  # raises if the server is gone
-    return proc.returncode, summary, statuses
+    return proc.returncode, summary, statuses, unanswered
 
 
 async def heavy_bodies(base_url: str, requests: int, messages: int,
@@ -134,8 +144,10 @@ def run_fuzz(base_url: str, *, max_time: int = 120, workers: int = 2, seed: int 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     before = greedy_answer(base_url, headers)
     result = FuzzResult()
-    code, summary, statuses = run_schemathesis(base_url, max_time, workers, seed, headers)
+    code, summary, statuses, unanswered = run_schemathesis(base_url, max_time, workers, seed,
+                                                           headers)
     result.schemathesis_exit, result.schemathesis_summary = code, summary
+    result.unanswered = unanswered
     result.statuses = dict(sorted(statuses.items()))
     result.requests = sum(statuses.values())
     result.server_errors = sum(n for s, n in statuses.items() if s.startswith("5"))
@@ -196,6 +208,8 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
          "slowest /health", "same answer after"],
         [[result.requests, result.server_errors, json.dumps(result.heavy_statuses),
           f"{result.health_max_latency_s:.3f} s", result.same_answer_after]]))
+    for line in result.unanswered:
+        print(f"no answer: {line}")
     print(hardware_line(hw))
     if args.result_file:
         write_json(args.result_file, {"suite": "fuzz", "time": now_iso(), "hardware": hw,
