@@ -80,8 +80,12 @@ def check_json_tree(obj: Any, check_strings: bool = True) -> None:
             if check_strings and not all(_is_text(k) for k in node):
                 _bad_text(obj)
             children = node.values()
-        else:
+        elif isinstance(node, list):
             children = node
+        else:  # a scalar body
+            if check_strings and isinstance(node, str) and not _is_text(node):
+                _bad_text(obj)
+            continue
         for child in children:
             if isinstance(child, (dict, list)):
                 stack.append((child, depth + 1))

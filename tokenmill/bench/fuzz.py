@@ -79,7 +79,7 @@ def run_schemathesis(base_url: str, max_time: int, workers: int, seed: int,
                "--checks", "not_a_server_error", "--max-time", str(max_time),
                "--workers", str(workers), "--seed", str(seed), "--report", "har",
                "--report-har-path", har, "--report-dir", tmp, "--no-color", "--generation-database", "none",
-               "--suppress-health-check", "all", "--request-timeout", "120"]
+               "--suppress-health-check", "all", "--request-timeout", "600"]
         for name, value in headers.items():
             cmd += ["-H", f"{name}: {value}"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max_time + 600,
@@ -178,7 +178,7 @@ def add_fuzz_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--heavy-requests", type=int, default=8)
     p.add_argument("--heavy-messages", type=int, default=120_000)
-    p.add_argument("--server-args", default="--max-model-len 1024",
+    p.add_argument("--server-args", default="--max-model-len 256",
                    help="extra `tokenmill serve` options for the server it starts")
     p.add_argument("--result-file", default=None, help="write the result JSON here")
     p.set_defaults(func=cmd_fuzz)
