@@ -8,11 +8,12 @@ from collections.abc import Sequence
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from starlette.types import Receive
 
 from tokenmill.api.endpoints import prepare
 from tokenmill.api.errors import APIError, bad_request
 from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest, now, random_id
-from tokenmill.api.responses import collect
+from tokenmill.api.responses import Collected, collect
 from tokenmill.api.validation import check_model
 from tokenmill.engine.async_llm import EngineDeadError, EngineOverloadedError, RequestGroup
 from tokenmill.engine.llm_engine import PromptType
@@ -40,6 +41,18 @@ async def submit(state: ServerState, prompts: Sequence[PromptType], params: Samp
         raise bad_request(str(e)) from None
 
 
+async def collect_unless_gone(group: RequestGroup, num_prompts: int, n: int,
+                              receive: Receive) -> Collected | None:
+    """The group's whole answer, or None if the client disconnects first (its requests are
+    then aborted)."""
+    try:
+        return await until_disconnect(receive, collect(group, num_prompts, n))
+    finally:
+        # ``collect`` closes the group itself, but not if it is cancelled before its first
+        # step (this handler cancelled at once, e.g. at shutdown): the group must not leak.
+        group.close()
+
+
 async def create_response(state: ServerState, req: ChatCompletionRequest | CompletionRequest,
                           raw: Request) -> Response:
     """Validate, submit and answer one chat or completions request."""
@@ -51,8 +64,8 @@ async def create_response(state: ServerState, req: ChatCompletionRequest | Compl
     if req.stream:
         events = stream_events(group, call.chunks(model, rid, created), req.include_usage)
         return EngineStreamingResponse(events, group.close)
-    result = await until_disconnect(raw.receive,
-                                    collect(group, len(call.engine_prompts), call.params.n))
+    result = await collect_unless_gone(group, len(call.engine_prompts), call.params.n,
+                                       raw.receive)
     if result is None:  # the client is gone; nobody reads this
         return Response(status_code=499)
     return JSONResponse(call.response(result, model, rid, created).model_dump())
