@@ -227,7 +227,14 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything an EngineCore needs."""
+    """Everything an EngineCore needs.
+
+    ``deterministic``: batch-invariant steps (CPU, one process). Every token is computed by the
+    same kernels in the same reduction order whatever else shares its step, so a greedy request
+    gives the same tokens alone, beside others, or beside chunked prefills. It costs prefill
+    speed (see the README); without it outputs are reproducible run to run for the same
+    batches, but a greedy text can change with its batch mates.
+    """
 
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -236,6 +243,18 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     log_stats: bool = False
+    deterministic: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.deterministic:
+            return
+        # The batch-invariant path is the CPU's fused layer stack, which has no all-reduce.
+        if self.parallel.tensor_parallel_size > 1:
+            raise ValueError("deterministic needs tensor_parallel_size 1, got "
+                             f"{self.parallel.tensor_parallel_size}")
+        if self.device.device.startswith("cuda"):
+            raise ValueError(f"deterministic runs on the CPU only, got device "
+                             f"{self.device.device!r}")
 
 
 @dataclass(frozen=True)

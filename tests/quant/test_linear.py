@@ -13,6 +13,7 @@ from tokenmill.quant import (
     QuantizedMatrix,
     quantize_weight,
 )
+from tokenmill.quant.model import pin_row_kernels
 from tokenmill.quant.packing import (
     INT4_BLOCK_NS,
     QUANTIZE_ROWS,
@@ -202,3 +203,19 @@ def test_unsupported_shapes_and_options_raise_value_errors() -> None:
     with pytest.raises(ValueError, match="quantization must be one of"):
         quantize_weight(_weight(64, 64), None, "int3")
     assert isinstance(quantize_weight(_weight(40, 96), None, "int8"), Int8WeightOnlyLinear)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_pinned_kernels_compute_a_row_alike_at_every_batch_size(method: str) -> None:
+    # What the deterministic engine rests on: after pin_row_kernels a row's output is the same
+    # bits whether it is computed alone or among 4, 5, 97 or 300 rows (the int kernels' own
+    # row tiles, and sizes past the dense threshold).
+    w = _weight(960, 576)
+    x = torch.randn(300, 576, generator=torch.Generator().manual_seed(1))
+    model = torch.nn.Sequential(quantize_weight(w, None, method, group_size=32))
+    assert pin_row_kernels(model) == 1
+    module = model[0]
+    alone = torch.cat([module(x[r:r + 1]) for r in range(0, 300, 7)])
+    for rows in (4, 5, 97, 300):
+        picked = list(range(0, rows, 7))
+        assert torch.equal(module(x[:rows])[picked], alone[:len(picked)]), rows

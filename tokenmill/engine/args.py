@@ -56,6 +56,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int,
                    default=SchedulerConfig.max_num_batched_tokens)
     g.add_argument("--seed", type=int, default=ModelConfig.seed)
+    g.add_argument("--deterministic", action="store_true", default=EngineConfig.deterministic,
+                   help="batch-invariant greedy decoding on the CPU: a request's tokens do not "
+                        "depend on the requests beside it (slower prefill)")
     _add_speculative_args(g)
 
 
@@ -125,6 +128,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
             ngram_max=args.ngram_max),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
+        deterministic=args.deterministic,
     )
 
 

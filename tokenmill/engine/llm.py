@@ -45,6 +45,8 @@ class LLM:
     ``num_speculative_tokens`` tokens per step; ``llm.engine.stats().spec_decoding`` counts them.
     ``tensor_parallel_size`` > 1 shards the model over that many processes (GPUs, or CPU
     processes); :meth:`close` stops them, as does dropping the LLM or leaving the interpreter.
+    ``deterministic=True`` makes each request's tokens independent of its batch mates (CPU;
+    see ``EngineConfig``).
     """
 
     def __init__(
@@ -75,6 +77,7 @@ class LLM:
         ngram_min: int = 2,
         ngram_max: int = 4,
         tensor_parallel_size: int = 1,
+        deterministic: bool = False,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len,
@@ -94,6 +97,7 @@ class LLM:
                 speculative, speculative_model, num_speculative_tokens=num_speculative_tokens,
                 ngram_min=ngram_min, ngram_max=ngram_max),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            deterministic=deterministic,
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()

@@ -49,6 +49,9 @@ LARGE_WEIGHT_NUMEL = 1 << 23
 INT8_LARGE_DENSE_MIN_ROWS = 256
 INT4_LARGE_DENSE_MIN_ROWS = 512
 
+# A dense_min_rows no step reaches: the module runs its int kernel at every row count.
+NEVER_DENSE = 1 << 62
+
 # The module classes whose ``_kernel`` this PyTorch build lacks on CUDA, learned from the first
 # call that raised NotImplementedError. It is a fact about the build, not about one layer, so
 # one layer's failure sends every layer of its class to the dense path from then on.
@@ -224,7 +227,7 @@ class Int4TinyGemmLinear(_WeightOnlyLinear):
     def __init__(self, weight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
                  out_features: int, bias: torch.Tensor | None) -> None:
         in_features = scales_and_zeros.shape[0] * group_size
-        super().__init__(in_features, out_features, bias, dense_min_rows=1 << 62)
+        super().__init__(in_features, out_features, bias, dense_min_rows=NEVER_DENSE)
         self.group_size = group_size
         self.register_buffer("weight", weight)
         self.register_buffer("scales_and_zeros", scales_and_zeros)

@@ -11,6 +11,7 @@ from torch import nn
 from tokenmill.config import QUANTIZATIONS
 from tokenmill.quant.head import QuantizedEmbedding, QuantizedHead, QuantizedLinear
 from tokenmill.quant.linear import (
+    NEVER_DENSE,
     Fp8Linear,
     Int4TinyGemmLinear,
     Int4WeightOnlyLinear,
@@ -238,6 +239,31 @@ def describe_head(model: nn.Module) -> str:
     kind = {Int8WeightOnlyLinear: "int8", Int4WeightOnlyLinear: "int4",
             Int4TinyGemmLinear: "int4", Fp8Linear: "fp8"}.get(type(inner), "float")
     return kind + (" (tied embedding)" if head is None else "")
+
+
+def pin_row_kernels(model: nn.Module) -> int:
+    """Send every row count of every weight-only layer of ``model`` (head included) to its int
+    kernel, never to the dense bf16 path; returns how many layers that changed.
+
+    The int kernels compute each output as one FMA chain over the inputs in a fixed order, and
+    every tile of rows runs the same code, so a row's result does not depend on how many rows
+    share the call; switching to the dense path at a row count rounds differently. The
+    deterministic engine needs that invariance (``EngineConfig.deterministic``); prefill pays
+    for it, as the kernels are slower than the dense path from ~100 rows on.
+    """
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, _WeightOnlyLinear) and module.dense_min_rows != NEVER_DENSE:
+            module.dense_min_rows = NEVER_DENSE
+            changed += 1
+    return changed
+
+
+def float_matmul_layers(model: nn.Module) -> list[str]:
+    """Names of the layers that multiply with a float weight: Linear layers left unquantized,
+    and a float output head or tied embedding table (used as the head)."""
+    slot = head_slot(model)
+    return linear_layer_names(model) + ([slot[0]] if slot is not None else [])
 
 
 def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -27,6 +27,7 @@ from torch import nn
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.models import layers
 from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.quant.model import float_matmul_layers, pin_row_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -258,6 +259,33 @@ def make_fused_decoder(model: nn.Module, device: torch.device,
     except Exception as e:  # a failed compile must never take the engine down
         logger.warning("fused decode off, the C++ extension failed to build or load: %s", e)
     return None
+
+
+def make_invariant_decoder(model: nn.Module, device: torch.device) -> FusedDecoder:
+    """The FusedDecoder of a deterministic runner, which runs every step (each token laid out
+    as a one-token sequence, see ``FlatBatch.add(split=True)``).
+
+    A token's row then goes through the same code whatever shares its step: int kernels at
+    every row count (:func:`~tokenmill.quant.model.pin_row_kernels`), attention of one query
+    over its own context, glue loops per row. ValueError where the stack cannot run the model;
+    a failed build raises too, as falling back would silently drop the guarantee.
+    """
+    if device.type != "cpu":
+        raise ValueError(f"deterministic runs on the CPU only, the model is on {device}")
+    floats = float_matmul_layers(model)
+    if floats:
+        # MKL's fp32 GEMM takes other code paths for 1, 2-3 and 4+ rows (each rounds alike
+        # within its range, measured on torch 2.13): only the int kernels hold at every size.
+        raise ValueError(f"deterministic needs int8 or int4 weights (--quantization int8 or "
+                         f"int4; auto on a Q4/Q8 GGUF file): {len(floats)} layers compute in "
+                         f"float ({', '.join(floats[:3])}...), whose matmuls round a token "
+                         "differently with the number of tokens beside it")
+    pin_row_kernels(model)
+    try:
+        return FusedDecoder(model)
+    except UnsupportedModel as e:
+        raise ValueError(f"deterministic needs the fused CPU layer stack, which cannot run "
+                         f"this model: {e}") from None
 
 
 def forward_step(model: nn.Module, fused: FusedDecoder | None, input_ids: torch.Tensor,

@@ -15,7 +15,11 @@ from tokenmill.models.config import ArchConfig
 from tokenmill.outputs import TokenLogprobs
 from tokenmill.runner.batch import FlatBatch
 from tokenmill.runner.cuda_graphs import DecodeGraphs, GraphCapture
-from tokenmill.runner.fused_decode import forward_step, make_fused_decoder
+from tokenmill.runner.fused_decode import (
+    forward_step,
+    make_fused_decoder,
+    make_invariant_decoder,
+)
 from tokenmill.runner.kv_memory import KVCacheShape
 from tokenmill.runner.platform import Platform
 from tokenmill.runner.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
@@ -79,7 +83,7 @@ class ModelRunner:
 
     def __init__(self, model: nn.Module, arch: ArchConfig, platform: Platform,
                  dtype: torch.dtype, block_size: int, eos_token_ids: frozenset[int],
-                 enable_fused_decode: bool | None = None) -> None:
+                 enable_fused_decode: bool | None = None, deterministic: bool = False) -> None:
         self.model = model
         self.arch = arch
         self.platform = platform
@@ -103,7 +107,10 @@ class ModelRunner:
         # enable_fused_decode None defers to $TOKENMILL_FUSED_DECODE (see fused_decode.py).
         if tp > 1:
             enable_fused_decode = False
-        self.fused_decoder = make_fused_decoder(model, self.device, enable_fused_decode)
+        # Deterministic: every step through the fused stack, each token its own sequence.
+        self.deterministic = deterministic
+        self.fused_decoder = (make_invariant_decoder(model, self.device) if deterministic
+                              else make_fused_decoder(model, self.device, enable_fused_decode))
 
     # ------------------------------------------------------------------------ KV memory
 
@@ -183,12 +190,22 @@ class ModelRunner:
     def _forward(self, inputs: _StepInputs) -> torch.Tensor:
         """A captured decode graph, the fused C++ stack for a decode-only step when it is on,
         or ``model.forward``."""
+        if self.deterministic:
+            return self._forward_invariant(inputs)
         graphs = self.decode_graphs
         if graphs is not None and graphs.supports(inputs.input_ids.shape[0], inputs.attn_meta):
             return graphs.run(inputs.input_ids, inputs.positions, inputs.attn_meta)
         hidden, self.fused_decoder = forward_step(self.model, self.fused_decoder, inputs.input_ids,
                                                   inputs.positions, inputs.attn_meta)
         return hidden
+
+    def _forward_invariant(self, inputs: _StepInputs) -> torch.Tensor:
+        """The fused stack, and nothing else: ``model.forward`` rounds a row differently, so
+        a fallback would make the row depend on the step again."""
+        fused = self.fused_decoder
+        if fused is None or not fused.supports(inputs.input_ids, inputs.attn_meta):
+            raise RuntimeError("a deterministic step the fused layer stack cannot run")
+        return fused.forward(inputs.input_ids, inputs.positions, inputs.attn_meta)
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_request_ids:
@@ -236,7 +253,10 @@ class ModelRunner:
                 spec.add(state, drafts, range(row0, row0 + n))
                 state.num_computed_tokens = end
                 continue
-            row0 = batch.add(state.token_ids[start:end], start, state.block_ids)
+            # Deterministic: each token a one-token sequence, so that a prompt token is
+            # computed as a decode token is, whatever the chunking and the batch mates.
+            row0 = batch.add(state.token_ids[start:end], start, state.block_ids,
+                             split=self.deterministic)
             state.num_computed_tokens = end
             if state.params.prompt_logprobs is not None:
                 self._plan_prompt_logprobs(state, start, end, row0, prompt_lp_rows)

@@ -1,0 +1,110 @@
+"""The deterministic engine: a greedy request's tokens do not depend on what shares its steps.
+
+The default int4 engine on the embedded SmolLM2 (what `tokenmill serve` runs), at the default
+token budget and at a small one that chunks long prompts into other requests' decode steps.
+Without ``deterministic`` each comparison below fails: a prompt token takes the int4 kernel
+or the dense bf16 matmul depending on how many tokens share its step, and a decode token
+beside a prefill goes through ``model.forward`` instead of the fused stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.config import EngineConfig, ParallelConfig
+from tokenmill.engine.args import add_engine_args, engine_config_from_args
+
+# 16 prompts of 1 to 20 tokens: together 152, past the 96 rows from which the int4 layers'
+# default path switches to the dense bf16 matmul.
+PROMPTS = [
+    "Hi",
+    "What is 2 + 2?",
+    "Write a short poem about the moon and the stars shining over a quiet lake at night.",
+    "Translate to French: good morning",
+    "The quick brown fox",
+    "Explain photosynthesis in simple words for a child who is seven years old and curious.",
+    "1, 2, 3, 4,",
+    "Name a planet.",
+    "import numpy as np\nx = np.arange(10)\n",
+    "Why is the sky blue? Give a detailed answer with the physics involved, please.",
+    "Paris is",
+    "Q: What do bees make?\nA:",
+    "The best way to learn programming is",
+    "Summer",
+    "Roses are red, violets are blue,",
+    "A long time ago in a galaxy far, far away, there lived a young farmer who dreamed of",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def _engine(max_num_batched_tokens: int) -> LLM:
+    # The default quantization: the embedded file's int4 weights and int8 head.
+    return LLM(deterministic=True, max_model_len=1024, kv_cache_memory_bytes=64 << 20,
+               max_num_batched_tokens=max_num_batched_tokens)
+
+
+@pytest.fixture(scope="module")
+def det_llm() -> LLM:
+    """The default token budget: the prompts together are prefilled in one step."""
+    return _engine(512)
+
+
+@pytest.fixture(scope="module")
+def det_small() -> LLM:
+    """A budget of 64 tokens: long prompts are chunked into the others' decode steps."""
+    return _engine(64)
+
+
+def _tokens(llm: LLM, prompts: list, params: list[SamplingParams]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def alone(det_llm: LLM) -> list[list[int]]:
+    return [_tokens(det_llm, [p], [GREEDY])[0] for p in PROMPTS]
+
+
+def test_together_equals_alone(det_llm: LLM, alone: list[list[int]]) -> None:
+    assert _tokens(det_llm, PROMPTS, [GREEDY] * len(PROMPTS)) == alone
+
+
+def test_beside_chunked_prefills_equals_alone(det_small: LLM, alone: list[list[int]],
+                                              long_prompt: list[int]) -> None:
+    # The long prompt first: the others' prefills and decodes share steps with its chunks.
+    beside = _tokens(det_small, [long_prompt, *PROMPTS],
+                     [SamplingParams(temperature=0.0, max_tokens=2)] + [GREEDY] * len(PROMPTS))
+    assert beside[1:] == alone
+
+
+@pytest.fixture(scope="module")
+def long_prompt(det_llm: LLM) -> list[int]:
+    """300 tokens of text: far more than the small engine's budget, so prefilled in chunks."""
+    return det_llm.get_tokenizer().encode(" ".join(PROMPTS) * 3)[:300]
+
+
+def test_a_chunked_prompt_continues_as_a_whole_one(det_llm: LLM, det_small: LLM,
+                                                    long_prompt: list[int]) -> None:
+    whole = _tokens(det_llm, [long_prompt], [GREEDY])[0]
+    assert _tokens(det_small, [long_prompt], [GREEDY])[0] == whole
+    assert _tokens(det_small, [PROMPTS[0], long_prompt], [GREEDY, GREEDY])[1] == whole
+
+
+def test_deterministic_is_refused_where_it_cannot_hold() -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2), deterministic=True)
+    with pytest.raises(ValueError, match="CPU"):
+        LLM(deterministic=True, device="cuda:0")
+    # fp32 matmuls round a row differently by batch size: only the int kernels qualify.
+    with pytest.raises(ValueError, match="int8 or int4"):
+        LLM(deterministic=True, quantization="none", max_model_len=256,
+            kv_cache_memory_bytes=16 << 20)
+
+
+def test_cli_flag() -> None:
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config_from_args(p.parse_args(["--deterministic"])).deterministic
+    assert not engine_config_from_args(p.parse_args([])).deterministic
