@@ -92,6 +92,16 @@ def test_a_chunked_prompt_continues_as_a_whole_one(det_llm: LLM, det_small: LLM,
     assert _tokens(det_small, [PROMPTS[0], long_prompt], [GREEDY, GREEDY])[1] == whole
 
 
+def test_speculative_decoding_changes_no_token(det_llm: LLM) -> None:
+    # Verification rows are laid out as decode rows too: drafts only change the speed.
+    spec = LLM(deterministic=True, max_model_len=1024, kv_cache_memory_bytes=64 << 20,
+               speculative="ngram")
+    prompts = PROMPTS[:4]
+    got = _tokens(spec, prompts, [GREEDY] * len(prompts))
+    assert spec.engine.stats().spec_decoding.num_draft_tokens > 0
+    assert got == _tokens(det_llm, prompts, [GREEDY] * len(prompts))
+
+
 def test_deterministic_is_refused_where_it_cannot_hold() -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2), deterministic=True)
@@ -108,3 +118,4 @@ def test_cli_flag() -> None:
     add_engine_args(p)
     assert engine_config_from_args(p.parse_args(["--deterministic"])).deterministic
     assert not engine_config_from_args(p.parse_args([])).deterministic
+
