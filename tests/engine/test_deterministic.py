@@ -102,6 +102,16 @@ def test_speculative_decoding_changes_no_token(det_llm: LLM) -> None:
     assert got == _tokens(det_llm, prompts, [GREEDY] * len(prompts))
 
 
+def test_preemption_changes_no_token(alone: list[list[int]]) -> None:
+    # 12 blocks of 16 tokens hold about 4 of the 8 requests: the newest are preempted and
+    # recomputed, their output tokens now as prompt-like chunks.
+    small = LLM(deterministic=True, max_model_len=256, num_kv_blocks=12,
+                max_num_batched_tokens=128)
+    got = _tokens(small, PROMPTS[:8], [GREEDY] * 8)
+    assert small.engine.core.scheduler.num_preemptions_total > 0
+    assert got == alone[:8]
+
+
 def test_deterministic_is_refused_where_it_cannot_hold() -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2), deterministic=True)
