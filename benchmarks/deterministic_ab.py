@@ -42,24 +42,24 @@ def _load_avg() -> float:
     return os.getloadavg()[0]
 
 
-def throughput(num: int, input_len: int, output_len: int) -> Callable[[LLMEngine], float]:
+def throughput(num: int, input_len: int, output_len: int) -> Callable[[LLMEngine, int], float]:
     """Output tokens/s of ``num`` random prompts queued at once (``bench throughput``)."""
-    def run(engine: LLMEngine) -> float:
-        reqs = random_requests(engine.tokenizer, num, input_len, output_len, seed=0)
+    def run(engine: LLMEngine, seed: int) -> float:
+        reqs = random_requests(engine.tokenizer, num, input_len, output_len, seed=seed)
         return run_throughput(engine, reqs, 0.0, progress=False)["output_tokens_per_s"]
     return run
 
 
-def decode_speed(engine: LLMEngine) -> float:
+def decode_speed(engine: LLMEngine, seed: int) -> float:
     """Tokens/s of one greedy request between its first and its last token."""
     out = _one(engine, "The capital of France is", 128)
     m = out.metrics
     return (len(out.outputs[0].token_ids) - 1) / (m.last_token_time - m.first_token_time)
 
 
-def prefill_speed(engine: LLMEngine) -> float:
+def prefill_speed(engine: LLMEngine, seed: int) -> float:
     """Prompt tokens/s of one 500-token prompt (its time to first token)."""
-    ids = random_requests(engine.tokenizer, 1, 500, 1, seed=1)[0].prompt
+    ids = random_requests(engine.tokenizer, 1, 500, 1, seed=seed)[0].prompt
     start = time.perf_counter()
     out = _one(engine, ids, 1)
     return len(out.prompt_token_ids) / (time.perf_counter() - start)
@@ -76,7 +76,9 @@ def _one(engine: LLMEngine, prompt: Any, max_tokens: int) -> Any:
     return final
 
 
-WORKLOADS: dict[str, tuple[str, Callable[[LLMEngine], float]]] = {
+# Each workload gets new random prompts every round (the round's seed, the same for every
+# mode), so that no round hits the prefix cache of an earlier one.
+WORKLOADS: dict[str, tuple[str, Callable[[LLMEngine, int], float]]] = {
     "throughput-32x128-128": ("output tok/s", throughput(32, 128, 128)),
     "throughput-16x512-16": ("output tok/s", throughput(16, 512, 16)),
     "decode-1": ("tok/s", decode_speed),
@@ -116,7 +118,7 @@ def main() -> int:
             # Alternate the order each round, so that neither mode always runs first.
             for mode in modes if r % 2 == 0 else list(reversed(modes)):
                 loads.append(_load_avg())
-                samples[name][mode].append(WORKLOADS[name][1](engines[mode]))
+                samples[name][mode].append(WORKLOADS[name][1](engines[mode], 1000 + r))
                 print(f"round {r + 1} {name} {mode}: {samples[name][mode][-1]:.1f}",
                       file=sys.stderr, flush=True)
     result = _summary(samples, args.rounds, loads)
