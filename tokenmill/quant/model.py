@@ -243,7 +243,7 @@ def describe_head(model: nn.Module) -> str:
 
 def pin_row_kernels(model: nn.Module) -> int:
     """Send every row count of every weight-only layer of ``model`` (head included) to its int
-    kernel, never to the dense bf16 path; returns how many layers that changed.
+    kernel, never to the dense matmul; returns how many layers that changed.
 
     The int kernels compute each output as one FMA chain over the inputs in a fixed order, and
     every tile of rows runs the same code, so a row's result does not depend on how many rows
