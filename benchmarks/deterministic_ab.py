@@ -8,9 +8,9 @@ Modes: ``default`` (the engine as shipped), ``pinned`` (the default engine with 
 int8 layer on its int kernel at every row count, as ``--deterministic`` has them, but the
 default step layout: what the kernels cost apart from the step layout) and ``deterministic``.
 Workloads: ``bench throughput``'s default (32 random prompts of 128 tokens, 128 output tokens
-each), a prefill-heavy batch (16 x 512 prompt tokens, 16 output tokens), single-request greedy decode (128 tokens after a short prompt; tokens/s
-between the first and the last token) and single-request prefill (a 500-token prompt,
-max_tokens 1; prompt tokens / TTFT).
+each), a prefill-heavy batch (16 x 512 prompt tokens, 16 output tokens), single-request greedy decode (128 tokens after a short prompt; tokens/s between
+the first and the last token) and single-request prefill (a 500-token prompt, max_tokens 1;
+prompt tokens / TTFT).
 """
 
 from __future__ import annotations
