@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,10 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_TOKEN_COUNT = 2**31 - 1
 # Seeds are what torch.Generator.manual_seed takes: 63 bits, not negative.
 MAX_SEED = 2**63 - 1
+# Structured outputs: the size of a schema, regex or grammar, and of a choice list.
+MAX_GRAMMAR_CHARS = 256 * 1024
+MAX_CHOICES = 1024
+MAX_CHOICE_CHARS = 1024
 
 
 def _check_number(name: str, value: Any, *, integer: bool = False) -> None:
@@ -38,6 +43,85 @@ def _check_range(name: str, value: Any, lo: float | None, hi: float | None, *, i
         lo_s = "-inf" if lo is None else repr(lo)
         hi_s = "inf" if hi is None else repr(hi)
         raise ValueError(f"{name} must be in {left}{lo_s}, {hi_s}], got {value!r}")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What a request's output must match: exactly one of ``json`` (a JSON schema, as a dict or
+    its text), ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these strings)
+    or ``grammar`` (EBNF in xgrammar's GBNF dialect). vLLM's names.
+
+    ``any_whitespace`` False makes JSON compact (no free whitespace between tokens), which small
+    models need to not loop on whitespace; True allows any whitespace.
+    """
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if self.choice is not None and isinstance(self.choice, (list, tuple)):
+            object.__setattr__(self, "choice", list(self.choice))
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: "json", "json_object", "regex", "choice" or "grammar"."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+    def validate(self) -> None:
+        """ValueError naming what is wrong (the constraint's own syntax is checked when it is
+        compiled, see ``tokenmill.structured``)."""
+        if not isinstance(self.json_object, bool) or not isinstance(self.any_whitespace, bool):
+            raise ValueError("structured_outputs.json_object and any_whitespace must be booleans")
+        given = [n for n in ("json", "regex", "choice", "grammar")
+                 if getattr(self, n) is not None] + (["json_object"] if self.json_object else [])
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, json_object, "
+                             f"regex, choice, grammar; got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got "
+                             f"{type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None:
+            self._validate_choice()
+        if len(self.source) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"structured_outputs.{self.kind} is {len(self.source)} characters; "
+                             f"the limit is {MAX_GRAMMAR_CHARS}")
+
+    def _validate_choice(self) -> None:
+        choice = self.choice
+        if not isinstance(choice, list) or not choice:
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+        if len(choice) > MAX_CHOICES:
+            raise ValueError(f"structured_outputs.choice may hold at most {MAX_CHOICES} strings, "
+                             f"got {len(choice)}")
+        for c in choice:
+            if not isinstance(c, str) or not c:
+                raise ValueError(f"structured_outputs.choice entries must be non-empty strings, "
+                                 f"got {c!r}")
+            if len(c) > MAX_CHOICE_CHARS:
+                raise ValueError(f"structured_outputs.choice entries may have at most "
+                                 f"{MAX_CHOICE_CHARS} characters, got one of {len(c)}")
+
+    @property
+    def source(self) -> str:
+        """The constraint as text: the key grammars are compiled and cached by."""
+        if self.json is not None:
+            return self.json if isinstance(self.json, str) else _json.dumps(
+                self.json, sort_keys=True, ensure_ascii=False)
+        if self.choice is not None:
+            return _json.dumps(self.choice, ensure_ascii=False)
+        return self.regex or self.grammar or ""
 
 
 @dataclass
@@ -72,6 +156,8 @@ class SamplingParams:
     # False: one token per step even when the engine speculates (speculation is an engine
     # setting; this lets one request opt out, e.g. to compare or to save the draft's work).
     speculative: bool = True
+    # The output must match a JSON schema, regex, choice list or grammar (None: free text).
+    structured_outputs: StructuredOutputsParams | None = None
     # Normalised copies filled by __post_init__.
     stop_strings: list[str] = field(default_factory=list, init=False, repr=False)
 
@@ -136,6 +222,12 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         self._validate_stops()
         self._validate_token_ids(vocab_size)
+        so = self.structured_outputs
+        if so is not None:
+            if not isinstance(so, StructuredOutputsParams):
+                raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                                 f"{type(so).__name__}")
+            so.validate()
 
     def _validate_stops(self) -> None:
         if len(self.stop_strings) > MAX_STOP_STRINGS:

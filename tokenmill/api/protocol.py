@@ -32,6 +32,35 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Strict):
+    """``response_format.json_schema``: OpenAI's named schema."""
+
+    name: str = "response"
+    description: str | None = None
+    # "schema" shadows a BaseModel attribute, hence the alias.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Strict):
+    """vLLM's ``structured_outputs``: exactly one of the constraints."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    # tokenmill: let the JSON have any whitespace between tokens (default compact).
+    any_whitespace: bool = False
+
+
 class SamplingFields(_Strict):
     """Fields shared by chat and completions; the last group is tokenmill's (and vLLM's)."""
 
@@ -58,11 +87,43 @@ class SamplingFields(_Strict):
     skip_special_tokens: bool = True
     # False opts this request out of the server's speculative decoding.
     speculative: bool = True
+    # Structured outputs: OpenAI's field, vLLM's, and vLLM's older spellings.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
         """Whether a streamed answer ends with a chunk that carries the usage."""
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict):
+    """One entry of ``tools``: a function the model may call."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """``tool_choice`` naming the one function the model must call."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -74,6 +135,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # Tool calling (see api/tools.py).
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(SamplingFields):
@@ -140,9 +205,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -162,9 +239,24 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed piece of a tool call; ``index`` says which call it continues."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 from tokenmill.api.errors import APIError, bad_request
 from tokenmill.api.protocol import SamplingFields
 from tokenmill.request import ContextOverflow, context_overflow, first_invalid_token_id
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.tokenizer import Tokenizer
 
 
@@ -71,11 +71,48 @@ def sampling_params(req: SamplingFields, vocab_size: int, *, max_tokens: int | N
             include_stop_str_in_output=req.include_stop_str_in_output,
             ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=req.skip_special_tokens, speculative=req.speculative)
+            skip_special_tokens=req.skip_special_tokens, speculative=req.speculative,
+            structured_outputs=structured_outputs(req))
         params.validate(vocab_size=vocab_size)
     except ValueError as e:
         raise bad_request(str(e), _param_of(str(e))) from None
     return params
+
+
+def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's output constraint from whichever field sets it: OpenAI's
+    ``response_format``, vLLM's ``structured_outputs`` or its ``guided_*`` fields (at most one
+    of them); 400 names the field."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append(("response_format", {"json_object": True}))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.json_schema is None:
+            raise bad_request("response_format of type json_schema needs json_schema.schema",
+                              "response_format")
+        found.append(("response_format", {"json": rf.json_schema.json_schema}))
+    so = req.structured_outputs
+    if so is not None:
+        fields = {"json": so.json_, "json_object": so.json_object or None, "regex": so.regex,
+                  "choice": so.choice, "grammar": so.grammar}
+        found.append(("structured_outputs", {k: v for k, v in fields.items() if v is not None}
+                      | {"any_whitespace": so.any_whitespace}))
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                      ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+        value = getattr(req, name)
+        if value is not None:
+            found.append((name, {key: value}))
+    if not found:
+        return None
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise bad_request(f"a request may set one output constraint, got {names}", found[1][0])
+    name, fields = found[0]
+    try:
+        return StructuredOutputsParams(**fields)
+    except ValueError as e:
+        raise bad_request(str(e).replace("structured_outputs", name, 1), name) from None
 
 
 def _param_of(message: str) -> str | None:
