@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import json
+import re
 import threading
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,14 @@ COMPILE_TIMEOUT_S = 10.0
 CACHE_SIZE = 512
 # Compilations running at once; one that times out keeps its thread until it ends.
 COMPILE_THREADS = 2
+# The largest length, item count or repetition count a constraint may ask for. xgrammar's
+# compile time grows with these (a string of maxLength 10,000 takes seconds on a CPU, one of
+# 10**9 does not finish), and a compilation that overruns cannot be stopped, only abandoned.
+MAX_BOUND = 10_000
+_BOUND_KEYS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties",
+               "maxProperties")
+# {m}, {m,} and {m,n} in a regex or an EBNF rule.
+_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 
 
 class GrammarError(ValueError):
@@ -77,6 +86,7 @@ class GrammarCompiler:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
+        check_bounds(spec)
         compiler = self._xgr_compiler()
         future = self._pool.submit(_compile, compiler, spec)
         try:
@@ -93,6 +103,44 @@ class GrammarCompiler:
     def close(self) -> None:
         """Stop the worker threads (a compilation under way finishes on its own)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def check_bounds(spec: StructuredOutputsParams) -> None:
+    """GrammarError when the constraint asks for a length or repetition over MAX_BOUND."""
+    if spec.kind == "json":
+        try:
+            schema = json.loads(spec.source)
+        except json.JSONDecodeError:
+            return  # _compile names the syntax error
+        _check_schema_bounds(schema, "structured_outputs.json")
+    elif spec.kind in ("regex", "grammar"):
+        _check_repeats(spec.source, f"structured_outputs.{spec.kind}")
+
+
+def _check_schema_bounds(node: object, where: str) -> None:
+    # Iterative: a schema nested thousands deep must not exhaust the recursion limit.
+    stack = [(node, where)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, dict):
+            for key, value in item.items():
+                inner = f"{path}.{key}"
+                if key in _BOUND_KEYS and isinstance(value, (int, float)) and value > MAX_BOUND:
+                    raise GrammarError(f"{inner} is {value}; tokenmill compiles bounds up to "
+                                       f"{MAX_BOUND}")
+                if key == "pattern" and isinstance(value, str):
+                    _check_repeats(value, inner)
+                stack.append((value, inner))
+        elif isinstance(item, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(item))
+
+
+def _check_repeats(source: str, where: str) -> None:
+    for m in _REPEAT.finditer(source):
+        for count in m.groups():
+            if count and int(count) > MAX_BOUND:
+                raise GrammarError(f"{where} repeats {m.group(0)}; tokenmill compiles "
+                                   f"repetitions up to {MAX_BOUND}")
 
 
 def _compile(compiler: xgrammar.GrammarCompiler,

@@ -21,17 +21,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Drafts a matcher can roll back (the most a speculative step verifies).
-MAX_ROLLBACK_TOKENS = 64
-
-
 class GrammarState:
     """One request's position in its grammar."""
 
     def __init__(self, compiled: xgrammar.CompiledGrammar) -> None:
         import xgrammar
-        self._matcher = xgrammar.GrammarMatcher(compiled,
-                                                max_rollback_tokens=MAX_ROLLBACK_TOKENS)
+        self._matcher = xgrammar.GrammarMatcher(compiled)  # rolls back any number of tokens
         # Set when the grammar is complete (it accepted a stop token) or a token broke it.
         self.finished = False
 
