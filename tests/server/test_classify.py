@@ -113,7 +113,8 @@ def test_concurrent_requests_each_get_their_own_answer(server: Server) -> None:
             return await asyncio.gather(*(client.post(CLASSIFY, json=b) for b in bodies * 3))
 
     # The two tickets score apart, so an answer built from the other's labels would show.
-    assert max(abs(a - b) for a, b in zip(alone[0].values(), alone[1].values())) > 0.2
+    pairs = zip(alone[0].values(), alone[1].values(), strict=True)
+    assert max(abs(a - b) for a, b in pairs) > 0.2
     for i, r in enumerate(asyncio.run(together())):
         assert r.status_code == 200, r.text
         got = r.json()["data"][0]["probs"]
@@ -149,6 +150,8 @@ BAD: list[tuple[str, dict | bytes, int, str | None]] = [
     ("input not strings", {"input": ["ok", 3], "labels": ["a"]}, 400, "input"),
     ("too many inputs", {"input": ["x"] * 257, "labels": ["a"]}, 400, "input"),
     ("input missing", {"labels": ["a"]}, 400, "input"),
+    ("inputs x labels past the limit", {"input": ["x"] * 65, "labels": [f"l{i}" for i in
+                                                                      range(32)]}, 400, "input"),
     ("prompt and label past the context", {"input": "word " * 600, "labels": ["a"]}, 400,
      "input"),
     ("input past the characters the context takes", {"input": "a" * (512 * 32),

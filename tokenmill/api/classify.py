@@ -27,8 +27,10 @@ from tokenmill.engine.llm_engine import PromptType
 from tokenmill.outputs import ClassificationResult
 from tokenmill.sampling_params import SamplingParams
 
-# Inputs in one request; a file of many more goes through `tokenmill batch`.
+# Inputs in one request, and label scores (inputs x labels, one engine request each): a file
+# of many more goes through `tokenmill batch`.
 MAX_CLASSIFY_INPUTS = 256
+MAX_LABEL_SCORES = 2048
 
 # Queues engine requests (prompts, shared parameters, id prefix), HTTP errors for refusals.
 Submit = Callable[[Sequence[PromptType], SamplingParams, str], Awaitable[RequestGroup]]
@@ -85,9 +87,14 @@ class ClassifyCall:
 def prepare_classify(req: ClassifyRequest, served: ServedModel) -> ClassifyCall:
     """The label scorer of a classify request; 400 names the bad field. Shared by the server
     and the batch job, so both accept and reject the same bodies."""
-    if isinstance(req.input, list) and len(req.input) > MAX_CLASSIFY_INPUTS:
-        raise bad_request(f"input may hold at most {MAX_CLASSIFY_INPUTS} texts, got "
-                          f"{len(req.input)}; classify more with a batch file", "input")
+    if isinstance(req.input, list):
+        if len(req.input) > MAX_CLASSIFY_INPUTS:
+            raise bad_request(f"input may hold at most {MAX_CLASSIFY_INPUTS} texts, got "
+                              f"{len(req.input)}; classify more with a batch file", "input")
+        if len(req.input) * len(req.labels) > MAX_LABEL_SCORES:
+            raise bad_request(f"{len(req.input)} inputs x {len(req.labels)} labels is more than "
+                              f"the {MAX_LABEL_SCORES} label scores a request may ask for; "
+                              "send fewer inputs, or a batch file", "input")
     try:
         scorer = LabelScorer(served.tokenizer, served.max_model_len, req.input, req.labels,
                              req.instruction,
