@@ -8,8 +8,14 @@ The offline API::
 """
 
 from tokenmill.engine.llm import LLM
-from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.outputs import (
+    ClassificationResult,
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+)
 from tokenmill.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics",
+           "ClassificationResult"]
 __version__ = "0.1.0"

@@ -75,3 +75,18 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+
+@dataclass
+class ClassificationResult:
+    """One input's classification: the most likely label and every label's probability.
+
+    ``probs`` is the softmax over the labels of ``logprobs``, each label's summed token
+    log-probabilities after the prompt; both keep the order the labels were given in."""
+
+    index: int
+    label: str
+    probs: dict[str, float]
+    logprobs: dict[str, float]
+    # The input's prompt once plus every label's tokens.
+    num_prompt_tokens: int

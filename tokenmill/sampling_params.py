@@ -130,7 +130,10 @@ class SamplingParams:
 
     temperature 0 means greedy. ``top_k`` 0 (or -1) and ``top_p`` 1 disable those filters.
     ``logprobs=k`` returns the sampled token's logprob and the top-k alternatives at each
-    step; ``prompt_logprobs=k`` does the same for every prompt token after the first.
+    step; ``prompt_logprobs=k`` does the same for every prompt token after the first, or
+    only from the token at index ``prompt_logprobs_start`` on (the entries before it are None):
+    the prefix cache may then serve the prompt before that token, e.g. to score several
+    continuations of one long prompt without computing it again.
     Logprobs are those of the model's raw distribution (before penalties and temperature).
     """
 
@@ -152,6 +155,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 0
     skip_special_tokens: bool = True
     # False: one token per step even when the engine speculates (speculation is an engine
     # setting; this lets one request opt out, e.g. to compare or to save the draft's work).
@@ -216,6 +220,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 _check_range(name, value, 0, MAX_LOGPROBS, integer=True)
+        _check_range("prompt_logprobs_start", self.prompt_logprobs_start, 0, MAX_TOKEN_COUNT,
+                     integer=True)
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
                      "speculative"):
             if not isinstance(getattr(self, name), bool):

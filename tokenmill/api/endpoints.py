@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+from pydantic import BaseModel
+
 from tokenmill.api.chat import ChatCall, prepare_chat
+from tokenmill.api.classify import ClassifyRequest
 from tokenmill.api.completions import CompletionCall, prepare_completion
 from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.api.validation import ServedModel
 
-# The endpoints that generate, and the schema of their bodies.
-ENDPOINTS: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
+# The endpoints that run the model, and the schema of their bodies (/v1/classify is
+# prepared by api/classify.py: it scores labels rather than generating).
+ENDPOINTS: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
+    "/v1/classify": ClassifyRequest,
 }
 
 

@@ -8,10 +8,13 @@ line gets the status and body that the HTTP endpoint would have returned.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from tokenmill.api.classify import ClassifyCall, ClassifyRequest, prepare_classify
 from tokenmill.api.endpoints import ENDPOINTS, prepare
 from tokenmill.api.errors import APIError, bad_request, validate_body
 from tokenmill.api.protocol import now, random_id
@@ -19,6 +22,7 @@ from tokenmill.api.responses import Call, Collected
 from tokenmill.api.validation import default_model_name
 from tokenmill.batch import DEFAULT_MAX_IN_FLIGHT
 from tokenmill.batch.format import BatchRequest, api_error_line, response_line
+from tokenmill.engine.classify import LabelRequest
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import RequestOutput
 
@@ -36,12 +40,119 @@ class Answer:
     output_tokens: int = 0
 
 
+class _Job(Protocol):
+    """One input line's work in the engine."""
+
+    request: BatchRequest
+
+    @property
+    def weight(self) -> int:
+        """Engine requests it holds at once, counted against the in-flight limit."""
+        ...
+
+    @property
+    def complete(self) -> bool: ...
+
+    def start(self, engine: LLMEngine) -> list[str]:
+        """Queue its first engine requests; their ids. ValueError from the engine."""
+        ...
+
+    def finish(self, out: RequestOutput, engine: LLMEngine) -> list[str]:
+        """Take one of its requests' final output; the ids of requests it queued next."""
+        ...
+
+    def live_ids(self) -> list[str]:
+        """Its engine requests queued (or perhaps queued) and not finished."""
+        ...
+
+    def answer(self, model_name: str) -> Answer: ...
+
+
 @dataclass
-class _Job:
+class _GenerateJob:
+    """Chat or completions: one engine request per prompt, answered when all have finished."""
+
     request: BatchRequest
     call: Call
-    request_ids: list[str]  # one engine request per prompt
     outputs: dict[str, RequestOutput] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.call.engine_prompts)
+        self.request_ids = [f"b{self.request.line}-{i}" for i in range(n)]
+
+    @property
+    def weight(self) -> int:
+        return 1
+
+    @property
+    def complete(self) -> bool:
+        return len(self.outputs) == len(self.request_ids)
+
+    def start(self, engine: LLMEngine) -> list[str]:
+        for rid, prompt in zip(self.request_ids, self.call.engine_prompts, strict=True):
+            engine.add_request(rid, prompt, self.call.params)
+        return self.request_ids
+
+    def finish(self, out: RequestOutput, engine: LLMEngine) -> list[str]:
+        self.outputs[out.request_id] = out
+        return []
+
+    def live_ids(self) -> list[str]:
+        return [rid for rid in self.request_ids if rid not in self.outputs]
+
+    def answer(self, model_name: str) -> Answer:
+        result = Collected.from_final([self.outputs[rid] for rid in self.request_ids])
+        rid = random_id(self.call.id_prefix)
+        body = self.call.response(result, model_name, rid, now())
+        usage = result.usage()
+        return Answer(self.request.line, response_line(self.request, body, rid), ok=True,
+                      prompt_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens)
+
+
+@dataclass
+class _ClassifyJob:
+    """/v1/classify: each input's first label, then its other labels once that one has
+    computed the prompt (they find it in the prefix cache)."""
+
+    request: BatchRequest
+    call: ClassifyCall
+    in_flight: dict[str, LabelRequest] = field(default_factory=dict)
+    _ids: Iterator[int] = field(default_factory=itertools.count)
+
+    @property
+    def weight(self) -> int:
+        # Its labels wait behind fewer first labels of other lines: their prompt is still
+        # cached when they run.
+        return len(self.call.scorer.labels)
+
+    @property
+    def complete(self) -> bool:
+        return self.call.scorer.done
+
+    def _add(self, engine: LLMEngine, requests: list[LabelRequest]) -> list[str]:
+        added = []
+        for request in requests:
+            rid = f"b{self.request.line}-{next(self._ids)}"
+            engine.add_request(rid, request.prompt, request.params)
+            self.in_flight[rid] = request
+            added.append(rid)
+        return added
+
+    def start(self, engine: LLMEngine) -> list[str]:
+        return self._add(engine, self.call.scorer.first_requests())
+
+    def finish(self, out: RequestOutput, engine: LLMEngine) -> list[str]:
+        request = self.in_flight.pop(out.request_id)
+        return self._add(engine, self.call.scorer.record(request, out.prompt_logprobs))
+
+    def live_ids(self) -> list[str]:
+        return list(self.in_flight)
+
+    def answer(self, model_name: str) -> Answer:
+        rid = random_id(self.call.id_prefix)
+        body = self.call.response(self.call.scorer.results(), model_name, rid, now())
+        return Answer(self.request.line, response_line(self.request, body, rid), ok=True,
+                      prompt_tokens=body.usage.prompt_tokens)
 
 
 class BatchProcessor:
@@ -75,8 +186,8 @@ class BatchProcessor:
                     if isinstance(job, Answer):  # refused: answered at once
                         yield job
                         continue
-                    in_flight += 1
-                    jobs.update(dict.fromkeys(job.request_ids, job))
+                    in_flight += job.weight
+                    jobs.update(dict.fromkeys(job.live_ids(), job))
                 if not engine.has_unfinished_requests():
                     if exhausted:
                         return
@@ -85,10 +196,10 @@ class BatchProcessor:
                     job = jobs.pop(out.request_id, None) if out.finished else None
                     if job is None:
                         continue
-                    job.outputs[out.request_id] = out
-                    if len(job.outputs) == len(job.request_ids):
-                        in_flight -= 1
-                        yield self._answer(job)
+                    answer = self._advance(job, out, jobs)
+                    if answer is not None:
+                        in_flight -= job.weight
+                        yield answer
         finally:  # the caller stopped early (or failed): free what is still in the engine
             for rid in jobs:
                 engine.abort_request(rid)
@@ -96,34 +207,44 @@ class BatchProcessor:
     def _submit(self, req: BatchRequest) -> _Job | Answer:
         """Validate and queue one request; a refusal comes back as its Answer instead."""
         try:
-            return self._queue(req)
-        except APIError as e:
-            return Answer(req.line, api_error_line(req, e), ok=False)
-        except Exception as e:  # one odd request must not end a long job
-            logger.exception("batch line %d: unexpected error", req.line)
-            err = APIError(500, f"internal error: {type(e).__name__}: {e}")
-            return Answer(req.line, api_error_line(req, err), ok=False)
-
-    def _queue(self, req: BatchRequest) -> _Job:
-        engine = self.engine
-        call = prepare(validate_body(req.body, ENDPOINTS[req.url]), engine)
-        prompts = call.engine_prompts
-        request_ids = [f"b{req.line}-{i}" for i in range(len(prompts))]
-        added: list[str] = []
+            body = validate_body(req.body, ENDPOINTS[req.url])
+            job: _Job
+            if isinstance(body, ClassifyRequest):
+                job = _ClassifyJob(req, prepare_classify(body, self.engine))
+            else:
+                job = _GenerateJob(req, prepare(body, self.engine))  # type: ignore[arg-type]
+        except Exception as e:  # noqa: BLE001 - answered as its line's error
+            return _refusal(req, e)
         try:
-            for rid, prompt in zip(request_ids, prompts, strict=True):
-                engine.add_request(rid, prompt, call.params)
-                added.append(rid)
-        except ValueError as e:  # e.g. a prompt the KV cache can never hold
-            for rid in added:
-                engine.abort_request(rid)
-            raise bad_request(str(e)) from None
-        return _Job(req, call, request_ids)
+            job.start(self.engine)
+        except Exception as e:  # noqa: BLE001 - e.g. a prompt the KV cache can never hold
+            self._drop(job, {})
+            return _refusal(req, e)
+        return job
 
-    def _answer(self, job: _Job) -> Answer:
-        result = Collected.from_final([job.outputs[rid] for rid in job.request_ids])
-        rid = random_id(job.call.id_prefix)
-        body = job.call.response(result, self.model_name, rid, now())
-        usage = result.usage()
-        return Answer(job.request.line, response_line(job.request, body, rid), ok=True,
-                      prompt_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens)
+    def _advance(self, job: _Job, out: RequestOutput, jobs: dict[str, _Job]) -> Answer | None:
+        """Give a job one of its final outputs; its Answer once it is complete (or failed)."""
+        try:
+            jobs.update(dict.fromkeys(job.finish(out, self.engine), job))
+            return job.answer(self.model_name) if job.complete else None
+        except Exception as e:  # noqa: BLE001 - one odd request must not end a long job
+            self._drop(job, jobs)
+            return _refusal(job.request, e)
+
+    def _drop(self, job: _Job, jobs: dict[str, _Job]) -> None:
+        """Abort what a failed job still has in the engine."""
+        for rid in job.live_ids():
+            jobs.pop(rid, None)
+            self.engine.abort_request(rid)
+
+
+def _refusal(req: BatchRequest, e: Exception) -> Answer:
+    """The Answer of a request that failed: its API error, a 400 for the engine's
+    ValueError, else a 500 (logged)."""
+    if not isinstance(e, APIError):
+        if isinstance(e, ValueError):
+            e = bad_request(str(e))
+        else:
+            logger.exception("batch line %d: unexpected error", req.line, exc_info=e)
+            e = APIError(500, f"internal error: {type(e).__name__}: {e}")
+    return Answer(req.line, api_error_line(req, e), ok=False)

@@ -72,8 +72,9 @@ class RunnerOutput:
     # Per request, per new token: (logprob of the sampled token, its rank, {token id: logprob}
     # of the top alternatives). Only for requests that asked for logprobs.
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
-    # Per request, per prompt position computed this step (excluding the first prompt token).
-    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Per request, per prompt position computed this step (excluding the first prompt token);
+    # None for the positions before SamplingParams.prompt_logprobs_start that were skipped.
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
     # Requests whose grammar is complete with this step's tokens: they finish with "stop".
     grammar_finished: set[str] = field(default_factory=set)
 
@@ -87,7 +88,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     new_logprobs: list[TokenLogprobs] | None = None
-    new_prompt_logprobs: list[TokenLogprobs] | None = None
+    new_prompt_logprobs: list[TokenLogprobs | None] | None = None
     # When the request was first scheduled (time.monotonic()), for queue-time metrics.
     first_scheduled_time: float | None = None
 

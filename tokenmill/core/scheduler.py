@@ -257,9 +257,14 @@ class Scheduler:
     def _start(self, request: Request, budget: int) -> int | None:
         """Blocks for a request's first chunk after its cached prefix; None if it cannot start."""
         rid = request.request_id
-        # Prompt logprobs are computed in the prefill, so such requests compute every token.
-        use_cache = request.sampling_params.prompt_logprobs is None
-        cached = self.kv.find_cached_prefix(rid, request.all_token_ids) if use_cache else []
+        params = request.sampling_params
+        # Prompt logprobs are computed in the prefill: the cache may serve only the tokens
+        # before the first one whose logprob is wanted (whose logits score that one).
+        tokens = request.all_token_ids
+        if params.prompt_logprobs is not None:
+            tokens = tokens[:params.prompt_logprobs_start]
+        use_cache = params.prompt_logprobs is None or params.prompt_logprobs_start > 1
+        cached = self.kv.find_cached_prefix(rid, tokens) if use_cache else []
         num_cached = len(cached) * self.kv.block_size
         remaining = request.num_tokens - num_cached
         num_new = min(remaining, budget)

@@ -16,8 +16,9 @@ from tokenmill.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from tokenmill.engine.classify import LabelScorer, run_label_scoring
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import ClassificationResult, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
@@ -145,6 +146,17 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         params = _params_per_prompt(sampling_params, len(prompts))
         return self._run(prompts, params, use_tqdm)
+
+    def classify(self, inputs: str | Sequence[str], labels: Sequence[str],
+                 instruction: str | None = None) -> list[ClassificationResult]:
+        """Sort each input into one of ``labels`` by scoring every label exactly: the
+        probability of a label is the softmax, over the labels, of the summed log-probabilities
+        of its tokens after the prompt (the chat template with ``instruction`` as the system
+        message, a default one naming the labels if None, and the input as the user's).
+        Results come back in the order of the inputs; ValueError names a bad argument."""
+        tok = self.engine.tokenizer
+        scorer = LabelScorer(tok, self.engine.max_model_len, inputs, labels, instruction)
+        return run_label_scoring(self.engine, scorer, f"classify{next(self._ids)}")
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams],
              use_tqdm: bool | None) -> list[RequestOutput]:

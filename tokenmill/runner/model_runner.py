@@ -53,6 +53,11 @@ class _RequestState:
     stop_ids: list[int] = field(default_factory=list)
 
 
+# Prompt logprobs one request computes this step: its hidden-state rows, the prompt tokens they
+# score, and how many tokens before the first were skipped (reported as None).
+_PromptLogprobRows = tuple[_RequestState, list[int], list[int], int]
+
+
 @dataclass
 class _SpecRows:
     """The requests of a step that verify draft tokens, with their drafts and rows."""
@@ -77,8 +82,8 @@ class _StepInputs:
     sample_states: list[_RequestState]
     # Requests verifying draft tokens: every position of theirs is scored.
     spec: _SpecRows
-    # Per request needing prompt logprobs: (rows, target token ids, first prompt position).
-    prompt_lp_rows: list[tuple[_RequestState, list[int], list[int]]]
+    # Per request needing prompt logprobs this step (see _PromptLogprobRows).
+    prompt_lp_rows: list[_PromptLogprobRows]
 
 
 class ModelRunner:
@@ -244,7 +249,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_states: list[_RequestState] = []
         spec = _SpecRows()
-        prompt_lp_rows: list[tuple[_RequestState, list[int], list[int]]] = []
+        prompt_lp_rows: list[_PromptLogprobRows] = []
         for rid, n in sched.num_scheduled_tokens.items():
             state = self.requests[rid]
             start = state.num_computed_tokens
@@ -280,26 +285,29 @@ class ModelRunner:
 
     @staticmethod
     def _plan_prompt_logprobs(state: _RequestState, start: int, end: int, row0: int,
-                              plan: list[tuple[_RequestState, list[int], list[int]]]) -> None:
+                              plan: list[_PromptLogprobRows]) -> None:
         # Position p's logits score prompt token p+1; each is reported once, even if the
-        # request is preempted and its prompt recomputed.
-        first = max(start, state.sampling.num_prompt_logprobs_done)
+        # request is preempted and its prompt recomputed. Tokens before prompt_logprobs_start
+        # (some perhaps served by the prefix cache) are reported as None.
+        done = state.sampling.num_prompt_logprobs_done
+        first = max(start, done, state.params.prompt_logprobs_start - 1)
         last = min(end, state.num_prompt_tokens - 1)
         if first >= last:
             return
         rows = [row0 + p - start for p in range(first, last)]
         targets = state.token_ids[first + 1:last + 1]
-        plan.append((state, rows, targets))
+        plan.append((state, rows, targets, first - done))
         state.sampling.num_prompt_logprobs_done = last
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: _StepInputs,
                          out: RunnerOutput) -> None:
-        for state, rows, targets in inputs.prompt_lp_rows:
+        for state, rows, targets, skipped in inputs.prompt_lp_rows:
             idx = torch.tensor(rows, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, idx))
             target_t = torch.tensor(targets, dtype=torch.int64, device=self.device)
             k = state.params.prompt_logprobs or 0
-            out.prompt_logprobs[state.request_id] = compute_prompt_logprobs(logits, target_t, k)
+            lps = compute_prompt_logprobs(logits, target_t, k)
+            out.prompt_logprobs[state.request_id] = [None] * skipped + lps
 
     def _sample(self, logits: torch.Tensor, states: list[_RequestState],
                 out: RunnerOutput) -> None:

@@ -13,6 +13,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
+from tokenmill.api.classify import ClassifyRequest
 from tokenmill.api.errors import APIError, parse_json
 from tokenmill.api.protocol import (
     ChatCompletionRequest,
@@ -24,6 +25,7 @@ from tokenmill.api.protocol import (
 )
 from tokenmill.api.tokens import detokenize, tokenize
 from tokenmill.api.validation import check_model
+from tokenmill.server.classify import create_classification
 from tokenmill.server.errors import check_json_content_type, install_error_handlers, read_body
 from tokenmill.server.guard import HostPolicy, RequestGuard
 from tokenmill.server.openapi import install_openapi, json_body
@@ -46,7 +48,7 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     install_openapi(app, [ChatCompletionRequest, CompletionRequest, TokenizeRequest,
-                          DetokenizeRequest], _version())
+                          DetokenizeRequest, ClassifyRequest], _version())
     app.state.tokenmill = state
     install_error_handlers(app)
 
@@ -99,6 +101,11 @@ def _inference_routes(state: ServerState) -> APIRouter:
     async def completions(request: Request) -> Response:
         req = await read_json(state, request, CompletionRequest)
         return await create_response(state, req, request)
+
+    @router.post("/v1/classify", openapi_extra=json_body(ClassifyRequest))
+    async def classify(request: Request) -> Response:
+        req = await read_json(state, request, ClassifyRequest)
+        return await create_classification(state, req, request)
 
     @router.get("/v1/models")
     async def models() -> JSONResponse:
