@@ -1,0 +1,65 @@
+"""The grammar that makes a forced tool call always parse: the format's literal markup around
+``{"name": "<a function>", "arguments": <JSON matching that function's parameters>}``, built
+with xgrammar and handed to the engine as EBNF text (``StructuredOutputsParams.grammar``)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import xgrammar
+
+from tokenmill.api.tool_parsers import CallFormat
+
+# The rule that repeats the calls; a name no xgrammar-generated rule uses.
+_CALLS_RULE = "tokenmill_tool_calls"
+
+
+def _literal(text: str) -> xgrammar.Grammar:
+    """A grammar of exactly ``text`` (a JSON string literal is a valid EBNF literal)."""
+    return xgrammar.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
+
+
+def arguments_schema(parameters: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The schema a call's arguments must match: the function's parameters, always an object
+    (no parameters: the empty object, as OpenAI reads a function without them)."""
+    schema = dict(parameters) if parameters else {"properties": {}}
+    schema.setdefault("type", "object")
+    return schema
+
+
+def arguments_grammar(parameters: Mapping[str, Any] | None) -> xgrammar.Grammar:
+    """The arguments of one function, as compact JSON. Strict: properties the schema does not
+    name are not generated, so what comes out validates against the schema as given.
+    ValueError (naming no field) if xgrammar cannot read the schema."""
+    try:
+        return xgrammar.Grammar.from_json_schema(
+            json.dumps(arguments_schema(parameters)), any_whitespace=False, strict_mode=True)
+    except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError on bad schemas
+        raise ValueError(f"the parameters schema cannot be used: {e}") from None
+
+
+def call_grammar(name: str, parameters: Mapping[str, Any] | None) -> xgrammar.Grammar:
+    """One call, ``{"name": "<name>", "arguments": <arguments>}``, as the parsers read it."""
+    head = '{"name": ' + json.dumps(name) + ', "arguments": '
+    return xgrammar.Grammar.concat(_literal(head), arguments_grammar(parameters), _literal("}"))
+
+
+def tool_call_grammar(fmt: CallFormat, functions: Mapping[str, Mapping[str, Any] | None],
+                      parallel: bool) -> str:
+    """EBNF of a turn of calls in ``fmt``: each call to one of ``functions`` (name ->
+    parameters schema), one call, or one or more when ``parallel``. ValueError naming the
+    function whose schema xgrammar cannot read."""
+    calls = []
+    for name, params in functions.items():
+        try:
+            calls.append(call_grammar(name, params))
+        except ValueError as e:
+            raise ValueError(f"function {name!r}: {e}") from None
+    one = xgrammar.Grammar.union(*calls)
+    # str() names the union's start rule "root"; the new start repeats it.
+    repeat = f" ({json.dumps(fmt.sep)} root)*" if parallel else ""
+    ebnf = (f"{one}\n{_CALLS_RULE} ::= {json.dumps(fmt.open)} root{repeat} "
+            f"{json.dumps(fmt.close)}\n")
+    return str(xgrammar.Grammar.from_ebnf(ebnf, root_rule_name=_CALLS_RULE))
