@@ -77,6 +77,19 @@ def parse_block(body: str, names: Collection[str]) -> list[ParsedCall] | None:
     return calls  # type: ignore[return-value]
 
 
+def _in_json_string(text: str) -> bool:
+    """Whether ``text``, read as the start of JSON, ends inside a string."""
+    inside = escaped = False
+    for ch in text:
+        if escaped:
+            escaped = False
+        elif inside and ch == "\\":
+            escaped = True
+        elif ch == '"':
+            inside = not inside
+    return inside
+
+
 def _partial_tag_len(text: str, tag: str) -> int:
     """Length of the longest end of ``text`` that is a proper start of ``tag``."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -94,6 +107,7 @@ class ToolCallStream:
         self._inside = False  # after an opening tag, waiting for its closing tag
         self._gap = ""  # whitespace before the open tag: dropped if the call parses
         self._after_call = False  # whitespace that follows a call is dropped
+        self._scan_from = 0  # where in the block the closing tag may start
         self.num_calls = 0
 
     def feed(self, text: str) -> ToolEvents:
@@ -102,9 +116,13 @@ class ToolCallStream:
         out = ToolEvents()
         while True:
             if self._inside:
-                end = self._buf.find(CLOSE_TAG)
+                end = self._buf.find(CLOSE_TAG, self._scan_from)
                 if end < 0:
+                    self._scan_from = max(self._scan_from, len(self._buf) - len(CLOSE_TAG) + 1)
                     return out
+                if _in_json_string(self._buf[:end]):  # the tag's text is inside an argument
+                    self._scan_from = end + 1
+                    continue
                 body, self._buf = self._buf[:end], self._buf[end + len(CLOSE_TAG):]
                 out.extend(self._close(body, CLOSE_TAG))
                 continue
@@ -142,7 +160,7 @@ class ToolCallStream:
         return text
 
     def _close(self, body: str, close: str) -> ToolEvents:
-        self._inside = False
+        self._inside, self._scan_from = False, 0
         calls = parse_block(body, self.names)
         if calls is None:  # not a call after all: the markup is plain text
             gap, self._gap = self._gap, ""
