@@ -5,6 +5,7 @@ with xgrammar and handed to the engine as EBNF text (``StructuredOutputsParams.g
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,6 +13,8 @@ import xgrammar
 
 from tokenmill.api.tool_parsers import CallFormat
 
+# "[17:38:21] /project/cpp/json_schema_converter.cc:4944: " before xgrammar's messages.
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 # The rule that repeats the calls; a name no xgrammar-generated rule uses.
 _CALLS_RULE = "tokenmill_tool_calls"
 
@@ -37,7 +40,12 @@ def arguments_grammar(parameters: Mapping[str, Any] | None) -> xgrammar.Grammar:
         return xgrammar.Grammar.from_json_schema(
             json.dumps(arguments_schema(parameters)), any_whitespace=False, strict_mode=True)
     except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError on bad schemas
-        raise ValueError(f"the parameters schema cannot be used: {e}") from None
+        raise ValueError(f"the parameters schema cannot be used: {_message(e)}") from None
+
+
+def _message(e: Exception) -> str:
+    """xgrammar's message without the timestamp and C++ source location it starts with."""
+    return _XGRAMMAR_PREFIX.sub("", str(e)).strip()
 
 
 def call_grammar(name: str, parameters: Mapping[str, Any] | None) -> xgrammar.Grammar:
