@@ -24,8 +24,15 @@ from tokenmill.api.protocol import (
 )
 from tokenmill.api.responses import Collected, TokenTexts, finite
 from tokenmill.api.tool_parsers import ToolParser, resolve_parser
-from tokenmill.api.tools import ToolReader, ToolSetup, check_tools, forced_call, tool_prompt
-from tokenmill.api.validation import ServedModel, check_context, sampling_params
+from tokenmill.api.tools import (
+    ToolReader,
+    ToolSetup,
+    check_forced_call,
+    check_tools,
+    forced_call,
+    tool_prompt,
+)
+from tokenmill.api.validation import ServedModel, check_context, check_grammar, sampling_params
 from tokenmill.engine.llm_engine import PromptType
 from tokenmill.outputs import RequestOutput, TokenLogprobs
 from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -202,5 +209,8 @@ def prepare_chat(req: ChatCompletionRequest, served: ServedModel,
             raise bad_request("a tool_choice that forces a call cannot be combined with "
                               "another output constraint", "tool_choice")
         params = replace(params, structured_outputs=forced)
+        check_forced_call(params, served)
+    else:
+        check_grammar(req, params, served)
     reader = ToolReader(parser, frozenset(setup.names)) if setup.parses else None
     return ChatCall(req, [{"prompt": text, "prompt_token_ids": ids}], params, tokenizer, reader)

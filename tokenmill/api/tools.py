@@ -28,7 +28,8 @@ from tokenmill.api.protocol import (
 )
 from tokenmill.api.tool_grammar import tool_call_grammar
 from tokenmill.api.tool_parsers import ParsedCall, ToolCallStream, ToolParser, parse_text
-from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.api.validation import ServedModel
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.tokenizer import template_roles, validate_messages
 
 # OpenAI's limits: at most 128 tools, names of letters, digits, "_" and "-", 64 at most.
@@ -119,6 +120,15 @@ def forced_call(setup: ToolSetup, parser: ToolParser) -> StructuredOutputsParams
     try:
         ebnf = tool_call_grammar(parser.format, functions, setup.parallel)
         return StructuredOutputsParams(grammar=ebnf)
+    except ValueError as e:
+        raise bad_request(f"tools: {e}", "tools") from None
+
+
+def check_forced_call(params: SamplingParams, served: ServedModel) -> None:
+    """Compile the forced call's grammar (cached: the engine reuses it); 400 on ``tools`` when
+    it cannot be used or takes too long to compile."""
+    try:
+        served.compile_grammar(params)
     except ValueError as e:
         raise bad_request(f"tools: {e}", "tools") from None
 
