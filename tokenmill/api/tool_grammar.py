@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from typing import Any
-
-import xgrammar
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.api.tool_parsers import CallFormat
+
+if TYPE_CHECKING:
+    import xgrammar
 
 # "[17:38:21] /project/cpp/json_schema_converter.cc:4944: " before xgrammar's messages.
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
@@ -19,9 +20,17 @@ _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 _CALLS_RULE = "tokenmill_tool_calls"
 
 
+def _grammar() -> type[xgrammar.Grammar]:
+    # Imported on first use: xgrammar pulls in transformers, seconds a server without tool
+    # calls need not spend.
+    import xgrammar
+
+    return xgrammar.Grammar
+
+
 def _literal(text: str) -> xgrammar.Grammar:
     """A grammar of exactly ``text`` (a JSON string literal is a valid EBNF literal)."""
-    return xgrammar.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
+    return _grammar().from_ebnf(f"root ::= {json.dumps(text)}")
 
 
 def arguments_schema(parameters: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -37,7 +46,7 @@ def arguments_grammar(parameters: Mapping[str, Any] | None) -> xgrammar.Grammar:
     name are not generated, so what comes out validates against the schema as given.
     ValueError (naming no field) if xgrammar cannot read the schema."""
     try:
-        return xgrammar.Grammar.from_json_schema(
+        return _grammar().from_json_schema(
             json.dumps(arguments_schema(parameters)), any_whitespace=False, strict_mode=True)
     except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError on bad schemas
         raise ValueError(f"the parameters schema cannot be used: {_message(e)}") from None
@@ -51,7 +60,7 @@ def _message(e: Exception) -> str:
 def call_grammar(name: str, parameters: Mapping[str, Any] | None) -> xgrammar.Grammar:
     """One call, ``{"name": "<name>", "arguments": <arguments>}``, as the parsers read it."""
     head = '{"name": ' + json.dumps(name) + ', "arguments": '
-    return xgrammar.Grammar.concat(_literal(head), arguments_grammar(parameters), _literal("}"))
+    return _grammar().concat(_literal(head), arguments_grammar(parameters), _literal("}"))
 
 
 def tool_call_grammar(fmt: CallFormat, functions: Mapping[str, Mapping[str, Any] | None],
@@ -65,9 +74,9 @@ def tool_call_grammar(fmt: CallFormat, functions: Mapping[str, Mapping[str, Any]
             calls.append(call_grammar(name, params))
         except ValueError as e:
             raise ValueError(f"function {name!r}: {e}") from None
-    one = xgrammar.Grammar.union(*calls)
+    one = _grammar().union(*calls)
     # str() names the union's start rule "root"; the new start repeats it.
     repeat = f" ({json.dumps(fmt.sep)} root)*" if parallel else ""
     ebnf = (f"{one}\n{_CALLS_RULE} ::= {json.dumps(fmt.open)} root{repeat} "
             f"{json.dumps(fmt.close)}\n")
-    return str(xgrammar.Grammar.from_ebnf(ebnf, root_rule_name=_CALLS_RULE))
+    return str(_grammar().from_ebnf(ebnf, root_rule_name=_CALLS_RULE))
