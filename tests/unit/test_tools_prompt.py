@@ -119,14 +119,16 @@ def test_hf_template_gets_tools_and_calls(hf: Served) -> None:
 @pytest.mark.parametrize("parser", ["smollm", "hermes"])
 def test_forced_choice_sets_a_grammar(smol: Served, parser: str) -> None:
     call, prompt = _prepare(smol, parser, tools=[WEATHER, TIME],
-                            tool_choice={"type": "function", "function": {"name": "get_time"}},
-                            parallel_tool_calls=False)
+                            tool_choice={"type": "function", "function": {"name": "get_time"}})
     assert "call to the function get_time" in prompt
     grammar = call.params.structured_outputs.grammar
     compiled = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo([])).compile_grammar(grammar)
     matcher = xgrammar.GrammarMatcher(compiled, terminate_without_stop_token=True)
     text = call.tools.parser.format_calls([("get_time", {})])
     assert matcher.accept_string(text) and matcher.is_terminated()
+    twice = call.tools.parser.format_calls([("get_time", {}), ("get_time", {})])
+    matcher = xgrammar.GrammarMatcher(compiled, terminate_without_stop_token=True)
+    assert not (matcher.accept_string(twice) and matcher.is_terminated())
     call, _ = _prepare(smol, parser, tools=[WEATHER], tool_choice="required")
     assert "get_weather" in call.params.structured_outputs.grammar
 

@@ -111,14 +111,18 @@ def check_tools(req: ChatCompletionRequest) -> ToolSetup:
 
 def forced_call(setup: ToolSetup, parser: ToolParser) -> StructuredOutputsParams | None:
     """The constraint that makes the output a valid call when ``tool_choice`` forces one:
-    the named function, or any of the tools; None otherwise. 400 for a schema xgrammar cannot
-    read, or a grammar over the size limit."""
+    one call of the named function, or calls of any of the tools (one unless
+    ``parallel_tool_calls``); None otherwise. 400 for a schema xgrammar cannot read, or a
+    grammar over the size limit."""
     if not setup.forced:
         return None
     chosen = [t for t in setup.tools if setup.named in (None, t.function.name)]
     functions = {t.function.name: t.function.parameters for t in chosen}
+    # A named function is called once (as OpenAI and vLLM do): repeating the same call is
+    # what a sampled small model would otherwise do until max_tokens.
+    parallel = setup.parallel and setup.named is None
     try:
-        ebnf = tool_call_grammar(parser.format, functions, setup.parallel)
+        ebnf = tool_call_grammar(parser.format, functions, parallel)
         return StructuredOutputsParams(grammar=ebnf)
     except ValueError as e:
         raise bad_request(f"tools: {e}", "tools") from None
