@@ -4,6 +4,7 @@ with xgrammar and handed to the engine as EBNF text (``StructuredOutputsParams.g
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Mapping
@@ -16,6 +17,8 @@ if TYPE_CHECKING:
 
 # "[17:38:21] /project/cpp/json_schema_converter.cc:4944: " before xgrammar's messages.
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+# Tool sets whose grammar text is kept (a few kilobytes each).
+GRAMMAR_CACHE_SIZE = 256
 # The rule that repeats the calls; a name no xgrammar-generated rule uses.
 _CALLS_RULE = "tokenmill_tool_calls"
 
@@ -67,7 +70,14 @@ def tool_call_grammar(fmt: CallFormat, functions: Mapping[str, Mapping[str, Any]
                       parallel: bool) -> str:
     """EBNF of a turn of calls in ``fmt``: each call to one of ``functions`` (name ->
     parameters schema), one call, or one or more when ``parallel``. ValueError naming the
-    function whose schema xgrammar cannot read."""
+    function whose schema xgrammar cannot read. Cached: an agent sends the same tools with
+    every request. (Keys keep their order: xgrammar writes properties in the schema's.)"""
+    return _tool_call_grammar(fmt, json.dumps(functions, ensure_ascii=False), parallel)
+
+
+@functools.lru_cache(maxsize=GRAMMAR_CACHE_SIZE)
+def _tool_call_grammar(fmt: CallFormat, functions_json: str, parallel: bool) -> str:
+    functions: dict[str, Any] = json.loads(functions_json)
     calls = []
     for name, params in functions.items():
         try:

@@ -52,6 +52,7 @@ class ToolSetup:
 
     @property
     def names(self) -> list[str]:
+        """The functions' names, in the order of ``tools``."""
         return [t.function.name for t in self.tools]
 
     @property
@@ -147,6 +148,7 @@ class TemplateTools:
 
     @classmethod
     def of(cls, template: str | None) -> TemplateTools:
+        """What ``template`` (a chat template's source; None: no template) knows."""
         text = template or ""
         return cls(bool(_USES_TOOLS.search(text)), bool(_USES_TOOL_CALLS.search(text)),
                    "tool" in template_roles(text))
