@@ -14,7 +14,7 @@ from tokenmill.batch.cli import add_batch_parser
 from tokenmill.bench import batch as bench_batch
 from tokenmill.bench import compare, fuzz, gpu, latency, prefix_cache, spec, throughput
 from tokenmill.bench import serve as bench_serve
-from tokenmill.config import ServerConfig
+from tokenmill.config import TOOL_CALL_PARSERS, ServerConfig
 from tokenmill.engine.args import (
     add_engine_args,
     add_sampling_args,
@@ -144,7 +144,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         debug_fail_at_step=args.debug_fail_at_step, allowed_hosts=_names(args.allowed_hosts),
         allowed_origins=_names(args.allowed_origins), header_timeout=args.header_timeout,
         body_timeout=args.body_timeout, max_connections=args.max_connections,
-        split_special_tokens=args.split_special_tokens)
+        split_special_tokens=args.split_special_tokens, tool_call_parser=args.tool_call_parser)
     return run_server(engine_config_from_args(args), config)
 
 
@@ -185,6 +185,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--split-special-tokens", action="store_true",
                    help="read special-token text (<|im_end|>...) in /v1/completions prompts "
                    "as plain text; chat messages always are")
+    g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
+                   default=ServerConfig.tool_call_parser,
+                   help="the format of the model's tool calls on /v1/chat/completions: hermes "
+                   "(<tool_call> per call: Qwen, Hermes), smollm (<tool_call>[...]: SmolLM2), "
+                   "or auto (by the chat template)")
     g.add_argument("--debug-fail-at-step", type=int, default=None, metavar="N",
                    help="TESTING ONLY: make the N-th engine step raise (fault injection)")
 

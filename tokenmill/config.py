@@ -257,6 +257,10 @@ class EngineConfig:
                              f"{self.device.device!r}")
 
 
+# The tool-call formats the server reads (tokenmill/api/tool_parsers.py); auto picks one.
+TOOL_CALL_PARSERS = ("auto", "hermes", "smollm")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """How the HTTP server behaves; the engine has its own EngineConfig.
@@ -272,7 +276,8 @@ class ServerConfig:
     seconds to send a request's headers and ``body_timeout`` seconds for its body; at most
     ``max_connections`` connections are open at once (more get 503).
     ``split_special_tokens``: read special-token text in /v1/completions prompts as plain text
-    (chat messages always are).
+    (chat messages always are). ``tool_call_parser``: the format of the model's tool calls
+    (one of TOOL_CALL_PARSERS; ``auto`` picks by the model's chat template).
     """
 
     # None: the model file's name without its extension (resolved by the launcher).
@@ -291,6 +296,7 @@ class ServerConfig:
     body_timeout: float = 60.0
     max_connections: int = 1024
     split_special_tokens: bool = False
+    tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -311,3 +317,6 @@ class ServerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")

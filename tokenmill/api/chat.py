@@ -3,7 +3,7 @@ SamplingParams, and the answer built whole or as streamed chunks."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import jinja2
@@ -23,6 +23,15 @@ from tokenmill.api.protocol import (
     UsageInfo,
 )
 from tokenmill.api.responses import Collected, TokenTexts, finite
+from tokenmill.api.tool_parsers import ToolParser, resolve_parser
+from tokenmill.api.tools import (
+    ToolReader,
+    ToolSetup,
+    check_forced_call,
+    check_tools,
+    forced_call,
+    tool_prompt,
+)
 from tokenmill.api.validation import ServedModel, check_context, check_grammar, sampling_params
 from tokenmill.engine.llm_engine import PromptType
 from tokenmill.outputs import RequestOutput, TokenLogprobs
@@ -35,6 +44,9 @@ MAX_CHAT_MESSAGES = 4096
 # refused before it is tokenized. (Tokens of real text average 3-5 characters.)
 MAX_CHARS_PER_TOKEN = 32
 
+
+# The request's checked tools and the format calls are written in.
+ToolPrompt = tuple[ToolSetup, ToolParser]
 
 # What rendering a chat template can raise on the data it is given (the template is the
 # model's; what it is fed is the client's): a 400, never a 500.
@@ -53,13 +65,17 @@ def chat_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]], /,
                                  **template_kwargs)
 
 
-def render_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest,
-                  max_model_len: int) -> tuple[str, list[int]]:
-    """The chat template applied to the messages, and its token ids; 400 if it cannot be, or
-    if the rendered text is too long for the context (checked before tokenizing it)."""
+def render_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest, max_model_len: int,
+                  tools: ToolPrompt | None = None) -> tuple[str, list[int]]:
+    """The chat template applied to the messages (with the request's tools, see api/tools.py),
+    and its token ids; 400 if it cannot be, or if the rendered text is too long for the
+    context (checked before tokenizing it)."""
     try:
-        return chat_prompt(tokenizer, req.messages, max_model_len * MAX_CHARS_PER_TOKEN,
-                           **(req.chat_template_kwargs or {}))
+        messages, extra = req.messages, {}
+        if tools is not None:
+            messages, extra = tool_prompt(*tools, req.messages, tokenizer.chat_template)
+        return chat_prompt(tokenizer, messages, max_model_len * MAX_CHARS_PER_TOKEN,
+                           **(req.chat_template_kwargs or {}), **extra)
     except TEMPLATE_ERRORS as e:
         raise bad_request(f"messages: {e}", "messages") from None
 
@@ -91,17 +107,23 @@ class ChatCall:
     engine_prompts: list[PromptType]
     params: SamplingParams
     tokenizer: Tokenizer
+    # Reads the outputs for tool calls (None: plain text).
+    tools: ToolReader | None = None
 
     def response(self, result: Collected, model: str, rid: str,
                  created: int) -> ChatCompletionResponse:
         """The whole (non-streamed) response body of the finished request."""
         texts = TokenTexts(self.tokenizer)
         k = logprobs_k(self.req)
-        choices = [
-            ChatChoice(index=i, message=ChatMessage(content="".join(c.text)),
-                       logprobs=chat_logprobs(c.logprobs, k, texts) if k is not None else None,
-                       finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-            for i, c in enumerate(result.choices[0])]
+        choices = []
+        for i, c in enumerate(result.choices[0]):
+            message, reason = ChatMessage(content="".join(c.text)), c.finish_reason
+            if self.tools is not None:
+                message, reason = self.tools.message("".join(c.text), reason)
+            choices.append(ChatChoice(
+                index=i, message=message,
+                logprobs=chat_logprobs(c.logprobs, k, texts) if k is not None else None,
+                finish_reason=reason, stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
                                       usage=result.usage())
 
@@ -144,17 +166,24 @@ class ChatChunks:
                 self.done.add(c.index)
             lps = chat_logprobs(c.logprobs or [], self.k, self.texts) \
                 if self.k is not None else None
+            delta, reason = DeltaMessage(content=c.text), c.finish_reason
+            if self.call.tools is not None:
+                delta, reason = self.call.tools.delta(c.index, c.text, c.finished, reason)
+                if delta is None and lps is None and not c.finished:
+                    continue  # held back: the text may be a call's markup
             choices.append(ChatChunkChoice(
-                index=c.index, delta=DeltaMessage(content=c.text), logprobs=lps,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                index=c.index, delta=delta or DeltaMessage(), logprobs=lps,
+                finish_reason=reason, stop_reason=c.stop_reason))
         return self._chunk(choices) if choices else None
 
     def usage(self, usage: UsageInfo) -> ChatCompletionChunk:
         return self._chunk([], usage)
 
 
-def prepare_chat(req: ChatCompletionRequest, served: ServedModel) -> ChatCall:
+def prepare_chat(req: ChatCompletionRequest, served: ServedModel,
+                 tool_call_parser: str = "auto") -> ChatCall:
     """The engine prompt and sampling parameters of a chat request; 400 names the bad field.
+    ``tool_call_parser``: the tool-call format (see api/tool_parsers.py).
 
     Shared by the server and the batch job, so both accept and reject the same bodies."""
     if not req.messages:
@@ -165,12 +194,23 @@ def prepare_chat(req: ChatCompletionRequest, served: ServedModel) -> ChatCall:
         raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
                           "top_logprobs")
     tokenizer = served.tokenizer
-    text, ids = render_prompt(tokenizer, req, served.max_model_len)
+    setup = check_tools(req)
+    parser = resolve_parser(tool_call_parser, tokenizer.chat_template)
+    forced = forced_call(setup, parser)
+    text, ids = render_prompt(tokenizer, req, served.max_model_len, (setup, parser))
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     check_context(len(ids), max_tokens, served.max_model_len, "messages", param)
     params = sampling_params(req, served.vocab_size, max_tokens=max_tokens,
                              logprobs=logprobs_k(req))
-    check_grammar(req, params, served)
-    return ChatCall(req, [{"prompt": text, "prompt_token_ids": ids}], params, tokenizer)
+    if forced is not None:
+        if params.structured_outputs is not None:
+            raise bad_request("a tool_choice that forces a call cannot be combined with "
+                              "another output constraint", "tool_choice")
+        params = replace(params, structured_outputs=forced)
+        check_forced_call(params, served)
+    else:
+        check_grammar(req, params, served)
+    reader = ToolReader(parser, frozenset(setup.names)) if setup.parses else None
+    return ChatCall(req, [{"prompt": text, "prompt_token_ids": ids}], params, tokenizer, reader)

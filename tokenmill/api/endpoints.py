@@ -20,10 +20,11 @@ ENDPOINTS: dict[str, type[BaseModel]] = {
 
 
 def prepare(req: ChatCompletionRequest | CompletionRequest, served: ServedModel, *,
-            split_special_tokens: bool = False) -> ChatCall | CompletionCall:
+            split_special_tokens: bool = False,
+            tool_call_parser: str = "auto") -> ChatCall | CompletionCall:
     """The engine prompts and sampling parameters of a request; 400 names the bad field.
     ``split_special_tokens``: completions' text prompts read special-token text as plain text
-    (chat messages always do)."""
+    (chat messages always do). ``tool_call_parser``: the format of chat's tool calls."""
     if isinstance(req, ChatCompletionRequest):
-        return prepare_chat(req, served)
+        return prepare_chat(req, served, tool_call_parser)
     return prepare_completion(req, served, split_special_tokens=split_special_tokens)

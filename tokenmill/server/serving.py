@@ -58,7 +58,8 @@ async def create_response(state: ServerState, req: ChatCompletionRequest | Compl
     """Validate, submit and answer one chat or completions request."""
     model = check_model(state.model_name, req.model)
     call = await state.offload(functools.partial(
-        prepare, split_special_tokens=state.config.split_special_tokens), req, state.client)
+        prepare, split_special_tokens=state.config.split_special_tokens,
+        tool_call_parser=state.config.tool_call_parser), req, state.client)
     group = await submit(state, call.engine_prompts, call.params, call.id_prefix)
     rid, created = random_id(call.id_prefix), now()
     if req.stream:

@@ -1,0 +1,266 @@
+"""Tool-call formats: how a model writes its function calls, and how its text is read back.
+
+Both formats wrap JSON in ``<tool_call>`` markup. Hermes (Qwen2.5, Qwen3, Hermes-2/3) writes
+one ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` block per call; SmolLM2
+writes one block holding a JSON list of calls, ``<tool_call>[{...}, {...}]</tool_call>``. Each
+reader accepts either body (an object or a list of them), since a model does not always keep
+to its own format.
+
+Reading is incremental (``ToolCallStream``): the text outside the markup passes through as
+content, the markup is held back until its closing tag, and a block whose calls do not parse
+or name an unknown function is given back as plain content. A whole text is read by feeding it
+in one piece, so the streamed and the whole answer always agree. Whitespace next to a call
+that parsed is dropped; every other character of the model's text is kept.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from tokenmill.api.errors import loads_json
+
+OPEN_TAG = "<tool_call>"
+CLOSE_TAG = "</tool_call>"
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    """One function call read from the model's text; ``arguments`` is a JSON object's text."""
+
+    name: str
+    arguments: str
+
+
+@dataclass
+class ToolEvents:
+    """What a piece of model text turned into: content to pass on, and finished calls."""
+
+    content: str = ""
+    calls: list[ParsedCall] = field(default_factory=list)
+
+    def extend(self, other: ToolEvents) -> None:
+        self.content += other.content
+        self.calls.extend(other.calls)
+
+
+def _call_of(obj: Any, names: Collection[str]) -> ParsedCall | None:
+    """A call from ``{"name": ..., "arguments": {...}}`` (``parameters`` is read as
+    ``arguments``; arguments sent as a JSON text are accepted), or None."""
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = loads_json(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def parse_block(body: str, names: Collection[str]) -> list[ParsedCall] | None:
+    """The calls inside one ``<tool_call>`` block (an object, or a non-empty list of them);
+    None if any of them does not parse or names a function not in ``names``."""
+    try:
+        obj = loads_json(body.strip())
+    except ValueError:
+        return None
+    items = obj if isinstance(obj, list) else [obj]
+    calls = [_call_of(item, names) for item in items]
+    if not calls or any(c is None for c in calls):
+        return None
+    return calls  # type: ignore[return-value]
+
+
+def _in_json_string(text: str) -> bool:
+    """Whether ``text``, read as the start of JSON, ends inside a string."""
+    inside = escaped = False
+    for ch in text:
+        if escaped:
+            escaped = False
+        elif inside and ch == "\\":
+            escaped = True
+        elif ch == '"':
+            inside = not inside
+    return inside
+
+
+def _partial_tag_len(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that is a proper start of ``tag``."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+class ToolCallStream:
+    """Reads one output sequence's text as it is generated (see the module docstring)."""
+
+    def __init__(self, names: Collection[str]) -> None:
+        self.names = names
+        self._buf = ""  # text received and not yet passed on
+        self._inside = False  # after an opening tag, waiting for its closing tag
+        self._gap = ""  # whitespace before the open tag: dropped if the call parses
+        self._after_call = False  # whitespace that follows a call is dropped
+        self._scan_from = 0  # where in the block the closing tag may start
+        self.num_calls = 0
+
+    def feed(self, text: str) -> ToolEvents:
+        """The content and the finished calls that ``text`` (the next piece) makes known."""
+        self._buf += text
+        out = ToolEvents()
+        while True:
+            if self._inside:
+                end = self._buf.find(CLOSE_TAG, self._scan_from)
+                if end < 0:
+                    self._scan_from = max(self._scan_from, len(self._buf) - len(CLOSE_TAG) + 1)
+                    return out
+                if _in_json_string(self._buf[:end]):  # the tag's text is inside an argument
+                    self._scan_from = end + 1
+                    continue
+                body, self._buf = self._buf[:end], self._buf[end + len(CLOSE_TAG):]
+                out.extend(self._close(body, CLOSE_TAG))
+                continue
+            start = self._buf.find(OPEN_TAG)
+            if start < 0:
+                # Hold back what may begin a tag, and trailing whitespace a call may drop.
+                keep = len(self._buf) - _partial_tag_len(self._buf, OPEN_TAG)
+                head = self._buf[:keep]
+                cut = len(head.rstrip())
+                out.content += self._content(self._buf[:cut])
+                self._buf = self._buf[cut:]
+                return out
+            before = self._buf[:start]
+            stripped = before.rstrip()
+            out.content += self._content(stripped)
+            self._gap = before[len(stripped):]
+            self._buf = self._buf[start + len(OPEN_TAG):]
+            self._inside = True
+
+    def finish(self) -> ToolEvents:
+        """Whatever is still held back, at the end of the sequence: an unclosed block is read
+        as a call if its body parses, else given back as content."""
+        if self._inside:
+            body, self._buf = self._buf, ""
+            return self._close(body, "")
+        rest, self._buf = self._buf, ""
+        if self._after_call and not rest.strip():
+            return ToolEvents()
+        return ToolEvents(self._content(rest))
+
+    def _content(self, text: str) -> str:
+        if self._after_call and text:
+            text = text.lstrip()
+            self._after_call = not text
+        return text
+
+    def _close(self, body: str, close: str) -> ToolEvents:
+        self._inside, self._scan_from = False, 0
+        calls = parse_block(body, self.names)
+        if calls is None:  # not a call after all: the markup is plain text
+            gap, self._gap = self._gap, ""
+            return ToolEvents(self._content(gap) + OPEN_TAG + body + close)
+        self._gap = ""
+        self._after_call = True
+        self.num_calls += len(calls)
+        return ToolEvents(calls=calls)
+
+
+def parse_text(text: str, names: Collection[str]) -> tuple[str | None, list[ParsedCall]]:
+    """A whole output read at once: its content (None if nothing is left) and its calls."""
+    stream = ToolCallStream(names)
+    events = stream.feed(text)
+    events.extend(stream.finish())
+    return (events.content or None) if events.calls else events.content, events.calls
+
+
+@dataclass(frozen=True)
+class CallFormat:
+    """How a model writes a turn of calls: ``open`` + call + (``sep`` + call)* + ``close``,
+    each call ``{"name": ..., "arguments": ...}`` in compact JSON."""
+
+    open: str
+    sep: str
+    close: str
+
+
+class ToolParser:
+    """A tool-call format: its reader, its writer (for the conversation's earlier calls) and
+    the instructions given to a model whose chat template knows no tools."""
+
+    name: ClassVar[str]
+    format: ClassVar[CallFormat]
+
+    def stream(self, names: Collection[str]) -> ToolCallStream:
+        """A reader of one output sequence; ``names``: the functions it may call."""
+        return ToolCallStream(names)
+
+    def format_calls(self, calls: Iterable[tuple[str, Any]]) -> str:
+        """``(name, arguments)`` pairs written the way the model writes them."""
+        f = self.format
+        return f.open + f.sep.join(_call_json(n, a) for n, a in calls) + f.close
+
+    def format_result(self, content: str) -> str:
+        """A tool's result, as the model expects to read it back."""
+        return f"<tool_response>\n{content}\n</tool_response>"
+
+    def system_prompt(self, functions: list[dict[str, Any]], must_call: str | None) -> str:
+        """The instructions that describe the tools and the call format. ``must_call``: the
+        one function to call, "" for any of them, None when the model may answer in text."""
+        listed = "\n".join(json.dumps(f, ensure_ascii=False) for f in functions)
+        example = self.format_calls([("<function-name>", {"<argument>": "<value>"})])
+        if must_call:
+            rule = f"Answer with a call to the function {must_call}."
+        elif must_call == "":
+            rule = "Answer with one or more function calls."
+        else:
+            rule = "Call a function when it helps to answer; otherwise answer in plain text."
+        return (f"You can call these functions (JSON schemas of their arguments):\n<tools>\n"
+                f"{listed}\n</tools>\n{rule} Write calls exactly like this, with no other "
+                f"text:\n{example}")
+
+
+def _call_json(name: str, arguments: Any) -> str:
+    return json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+
+
+class HermesParser(ToolParser):
+    """Hermes / Qwen: one ``<tool_call>`` block per call."""
+
+    name = "hermes"
+    format = CallFormat(open=f"{OPEN_TAG}\n", sep=f"\n{CLOSE_TAG}\n{OPEN_TAG}\n",
+                        close=f"\n{CLOSE_TAG}")
+
+
+class SmolLMParser(ToolParser):
+    """SmolLM2: one ``<tool_call>`` block holding a JSON list of every call."""
+
+    name = "smollm"
+    format = CallFormat(open=f"{OPEN_TAG}[\n", sep=",\n", close=f"\n]{CLOSE_TAG}")
+
+
+PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, SmolLMParser)}
+# A chat template that writes the calls of a turn as one list.
+_LIST_TEMPLATE = re.compile(re.escape(OPEN_TAG) + r"\s*\[")
+
+
+def resolve_parser(name: str, chat_template: str | None) -> ToolParser:
+    """The parser ``name`` names; ``auto`` reads the model's chat template: a template that
+    writes ``<tool_call>`` blocks picks their format, SmolLM's own template picks SmolLM's,
+    anything else gets Hermes (then described to the model in the system prompt)."""
+    if name != "auto":
+        if name not in PARSERS:
+            raise ValueError(f"tool_call_parser must be auto or one of {sorted(PARSERS)}, "
+                             f"got {name!r}")
+        return PARSERS[name]()
+    template = chat_template or ""
+    if OPEN_TAG in template:
+        return SmolLMParser() if _LIST_TEMPLATE.search(template) else HermesParser()
+    if "SmolLM" in template:
+        return SmolLMParser()
+    return HermesParser()
