@@ -5,6 +5,7 @@ names), and the bench's validity scorer and length bound judge outputs right."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -20,6 +21,7 @@ from tokenmill.bench.structured_set import (
     score_output,
 )
 from tokenmill.bench.structured_validity import CaseResult, chat_body, summarize
+from tokenmill.cli import build_parser
 
 CASES = load_schema_set()
 
@@ -157,3 +159,35 @@ def test_validity_summary_and_tables():
     table = validity_table({"tokenmill": summary})
     assert "1/2 (50%)" in table
     assert "INVALID, 30 tok" in per_schema_table({"tokenmill": summary})
+
+
+def _small_set(tmp_path: Path) -> Path:
+    """Two short cases of the set, so an end-to-end run stays small."""
+    path = tmp_path / "schemas.json"
+    keep = [c for c in CASES if c.name in ("sentiment", "email_flags")]
+    path.write_text(json.dumps({"schemas": [
+        {"name": c.name, "shapes": list(c.shapes), "prompt": c.prompt, "schema": c.schema}
+        for c in keep]}))
+    return path
+
+
+def test_bench_structured_overhead_end_to_end(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "structured.json"
+    args = build_parser().parse_args([
+        "bench", "structured", "--skip-validity", "--schemas", str(_small_set(tmp_path)),
+        "--batch-sizes", "1,2", "--rounds", "2", "--batch1-requests", "2", "--max-tokens", "40",
+        "--quantization", "none", "--dtype", "float32", "--max-model-len", "512",
+        "--num-kv-blocks", "64", "--result-file", str(out)])
+    assert args.func(args) == 0
+    result = json.loads(out.read_text())
+    assert result["num_schemas"] == 2 and "validity" not in result
+    b1, b2 = result["overhead"]["batches"]
+    assert (b1["batch_size"], b1["requests"], b2["batch_size"], b2["requests"]) == (1, 2, 2, 2)
+    for b in (b1, b2):
+        # The unconstrained runs produce exactly the constrained runs' lengths, every round.
+        assert b["length_mismatches"] == 0
+        assert b["constrained"]["output_tokens"] == [sum(b["output_lengths"])] * 2
+        assert b["unconstrained"]["output_tokens"] == b["constrained"]["output_tokens"]
+        assert len(b["overhead_paired_pct"]) == 2
+    assert "| 2 | 2 |" in capsys.readouterr().out
