@@ -86,6 +86,9 @@ class Request:
     # Another sample of the same prompt (n > 1): once that request's prompt is in the KV cache,
     # this one starts from its blocks (copy-on-write) instead of computing the prompt again.
     fork_of: str | None = None
+    # The compiled grammar of sampling_params.structured_outputs (an xgrammar
+    # CompiledGrammar; the scheduler only passes it on to the runner).
+    grammar: object | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -133,3 +133,26 @@ def test_refuses_a_results_file_it_did_not_write(tmp_path, small_llm):
         run_batch(str(inp), str(out), small_llm.engine, progress=False)
     with pytest.raises(ValueError, match="does not exist"):
         run_batch(str(tmp_path / "missing.jsonl"), str(out), small_llm.engine)
+
+
+def test_structured_outputs_in_a_batch_file(tmp_path, small_llm):
+    schema = {"type": "object", "properties": {"queue": {"enum": ["billing", "sales"]}},
+              "required": ["queue"], "additionalProperties": False}
+    lines = [
+        chat("s1", "Route: my card was charged twice.", max_tokens=30,
+             response_format={"type": "json_schema",
+                              "json_schema": {"name": "route", "schema": schema}}),
+        completion("s2", "Pick one:", max_tokens=10, guided_choice=["up", "down"]),
+        completion("s3", "Digits:", max_tokens=10, structured_outputs={"regex": "[0-9]{4}"}),
+        completion("bad", "x", structured_outputs={"regex": "(ab"}),
+    ]
+    out = tmp_path / "out.jsonl"
+    stats = run_batch(str(write_jsonl(tmp_path / "in.jsonl", lines)), str(out),
+                      small_llm.engine, progress=False)
+    assert (stats.succeeded, stats.failed) == (3, 1)
+    results = by_custom_id(read_results(out))
+    assert json.loads(texts(results["s1"])[0])["queue"] in ("billing", "sales")
+    assert texts(results["s2"])[0] in ("up", "down")
+    assert len(texts(results["s3"])[0]) == 4 and texts(results["s3"])[0].isdigit()
+    error = results["bad"]["response"]["body"]["error"]
+    assert error["param"] == "structured_outputs" and "regex" in error["message"]

@@ -61,3 +61,15 @@ def test_stdin_stream(small_llm):
     assert "has no field 'text'" in results[str(len(REVIEWS) + 2)]["error"]
     assert f"{len(REVIEWS) + 2} records ({len(REVIEWS)} ok, 2 errors)" in stderr
     assert "TTFT" in stderr and "end to end" in stderr
+
+
+def test_stdin_stream_with_a_choice_constraint():
+    # MAX_TOKENS would cut "positive"/"negative" apart: give the label room.
+    cmd = [*STREAM_CMD, "--max-tokens", "8", "--choice", "positive", "--choice", "negative"]
+    records = "".join(json.dumps({"text": t}) + "\n" for t in REVIEWS[:4])
+    done = subprocess.run(cmd, input=records, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(results) == 4
+    for r in results:
+        assert r["text"] in ("positive", "negative") and r["finish_reason"] == "stop", r

@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("presets", "sampling_params"),
     ("config", "outputs"),
     ("request", "metrics", "tokenizer"),
-    ("detokenizer", "core", "distributed"),
+    ("detokenizer", "core", "distributed", "structured"),
     ("attention",),
     ("models",),
     ("quant",),

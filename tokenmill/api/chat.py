@@ -23,7 +23,7 @@ from tokenmill.api.protocol import (
     UsageInfo,
 )
 from tokenmill.api.responses import Collected, TokenTexts, finite
-from tokenmill.api.validation import ServedModel, check_context, sampling_params
+from tokenmill.api.validation import ServedModel, check_context, check_grammar, sampling_params
 from tokenmill.engine.llm_engine import PromptType
 from tokenmill.outputs import RequestOutput, TokenLogprobs
 from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -172,4 +172,5 @@ def prepare_chat(req: ChatCompletionRequest, served: ServedModel) -> ChatCall:
     check_context(len(ids), max_tokens, served.max_model_len, "messages", param)
     params = sampling_params(req, served.vocab_size, max_tokens=max_tokens,
                              logprobs=logprobs_k(req))
+    check_grammar(req, params, served)
     return ChatCall(req, [{"prompt": text, "prompt_token_ids": ids}], params, tokenizer)

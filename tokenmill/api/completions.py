@@ -19,6 +19,7 @@ from tokenmill.api.responses import Collected, TokenTexts, finite
 from tokenmill.api.validation import (
     ServedModel,
     check_context,
+    check_grammar,
     check_token_ids,
     sampling_params,
 )
@@ -227,4 +228,5 @@ def prepare_completion(req: CompletionRequest, served: ServedModel, *,
     params = sampling_params(req, vocab_size, max_tokens=req.max_tokens,
                              logprobs=0 if k is None and best_of > req.n else k,
                              prompt_logprobs=k if req.echo else None)
+    check_grammar(req, params, served)
     return CompletionCall(req, prompts, replace(params, n=best_of), tokenizer)

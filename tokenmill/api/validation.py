@@ -27,6 +27,8 @@ class ServedModel(Protocol):
     @property
     def max_model_len(self) -> int: ...
 
+    def compile_grammar(self, params: SamplingParams) -> object | None: ...
+
 
 def default_model_name(path: str) -> str:
     """The default served name: the model file's or folder's name without its extension."""
@@ -113,6 +115,26 @@ def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
         return StructuredOutputsParams(**fields)
     except ValueError as e:
         raise bad_request(str(e).replace("structured_outputs", name, 1), name) from None
+
+
+def _constraint_field(req: SamplingFields) -> str:
+    for name in ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                 "guided_choice", "guided_grammar"):
+        if getattr(req, name) is not None:
+            return name
+    return "structured_outputs"
+
+
+def check_grammar(req: SamplingFields, params: SamplingParams, served: ServedModel) -> None:
+    """Compile the request's output constraint (cached: the engine reuses it); 400 naming the
+    field when the schema, regex or grammar cannot be used or takes too long to compile."""
+    if params.structured_outputs is None:
+        return
+    try:
+        served.compile_grammar(params)
+    except ValueError as e:
+        field = _constraint_field(req)
+        raise bad_request(str(e).replace("structured_outputs", field, 1), field) from None
 
 
 def _param_of(message: str) -> str | None:

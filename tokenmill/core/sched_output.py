@@ -20,6 +20,9 @@ class NewRequestData:
     block_ids: list[int]
     # Tokens already in the KV cache before this step.
     num_computed_tokens: int
+    # The compiled grammar its output must match (an xgrammar CompiledGrammar), or None.
+    # Only rank 0's runner gets it: it does not pickle, and only rank 0's samples count.
+    grammar: object | None = None
 
 
 @dataclass
@@ -71,6 +74,8 @@ class RunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # Per request, per prompt position computed this step (excluding the first prompt token).
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Requests whose grammar is complete with this step's tokens: they finish with "stop".
+    grammar_finished: set[str] = field(default_factory=set)
 
 
 @dataclass

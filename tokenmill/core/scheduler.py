@@ -220,6 +220,7 @@ class Scheduler:
                 sampling_params=request.sampling_params,
                 block_ids=list(self.kv.get_block_ids(request.request_id)),
                 num_computed_tokens=request.num_computed_tokens,
+                grammar=request.grammar,
             ))
             scheduled.append((request, num_new))
             budget -= num_new
@@ -303,10 +304,12 @@ class Scheduler:
                 if status is not None:
                     del new_ids[n + 1:]
                     break
+            if status is None and rid in runner_out.grammar_finished:
+                status = RequestStatus.FINISHED_STOPPED
             if new_ids and request.first_token_time is None:
                 request.first_token_time = now
             prompt_lps = runner_out.prompt_logprobs.get(rid)
-            if not new_ids and not prompt_lps:
+            if not new_ids and not prompt_lps and status is None:
                 continue
             if status is not None:
                 self.running.remove(request)

@@ -22,7 +22,7 @@ from tokenmill.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 
 # The CLI's sampling defaults: a chat-like temperature and room for a paragraph, where
 # SamplingParams' own defaults (temperature 1, 16 tokens) follow the OpenAI API.
@@ -143,6 +143,33 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repetition-penalty", type=float, default=SamplingParams.repetition_penalty)
     g.add_argument("--sampling-seed", type=int, default=SamplingParams.seed)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    s = g.add_mutually_exclusive_group()
+    s.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                   help="the output is JSON matching this schema (JSON text, or @file)")
+    s.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    s.add_argument("--regex", default=None, help="the output matches this regular expression")
+    s.add_argument("--choice", action="append", default=None,
+                   help="the output is one of these strings (repeatable)")
+    s.add_argument("--grammar", default=None, metavar="EBNF",
+                   help="the output matches this EBNF grammar (text, or @file)")
+
+
+def _text_or_file(value: str | None) -> str | None:
+    """``@path`` reads the file; anything else is the text itself."""
+    if value is None or not value.startswith("@"):
+        return value
+    with open(value[1:], encoding="utf-8") as f:
+        return f.read()
+
+
+def structured_outputs_from_args(args: argparse.Namespace) -> StructuredOutputsParams | None:
+    """The output constraint the sampling options ask for, if any."""
+    fields = {"json": _text_or_file(args.json_schema), "regex": args.regex,
+              "choice": args.choice, "grammar": _text_or_file(args.grammar),
+              "json_object": args.json_object}
+    if not any(fields.values()):
+        return None
+    return StructuredOutputsParams(**{k: v for k, v in fields.items() if v})
 
 
 def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -150,4 +177,5 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-        seed=args.sampling_seed, stop=args.stop)
+        seed=args.sampling_seed, stop=args.stop,
+        structured_outputs=structured_outputs_from_args(args))

@@ -50,6 +50,8 @@ class _Add:
     prompt: PromptType
     params: SamplingParams
     arrival_time: float
+    # Compiled before sending, so the engine thread never compiles a grammar.
+    grammar: object | None = None
 
 
 @dataclass
@@ -179,6 +181,10 @@ class AsyncLLM:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    def compile_grammar(self, params: SamplingParams) -> object | None:
+        """The engine's (cached) compiled grammar of ``params``; thread-safe."""
+        return self.engine.compile_grammar(params)
+
     @property
     def num_seqs_in_flight(self) -> int:
         """Sequences submitted and not yet finished or aborted."""
@@ -226,6 +232,11 @@ class AsyncLLM:
         """
         if self.dead_reason is not None or self._loop is None:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
+        grammar = None
+        if params.structured_outputs is not None:
+            # Off the event loop and off the engine thread; GrammarError is a ValueError.
+            grammar = await asyncio.get_running_loop().run_in_executor(
+                None, self.engine.compile_grammar, params)
         num_seqs = len(prompts) * params.n
         if num_seqs > self.capacity:
             raise ValueError(f"the request needs {num_seqs} sequences (prompts x n) but this "
@@ -239,7 +250,8 @@ class AsyncLLM:
             self._routes[rid] = (group, i, params.n)
         self._num_seqs_in_flight += num_seqs
         now = time.monotonic()
-        self._send([_Add(rid, p, params, now) for rid, p in zip(ids, prompts, strict=True)])
+        self._send([_Add(rid, p, params, now, grammar)
+                    for rid, p in zip(ids, prompts, strict=True)])
         try:
             await group.wait_accepted()
         except BaseException:
@@ -321,7 +333,8 @@ class AsyncLLM:
             if isinstance(cmd, _Add):
                 try:
                     engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
-                                       kind=OutputKind.DELTA, arrival_time=cmd.arrival_time)
+                                       kind=OutputKind.DELTA, arrival_time=cmd.arrival_time,
+                                       grammar=cmd.grammar)
                     items.append((cmd.request_id, _ACCEPTED))
                 except ValueError as e:
                     items.append((cmd.request_id, e))

@@ -12,6 +12,7 @@ from tokenmill.metrics.stats import SchedulerStats
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request, first_invalid_token_id
 from tokenmill.sampling_params import MAX_SEED, SamplingParams
+from tokenmill.structured.compiler import GrammarCompiler
 
 # A prompt is text, token ids, or {"prompt": text, "prompt_token_ids": ids} (either key).
 PromptType = str | list[int] | dict
@@ -25,6 +26,8 @@ class LLMEngine:
         self.core = EngineCore(config)
         self.tokenizer = self.core.tokenizer
         self.processor = OutputProcessor(self.tokenizer)
+        # Structured outputs' grammars, compiled on the caller's thread (cached by source).
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
 
     @property
     def max_model_len(self) -> int:
@@ -54,7 +57,15 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes, if any (idempotent)."""
+        self.grammars.close()
         self.core.close()
+
+    def compile_grammar(self, params: SamplingParams) -> object | None:
+        """The compiled grammar of ``params.structured_outputs`` (None without one); a
+        ValueError (``GrammarError``) names what is wrong with it. Cached by source, so calling
+        it before ``add_request`` (e.g. on another thread) makes that call cheap."""
+        spec = params.structured_outputs
+        return None if spec is None else self.grammars.compile(spec)
 
     @property
     def vocab_size(self) -> int:
@@ -86,14 +97,21 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     kind: OutputKind = OutputKind.FINAL_ONLY,
-                    arrival_time: float | None = None) -> None:
-        """Validate and queue a request; ValueError names what is wrong and nothing is queued."""
+                    arrival_time: float | None = None, grammar: object | None = None) -> None:
+        """Validate and queue a request; ValueError names what is wrong and nothing is queued.
+
+        A request with ``structured_outputs`` has its grammar compiled here unless ``grammar``
+        (from :meth:`compile_grammar`) is given."""
         if request_id in self.processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params.validate(vocab_size=self.vocab_size)
         text, token_ids = self.encode_prompt(prompt)
+        if grammar is None:
+            grammar = self.compile_grammar(params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = self._child_requests(request_id, token_ids, params, arrival)
+        for child in children:  # n > 1: each sample walks the grammar on its own
+            child.grammar = grammar
         added: list[str] = []
         try:
             for child in children:

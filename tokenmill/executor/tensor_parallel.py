@@ -206,7 +206,16 @@ class TPExecutor(Executor):
 
     @staticmethod
     def _broadcast_and_run(runner: ModelRunner, msg: StepMessage) -> RunnerOutput:
-        broadcast_object(msg)
+        # Compiled grammars do not pickle, and the workers need none: rank 0's samples are
+        # the ones every rank adopts (see worker.adopt_sampled_tokens).
+        grammars = [(new, new.grammar) for new in msg.sched.new_requests if new.grammar]
+        for new, _ in grammars:
+            new.grammar = None
+        try:
+            broadcast_object(msg)
+        finally:
+            for new, grammar in grammars:
+                new.grammar = grammar
         return runner.execute(msg.sched, msg.draft_probs)
 
     def _guard(self, fn: Callable[..., T], *args: object) -> T:

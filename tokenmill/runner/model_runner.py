@@ -25,15 +25,18 @@ from tokenmill.runner.platform import Platform
 from tokenmill.runner.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
 from tokenmill.runner.spec_verify import SpecRequest, verify_drafts
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.matcher import GrammarState, allocate_bitmask
 from tokenmill.utils import host_tensor
 
 
 @dataclass
 class _SamplingState:
-    """What outlives a preemption: the seeded generator's position and prompt logprobs sent."""
+    """What outlives a preemption: the seeded generator's position, prompt logprobs sent and
+    the position in the request's grammar (its generated tokens are kept, so is the state)."""
 
     generator: torch.Generator | None
     num_prompt_logprobs_done: int = 0
+    grammar: GrammarState | None = None
 
 
 @dataclass
@@ -220,7 +223,8 @@ class ModelRunner:
                 generator = None
                 if params.seed is not None:
                     generator = torch.Generator(self.device).manual_seed(params.seed)
-                sampling = _SamplingState(generator)
+                grammar = None if new.grammar is None else GrammarState(new.grammar)
+                sampling = _SamplingState(generator, grammar=grammar)
                 self.sampling_states[new.request_id] = sampling
             stop_ids = list(params.stop_token_ids)
             if not params.ignore_eos:
@@ -306,15 +310,49 @@ class ModelRunner:
             generators=[s.sampling.generator for s in states],
             stop_token_ids=[s.stop_ids for s in states],
             device=self.device,
+            allowed_tokens=self._grammar_bitmask(states, [[]] * len(states), logits.shape[1]),
         )
         result = self.sampler(logits, meta)
         sampled = result.sampled_token_ids.tolist()
         logprobs = result.to_token_logprobs() if result.has_logprobs else None
         for i, (state, token_id) in enumerate(zip(states, sampled, strict=True)):
-            state.token_ids.append(token_id)
-            out.sampled_token_ids[state.request_id] = [token_id]
-            if logprobs is not None and state.params.logprobs is not None:
+            kept = self._advance_grammar(state, [token_id], out)
+            state.token_ids.extend(kept)
+            out.sampled_token_ids[state.request_id] = kept
+            if logprobs is not None and state.params.logprobs is not None and kept:
                 out.logprobs[state.request_id] = [_trim(logprobs[i], state.params.logprobs)]
+
+    @staticmethod
+    def _grammar_bitmask(states: list[_RequestState], drafts: list[list[int]],
+                         vocab_size: int) -> tuple[torch.Tensor, list[int]] | None:
+        """The allowed-token bitmask of a batch whose request i has ``1 + len(drafts[i])``
+        rows (one per position it samples), with the rows it constrains; None without
+        grammars. Every row of a request without a grammar allows everything."""
+        if not any(s.sampling.grammar is not None for s in states):
+            return None
+        bitmask = allocate_bitmask(sum(len(d) + 1 for d in drafts), vocab_size)
+        rows: list[int] = []
+        row = 0
+        for state, ds in zip(states, drafts, strict=True):
+            grammar = state.sampling.grammar
+            if grammar is not None and not grammar.finished:
+                grammar.fill_drafts(bitmask, row, ds)
+                rows.extend(range(row, row + len(ds) + 1))
+            row += len(ds) + 1
+        return (bitmask, rows) if rows else None
+
+    @staticmethod
+    def _advance_grammar(state: _RequestState, token_ids: list[int],
+                         out: RunnerOutput) -> list[int]:
+        """The new tokens the request keeps once its grammar has seen them (all of them, or
+        up to the one that completed the grammar, which then ends the request)."""
+        grammar = state.sampling.grammar
+        if grammar is None:
+            return token_ids
+        kept = token_ids[:grammar.accept(token_ids)]
+        if grammar.finished:
+            out.grammar_finished.add(state.request_id)
+        return kept
 
     def _verify(self, logits: torch.Tensor, spec: _SpecRows,
                 draft_probs: dict[str, torch.Tensor], out: RunnerOutput) -> None:
@@ -328,13 +366,15 @@ class ModelRunner:
             stop_token_ids=s.stop_ids,
             draft_probs=draft_probs.get(s.request_id),
         ) for s, drafts in zip(spec.states, spec.drafts, strict=True)]
-        result = verify_drafts(logits, requests)
+        allowed = self._grammar_bitmask(spec.states, spec.drafts, logits.shape[1])
+        result = verify_drafts(logits, requests, allowed)
         for state, token_ids, logprobs in zip(spec.states, result.token_ids, result.logprobs,
                                               strict=True):
-            state.token_ids.extend(token_ids)
-            out.sampled_token_ids[state.request_id] = token_ids
+            kept = self._advance_grammar(state, token_ids, out)
+            state.token_ids.extend(kept)
+            out.sampled_token_ids[state.request_id] = kept
             if logprobs is not None:
-                out.logprobs[state.request_id] = logprobs
+                out.logprobs[state.request_id] = logprobs[:len(kept)]
 
 
 def capture_decode_graphs_if_enabled(runner: ModelRunner, config: EngineConfig,

@@ -14,6 +14,7 @@ import torch
 
 from tokenmill.outputs import TokenLogprobs
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.matcher import apply_bitmask
 from tokenmill.utils import host_tensor
 
 # Floor for the exponential draws: exponential_() can return exactly 0, and p / 0 would pick a
@@ -58,15 +59,21 @@ class SamplingMetadata:
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None
     # Largest `logprobs` any row asked for; None when no row asked.
     max_num_logprobs: int | None
+    # Structured outputs: ([B, ceil(V / 32)] int32 bitmask of the allowed tokens, the rows it
+    # constrains). None when no row has a grammar.
+    allowed_tokens: tuple[torch.Tensor, list[int]] | None = None
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], prompt_token_ids: Sequence[Sequence[int]],
               output_token_ids: Sequence[Sequence[int]],
               generators: Sequence[torch.Generator | None],
               stop_token_ids: Sequence[Sequence[int]],
-              device: torch.device | str = "cpu") -> SamplingMetadata:
+              device: torch.device | str = "cpu",
+              allowed_tokens: tuple[torch.Tensor, list[int]] | None = None,
+              ) -> SamplingMetadata:
         """Batch the per-row inputs. ``stop_token_ids[i]`` are the ids ``min_tokens`` must
-        suppress for row i (eos ids unless ignore_eos, plus the request's stop_token_ids)."""
+        suppress for row i (eos ids unless ignore_eos, plus the request's stop_token_ids);
+        ``allowed_tokens`` is the structured outputs' bitmask (see the field)."""
         n = len(params)
         greedy = [p.greedy for p in params]
         all_greedy = all(greedy)
@@ -110,6 +117,7 @@ class SamplingMetadata:
             logit_bias=_build_logit_bias(params, device),
             min_tokens_mask=_build_min_tokens(params, output_token_ids, stop_token_ids, n, device),
             max_num_logprobs=max_lp,
+            allowed_tokens=allowed_tokens,
         )
 
 
@@ -272,7 +280,8 @@ class Sampler:
 
 
 def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """logit_bias, min_tokens and the penalties, out of place."""
+    """logit_bias, min_tokens, the penalties and the structured outputs' bitmask, out of
+    place."""
     if meta.logit_bias is not None:
         rows, ids, vals = meta.logit_bias
         logits = logits.index_put((rows, ids), vals, accumulate=True)
@@ -281,6 +290,10 @@ def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> tor
         logits = logits.index_put((rows, ids), logits.new_tensor(float("-inf")))
     if not meta.no_penalties:
         logits = _apply_penalties(logits, meta)
+    if meta.allowed_tokens is not None:
+        bitmask, rows = meta.allowed_tokens
+        logits = logits.clone()
+        apply_bitmask(logits, bitmask, rows)
     return logits
 
 

@@ -47,13 +47,16 @@ class VerifyResult:
     logprobs: list[list[TokenLogprobs] | None]
 
 
-def verify_drafts(logits: torch.Tensor, requests: list[SpecRequest]) -> VerifyResult:
-    """``logits`` ``[sum(k_i + 1), V]``: each request's positions back to back, in order."""
+def verify_drafts(logits: torch.Tensor, requests: list[SpecRequest],
+                  allowed_tokens: tuple[torch.Tensor, list[int]] | None = None) -> VerifyResult:
+    """``logits`` ``[sum(k_i + 1), V]``: each request's positions back to back, in order.
+    ``allowed_tokens``: the structured outputs' bitmask over those rows (see SamplingMetadata);
+    a draft it forbids has probability 0 at its position and is rejected."""
     offsets = [0]
     for r in requests:
         offsets.append(offsets[-1] + len(r.draft_token_ids) + 1)
     raw = logits.float()
-    meta = position_metadata(requests, raw.device)
+    meta = position_metadata(requests, raw.device, allowed_tokens)
     processed = apply_logits_processors(raw, meta)
     argmax = processed.argmax(dim=-1).tolist()
     token_ids: list[list[int]] = []
@@ -76,7 +79,9 @@ def verify_drafts(logits: torch.Tensor, requests: list[SpecRequest]) -> VerifyRe
     return VerifyResult(token_ids, logprobs)
 
 
-def position_metadata(requests: list[SpecRequest], device: torch.device) -> SamplingMetadata:
+def position_metadata(requests: list[SpecRequest], device: torch.device,
+                      allowed_tokens: tuple[torch.Tensor, list[int]] | None = None,
+                      ) -> SamplingMetadata:
     """Sampling metadata with one row per verified position (drafts count as output)."""
     params, prompts, outputs, stops = [], [], [], []
     for r in requests:
@@ -87,7 +92,8 @@ def position_metadata(requests: list[SpecRequest], device: torch.device) -> Samp
             stops.append(r.stop_token_ids)
     return SamplingMetadata.build(params=params, prompt_token_ids=prompts,
                                   output_token_ids=outputs, generators=[None] * len(params),
-                                  stop_token_ids=stops, device=device)
+                                  stop_token_ids=stops, device=device,
+                                  allowed_tokens=allowed_tokens)
 
 
 def _rejection(processed: torch.Tensor, meta: SamplingMetadata, requests: list[SpecRequest],

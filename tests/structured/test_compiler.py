@@ -1,0 +1,141 @@
+"""The grammar compiler and matcher on the embedded model's tokenizer: cache, limits, choice
+escaping, draft masks and rollback."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from tokenmill.model_loader.gguf import embedded_model_path, load_gguf
+from tokenmill.sampling_params import MAX_GRAMMAR_CHARS, StructuredOutputsParams
+from tokenmill.structured.compiler import GrammarCompiler, GrammarError, choice_grammar
+from tokenmill.structured.matcher import GrammarState, allocate_bitmask, apply_bitmask
+
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_gguf(embedded_model_path()).tokenizer
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer) -> GrammarCompiler:
+    return GrammarCompiler(tokenizer, VOCAB)
+
+
+def allowed(state: GrammarState) -> torch.Tensor:
+    """Bool [V] of the tokens the state allows next."""
+    bitmask = allocate_bitmask(1, VOCAB)
+    state.fill(bitmask, 0)
+    logits = torch.zeros(1, VOCAB)
+    apply_bitmask(logits, bitmask, [0])
+    return logits[0] == 0
+
+
+def walk(state: GrammarState, tokenizer, text: str) -> int:
+    return state.accept(tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_compiled_grammars_are_cached_by_source(compiler: GrammarCompiler) -> None:
+    a = compiler.compile(StructuredOutputsParams(json={"type": "object", "properties": {
+        "x": {"type": "integer"}}}))
+    # The same schema with its keys in another order is the same source.
+    b = compiler.compile(StructuredOutputsParams(json={"properties": {
+        "x": {"type": "integer"}}, "type": "object"}))
+    assert a is b
+    assert compiler.compile(StructuredOutputsParams(regex="a+")) is not a
+
+
+def test_choice_allows_exactly_its_strings(compiler: GrammarCompiler, tokenizer) -> None:
+    choice = ['say "hi"', "back\\slash", "naïve ✓", "line\nbreak"]
+    compiled = compiler.compile(StructuredOutputsParams(choice=choice))
+    for c in choice:
+        state = GrammarState(compiled)
+        ids = tokenizer.encode(c, add_special_tokens=False)
+        assert state.accept(ids) == len(ids), c
+        assert state.accept([tokenizer.eos_token_id]) == 1 and state.finished
+    state = GrammarState(compiled)
+    ids = tokenizer.encode("say hi", add_special_tokens=False)
+    assert state.accept(ids) < len(ids)
+    assert json.loads(choice_grammar(["a\"b"]).split("::= ", 1)[1]) == 'a"b'
+
+
+def test_a_completed_grammar_allows_only_the_stop_token(compiler, tokenizer) -> None:
+    state = GrammarState(compiler.compile(StructuredOutputsParams(regex="[0-9]{3}")))
+    assert walk(state, tokenizer, "123") == len(tokenizer.encode("123", add_special_tokens=False))
+    mask = allowed(state)
+    assert mask.nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+    assert not state.finished
+    assert state.accept([tokenizer.eos_token_id, 5, 6]) == 1 and state.finished
+
+
+def test_a_refused_token_ends_the_walk_before_it(compiler, tokenizer) -> None:
+    state = GrammarState(compiler.compile(StructuredOutputsParams(regex="[0-9]+")))
+    ids = tokenizer.encode("12a", add_special_tokens=False)
+    assert state.accept(ids) < len(ids) and state.finished
+
+
+def test_draft_rows_follow_the_drafts_and_roll_back(compiler, tokenizer) -> None:
+    compiled = compiler.compile(StructuredOutputsParams(regex="(ab)+c"))
+    a, b, c = (tokenizer.encode(t, add_special_tokens=False)[0] for t in "abc")
+    state = GrammarState(compiled)
+    bitmask = allocate_bitmask(4, VOCAB)
+    state.fill_drafts(bitmask, 0, [a, b, a])
+    rows = []
+    for r in range(4):
+        logits = torch.zeros(1, VOCAB)
+        apply_bitmask(logits, bitmask[r:r + 1], [0])
+        rows.append(set((logits[0] == 0).nonzero().flatten().tolist()))
+    assert a in rows[0] and b not in rows[0]
+    assert b in rows[1] and a not in rows[1]
+    assert {a, c} <= rows[2]
+    assert b in rows[3]
+    # Rolled back: the state is where it was before the drafts.
+    assert allowed(state).nonzero().flatten().tolist() == sorted(rows[0])
+
+
+def test_rows_after_a_refused_draft_allow_everything(compiler, tokenizer) -> None:
+    compiled = compiler.compile(StructuredOutputsParams(regex="a+"))
+    a = tokenizer.encode("a", add_special_tokens=False)[0]
+    z = tokenizer.encode("z", add_special_tokens=False)[0]
+    state = GrammarState(compiled)
+    bitmask = allocate_bitmask(3, VOCAB)
+    state.fill_drafts(bitmask, 0, [z, a])
+    assert bool((bitmask[1:] == -1).all())
+    assert state.accept([a]) == 1  # nothing was consumed by the drafts
+
+
+def test_errors_name_the_problem(compiler: GrammarCompiler) -> None:
+    with pytest.raises(GrammarError, match=r"structured_outputs.regex cannot be used: .*"):
+        compiler.compile(StructuredOutputsParams(regex="(a"))
+    with pytest.raises(GrammarError, match="Unsupported type"):
+        compiler.compile(StructuredOutputsParams(json={"type": "objec"}))
+    with pytest.raises(GrammarError, match="an object"):
+        compiler.compile(StructuredOutputsParams(json="[1, 2]"))
+    with pytest.raises(ValueError, match="the limit is"):
+        StructuredOutputsParams(regex="a" * (MAX_GRAMMAR_CHARS + 1))
+
+
+def test_bounds_that_would_not_compile_in_time_are_refused(compiler) -> None:
+    for spec, words in [
+        (StructuredOutputsParams(json={"type": "string", "maxLength": 10**9}), "maxLength"),
+        (StructuredOutputsParams(json={"items": {"pattern": "x{2,20000}"}}), "pattern repeats"),
+        (StructuredOutputsParams(regex="a{99999}"), "repeats {99999}"),
+        (StructuredOutputsParams(grammar='root ::= "a"{1,50000}'), "repeats"),
+    ]:
+        with pytest.raises(GrammarError, match=re.escape(words)):
+            compiler.compile(spec)
+
+
+def test_a_slow_grammar_is_refused_in_time(tokenizer) -> None:
+    compiler = GrammarCompiler(tokenizer, VOCAB, timeout_s=0.05)
+    # Thousands of bounded repetitions: seconds to compile on a CPU.
+    slow = {"type": "array", "items": {"type": "string", "minLength": 5, "maxLength": 300},
+            "minItems": 50, "maxItems": 600}
+    with pytest.raises(GrammarError, match="did not compile within"):
+        compiler.compile(StructuredOutputsParams(json=slow))
+    compiler.close()
