@@ -74,8 +74,9 @@ def run_server_cases(server: ServerProcess, cases: list[SchemaCase],
     """Warm the server up with one short plain request, then send every case in turn."""
     import httpx
 
-    from tokenmill.bench.serve import server_model
+    from tokenmill.bench.serve import quiet_http_logs, server_model
 
+    quiet_http_logs()
     model = server_model(server.base_url, {})
     results = []
     with httpx.Client() as client:
