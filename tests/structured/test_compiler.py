@@ -139,3 +139,45 @@ def test_a_slow_grammar_is_refused_in_time(tokenizer) -> None:
     with pytest.raises(GrammarError, match="did not compile within"):
         compiler.compile(StructuredOutputsParams(json=slow))
     compiler.close()
+
+
+@pytest.mark.parametrize("vocab", [VOCAB, 100, 33])
+def test_extension_masks_like_xgrammar(vocab: int) -> None:
+    """The C++ mask the sampler uses on the CPU equals xgrammar's: random words, words that
+    allow all or nothing, a vocabulary that ends inside a word, rows not in the list kept."""
+    from tokenmill.runner.fused_decode import load_extension
+
+    ext = load_extension()
+    gen = torch.Generator().manual_seed(0)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-2**31, 2**31 - 1, (5, words), dtype=torch.int32, generator=gen)
+    bitmask[1] = 0
+    bitmask[2] = -1
+    bitmask[3, : words // 2] = 0
+    logits = torch.randn(5, vocab, generator=gen)
+    rows = [0, 1, 2, 3]
+    ours, theirs = logits.clone(), logits.clone()
+    ext.apply_token_bitmask(ours, bitmask, torch.tensor(rows))
+    apply_bitmask(theirs, bitmask, rows)
+    assert torch.equal(ours, theirs)
+    assert torch.equal(ours[4], logits[4]) and torch.isinf(ours[1]).all()
+    with pytest.raises(RuntimeError, match="outside"):
+        ext.apply_token_bitmask(ours, bitmask, torch.tensor([5]))
+
+
+def test_batch_fill_equals_one_by_one(compiler: GrammarCompiler, tokenizer) -> None:
+    """fill_rows (xgrammar's batch filler) writes each row as the state's own fill does."""
+    from tokenmill.structured.matcher import fill_rows
+
+    compiled = compiler.compile(StructuredOutputsParams(regex="[a-z]+ [0-9]+"))
+    states = [GrammarState(compiled) for _ in range(3)]
+    for state, text in zip(states, ["ab", "ab 1", ""], strict=True):
+        assert walk(state, tokenizer, text) == len(tokenizer.encode(text,
+                                                                    add_special_tokens=False))
+    together, alone = allocate_bitmask(4, VOCAB), allocate_bitmask(4, VOCAB)
+    fill_rows(together, states, [0, 2, 3])
+    for state, row in zip(states, [0, 2, 3], strict=True):
+        state.fill(alone, row)
+    assert torch.equal(together, alone)
+    assert (together[1] == -1).all()  # a row no state was given is left allowing everything
+    assert not torch.equal(together[0], together[2])

@@ -8,6 +8,7 @@
 
 #include "decode_kernels.h"
 #include "paged_attention.h"
+#include "token_bitmask.h"
 
 namespace tokenmill {
 
@@ -238,4 +239,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("num_layers", &tokenmill::DecoderStack::num_layers)
       .def("forward", &tokenmill::DecoderStack::forward,
            pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("apply_token_bitmask", &tokenmill::apply_token_bitmask,
+        "logits[r][t] = -inf for each r in rows and each token t that bitmask[r] forbids",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

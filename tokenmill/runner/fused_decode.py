@@ -116,6 +116,11 @@ def load_extension() -> ModuleType:
     )
 
 
+def extension_if_loaded() -> ModuleType | None:
+    """The extension if this process has loaded it already; never starts a build."""
+    return load_extension() if load_extension.cache_info().currsize else None
+
+
 @dataclass(frozen=True)
 class LinearParts:
     """One projection as the C++ side takes it: kind tag, tensors, int4 group size."""

@@ -25,7 +25,7 @@ from tokenmill.runner.platform import Platform
 from tokenmill.runner.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
 from tokenmill.runner.spec_verify import SpecRequest, verify_drafts
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.structured.matcher import GrammarState, allocate_bitmask
+from tokenmill.structured.matcher import GrammarState, allocate_bitmask, fill_rows
 from tokenmill.utils import host_tensor
 
 
@@ -340,13 +340,19 @@ class ModelRunner:
             return None
         bitmask = allocate_bitmask(sum(len(d) + 1 for d in drafts), vocab_size)
         rows: list[int] = []
+        singles: tuple[list[GrammarState], list[int]] = ([], [])  # no drafts: filled together
         row = 0
         for state, ds in zip(states, drafts, strict=True):
             grammar = state.sampling.grammar
             if grammar is not None and not grammar.finished:
-                grammar.fill_drafts(bitmask, row, ds)
+                if ds:
+                    grammar.fill_drafts(bitmask, row, ds)
+                else:
+                    singles[0].append(grammar)
+                    singles[1].append(row)
                 rows.extend(range(row, row + len(ds) + 1))
             row += len(ds) + 1
+        fill_rows(bitmask, *singles)
         return (bitmask, rows) if rows else None
 
     @staticmethod

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.outputs import TokenLogprobs
+from tokenmill.runner.fused_decode import extension_if_loaded
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.matcher import apply_bitmask
 from tokenmill.utils import host_tensor
@@ -293,8 +294,18 @@ def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> tor
     if meta.allowed_tokens is not None:
         bitmask, rows = meta.allowed_tokens
         logits = logits.clone()
-        apply_bitmask(logits, bitmask, rows)
+        _mask_disallowed(logits, bitmask, rows)
     return logits
+
+
+def _mask_disallowed(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """The bitmask applied in place: on the CPU by the C++ extension when the runner has it
+    loaded (several times faster than xgrammar's CPU routine), else by xgrammar."""
+    ext = extension_if_loaded() if logits.device.type == "cpu" else None
+    if ext is not None and logits.dtype == torch.float32 and logits.is_contiguous():
+        ext.apply_token_bitmask(logits, bitmask, torch.tensor(rows, dtype=torch.int64))
+    else:
+        apply_bitmask(logits, bitmask, rows)
 
 
 def _token_counts(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:

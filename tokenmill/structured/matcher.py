@@ -12,6 +12,7 @@ so verification rejects it.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,6 +21,10 @@ if TYPE_CHECKING:
     import xgrammar
 
 logger = logging.getLogger(__name__)
+
+# One xgrammar batch filler per thread that fills bitmasks (an engine's step loop).
+_fillers = threading.local()
+
 
 class GrammarState:
     """One request's position in its grammar."""
@@ -65,6 +70,23 @@ class GrammarState:
                 self.finished = True
                 return n + 1
         return len(token_ids)
+
+
+def fill_rows(bitmask: torch.Tensor, grammars: list[GrammarState], rows: list[int]) -> None:
+    """``grammars[i].fill(bitmask, rows[i])`` for every i, the rows spread over torch's
+    threads (xgrammar's batch filler; the step loop waits here, so the threads are free)."""
+    if len(grammars) == 1:
+        grammars[0].fill(bitmask, rows[0])
+        return
+    if not grammars:
+        return
+    threads = torch.get_num_threads()
+    filler = getattr(_fillers, "filler", None)
+    if filler is None or _fillers.threads != threads:
+        import xgrammar
+        filler = _fillers.filler = xgrammar.BatchGrammarMatcher(max_threads=threads)
+        _fillers.threads = threads
+    filler.batch_fill_next_token_bitmask([g._matcher for g in grammars], bitmask, rows)
 
 
 def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
