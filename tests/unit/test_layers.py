@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("spec_decode", "executor"),
     ("engine",),
     ("api",),
+    ("retrieval",),
     ("server", "batch", "stream"),
     ("bench",),
     ("cli",),
