@@ -144,6 +144,7 @@ def _describe_graphs(info: ModelInfo) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run `tokenmill serve` until SIGTERM / SIGINT."""
     from tokenmill.server.launcher import run_server
+    from tokenmill.server.model_registry import served_models
 
     config = ServerConfig(
         served_model_name=args.served_model_name, host=args.host, port=args.port,
@@ -154,7 +155,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allowed_origins=_names(args.allowed_origins), header_timeout=args.header_timeout,
         body_timeout=args.body_timeout, max_connections=args.max_connections,
         split_special_tokens=args.split_special_tokens, tool_call_parser=args.tool_call_parser)
-    return run_server(engine_config_from_args(args), config)
+    return run_server(served_models(args), config)
 
 
 def _names(values: list[str]) -> tuple[str, ...]:
@@ -206,7 +207,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `tokenmill serve`."""
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    add_engine_args(p)
+    add_engine_args(p, several_models=True)
     add_serve_args(p)
     p.set_defaults(func=cmd_serve)
 

@@ -77,6 +77,9 @@ class CacheConfig:
     kv_cache_memory_fraction: float = 0.2
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
+    # The share of the budget above (fraction or gpu_memory_utilization) this engine takes, when
+    # several engines share it (set by the multi-model server; explicit sizes ignore it).
+    kv_cache_share: float = 1.0
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -85,6 +88,8 @@ class CacheConfig:
                              f"got {self.gpu_memory_utilization!r}")
         _positive("num_blocks", self.num_blocks)
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if not 0.0 < self.kv_cache_share <= 1.0:
+            raise ValueError(f"kv_cache_share must be in (0, 1], got {self.kv_cache_share!r}")
         if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
             raise ValueError(
                 "kv_cache_memory_fraction must be in (0, 0.95], "

@@ -30,13 +30,21 @@ CLI_MAX_TOKENS = 256
 CLI_TEMPERATURE = 0.7
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Options shared by every command that starts an engine."""
+def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) -> None:
+    """Options shared by every command that starts an engine; ``several_models``: --model may
+    be repeated, as ``[NAME=]PATH[,option...]`` (see tokenmill.server.model_registry)."""
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=ModelConfig.model,
-                   help="GGUF file or Hugging Face folder (default: embedded "
-                        "SmolLM2-135M-Instruct); with --load-format dummy also a preset: "
-                        "llama-3.1-8b, qwen3-0.6b")
+    if several_models:
+        g.add_argument("--model", action="append", default=None, metavar="[NAME=]PATH[,OPT]",
+                       help="a model to serve (repeatable): GGUF file or Hugging Face folder, "
+                            "with the name clients use and engine options of its own, e.g. "
+                            "chat=model.gguf,max-model-len=4096 (default: the embedded "
+                            "SmolLM2-135M-Instruct)")
+    else:
+        g.add_argument("--model", default=ModelConfig.model,
+                       help="GGUF file or Hugging Face folder (default: embedded "
+                            "SmolLM2-135M-Instruct); with --load-format dummy also a preset: "
+                            "llama-3.1-8b, qwen3-0.6b")
     g.add_argument("--dtype", default=ModelConfig.dtype, choices=DTYPES)
     g.add_argument("--max-model-len", type=int, default=ModelConfig.max_model_len)
     g.add_argument("--load-format", default=ModelConfig.load_format, choices=LOAD_FORMATS)

@@ -24,7 +24,6 @@ from tokenmill.api.protocol import (
     TokenizeRequest,
 )
 from tokenmill.api.tokens import detokenize, tokenize
-from tokenmill.api.validation import check_model
 from tokenmill.server.classify import create_classification
 from tokenmill.server.errors import check_json_content_type, install_error_handlers, read_body
 from tokenmill.server.guard import HostPolicy, RequestGuard
@@ -40,9 +39,11 @@ def build_app(state: ServerState) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        state.client.start()
+        for client in state.clients:
+            client.start()
         yield
-        await state.client.shutdown()
+        for client in state.clients:
+            await client.shutdown()
         state.workers.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None,
@@ -109,21 +110,21 @@ def _inference_routes(state: ServerState) -> APIRouter:
 
     @router.get("/v1/models")
     async def models() -> JSONResponse:
-        card = ModelCard(id=state.model_name, created=state.created,
-                         max_model_len=state.client.max_model_len)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        cards = [ModelCard(id=m.name, created=state.created, max_model_len=m.client.max_model_len)
+                 for m in state.models.values()]
+        return JSONResponse(ModelList(data=cards).model_dump())
 
     @router.post("/tokenize", openapi_extra=json_body(TokenizeRequest))
     async def tokenize_route(request: Request) -> JSONResponse:
         req = await read_json(state, request, TokenizeRequest)
-        check_model(state.model_name, req.model)
-        return JSONResponse((await state.offload(tokenize, req, state.client)).model_dump())
+        client = state.model(req.model, task=None).client
+        return JSONResponse((await state.offload(tokenize, req, client)).model_dump())
 
     @router.post("/detokenize", openapi_extra=json_body(DetokenizeRequest))
     async def detokenize_route(request: Request) -> JSONResponse:
         req = await read_json(state, request, DetokenizeRequest)
-        check_model(state.model_name, req.model)
-        return JSONResponse((await state.offload(detokenize, req, state.client)).model_dump())
+        client = state.model(req.model, task=None).client
+        return JSONResponse((await state.offload(detokenize, req, client)).model_dump())
 
     return router
 
@@ -135,7 +136,7 @@ def _open_routes(state: ServerState) -> APIRouter:
     async def health() -> JSONResponse:
         if state.serving:
             return JSONResponse({"status": "ok"})
-        reason = state.client.dead_reason or ("shutting down" if state.draining else "starting")
+        reason = state.dead_reason or ("shutting down" if state.draining else "starting")
         return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
 
     @router.get("/metrics")
