@@ -302,6 +302,10 @@ class ServerConfig:
     max_connections: int = 1024
     split_special_tokens: bool = False
     tool_call_parser: str = "auto"
+    # The admin API (/admin: load, unload, swap models) is on only with a key of its own.
+    admin_key: str | None = None
+    # With an admin key: the folder models may be loaded from (None: any path).
+    models_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -314,9 +318,13 @@ class ServerConfig:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset to disable auth)")
-        if self.api_key is not None and not all("\x21" <= c <= "\x7e" for c in self.api_key):
-            raise ValueError("api_key must be visible ASCII characters without spaces (it is "
-                             "sent as 'Authorization: Bearer KEY')")
+        for name in ("api_key", "admin_key"):
+            key = getattr(self, name)
+            if key is not None and (not key or not all("\x21" <= c <= "\x7e" for c in key)):
+                raise ValueError(f"{name} must be visible ASCII characters without spaces (it "
+                                 "is sent as 'Authorization: Bearer KEY')")
+        if self.admin_key is not None and self.admin_key == self.api_key:
+            raise ValueError("admin_key must differ from api_key")
         for name in ("header_timeout", "body_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

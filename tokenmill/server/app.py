@@ -24,9 +24,11 @@ from tokenmill.api.protocol import (
     TokenizeRequest,
 )
 from tokenmill.api.tokens import detokenize, tokenize
+from tokenmill.server.admin_routes import admin_router
 from tokenmill.server.classify import create_classification
 from tokenmill.server.errors import check_json_content_type, install_error_handlers, read_body
 from tokenmill.server.guard import HostPolicy, RequestGuard
+from tokenmill.server.lifecycle import ModelManager
 from tokenmill.server.openapi import install_openapi, json_body
 from tokenmill.server.serving import create_response
 from tokenmill.server.state import ServerState
@@ -34,8 +36,9 @@ from tokenmill.server.state import ServerState
 M = TypeVar("M", bound=BaseModel)
 
 
-def build_app(state: ServerState) -> FastAPI:
-    """The application; its lifespan starts and stops the engine thread."""
+def build_app(state: ServerState, manager: ModelManager | None = None) -> FastAPI:
+    """The application; its lifespan starts and stops the engines. ``manager``: the admin API's
+    model manager (its routes exist only when the server has an admin key)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -64,6 +67,10 @@ def build_app(state: ServerState) -> FastAPI:
 
     app.include_router(_inference_routes(state), dependencies=[Depends(require_key)])
     app.include_router(_open_routes(state), dependencies=[Depends(require_key_if_configured)])
+    if state.config.admin_key is not None:
+        if manager is None:
+            raise ValueError("an admin key needs a model manager")
+        app.include_router(admin_router(state, manager))
     config = state.config
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
@@ -117,14 +124,16 @@ def _inference_routes(state: ServerState) -> APIRouter:
     @router.post("/tokenize", openapi_extra=json_body(TokenizeRequest))
     async def tokenize_route(request: Request) -> JSONResponse:
         req = await read_json(state, request, TokenizeRequest)
-        client = state.model(req.model, task=None).client
-        return JSONResponse((await state.offload(tokenize, req, client)).model_dump())
+        with state.model(req.model, task=None).lease() as served:
+            answer = await state.offload(tokenize, req, served.client)
+        return JSONResponse(answer.model_dump())
 
     @router.post("/detokenize", openapi_extra=json_body(DetokenizeRequest))
     async def detokenize_route(request: Request) -> JSONResponse:
         req = await read_json(state, request, DetokenizeRequest)
-        client = state.model(req.model, task=None).client
-        return JSONResponse((await state.offload(detokenize, req, client)).model_dump())
+        with state.model(req.model, task=None).lease() as served:
+            answer = await state.offload(detokenize, req, served.client)
+        return JSONResponse(answer.model_dump())
 
     return router
 

@@ -19,10 +19,11 @@ async def create_classification(state: ServerState, req: ClassifyRequest,
     """Validate, score and answer one classify request; the engine requests stop if the
     client goes away first."""
     served = state.model(req.model)
-    call = await state.offload(prepare_classify, req, served.client)
-    scoring = score_labels(call.scorer, functools.partial(submit, state, served.client),
-                           served.client.capacity)
-    results = await until_disconnect(raw.receive, scoring)
+    with served.lease():  # scoring submits as it goes
+        call = await state.offload(prepare_classify, req, served.client)
+        scoring = score_labels(call.scorer, functools.partial(submit, state, served.client),
+                               served.client.capacity)
+        results = await until_disconnect(raw.receive, scoring)
     if results is None:  # the client is gone; nobody reads this
         return Response(status_code=499)
     body = call.response(results, served.name, random_id(call.id_prefix), now())

@@ -13,23 +13,28 @@ import asyncio
 import logging
 import signal
 import socket
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
 
 from tokenmill.api.validation import default_model_name
 from tokenmill.config import EngineConfig, ServerConfig
-from tokenmill.engine.async_llm import AsyncLLM, StepLoop, load_engine_for_thread
+from tokenmill.engine.async_llm import load_engine_for_thread
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.metrics.prometheus import PrometheusMetrics
 from tokenmill.server.app import build_app
 from tokenmill.server.connections import GuardedH11Protocol
-from tokenmill.server.state import EMBED, GENERATE, ServedModel, ServerState
+from tokenmill.server.lifecycle import ModelManager, serve_engine
+from tokenmill.server.model_registry import ModelSpec
+from tokenmill.server.state import ServerState
 
 logger = logging.getLogger(__name__)
 
 # Seconds between an engine failure and the process exit: errors reach clients, probes see 503.
 FAULT_EXIT_GRACE_S = 2.0
+# Seconds between checks that every model's engine is alive.
+ENGINE_WATCH_S = 0.2
 # Seconds uvicorn waits for open connections after the drain before cancelling them.
 CONNECTION_CLOSE_TIMEOUT_S = 5
 
@@ -79,12 +84,9 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
     async def _watch_engine(self) -> None:
-        """Exit (code 1) once any model's engine has died."""
-        waits = [asyncio.ensure_future(c.dead.wait()) for c in self.state.clients
-                 if c.dead is not None]
-        _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        for w in pending:
-            w.cancel()
+        """Exit (code 1) once any model's engine has died (models come and go: polled)."""
+        while self.state.dead_reason is None:
+            await asyncio.sleep(ENGINE_WATCH_S)
         logger.error("%s; exiting in %.0f s", self.state.dead_reason, FAULT_EXIT_GRACE_S)
         await asyncio.sleep(FAULT_EXIT_GRACE_S)
         self.exit_code = 1
@@ -105,14 +107,12 @@ def load_models(models: list[tuple[str | None, EngineConfig]],
         for _, engine in engines:
             engine.close()
         raise
-    metrics, loop = PrometheusMetrics(), StepLoop()
-    served = {}
+    state = ServerState(config, {}, PrometheusMetrics())
     for i, (name, (_, engine)) in enumerate(zip(names, engines, strict=True)):
-        client = AsyncLLM(engine, max_queue=config.max_queue,
-                          stat_loggers=[metrics.for_model(name)], step_loop=loop,
-                          debug_fail_at_step=config.debug_fail_at_step if i == 0 else None)
-        served[name] = ServedModel(name, client, engine_task(engine))
-    return ServerState(config, served, metrics)
+        state.models[name] = serve_engine(
+            state, name, engine,
+            debug_fail_at_step=config.debug_fail_at_step if i == 0 else None)
+    return state
 
 
 def served_names(engines: list[tuple[str | None, LLMEngine]],
@@ -131,21 +131,23 @@ def served_names(engines: list[tuple[str | None, LLMEngine]],
     return names
 
 
-def engine_task(engine: LLMEngine) -> str:
-    """What the engine serves: "embed" for an embedding engine, else "generate"."""
-    return EMBED if getattr(engine.config, "task", GENERATE) == EMBED else GENERATE
-
-
-def run_server(models: list[tuple[str | None, EngineConfig]], config: ServerConfig) -> int:
+def run_server(models: list[tuple[str | None, EngineConfig]], config: ServerConfig,
+               make_config: Callable[[ModelSpec], EngineConfig] | None = None) -> int:
     """Serve ``models`` ((name or None, config) each) until SIGTERM (exit code 0) or an
-    engine failure (exit code 1)."""
+    engine failure (exit code 1). ``make_config``: the EngineConfig of a model the admin API
+    loads (needed with an admin key)."""
     # The models load before the port opens: anything that answers is ready to serve.
     state = load_models(models, config)
+    manager = None
+    if config.admin_key is not None:
+        if make_config is None:
+            raise ValueError("the admin API needs make_config")
+        manager = ModelManager(state, make_config, config.models_dir)
     if config.debug_fail_at_step is not None:
         logger.warning("fault injection is on: engine step %d will raise",
                        config.debug_fail_at_step)
     uv_config = uvicorn.Config(
-        build_app(state), host=config.host, port=config.port, log_level="info",
+        build_app(state, manager), host=config.host, port=config.port, log_level="info",
         timeout_graceful_shutdown=CONNECTION_CLOSE_TIMEOUT_S, lifespan="on",
         http=GuardedH11Protocol.configured(config.header_timeout, config.max_connections))
     server = _Server(uv_config, state)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenmill.config import QUANTIZATIONS, EngineConfig
@@ -155,3 +156,9 @@ def served_models(args: argparse.Namespace) -> list[tuple[str | None, EngineConf
         configs = share_kv_budget(configs, specs, args.kv_cache_memory,
                                   platform.available_memory(), platform.is_cuda)
     return [(spec.name, c) for spec, c in zip(specs, configs, strict=True)]
+
+
+def config_factory(args: argparse.Namespace) -> Callable[[ModelSpec], EngineConfig]:
+    """The EngineConfig of a model loaded later (admin API): the command line's options, then
+    the spec's own."""
+    return lambda spec: engine_configs(args, [spec])[0]

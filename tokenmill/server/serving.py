@@ -62,10 +62,12 @@ async def create_response(state: ServerState, req: ChatCompletionRequest | Compl
     """Validate, submit and answer one chat or completions request."""
     served = state.model(req.model)
     model = served.name
-    call = await state.offload(functools.partial(
-        prepare, split_special_tokens=state.config.split_special_tokens,
-        tool_call_parser=state.config.tool_call_parser), req, served.client)
-    group = await submit(state, served.client, call.engine_prompts, call.params, call.id_prefix)
+    with served.lease():
+        call = await state.offload(functools.partial(
+            prepare, split_special_tokens=state.config.split_special_tokens,
+            tool_call_parser=state.config.tool_call_parser), req, served.client)
+        group = await submit(state, served.client, call.engine_prompts, call.params,
+                             call.id_prefix)
     rid, created = random_id(call.id_prefix), now()
     if req.stream:
         events = stream_events(group, call.chunks(model, rid, created), req.include_usage)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hmac
 import re
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -14,7 +16,7 @@ from typing import TypeVar
 from tokenmill.api.errors import APIError
 from tokenmill.api.protocol import now
 from tokenmill.config import ServerConfig
-from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.engine.async_llm import AsyncLLM, StepLoop
 from tokenmill.metrics.prometheus import PrometheusMetrics
 
 # "Bearer" (any case), one space, one credential of visible ASCII characters.
@@ -34,11 +36,28 @@ GENERATE, EMBED = "generate", "embed"
 
 @dataclass
 class ServedModel:
-    """One model the server serves: the name clients send as ``model``, its engine client."""
+    """One model the server serves: the name clients send as ``model``, its engine client.
+
+    ``leases`` counts the requests that resolved this model and have not yet been queued in
+    its engine: a drain (unload, swap) waits for them too."""
 
     name: str
     client: AsyncLLM
     task: str = GENERATE
+    path: str = ""
+    weight_bytes: int = 0
+    kv_cache_bytes: int = 0
+    loaded_at: float = field(default_factory=time.time)
+    leases: int = 0
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[ServedModel]:
+        """Hold the model while a request is prepared and submitted."""
+        self.leases += 1
+        try:
+            yield self
+        finally:
+            self.leases -= 1
 
 
 @dataclass
@@ -49,15 +68,13 @@ class ServerState:
     config: ServerConfig
     models: dict[str, ServedModel]
     metrics: PrometheusMetrics
+    # The one thread that steps every model's engine (see StepLoop).
+    step_loop: StepLoop = field(default_factory=StepLoop)
     created: int = field(default_factory=now)
     # Set on SIGTERM: new requests get 503 while the ones in flight finish.
     draining: bool = False
     workers: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         PREPARE_THREADS, thread_name_prefix="tokenmill-prepare"))
-
-    def __post_init__(self) -> None:
-        if not self.models:
-            raise ValueError("a server needs at least one model")
 
     async def offload(self, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` on a worker thread: CPU work a request brings must not hold the loop."""
