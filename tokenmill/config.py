@@ -231,6 +231,23 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class EconomicsConfig:
+    """How requests are charged: ``cost_per_hour`` (USD) of the machine, spread over the
+    requests by their share of the compute; ``cpu_watts``: the power of the cores this process
+    may use when busy, for the energy estimate where the CPU has no readable energy counter
+    (None: a per-core guess, see tokenmill.metrics.economics)."""
+
+    cost_per_hour: float = 0.0
+    cpu_watts: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.cost_per_hour >= 0:
+            raise ValueError(f"cost_per_hour must be >= 0, got {self.cost_per_hour!r}")
+        if self.cpu_watts is not None and not self.cpu_watts > 0:
+            raise ValueError(f"cpu_watts must be positive, got {self.cpu_watts!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an EngineCore needs.
 
@@ -247,6 +264,7 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    economics: EconomicsConfig = field(default_factory=EconomicsConfig)
     log_stats: bool = False
     deterministic: bool = False
 

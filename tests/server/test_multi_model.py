@@ -18,7 +18,8 @@ from tokenmill.model_loader.gguf import embedded_model_path
 def two() -> Iterator[Server]:
     path = embedded_model_path()
     s = start_server("--model", f"chat={path}", "--model",
-                     f"short={path},max-model-len=256,kv-share=3")
+                     f"short={path},max-model-len=256,kv-share=3,cost-per-hour=0",
+                     "--cost-per-hour", "36")
     yield s
     assert s.stop() == 0, s.log()
 
@@ -73,3 +74,27 @@ def test_each_model_has_its_own_kv_cache_from_one_budget(two: Server) -> None:
     mib = [float(line.split("(")[1].split(" MiB")[0]) for line in sizes]
     # --kv-cache-memory (128 MiB, the harness's) split 1:3.
     assert mib == [32, 96]
+
+
+def test_usage_and_metrics_carry_compute_energy_and_cost(two: Server) -> None:
+    """Each response's usage has its compute share, energy (estimated on this machine) and
+    cost (by each model's own --cost-per-hour); /metrics has the totals per model."""
+    for model, priced in (("chat", True), ("short", False)):
+        r = httpx.post(f"{two.url}/v1/completions", timeout=60, json={
+            "model": model, "prompt": "Once upon a time", "max_tokens": 8,
+            "temperature": 0}).json()["usage"]
+        assert r["compute_seconds"] > 0 and r["energy_joules"] > 0
+        assert (r["cost_usd"] > 0) == priced
+        assert r["cost_usd"] == pytest.approx(r["compute_seconds"] * 36 / 3600 if priced else 0,
+                                              rel=1e-3, abs=1e-9)
+    chunks = httpx.post(f"{two.url}/v1/chat/completions", timeout=60, json={
+        "model": "chat", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+        "stream": True, "stream_options": {"include_usage": True}}).text
+    assert '"energy_joules"' in chunks and '"compute_seconds"' in chunks
+    m = two.metrics(model="chat")
+    assert m["tokenmill:energy_joules_total"] > 0 and m["tokenmill:cost_usd_total"] > 0
+    assert m["tokenmill:joules_per_output_token"] > 0
+    assert m["tokenmill:compute_seconds_total"] > 0
+    estimated = m["tokenmill:energy_estimated"] == 1
+    assert estimated == r["energy_estimated"]
+    assert two.metrics(model="short")["tokenmill:cost_usd_total"] == 0

@@ -16,6 +16,7 @@ from tokenmill.config import (
     SPECULATIVE_METHODS,
     CacheConfig,
     DeviceConfig,
+    EconomicsConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
@@ -68,6 +69,12 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
                    help="batch-invariant greedy decoding on the CPU: a request's tokens do not "
                         "depend on the requests beside it (slower prefill)")
     _add_speculative_args(g)
+    g.add_argument("--cost-per-hour", type=float, default=EconomicsConfig.cost_per_hour,
+                   metavar="USD", help="the machine's price per hour, spread over the requests "
+                   "by compute share (usage.cost_usd, /metrics)")
+    g.add_argument("--cpu-watts", type=float, default=EconomicsConfig.cpu_watts, metavar="W",
+                   help="power of this process's cores when busy, for the energy estimate where "
+                   "the CPU has no readable energy counter (default: 6 W per core)")
 
 
 def _add_cache_args(g: argparse._ArgumentGroup) -> None:
@@ -137,6 +144,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             ngram_max=args.ngram_max),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
         deterministic=args.deterministic,
+        economics=EconomicsConfig(cost_per_hour=args.cost_per_hour, cpu_watts=args.cpu_watts),
     )
 
 

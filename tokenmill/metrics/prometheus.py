@@ -12,6 +12,7 @@ from prometheus_client import (
 )
 
 from tokenmill.metrics.stats import IterationStats, SchedulerStats, SpecDecodingStats
+from tokenmill.outputs import ComputeUsage
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
                     5.0, 10.0, 20.0, 40.0, 80.0)
@@ -51,6 +52,14 @@ _FAMILIES: dict[str, tuple[str, str, str, tuple[float, ...]]] = {
                    _BATCH_BUCKETS),
     "batch_tokens": ("histogram", "iteration_tokens", "Tokens computed per engine step.",
                      _TOKEN_BUCKETS),
+    "compute_seconds": ("counter", "compute_seconds", "Seconds of engine steps.", ()),
+    "energy_joules": ("counter", "energy_joules", "Energy of engine steps (J; estimated where "
+                      "the machine has no energy counter: see energy_estimated).", ()),
+    "cost_usd": ("counter", "cost_usd", "Cost of engine steps (USD, --cost-per-hour).", ()),
+    "joules_per_output_token": ("gauge", "joules_per_output_token",
+                                "Energy per generated token since the start (J).", ()),
+    "energy_estimated": ("gauge", "energy_estimated",
+                         "1 when the energy is estimated from CPU time, 0 when measured.", ()),
     "spec_drafts": ("counter", "spec_decode_num_drafts",
                     "Speculative proposals verified (one per request and step).", ()),
     "spec_draft_tokens": ("counter", "spec_decode_num_draft_tokens", "Draft tokens verified.",
@@ -118,6 +127,11 @@ class PrometheusStatLogger:
     gen_len: Histogram
     batch_size: Histogram
     batch_tokens: Histogram
+    compute_seconds: Counter
+    energy_joules: Counter
+    cost_usd: Counter
+    joules_per_output_token: Gauge
+    energy_estimated: Gauge
     spec_drafts: Counter
     spec_draft_tokens: Counter
     spec_accepted_tokens: Counter
@@ -132,6 +146,8 @@ class PrometheusStatLogger:
         # Running totals already turned into counter increments.
         self._seen = {"preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}
         self._spec_seen = SpecDecodingStats()
+        self._usage_seen = ComputeUsage()
+        self._output_tokens = 0
 
     def record(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:
         """Take one step's statistics and the scheduler's state after it."""
@@ -150,6 +166,7 @@ class PrometheusStatLogger:
                                      / scheduler.prefix_cache_queries_total)
         if scheduler.spec_decoding is not None:
             self._record_spec(scheduler.spec_decoding)
+        self._record_usage(scheduler.usage_total, iteration.num_generation_tokens)
         if iteration.batch_size:
             self.batch_size.observe(iteration.batch_size)
             self.batch_tokens.observe(iteration.num_batched_tokens)
@@ -167,6 +184,22 @@ class PrometheusStatLogger:
                 self.queue_time.observe(f.queue_time)
             self.prompt_len.observe(f.num_prompt_tokens)
             self.gen_len.observe(f.num_generation_tokens)
+
+    def _record_usage(self, total: ComputeUsage, new_output_tokens: int) -> None:
+        """Counters go up by the change in the engine's totals of step time, energy, cost."""
+        seen = self._usage_seen
+        for counter, now, before in ((self.compute_seconds, total.compute_seconds,
+                                      seen.compute_seconds),
+                                     (self.energy_joules, total.energy_joules,
+                                      seen.energy_joules),
+                                     (self.cost_usd, total.cost_usd, seen.cost_usd)):
+            if now > before:
+                counter.inc(now - before)
+        self._usage_seen = total.copy()
+        self._output_tokens += new_output_tokens
+        if self._output_tokens:
+            self.joules_per_output_token.set(total.energy_joules / self._output_tokens)
+        self.energy_estimated.set(1.0 if total.energy_estimated else 0.0)
 
     def _record_spec(self, totals: SpecDecodingStats) -> None:
         """Counters go up by the change in the engine's running totals."""
