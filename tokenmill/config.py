@@ -322,8 +322,14 @@ class ServerConfig:
     tool_call_parser: str = "auto"
     # The admin API (/admin: load, unload, swap models) is on only with a key of its own.
     admin_key: str | None = None
-    # With an admin key: the folder models may be loaded from (None: any path).
+    # The folder the admin API loads from (None: any path), and from which a request for a
+    # model that is not loaded loads it (None: no loading on demand).
     models_dir: str | None = None
+    # At most this many models loaded at once (the least recently used idle on-demand model
+    # is unloaded to make room); None: no limit.
+    max_loaded_models: int | None = None
+    # Seconds an on-demand model stays loaded while idle; None: until it must make room.
+    keep_alive: float | None = 300.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -341,6 +347,10 @@ class ServerConfig:
             if key is not None and (not key or not all("\x21" <= c <= "\x7e" for c in key)):
                 raise ValueError(f"{name} must be visible ASCII characters without spaces (it "
                                  "is sent as 'Authorization: Bearer KEY')")
+        if self.max_loaded_models is not None and self.max_loaded_models < 1:
+            raise ValueError(f"max_loaded_models must be >= 1, got {self.max_loaded_models}")
+        if self.keep_alive is not None and not self.keep_alive > 0:
+            raise ValueError(f"keep_alive must be positive, got {self.keep_alive}")
         if self.admin_key is not None and self.admin_key == self.api_key:
             raise ValueError("admin_key must differ from api_key")
         for name in ("header_timeout", "body_timeout"):

@@ -44,7 +44,11 @@ def build_app(state: ServerState, manager: ModelManager | None = None) -> FastAP
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         for client in state.clients:
             client.start()
+        if manager is not None:
+            manager.start()
         yield
+        if manager is not None:
+            await manager.stop()
         for client in state.clients:
             await client.shutdown()
         state.workers.shutdown(wait=False, cancel_futures=True)
@@ -124,14 +128,14 @@ def _inference_routes(state: ServerState) -> APIRouter:
     @router.post("/tokenize", openapi_extra=json_body(TokenizeRequest))
     async def tokenize_route(request: Request) -> JSONResponse:
         req = await read_json(state, request, TokenizeRequest)
-        with state.model(req.model, task=None).lease() as served:
+        with (await state.resolve(req.model, task=None)).lease() as served:
             answer = await state.offload(tokenize, req, served.client)
         return JSONResponse(answer.model_dump())
 
     @router.post("/detokenize", openapi_extra=json_body(DetokenizeRequest))
     async def detokenize_route(request: Request) -> JSONResponse:
         req = await read_json(state, request, DetokenizeRequest)
-        with state.model(req.model, task=None).lease() as served:
+        with (await state.resolve(req.model, task=None)).lease() as served:
             answer = await state.offload(detokenize, req, served.client)
         return JSONResponse(answer.model_dump())
 

@@ -139,10 +139,11 @@ def run_server(models: list[tuple[str | None, EngineConfig]], config: ServerConf
     # The models load before the port opens: anything that answers is ready to serve.
     state = load_models(models, config)
     manager = None
-    if config.admin_key is not None:
+    if config.admin_key is not None or config.models_dir is not None:
         if make_config is None:
-            raise ValueError("the admin API needs make_config")
-        manager = ModelManager(state, make_config, config.models_dir)
+            raise ValueError("the admin API and loading on demand need make_config")
+        manager = ModelManager(state, make_config, config.models_dir,
+                               config.max_loaded_models, config.keep_alive)
     if config.debug_fail_at_step is not None:
         logger.warning("fault injection is on: engine step %d will raise",
                        config.debug_fail_at_step)
