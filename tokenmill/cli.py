@@ -153,7 +153,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         debug_fail_at_step=args.debug_fail_at_step, allowed_hosts=_names(args.allowed_hosts),
         allowed_origins=_names(args.allowed_origins), header_timeout=args.header_timeout,
         body_timeout=args.body_timeout, max_connections=args.max_connections,
-        split_special_tokens=args.split_special_tokens, tool_call_parser=args.tool_call_parser)
+        split_special_tokens=args.split_special_tokens, tool_call_parser=args.tool_call_parser,
+        data_dir=args.data_dir, max_upload_bytes=args.max_upload_bytes)
     return run_server(engine_config_from_args(args), config)
 
 
@@ -199,6 +200,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="the format of the model's tool calls on /v1/chat/completions: hermes "
                    "(<tool_call> per call: Qwen, Hermes), smollm (<tool_call>[...]: SmolLM2), "
                    "or auto (by the chat template)")
+    g.add_argument("--data-dir", default=None,
+                   help="folder of uploaded files and vector stores (default: tokenmill's "
+                   "folder in the user's data directory)")
+    g.add_argument("--max-upload-bytes", type=int, default=ServerConfig.max_upload_bytes,
+                   help="larger files sent to /v1/files get 413")
     g.add_argument("--debug-fail-at-step", type=int, default=None, metavar="N",
                    help="TESTING ONLY: make the N-th engine step raise (fault injection)")
 
