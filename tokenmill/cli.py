@@ -18,6 +18,7 @@ from tokenmill.bench import (
     gpu,
     latency,
     prefix_cache,
+    retrieval,
     spec,
     structured,
     throughput,
@@ -292,7 +293,7 @@ BENCH_SUITES: tuple[Registrar, ...] = (
     bench_serve.add_serve_parser, throughput.add_throughput_parser, latency.add_latency_parser,
     compare.add_compare_parser, prefix_cache.add_prefix_cache_parser, spec.add_spec_parser,
     bench_batch.add_batch_bench_parser, gpu.add_gpu_parser, _add_perplexity_parser,
-    fuzz.add_fuzz_parser, structured.add_structured_parser,
+    fuzz.add_fuzz_parser, structured.add_structured_parser, retrieval.add_retrieval_parser,
 )
 
 
