@@ -26,6 +26,7 @@ from tokenmill.api.vector_stores import (
     VectorStoreFileUpdate,
     VectorStoreUpdate,
 )
+from tokenmill.config import ServerConfig
 from tokenmill.retrieval import RetrievalService
 from tokenmill.server.errors import check_json_content_type, read_body
 from tokenmill.server.retrieval_uploads import receive_upload
@@ -48,6 +49,11 @@ class RetrievalLimits:
     max_upload_bytes: int = 512 << 20
     max_body_bytes: int = 4 << 20
     body_timeout: float = 60.0
+
+
+def retrieval_limits(config: ServerConfig) -> RetrievalLimits:
+    """The limits a server's config sets (``--max-upload-bytes``, ``--max-body-bytes``...)."""
+    return RetrievalLimits(config.max_upload_bytes, config.max_body_bytes, config.body_timeout)
 
 
 def _json(obj: BaseModel) -> JSONResponse:
