@@ -34,6 +34,7 @@ from tokenmill.engine.args import (
 from tokenmill.engine.llm_engine import LLMEngine, ModelInfo
 from tokenmill.engine.output_processor import OutputKind
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.admin_cli import add_models_parser
 from tokenmill.stream.cli import add_stream_parser
 
 
@@ -145,6 +146,7 @@ def _describe_graphs(info: ModelInfo) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run `tokenmill serve` until SIGTERM / SIGINT."""
     from tokenmill.server.launcher import run_server
+    from tokenmill.server.model_registry import config_factory, served_models
 
     config = ServerConfig(
         served_model_name=args.served_model_name, host=args.host, port=args.port,
@@ -155,8 +157,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allowed_origins=_names(args.allowed_origins), header_timeout=args.header_timeout,
         body_timeout=args.body_timeout, max_connections=args.max_connections,
         split_special_tokens=args.split_special_tokens, tool_call_parser=args.tool_call_parser,
+        admin_key=args.admin_key or os.environ.get("TOKENMILL_ADMIN_KEY") or None,
+        models_dir=args.models_dir, max_loaded_models=args.max_loaded_models,
+        keep_alive=args.keep_alive if args.keep_alive > 0 else None,
         data_dir=args.data_dir, max_upload_bytes=args.max_upload_bytes)
-    return run_server(engine_config_from_args(args), config)
+    return run_server(served_models(args), config, config_factory(args))
 
 
 def _names(values: list[str]) -> tuple[str, ...]:
@@ -171,6 +176,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=ServerConfig.port)
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (default: $TOKENMILL_API_KEY)")
+    g.add_argument("--admin-key", default=None,
+                   help="turn the admin API on (/admin/models: load, unload, swap models "
+                   "while serving) behind this key (default: $TOKENMILL_ADMIN_KEY; unset: off)")
+    g.add_argument("--models-dir", default=None, metavar="DIR",
+                   help="models to load on demand: a request for a model that is not loaded "
+                   "loads DIR/<model> (a GGUF file or HF folder); the admin API loads from "
+                   "this folder only")
+    g.add_argument("--max-loaded-models", type=int, default=None, metavar="N",
+                   help="at most N models loaded at once: the least recently used idle "
+                   "on-demand model is unloaded to make room (default: no limit)")
+    g.add_argument("--keep-alive", type=float, default=ServerConfig.keep_alive,
+                   metavar="SECONDS", help="unload an on-demand model idle this long "
+                   "(0: never; default: %(default)s)")
     g.add_argument("--served-model-name", default=None,
                    help="the name clients send as `model` (default: the model file's name)")
     g.add_argument("--max-queue", type=int, default=ServerConfig.max_queue,
@@ -213,7 +231,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `tokenmill serve`."""
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    add_engine_args(p)
+    add_engine_args(p, several_models=True)
     add_serve_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -285,7 +303,7 @@ Registrar = Callable[[argparse._SubParsersAction], None]
 # says which commands exist, so no subpackage needs to import this module.
 COMMANDS: tuple[Registrar, ...] = (
     add_serve_parser, add_generate_parser, add_chat_parser, add_info_parser, add_bench_parser,
-    add_batch_parser, add_stream_parser,
+    add_batch_parser, add_stream_parser, add_models_parser,
 )
 
 # `tokenmill bench <suite>`, in the order `tokenmill bench --help` lists them.

@@ -77,6 +77,9 @@ class CacheConfig:
     kv_cache_memory_fraction: float = 0.2
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
+    # The share of the budget above (fraction or gpu_memory_utilization) this engine takes, when
+    # several engines share it (set by the multi-model server; explicit sizes ignore it).
+    kv_cache_share: float = 1.0
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -85,6 +88,8 @@ class CacheConfig:
                              f"got {self.gpu_memory_utilization!r}")
         _positive("num_blocks", self.num_blocks)
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if not 0.0 < self.kv_cache_share <= 1.0:
+            raise ValueError(f"kv_cache_share must be in (0, 1], got {self.kv_cache_share!r}")
         if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
             raise ValueError(
                 "kv_cache_memory_fraction must be in (0, 0.95], "
@@ -226,6 +231,23 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class EconomicsConfig:
+    """How requests are charged: ``cost_per_hour`` (USD) of the machine, spread over the
+    requests by their share of the compute; ``cpu_watts``: the power of the cores this process
+    may use when busy, for the energy estimate where the CPU has no readable energy counter
+    (None: a per-core guess, see tokenmill.metrics.economics)."""
+
+    cost_per_hour: float = 0.0
+    cpu_watts: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.cost_per_hour >= 0:
+            raise ValueError(f"cost_per_hour must be >= 0, got {self.cost_per_hour!r}")
+        if self.cpu_watts is not None and not self.cpu_watts > 0:
+            raise ValueError(f"cpu_watts must be positive, got {self.cpu_watts!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an EngineCore needs.
 
@@ -242,6 +264,7 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    economics: EconomicsConfig = field(default_factory=EconomicsConfig)
     log_stats: bool = False
     deterministic: bool = False
 
@@ -301,6 +324,16 @@ class ServerConfig:
     # folder, see retrieval.default_data_dir) and the largest upload /v1/files takes.
     data_dir: str | None = None
     max_upload_bytes: int = 512 << 20
+    # The admin API (/admin: load, unload, swap models) is on only with a key of its own.
+    admin_key: str | None = None
+    # The folder the admin API loads from (None: any path), and from which a request for a
+    # model that is not loaded loads it (None: no loading on demand).
+    models_dir: str | None = None
+    # At most this many models loaded at once (the least recently used idle on-demand model
+    # is unloaded to make room); None: no limit.
+    max_loaded_models: int | None = None
+    # Seconds an on-demand model stays loaded while idle; None: until it must make room.
+    keep_alive: float | None = 300.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -315,9 +348,17 @@ class ServerConfig:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset to disable auth)")
-        if self.api_key is not None and not all("\x21" <= c <= "\x7e" for c in self.api_key):
-            raise ValueError("api_key must be visible ASCII characters without spaces (it is "
-                             "sent as 'Authorization: Bearer KEY')")
+        for name in ("api_key", "admin_key"):
+            key = getattr(self, name)
+            if key is not None and (not key or not all("\x21" <= c <= "\x7e" for c in key)):
+                raise ValueError(f"{name} must be visible ASCII characters without spaces (it "
+                                 "is sent as 'Authorization: Bearer KEY')")
+        if self.max_loaded_models is not None and self.max_loaded_models < 1:
+            raise ValueError(f"max_loaded_models must be >= 1, got {self.max_loaded_models}")
+        if self.keep_alive is not None and not self.keep_alive > 0:
+            raise ValueError(f"keep_alive must be positive, got {self.keep_alive}")
+        if self.admin_key is not None and self.admin_key == self.api_key:
+            raise ValueError("admin_key must differ from api_key")
         for name in ("header_timeout", "body_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
