@@ -320,6 +320,10 @@ class ServerConfig:
     max_connections: int = 1024
     split_special_tokens: bool = False
     tool_call_parser: str = "auto"
+    # Files and vector stores (tokenmill/retrieval): their folder (None: the user's data
+    # folder, see retrieval.default_data_dir) and the largest upload /v1/files takes.
+    data_dir: str | None = None
+    max_upload_bytes: int = 512 << 20
     # The admin API (/admin: load, unload, swap models) is on only with a key of its own.
     admin_key: str | None = None
     # The folder the admin API loads from (None: any path), and from which a request for a
@@ -338,6 +342,8 @@ class ServerConfig:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.max_body_bytes <= 0:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+        if self.max_upload_bytes <= 0:
+            raise ValueError(f"max_upload_bytes must be positive, got {self.max_upload_bytes}")
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if self.api_key is not None and not self.api_key:
