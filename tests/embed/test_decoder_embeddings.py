@@ -50,7 +50,7 @@ def test_a_generate_engine_refuses_embeddings() -> None:
     llm = LLM(embedded_model_path(), num_kv_blocks=64)
     try:
         assert llm.engine.task == "generate"
-        with pytest.raises(ValueError, match="needs an engine started with task 'embed'"):
+        with pytest.raises(ValueError, match="need an engine started with task 'embed'"):
             llm.embed("hello", PoolingParams())
     finally:
         llm.close()
