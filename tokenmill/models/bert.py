@@ -3,7 +3,7 @@
 Word + absolute position + token-type embeddings and a LayerNorm, then post-LN layers of
 self-attention and a GELU MLP. The batch is flat: the step's sequences back to back with no
 padding, each attending to all of its own tokens and to nothing else (one attention call per
-group of equal-length sequences). There is no KV cache: a sequence is computed whole in one
+group of equal-length sequences, sorted together). There is no KV cache: a sequence is computed whole in one
 step. Query, key and value are one fused matmul.
 """
 
@@ -88,52 +88,45 @@ class BertLayer(nn.Module):
         self.out = Linear(c.intermediate_size, h)
         self.out_norm = nn.LayerNorm(h, eps=c.layer_norm_eps)
 
-    def forward(self, x: torch.Tensor, groups: list[tuple[int, torch.Tensor | int]]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, groups: list[tuple[int, int, int]]) -> torch.Tensor:
         ctx = encoder_attention(self.qkv(x), groups, self.num_heads, self.head_dim)
         x = self.attn_norm(x + self.attn_out(ctx))
         return self.out_norm(x + self.out(F.gelu(self.inter(x))))
 
 
-def length_groups(seq_lens: list[int],
-                  device: torch.device) -> list[tuple[int, torch.Tensor | int]]:
-    """The sequences of a flat batch grouped by length: ``(length, first row)`` for a length
-    only one sequence has, ``(length, row index [B * length])`` for B > 1 sequences of it."""
-    starts: dict[int, list[int]] = {}
+def length_order(seq_lens: list[int]) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """The sequences of a flat batch sorted by length: their order (indices into
+    ``seq_lens``), and the groups of equal length in that order as ``(length, first row,
+    count)``, each group's rows contiguous."""
+    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
+    groups: list[tuple[int, int, int]] = []
     row = 0
-    for n in seq_lens:
-        starts.setdefault(n, []).append(row)
-        row += n
-    groups: list[tuple[int, torch.Tensor | int]] = []
-    for n, firsts in starts.items():
-        if len(firsts) == 1:
-            groups.append((n, firsts[0]))
+    for i in order:
+        n = seq_lens[i]
+        if groups and groups[-1][0] == n:
+            groups[-1] = (n, groups[-1][1], groups[-1][2] + 1)
         else:
-            index = (torch.tensor(firsts).unsqueeze(1) + torch.arange(n)).flatten()
-            groups.append((n, index.to(device)))
-    return groups
+            groups.append((n, row, 1))
+        row += n
+    return order, groups
 
 
-def encoder_attention(qkv: torch.Tensor, groups: list[tuple[int, torch.Tensor | int]],
+def encoder_attention(qkv: torch.Tensor, groups: list[tuple[int, int, int]],
                       num_heads: int, head_dim: int) -> torch.Tensor:
-    """``[T, heads * head_dim]`` bidirectional attention of each sequence over itself.
+    """``[T, heads * head_dim]`` bidirectional attention of each sequence over itself, for
+    rows laid out in ``groups`` of equal-length sequences (see :func:`length_order`).
 
-    Sequences of equal length share one SDPA call ``[B, heads, n, d]``, so a step costs one
-    call per distinct length, not per sequence, and no token is padded.
+    A group of B sequences of n tokens is one SDPA call ``[B, heads, n, d]`` on views of
+    ``qkv``: a step costs one call per distinct length, not per sequence, no token is padded
+    and nothing is gathered or scattered.
     """
     t = qkv.shape[0]
-    width = num_heads * head_dim
-    out = qkv.new_empty(t, width)
-    for n, where in groups:
-        if isinstance(where, int):
-            part = qkv[where:where + n].view(1, n, 3, num_heads, head_dim)
-        else:
-            part = qkv.index_select(0, where).view(-1, n, 3, num_heads, head_dim)
-        q, k, v = part.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, n, d]
-        ctx = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(-1, width)
-        if isinstance(where, int):
-            out[where:where + n] = ctx
-        else:
-            out.index_copy_(0, where, ctx)
+    out = qkv.new_empty(t, num_heads * head_dim)
+    for n, row, count in groups:
+        rows = slice(row, row + n * count)
+        q, k, v = qkv[rows].view(count, n, 3, num_heads, head_dim).permute(2, 0, 3, 1, 4)
+        ctx = F.scaled_dot_product_attention(q, k, v)  # [B, heads, n, d]
+        out[rows].view(count, n, num_heads, head_dim).copy_(ctx.transpose(1, 2))
     return out
 
 
@@ -155,11 +148,26 @@ class BertModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_meta: AttentionMetadata) -> torch.Tensor:
-        """``[T, hidden]`` final token states of the step's sequences."""
-        groups = length_groups(attn_meta.query_lens_cpu, input_ids.device)
+        """``[T, hidden]`` final token states of the step's sequences.
+
+        The rows are sorted by sequence length on the way in (integer ids, a cheap gather)
+        and put back on the way out, so that every layer's attention works on contiguous
+        groups of equal-length sequences."""
+        lens = attn_meta.query_lens_cpu
+        order, groups = length_order(lens)
+        permuted = order != sorted(order)
+        if permuted:
+            starts = [0]
+            for n in lens:
+                starts.append(starts[-1] + n)
+            rows = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in order])
+            rows = rows.to(input_ids.device)
+            input_ids, positions = input_ids[rows], positions[rows]
         x = self.embeddings(input_ids, positions)
         for layer in self.layers:
             x = layer(x, groups)
+        if permuted:
+            x = torch.empty_like(x).index_copy_(0, rows, x)
         return x
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
