@@ -10,6 +10,10 @@ LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
 # "auto": keep a GGUF file's own 4- or 8-bit weights compact on the CPU, else none.
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
+# What an engine is for; "auto" is "embed" for encoder architectures, else "generate".
+TASKS = ("auto", "generate", "embed")
+# How token states become one embedding (tokenmill.models.pooler).
+POOLING_METHODS = ("cls", "mean", "max", "last")
 
 
 def _positive(name: str, value: int | None) -> None:
@@ -28,6 +32,11 @@ class ModelConfig:
     ``quantization``: int8 per output channel or int4 in groups of 32 are weight-only; fp8 (e4m3)
     keeps weights per output channel and quantizes activations per token; "auto" follows a GGUF file's own blocks on the CPU (Q4 -> int4, Q5/Q6/Q8 -> int8, float ->
     none) and means none for Hugging Face folders and other devices.
+    ``task``: "generate" text, or "embed" (pooled embeddings of whole prompts; "auto": embed
+    for encoder architectures such as BERT, generate otherwise). With task "embed" and no
+    ``model``, the engine runs the embedded all-MiniLM-L6-v2. ``pooling`` overrides how
+    token states become an embedding (default: the folder's sentence-transformers files, else
+    "cls" for encoders and "last" for decoders).
     """
 
     model: str | None = None
@@ -36,8 +45,14 @@ class ModelConfig:
     load_format: str = "auto"
     seed: int = 0
     quantization: str = "auto"
+    task: str = "auto"
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+        if self.pooling is not None and self.pooling not in POOLING_METHODS:
+            raise ValueError(f"pooling must be one of {POOLING_METHODS}, got {self.pooling!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.load_format not in LOAD_FORMATS:

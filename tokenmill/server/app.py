@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from tokenmill.api.classify import ClassifyRequest
+from tokenmill.api.embeddings import EmbeddingRequest
 from tokenmill.api.errors import APIError, parse_json
 from tokenmill.api.protocol import (
     ChatCompletionRequest,
@@ -26,6 +27,7 @@ from tokenmill.api.protocol import (
 from tokenmill.api.tokens import detokenize, tokenize
 from tokenmill.server.admin_routes import admin_router
 from tokenmill.server.classify import create_classification
+from tokenmill.server.embeddings import create_embeddings
 from tokenmill.server.errors import check_json_content_type, install_error_handlers, read_body
 from tokenmill.server.guard import HostPolicy, RequestGuard
 from tokenmill.server.lifecycle import ModelManager
@@ -56,7 +58,7 @@ def build_app(state: ServerState, manager: ModelManager | None = None) -> FastAP
     app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     install_openapi(app, [ChatCompletionRequest, CompletionRequest, TokenizeRequest,
-                          DetokenizeRequest, ClassifyRequest], _version())
+                          DetokenizeRequest, ClassifyRequest, EmbeddingRequest], _version())
     app.state.tokenmill = state
     install_error_handlers(app)
 
@@ -118,6 +120,11 @@ def _inference_routes(state: ServerState) -> APIRouter:
     async def classify(request: Request) -> Response:
         req = await read_json(state, request, ClassifyRequest)
         return await create_classification(state, req, request)
+
+    @router.post("/v1/embeddings", openapi_extra=json_body(EmbeddingRequest))
+    async def embeddings(request: Request) -> Response:
+        req = await read_json(state, request, EmbeddingRequest)
+        return await create_embeddings(state, req, request)
 
     @router.get("/v1/models")
     async def models() -> JSONResponse:

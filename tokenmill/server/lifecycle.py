@@ -63,7 +63,7 @@ def serve_engine(state: ServerState, name: str, engine: LLMEngine,
     client = AsyncLLM(engine, max_queue=config.max_queue,
                       stat_loggers=[state.metrics.for_model(name)], step_loop=state.step_loop,
                       debug_fail_at_step=debug_fail_at_step)
-    task = EMBED if getattr(engine.config, "task", GENERATE) == EMBED else GENERATE
+    task = EMBED if engine.task == EMBED else GENERATE
     info = engine.model_info()
     return ServedModel(name, client, task, path=engine.model_path,
                        weight_bytes=info.weight_bytes, kv_cache_bytes=info.kv_cache.total_bytes)

@@ -110,17 +110,21 @@ class ServerState:
             for served in self.models.values():
                 if task is None or served.task == task:
                     return served
-            raise APIError(400, f"this server serves no {task} model", param="model",
-                           code="model_not_found")
+            what = ("no embedding model: it does not serve embeddings" if task == EMBED else
+                    "no text-generation model: its models compute embeddings "
+                    "(POST /v1/embeddings)")
+            raise APIError(400, f"this server serves {what}", param="model",
+                           code="wrong_model_type")
         served = self.models.get(requested)
         if served is None:
             raise APIError(404, f"the model {requested!r} does not exist; this server serves "
                            f"{', '.join(repr(n) for n in self.models)}", param="model",
                            code="model_not_found")
         if task is not None and served.task != task:
-            what = "an embedding model" if served.task == EMBED else "a generative model"
-            raise APIError(400, f"the model {requested!r} is {what}; this endpoint needs a "
-                           f"{task} model", param="model", code="wrong_model_type")
+            what = ("computes embeddings (POST /v1/embeddings); it does not generate text"
+                    if served.task == EMBED else "generates text; it does not serve embeddings")
+            raise APIError(400, f"the model {requested!r} {what}", param="model",
+                           code="wrong_model_type")
         return served
 
     @property
