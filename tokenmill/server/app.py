@@ -23,12 +23,14 @@ from tokenmill.api.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from tokenmill.api.responses_protocol import ResponsesRequest
 from tokenmill.api.tokens import detokenize, tokenize
 from tokenmill.api.validation import check_model
 from tokenmill.server.classify import create_classification
 from tokenmill.server.errors import check_json_content_type, install_error_handlers, read_body
 from tokenmill.server.guard import HostPolicy, RequestGuard
 from tokenmill.server.openapi import install_openapi, json_body
+from tokenmill.server.responses_routes import responses_router
 from tokenmill.server.serving import create_response
 from tokenmill.server.state import ServerState
 
@@ -48,7 +50,7 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     install_openapi(app, [ChatCompletionRequest, CompletionRequest, TokenizeRequest,
-                          DetokenizeRequest, ClassifyRequest], _version())
+                          DetokenizeRequest, ClassifyRequest, ResponsesRequest], _version())
     app.state.tokenmill = state
     install_error_handlers(app)
 
@@ -62,6 +64,7 @@ def build_app(state: ServerState) -> FastAPI:
             await require_key(request)
 
     app.include_router(_inference_routes(state), dependencies=[Depends(require_key)])
+    app.include_router(responses_router(state), dependencies=[Depends(require_key)])
     app.include_router(_open_routes(state), dependencies=[Depends(require_key_if_configured)])
     config = state.config
     if config.allowed_origins:
