@@ -164,6 +164,7 @@ OutputItem = OutputMessage | FileSearchCall | FunctionCallItem
 
 class InputTokensDetails(BaseModel):
     cached_tokens: int = 0
+    cache_write_tokens: int = 0
 
 
 class OutputTokensDetails(BaseModel):

@@ -1,0 +1,139 @@
+"""tests/responses: the Responses API through the official client, against `tokenmill serve`
+(the app as shipped) and against an in-process server whose file_search runs on a fake
+retrieval service (a few documents, word-overlap scores)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import openai
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+# The server test harness lives in tests/server; import it rather than copy it.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "server"))
+
+from server_harness import BASE_ARGS, Server, free_port, start_server  # noqa: E402
+
+from tokenmill.api.errors import APIError  # noqa: E402
+
+DOCS = {
+    "file-pelican": ("pelican.md", "The secret code word of the lighthouse is PELICAN. The "
+                     "keeper changes the code word every winter."),
+    "file-garden": ("garden.txt", "Tomatoes in the community garden are watered every "
+                    "Tuesday and Friday morning."),
+    "file-bikes": ("bikes.csv", "The bike shop opens at nine and repairs flat tyres for "
+                   "twelve euros."),
+}
+
+
+@dataclass(frozen=True)
+class FakeHit:
+    """retrieval's SearchResult shape."""
+
+    file_id: str
+    filename: str
+    score: float
+    text: str
+    attributes: dict[str, Any] | None = None
+
+
+def _words(text: str) -> set[str]:
+    return {w.strip(".,?!").lower() for w in text.split()}
+
+
+@dataclass
+class FakeSearch:
+    """Vector store "vs_docs" holds DOCS; scores are the share of the query's words a
+    document has. Every call is recorded; ``long`` makes each text 3,000 words long."""
+
+    calls: list[tuple[list[str], str, int, dict[str, Any] | None]] = field(default_factory=list)
+    long: bool = False
+
+    async def __call__(self, store_ids: list[str], query: str, max_num_results: int,
+                       filters: dict[str, Any] | None) -> list[FakeHit]:
+        self.calls.append((store_ids, query, max_num_results, filters))
+        for sid in store_ids:
+            if sid != "vs_docs":
+                raise APIError(404, f"no vector store with id {sid!r}", code="not_found")
+        q = _words(query)
+        hits = [FakeHit(fid, name, len(q & _words(text)) / max(len(q), 1),
+                        " ".join([text] * 150) if self.long else text, {"kind": name[-3:]})
+                for fid, (name, text) in DOCS.items()]
+        hits.sort(key=lambda h: -h.score)
+        return hits[:max_num_results]
+
+
+@dataclass
+class InProcessServer:
+    url: str
+    model: str
+    search: FakeSearch
+    max_model_len: int
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[Server]:
+    """`tokenmill serve` on the embedded model (no retrieval service)."""
+    s = start_server("--max-num-seqs", "8")
+    yield s
+    assert s.stop() == 0, s.log()
+
+
+@pytest.fixture(scope="session")
+def rag() -> Iterator[InProcessServer]:
+    """The responses routes on the embedded model with ``FakeSearch`` as the search."""
+    from tokenmill.cli import build_parser
+    from tokenmill.config import ServerConfig
+    from tokenmill.engine.args import engine_config_from_args
+    from tokenmill.engine.async_llm import AsyncLLM, load_engine_for_thread
+    from tokenmill.metrics.prometheus import PrometheusStatLogger
+    from tokenmill.server.errors import install_error_handlers
+    from tokenmill.server.responses_routes import responses_router
+    from tokenmill.server.state import ServerState
+
+    args = build_parser().parse_args(["serve", *BASE_ARGS])
+    engine = load_engine_for_thread(engine_config_from_args(args))
+    state = ServerState(ServerConfig(served_model_name="rag"), AsyncLLM(engine, max_queue=16),
+                        PrometheusStatLogger("rag"))
+    search = FakeSearch()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.client.start()
+        yield
+        await state.client.shutdown()
+
+    app = FastAPI(lifespan=lifespan)
+    install_error_handlers(app)
+    app.include_router(responses_router(state, search))
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not uv.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert uv.started, "the in-process server did not start"
+    yield InProcessServer(f"http://127.0.0.1:{port}", "rag", search, engine.max_model_len)
+    uv.should_exit = True
+    thread.join(30)
+    state.workers.shutdown(wait=False)
+
+
+@pytest.fixture(scope="session")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def rag_client(rag: InProcessServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{rag.url}/v1", api_key="unused", max_retries=0)
