@@ -10,8 +10,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from typing import Any
 
 import openai
 import pytest
@@ -21,63 +19,8 @@ from fastapi import FastAPI
 # The server test harness lives in tests/server; import it rather than copy it.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "server"))
 
+from responses_helpers import FakeSearch, InProcessServer  # noqa: E402
 from server_harness import BASE_ARGS, Server, free_port, start_server  # noqa: E402
-
-from tokenmill.api.errors import APIError  # noqa: E402
-
-DOCS = {
-    "file-pelican": ("pelican.md", "The secret code word of the lighthouse is PELICAN. The "
-                     "keeper changes the code word every winter."),
-    "file-garden": ("garden.txt", "Tomatoes in the community garden are watered every "
-                    "Tuesday and Friday morning."),
-    "file-bikes": ("bikes.csv", "The bike shop opens at nine and repairs flat tyres for "
-                   "twelve euros."),
-}
-
-
-@dataclass(frozen=True)
-class FakeHit:
-    """retrieval's SearchResult shape."""
-
-    file_id: str
-    filename: str
-    score: float
-    text: str
-    attributes: dict[str, Any] | None = None
-
-
-def _words(text: str) -> set[str]:
-    return {w.strip(".,?!").lower() for w in text.split()}
-
-
-@dataclass
-class FakeSearch:
-    """Vector store "vs_docs" holds DOCS; scores are the share of the query's words a
-    document has. Every call is recorded; ``long`` makes each text 3,000 words long."""
-
-    calls: list[tuple[list[str], str, int, dict[str, Any] | None]] = field(default_factory=list)
-    long: bool = False
-
-    async def __call__(self, store_ids: list[str], query: str, max_num_results: int,
-                       filters: dict[str, Any] | None) -> list[FakeHit]:
-        self.calls.append((store_ids, query, max_num_results, filters))
-        for sid in store_ids:
-            if sid != "vs_docs":
-                raise APIError(404, f"no vector store with id {sid!r}", code="not_found")
-        q = _words(query)
-        hits = [FakeHit(fid, name, len(q & _words(text)) / max(len(q), 1),
-                        " ".join([text] * 150) if self.long else text, {"kind": name[-3:]})
-                for fid, (name, text) in DOCS.items()]
-        hits.sort(key=lambda h: -h.score)
-        return hits[:max_num_results]
-
-
-@dataclass
-class InProcessServer:
-    url: str
-    model: str
-    search: FakeSearch
-    max_model_len: int
 
 
 @pytest.fixture(scope="session")
