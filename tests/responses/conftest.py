@@ -4,6 +4,7 @@ retrieval service (a few documents, word-overlap scores)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import threading
@@ -32,13 +33,17 @@ def server() -> Iterator[Server]:
 
 
 @pytest.fixture(scope="session")
-def rag() -> Iterator[InProcessServer]:
-    """The responses routes on the embedded model with ``FakeSearch`` as the search."""
+def rag(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
+    """The responses routes on the embedded model with ``FakeSearch`` as the search; stores
+    other than its "vs_docs" are the real retrieval service's (a data folder of its own, the
+    deterministic HashEmbedder)."""
     from tokenmill.cli import build_parser
     from tokenmill.config import ServerConfig
     from tokenmill.engine.args import engine_config_from_args
     from tokenmill.engine.async_llm import AsyncLLM, load_engine_for_thread
     from tokenmill.metrics.prometheus import PrometheusStatLogger
+    from tokenmill.retrieval.embedder import HashEmbedder
+    from tokenmill.retrieval.service import RetrievalService
     from tokenmill.server.errors import install_error_handlers
     from tokenmill.server.responses_routes import responses_router
     from tokenmill.server.state import ServerState
@@ -47,13 +52,17 @@ def rag() -> Iterator[InProcessServer]:
     engine = load_engine_for_thread(engine_config_from_args(args))
     state = ServerState(ServerConfig(served_model_name="rag"), AsyncLLM(engine, max_queue=16),
                         PrometheusStatLogger("rag"))
-    search = FakeSearch()
+    retrieval = RetrievalService(str(tmp_path_factory.mktemp("retrieval")), HashEmbedder())
+    search = FakeSearch(real=retrieval.search)
+    loops: list[asyncio.AbstractEventLoop] = []
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        loops.append(asyncio.get_running_loop())
         state.client.start()
         yield
         await state.client.shutdown()
+        await retrieval.close()
 
     app = FastAPI(lifespan=lifespan)
     install_error_handlers(app)
@@ -66,7 +75,8 @@ def rag() -> Iterator[InProcessServer]:
     while not uv.started and thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert uv.started, "the in-process server did not start"
-    yield InProcessServer(f"http://127.0.0.1:{port}", "rag", search, engine.max_model_len)
+    yield InProcessServer(f"http://127.0.0.1:{port}", "rag", search, engine.max_model_len,
+                          loops[0], retrieval)
     uv.should_exit = True
     thread.join(30)
     state.workers.shutdown(wait=False)

@@ -6,6 +6,7 @@ bad searches are 4xx that lose nothing."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import openai
@@ -34,6 +35,7 @@ def test_answer_from_the_files_with_citations(rag_client: openai.OpenAI,
     # The server searched once, with the user's question and the tool's settings.
     assert rag.search.calls == [(["vs_docs"], QUESTION, 2, {"type": "eq", "key": "kind",
                                                            "value": ".md"})]
+    assert r.tools[0].filters.key == "kind"  # the request's tools are echoed
     search, message = r.output
     assert search.type == "file_search_call" and search.id.startswith("fs_")
     assert search.status == "completed" and search.queries == [QUESTION]
@@ -135,10 +137,45 @@ def test_file_search_with_previous_response(rag_client: openai.OpenAI,
     assert follow.output[0].results[0].file_id == "file-garden"
 
 
+def test_with_the_real_retrieval_service(rag_client: openai.OpenAI,
+                                         rag: InProcessServer) -> None:
+    """A file uploaded, attached and indexed by tokenmill's retrieval service (the embedder
+    is the tests' HashEmbedder), found and cited by file_search."""
+    from tokenmill.api.vector_stores import VectorStoreCreate
+
+    service = rag.retrieval
+    files = []
+    for name, text in [("pelican.md", DOCS["file-pelican"][1]),
+                       ("bikes.txt", DOCS["file-bikes"][1])]:
+        upload = service.upload_path()
+        with open(upload, "w", encoding="utf-8") as f:
+            f.write(text)
+        files.append(rag.run(service.create_file(upload, name, "assistants", len(text))))
+    store = rag.run(service.create_store(VectorStoreCreate(name="docs",
+                                                           file_ids=[f.id for f in files])))
+    deadline = time.monotonic() + 60
+    while rag.run(service.get_store(store.id)).file_counts.completed < 2:
+        assert time.monotonic() < deadline, "the files were not indexed"
+        time.sleep(0.1)
+    r = _ask(rag_client, rag, tools=[_tool(vector_store_ids=[store.id])],
+             include=["file_search_call.results"])
+    search, message = r.output
+    assert search.results[0].file_id == files[0].id
+    assert search.results[0].filename == "pelican.md"
+    assert search.results[0].text == DOCS["file-pelican"][1]
+    assert "PELICAN" in r.output_text.upper()
+    cited = {(a.file_id, a.filename) for a in message.content[0].annotations}
+    assert (files[0].id, "pelican.md") in cited
+    with pytest.raises(openai.NotFoundError) as err:
+        _ask(rag_client, rag, tools=[_tool(vector_store_ids=[store.id, "vs_gone"])])
+    assert err.value.body["param"] == "tools" and "vs_gone" in err.value.body["message"]
+
+
 @pytest.mark.parametrize(("tool", "status", "word"), [
     (_tool(vector_store_ids=["vs_missing"]), 404, "vs_missing"),
     (_tool(vector_store_ids=[]), 400, "vector_store_ids"),
     (_tool(ranking_options={"score_threshold": 2}), 400, "score_threshold"),
+    (_tool(filters={"type": "near", "key": "kind", "value": "x"}), 400, "filters"),
     ({"type": "file_search", "vector_store_ids": "vs_docs"}, 400, "vector_store_ids"),
 ])
 def test_bad_search_is_4xx_and_loses_nothing(rag_client: openai.OpenAI, rag: InProcessServer,

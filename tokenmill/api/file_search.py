@@ -13,11 +13,12 @@ answer is annotated with the files that were in its prompt, at the end of the te
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tokenmill.api.responses_protocol import FileCitation, FileSearchResult
+from tokenmill.api.vector_stores import Filter
 from tokenmill.tokenizer import Tokenizer
 
 
@@ -40,9 +41,14 @@ class SearchHit(Protocol):
     def attributes(self) -> dict[str, Any] | None: ...
 
 
-# search(vector_store_ids, query, max_num_results, filters): the best chunks first. Raises
-# APIError (404 for an unknown vector store, 400 for bad filters).
-SearchFn = Callable[[list[str], str, int, dict[str, Any] | None], Awaitable[Sequence[SearchHit]]]
+class SearchFn(Protocol):
+    """retrieval's ``RetrievalService.search``: the chunks of the given vector stores closest
+    to ``query``, best first, of files whose attributes pass ``filters``, scoring at least
+    ``score_threshold``. Raises APIError (404 for an unknown vector store)."""
+
+    def __call__(self, vector_store_ids: list[str], query: str, max_num_results: int,
+                 filters: Filter | None = None,
+                 score_threshold: float = 0.0) -> Awaitable[Sequence[SearchHit]]: ...
 
 SOURCES_HEADER = ("Answer from the sources below. After each statement taken from a source, "
                   "cite it by its number in square brackets, like [1].")

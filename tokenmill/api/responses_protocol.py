@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenmill.api.protocol import ChatTokenLogprob
+from tokenmill.api.vector_stores import Filter
 
 
 class _Strict(BaseModel):
@@ -67,7 +68,7 @@ class ResponsesRequest(_Strict):
 
 class RankingOptions(_Strict):
     """``ranking_options`` of the file_search tool: results scoring below the threshold are
-    dropped (``ranker`` is accepted; there is one ranker)."""
+    left out (``ranker`` is accepted; there is one ranker)."""
 
     ranker: str | None = None
     score_threshold: float | None = Field(default=None, ge=0.0, le=1.0)
@@ -80,7 +81,7 @@ class FileSearchTool(_Strict):
     type: Literal["file_search"]
     vector_store_ids: list[str]
     max_num_results: int = Field(default=10, ge=1, le=50)
-    filters: dict[str, Any] | None = None
+    filters: Filter | None = None
     ranking_options: RankingOptions | None = None
 
 

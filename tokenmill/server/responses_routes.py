@@ -67,23 +67,22 @@ def responses_router(state: ServerState, search: SearchFn | None = None,
 
 
 async def run_search(plan: ResponsePlan, search: SearchFn | None) -> list[FileSearchResult]:
-    """The file_search tool's results for the plan's question, best first, those under the
-    score threshold dropped; 400 when this server has no retrieval service."""
+    """The file_search tool's results for the plan's question, best first (none scoring
+    under ``ranking_options.score_threshold``); 400 when this server has no retrieval
+    service, the retrieval service's 4xx (404: an unknown vector store) otherwise."""
     tool = plan.tools.file_search
     assert tool is not None and plan.query is not None
     if search is None:
         raise bad_request("the file_search tool needs vector stores, which this server does "
                           "not serve", "tools")
+    threshold = tool.ranking_options.score_threshold if tool.ranking_options else None
     try:
         hits = await search(list(tool.vector_store_ids), plan.query, tool.max_num_results,
-                            tool.filters)
+                            filters=tool.filters, score_threshold=threshold or 0.0)
     except APIError as e:
         # The retrieval service names its own fields; here they are the tool's.
         raise APIError(e.status, e.message, param="tools", code=e.code) from None
-    except ValueError as e:
-        raise bad_request(f"tools (file_search): {e}", "tools") from None
-    threshold = tool.ranking_options.score_threshold if tool.ranking_options else None
-    return [result_of(h) for h in hits if threshold is None or h.score >= threshold]
+    return [result_of(h) for h in hits]
 
 
 async def create_response(state: ServerState, req: ResponsesRequest, raw: Request,
