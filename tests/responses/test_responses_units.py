@@ -220,3 +220,18 @@ def test_store_keeps_the_most_recent() -> None:
     store.delete("r1")
     with pytest.raises(APIError):
         store.delete("r1")
+
+
+def test_builder_failure_and_abort() -> None:
+    b = _builder([], None)
+    b.start()
+    b.feed(_output("Half", False))
+    events = b.fail("the engine died")
+    assert events[-1]["type"] == "response.failed"
+    assert b.response.status == "failed" and b.response.error.message == "the engine died"
+    aborted = _builder([], None)
+    aborted.start()
+    aborted.feed(_output("Half", True, "abort"))
+    events = aborted.finish()
+    assert events[-1]["type"] == "response.failed" and aborted.response.status == "failed"
+    assert "aborted" in aborted.response.error.message
