@@ -33,6 +33,7 @@ from tokenmill.engine.args import (
 from tokenmill.engine.llm_engine import LLMEngine, ModelInfo
 from tokenmill.engine.output_processor import OutputKind
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.admin_cli import add_models_parser
 from tokenmill.stream.cli import add_stream_parser
 
 
@@ -144,6 +145,7 @@ def _describe_graphs(info: ModelInfo) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run `tokenmill serve` until SIGTERM / SIGINT."""
     from tokenmill.server.launcher import run_server
+    from tokenmill.server.model_registry import config_factory, served_models
 
     config = ServerConfig(
         served_model_name=args.served_model_name, host=args.host, port=args.port,
@@ -153,8 +155,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         debug_fail_at_step=args.debug_fail_at_step, allowed_hosts=_names(args.allowed_hosts),
         allowed_origins=_names(args.allowed_origins), header_timeout=args.header_timeout,
         body_timeout=args.body_timeout, max_connections=args.max_connections,
-        split_special_tokens=args.split_special_tokens, tool_call_parser=args.tool_call_parser)
-    return run_server(engine_config_from_args(args), config)
+        split_special_tokens=args.split_special_tokens, tool_call_parser=args.tool_call_parser,
+        admin_key=args.admin_key or os.environ.get("TOKENMILL_ADMIN_KEY") or None,
+        models_dir=args.models_dir)
+    return run_server(served_models(args), config, config_factory(args))
 
 
 def _names(values: list[str]) -> tuple[str, ...]:
@@ -169,6 +173,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=ServerConfig.port)
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (default: $TOKENMILL_API_KEY)")
+    g.add_argument("--admin-key", default=None,
+                   help="turn the admin API on (/admin/models: load, unload, swap models "
+                   "while serving) behind this key (default: $TOKENMILL_ADMIN_KEY; unset: off)")
+    g.add_argument("--models-dir", default=None, metavar="DIR",
+                   help="the admin API loads models from this folder only (relative paths are "
+                   "taken from it)")
     g.add_argument("--served-model-name", default=None,
                    help="the name clients send as `model` (default: the model file's name)")
     g.add_argument("--max-queue", type=int, default=ServerConfig.max_queue,
@@ -206,7 +216,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `tokenmill serve`."""
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    add_engine_args(p)
+    add_engine_args(p, several_models=True)
     add_serve_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -278,7 +288,7 @@ Registrar = Callable[[argparse._SubParsersAction], None]
 # says which commands exist, so no subpackage needs to import this module.
 COMMANDS: tuple[Registrar, ...] = (
     add_serve_parser, add_generate_parser, add_chat_parser, add_info_parser, add_bench_parser,
-    add_batch_parser, add_stream_parser,
+    add_batch_parser, add_stream_parser, add_models_parser,
 )
 
 # `tokenmill bench <suite>`, in the order `tokenmill bench --help` lists them.

@@ -77,6 +77,9 @@ class CacheConfig:
     kv_cache_memory_fraction: float = 0.2
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
+    # The share of the budget above (fraction or gpu_memory_utilization) this engine takes, when
+    # several engines share it (set by the multi-model server; explicit sizes ignore it).
+    kv_cache_share: float = 1.0
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -85,6 +88,8 @@ class CacheConfig:
                              f"got {self.gpu_memory_utilization!r}")
         _positive("num_blocks", self.num_blocks)
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if not 0.0 < self.kv_cache_share <= 1.0:
+            raise ValueError(f"kv_cache_share must be in (0, 1], got {self.kv_cache_share!r}")
         if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
             raise ValueError(
                 "kv_cache_memory_fraction must be in (0, 0.95], "
@@ -226,6 +231,23 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class EconomicsConfig:
+    """How requests are charged: ``cost_per_hour`` (USD) of the machine, spread over the
+    requests by their share of the compute; ``cpu_watts``: the power of the cores this process
+    may use when busy, for the energy estimate where the CPU has no readable energy counter
+    (None: a per-core guess, see tokenmill.metrics.economics)."""
+
+    cost_per_hour: float = 0.0
+    cpu_watts: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.cost_per_hour >= 0:
+            raise ValueError(f"cost_per_hour must be >= 0, got {self.cost_per_hour!r}")
+        if self.cpu_watts is not None and not self.cpu_watts > 0:
+            raise ValueError(f"cpu_watts must be positive, got {self.cpu_watts!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an EngineCore needs.
 
@@ -242,6 +264,7 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    economics: EconomicsConfig = field(default_factory=EconomicsConfig)
     log_stats: bool = False
     deterministic: bool = False
 
@@ -297,6 +320,10 @@ class ServerConfig:
     max_connections: int = 1024
     split_special_tokens: bool = False
     tool_call_parser: str = "auto"
+    # The admin API (/admin: load, unload, swap models) is on only with a key of its own.
+    admin_key: str | None = None
+    # With an admin key: the folder models may be loaded from (None: any path).
+    models_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -309,9 +336,13 @@ class ServerConfig:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset to disable auth)")
-        if self.api_key is not None and not all("\x21" <= c <= "\x7e" for c in self.api_key):
-            raise ValueError("api_key must be visible ASCII characters without spaces (it is "
-                             "sent as 'Authorization: Bearer KEY')")
+        for name in ("api_key", "admin_key"):
+            key = getattr(self, name)
+            if key is not None and (not key or not all("\x21" <= c <= "\x7e" for c in key)):
+                raise ValueError(f"{name} must be visible ASCII characters without spaces (it "
+                                 "is sent as 'Authorization: Bearer KEY')")
+        if self.admin_key is not None and self.admin_key == self.api_key:
+            raise ValueError("admin_key must differ from api_key")
         for name in ("header_timeout", "body_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

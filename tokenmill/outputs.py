@@ -16,6 +16,37 @@ class TokenLogprobs:
 
 
 @dataclass
+class ComputeUsage:
+    """Compute time (s), energy (J) and cost (USD) of a request or of steps."""
+
+    compute_seconds: float = 0.0
+    energy_joules: float = 0.0
+    cost_usd: float = 0.0
+    # True when any part of the energy was estimated rather than read from a counter.
+    energy_estimated: bool = False
+
+    def add(self, other: ComputeUsage) -> None:
+        self.compute_seconds += other.compute_seconds
+        self.energy_joules += other.energy_joules
+        self.cost_usd += other.cost_usd
+        self.energy_estimated |= other.energy_estimated
+
+    def scaled(self, factor: float) -> ComputeUsage:
+        return ComputeUsage(self.compute_seconds * factor, self.energy_joules * factor,
+                            self.cost_usd * factor, self.energy_estimated)
+
+    def copy(self) -> ComputeUsage:
+        return self.scaled(1.0)
+
+    @staticmethod
+    def total(usages: list[ComputeUsage]) -> ComputeUsage:
+        out = ComputeUsage()
+        for u in usages:
+            out.add(u)
+        return out
+
+
+@dataclass
 class RequestMetrics:
     """Timestamps of one request, from ``time.monotonic()``; None until reached."""
 
@@ -25,6 +56,8 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # Compute time, energy and cost so far (every sample of an n > 1 request together).
+    usage: ComputeUsage = field(default_factory=ComputeUsage)
 
     @property
     def time_to_first_token(self) -> float | None:

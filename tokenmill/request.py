@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tokenmill.outputs import ComputeUsage
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -101,6 +102,8 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Its shares of the steps that computed its tokens.
+    usage: ComputeUsage = field(default_factory=ComputeUsage)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -8,7 +8,6 @@ for a compile.
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,21 +16,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
 
-from hf_checkpoints import COMMON, make_checkpoint, randomize  # noqa: E402
+from hf_checkpoints import COMMON, make_checkpoint, randomize, write_tokenizer  # noqa: E402
 
 VOCAB_SIZE = 256  # hf_checkpoints.COMMON's
 EOS_ID = 2
-
-
-def write_tokenizer(path: Path, vocab_size: int = VOCAB_SIZE) -> None:
-    """A word-level tokenizer.json ("t0".."tN") next to a checkpoint; the engine needs one."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "t1", "eos_token": f"t{EOS_ID}"}))
 
 
 @pytest.fixture(scope="module", autouse=True)

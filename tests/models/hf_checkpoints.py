@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,3 +80,14 @@ def make_checkpoint(family: str, path: Path) -> Checkpoint:
     hf_model.eval()
     model, arch = load_ours(path)
     return Checkpoint(path, hf_model, model, arch)
+
+
+def write_tokenizer(path: Path, vocab_size: int = 256, eos_id: int = 2) -> None:
+    """A word-level tokenizer.json ("t0".."tN") next to a checkpoint; the engine needs one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "t1", "eos_token": f"t{eos_id}"}))

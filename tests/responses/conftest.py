@@ -39,19 +39,16 @@ def rag(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
     deterministic HashEmbedder)."""
     from tokenmill.cli import build_parser
     from tokenmill.config import ServerConfig
-    from tokenmill.engine.args import engine_config_from_args
-    from tokenmill.engine.async_llm import AsyncLLM, load_engine_for_thread
-    from tokenmill.metrics.prometheus import PrometheusStatLogger
     from tokenmill.retrieval.embedder import HashEmbedder
     from tokenmill.retrieval.service import RetrievalService
     from tokenmill.server.errors import install_error_handlers
+    from tokenmill.server.launcher import load_models
+    from tokenmill.server.model_registry import served_models
     from tokenmill.server.responses_routes import responses_router
-    from tokenmill.server.state import ServerState
 
     args = build_parser().parse_args(["serve", *BASE_ARGS])
-    engine = load_engine_for_thread(engine_config_from_args(args))
-    state = ServerState(ServerConfig(served_model_name="rag"), AsyncLLM(engine, max_queue=16),
-                        PrometheusStatLogger("rag"))
+    state = load_models(served_models(args), ServerConfig(served_model_name="rag"))
+    max_model_len = state.model(None).client.max_model_len
     retrieval = RetrievalService(str(tmp_path_factory.mktemp("retrieval")), HashEmbedder())
     search = FakeSearch(real=retrieval.search)
     loops: list[asyncio.AbstractEventLoop] = []
@@ -59,9 +56,11 @@ def rag(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         loops.append(asyncio.get_running_loop())
-        state.client.start()
+        for client in state.clients:
+            client.start()
         yield
-        await state.client.shutdown()
+        for client in state.clients:
+            await client.shutdown()
         await retrieval.close()
 
     app = FastAPI(lifespan=lifespan)
@@ -75,7 +74,7 @@ def rag(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
     while not uv.started and thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert uv.started, "the in-process server did not start"
-    yield InProcessServer(f"http://127.0.0.1:{port}", "rag", search, engine.max_model_len,
+    yield InProcessServer(f"http://127.0.0.1:{port}", "rag", search, max_model_len,
                           loops[0], retrieval)
     uv.should_exit = True
     thread.join(30)

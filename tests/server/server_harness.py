@@ -43,14 +43,18 @@ class Server:
         with open(self.log_path, encoding="utf-8", errors="replace") as f:
             return f.read()
 
-    def metrics(self) -> dict[str, float]:
-        """Every sample of /metrics by name (labels other than finish_reason dropped)."""
+    def metrics(self, model: str | None = None) -> dict[str, float]:
+        """Every sample of /metrics by name (labels other than finish_reason dropped; the
+        samples of several models added up), or of one model only."""
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
         out: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
             for s in family.samples:
+                if model is not None and s.labels.get("model_name") != model:
+                    continue
                 reason = s.labels.get("finish_reason")
-                out[f"{s.name}[{reason}]" if reason else s.name] = s.value
+                key = f"{s.name}[{reason}]" if reason else s.name
+                out[key] = out.get(key, 0.0) + s.value
         return out
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:

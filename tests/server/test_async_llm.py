@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 
-from tokenmill.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
+from tokenmill.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, StepLoop
 from tokenmill.metrics.stats import SchedulerStats
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -159,3 +160,42 @@ def test_step_failure_fails_requests_and_refuses_new_ones() -> None:
             await client.submit(["b"], SamplingParams())
 
     run(go, engine)
+
+
+def test_engines_share_one_step_loop_and_one_failure_stays_its_own() -> None:
+    """Two engines on one StepLoop: both answer, from one thread; when one engine's step
+    raises, only its requests fail and the other keeps serving; the thread ends with the
+    last engine."""
+    chat, embed = FakeEngine(), FakeEngine()
+    loop = StepLoop()
+
+    async def main() -> None:
+        a = AsyncLLM(chat, step_loop=loop)  # type: ignore[arg-type]
+        b = AsyncLLM(embed, step_loop=loop)  # type: ignore[arg-type]
+        a.start()
+        b.start()
+        threads = {t.name for t in threading.enumerate()}
+        assert sum(name == "tokenmill-engine" for name in threads) <= 1
+        ga = await a.submit(["x"], SamplingParams(max_tokens=3))
+        gb = await b.submit(["y"], SamplingParams(max_tokens=5))
+        assert [len(o.outputs[0].token_ids) async for _, o in ga] == [1, 1, 1]
+        assert [len(o.outputs[0].token_ids) async for _, o in gb] == [1] * 5
+        doomed = await a.submit(["x"], SamplingParams(max_tokens=10_000))
+        chat.fail = True
+        with pytest.raises(EngineDeadError, match="boom"):
+            async for _ in doomed:
+                pass
+        assert a.dead is not None and a.dead.is_set() and not b.dead.is_set()
+        finished = [o.finished async for _, o in
+                    await b.submit(["z"], SamplingParams(max_tokens=2))]
+        assert finished == [False, True]
+        await a.shutdown()
+        await b.shutdown()
+        assert embed.closed and chat.closed
+        for _ in range(100):
+            if not any(t.name == "tokenmill-engine" for t in threading.enumerate()):
+                break
+            await asyncio.sleep(0.01)
+        assert not any(t.name == "tokenmill-engine" for t in threading.enumerate())
+
+    asyncio.run(main())

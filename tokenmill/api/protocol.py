@@ -189,6 +189,12 @@ class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # tokenmill's additions: the request's share of the engine steps that computed it, their
+    # energy (J; energy_estimated when not read from a counter) and cost (USD).
+    compute_seconds: float | None = None
+    energy_joules: float | None = None
+    energy_estimated: bool | None = None
+    cost_usd: float | None = None
 
 
 class TopLogprob(BaseModel):

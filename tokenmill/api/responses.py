@@ -14,7 +14,7 @@ from tokenmill.api.errors import APIError
 from tokenmill.api.protocol import UsageInfo
 from tokenmill.engine.async_llm import EngineDeadError, RequestGroup
 from tokenmill.engine.llm_engine import PromptType
-from tokenmill.outputs import RequestOutput, TokenLogprobs
+from tokenmill.outputs import ComputeUsage, RequestOutput, TokenLogprobs
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
@@ -22,10 +22,17 @@ from tokenmill.tokenizer import Tokenizer
 MIN_LOGPROB = -9999.0
 
 
-def usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    """OpenAI's ``usage`` object."""
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+def usage_info(prompt_tokens: int, completion_tokens: int,
+               compute: ComputeUsage | None = None) -> UsageInfo:
+    """OpenAI's ``usage`` object, with the compute, energy and cost when known."""
+    info = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens)
+    if compute is not None:
+        info.compute_seconds = round(compute.compute_seconds, 6)
+        info.energy_joules = round(compute.energy_joules, 6)
+        info.energy_estimated = compute.energy_estimated
+        info.cost_usd = round(compute.cost_usd, 9)
+    return info
 
 
 @dataclass
@@ -46,6 +53,8 @@ class Collected:
     choices: list[list[Choice]]  # [prompt][sequence]
     prompt_token_ids: list[list[int]]
     prompt_logprobs: list[list[TokenLogprobs | None] | None]
+    # Each prompt's compute, energy and cost (its latest output's).
+    compute: list[ComputeUsage] = field(default_factory=list)
 
     @classmethod
     def from_final(cls, outputs: Sequence[RequestOutput]) -> Collected:
@@ -53,22 +62,25 @@ class Collected:
         return cls(
             [[Choice([c.text], len(c.token_ids), list(c.logprobs or []), c.finish_reason,
                      c.stop_reason) for c in out.outputs] for out in outputs],
-            [out.prompt_token_ids for out in outputs], [out.prompt_logprobs for out in outputs])
+            [out.prompt_token_ids for out in outputs], [out.prompt_logprobs for out in outputs],
+            [out.metrics.usage for out in outputs])
 
     def usage(self) -> UsageInfo:
         prompt = sum(len(p) for p in self.prompt_token_ids)
         completion = sum(c.num_tokens for per_prompt in self.choices for c in per_prompt)
-        return usage_info(prompt, completion)
+        return usage_info(prompt, completion, ComputeUsage.total(self.compute))
 
 
 async def collect(group: RequestGroup, num_prompts: int, n: int) -> Collected:
     """Run the group to the end; ``group`` is closed whatever happens."""
     out = Collected([[Choice() for _ in range(n)] for _ in range(num_prompts)],
-                    [[] for _ in range(num_prompts)], [None] * num_prompts)
+                    [[] for _ in range(num_prompts)], [None] * num_prompts,
+                    [ComputeUsage() for _ in range(num_prompts)])
     try:
         async for index, result in group:
             out.prompt_token_ids[index] = result.prompt_token_ids
             out.prompt_logprobs[index] = result.prompt_logprobs
+            out.compute[index] = result.metrics.usage.copy()
             for c in result.outputs:
                 choice = out.choices[index][c.index]
                 choice.text.append(c.text)
@@ -93,13 +105,16 @@ class StreamUsage:
 
     prompt_tokens: dict[int, int] = field(default_factory=dict)  # prompt index -> its tokens
     completion_tokens: int = 0
+    compute: dict[int, ComputeUsage] = field(default_factory=dict)  # prompt index -> latest
 
     def add(self, index: int, out: RequestOutput) -> None:
         self.prompt_tokens[index] = len(out.prompt_token_ids)
         self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+        self.compute[index] = out.metrics.usage.copy()
 
     def info(self) -> UsageInfo:
-        return usage_info(sum(self.prompt_tokens.values()), self.completion_tokens)
+        return usage_info(sum(self.prompt_tokens.values()), self.completion_tokens,
+                          ComputeUsage.total(list(self.compute.values())))
 
 
 class StreamChunks(Protocol):

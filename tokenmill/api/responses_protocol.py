@@ -173,11 +173,18 @@ class OutputTokensDetails(BaseModel):
 
 
 class ResponseUsage(BaseModel):
+    """OpenAI's usage, and tokenmill's additions that chat's usage has too: the request's
+    share of the engine steps that computed it, their energy (J) and cost (USD)."""
+
     input_tokens: int
     input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)
     output_tokens: int
     output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
     total_tokens: int
+    compute_seconds: float | None = None
+    energy_joules: float | None = None
+    energy_estimated: bool | None = None
+    cost_usd: float | None = None
 
 
 class IncompleteDetails(BaseModel):

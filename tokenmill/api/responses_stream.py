@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from tokenmill.api.chat import chat_logprobs
 from tokenmill.api.file_search import CitationReader
 from tokenmill.api.protocol import ChatTokenLogprob
-from tokenmill.api.responses import TokenTexts
+from tokenmill.api.responses import TokenTexts, usage_info
 from tokenmill.api.responses_api import ResponsesCall
 from tokenmill.api.responses_protocol import (
     FileSearchCall,
@@ -35,7 +35,7 @@ from tokenmill.api.responses_protocol import (
     ResponseObject,
     ResponseUsage,
 )
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import ComputeUsage, RequestOutput
 
 # One stream event: its "type", "sequence_number" and the fields of that type.
 Event = dict[str, Any]
@@ -72,6 +72,7 @@ class ResponseBuilder:
     input_tokens: int = 0
     output_tokens: int = 0
     finish_reason: str | None = None
+    compute: ComputeUsage | None = None
     _message: _OpenMessage | None = None
     _citations: CitationReader | None = None
 
@@ -117,6 +118,7 @@ class ResponseBuilder:
         """The events of one engine output (DELTA): text deltas and finished calls."""
         events: list[Event] = []
         self.input_tokens = len(out.prompt_token_ids)
+        self.compute = out.metrics.usage.copy()
         for c in out.outputs:
             self.output_tokens += len(c.token_ids)
             if c.finished:
@@ -212,8 +214,13 @@ class ResponseBuilder:
     # ------------------------------------------------------------------ the end
 
     def _usage(self) -> ResponseUsage:
+        # Chat's usage_info rounds the compute figures; the same numbers here.
+        info = usage_info(self.input_tokens, self.output_tokens, self.compute)
         return ResponseUsage(input_tokens=self.input_tokens, output_tokens=self.output_tokens,
-                             total_tokens=self.input_tokens + self.output_tokens)
+                             total_tokens=info.total_tokens,
+                             compute_seconds=info.compute_seconds,
+                             energy_joules=info.energy_joules,
+                             energy_estimated=info.energy_estimated, cost_usd=info.cost_usd)
 
     def finish(self) -> list[Event]:
         """Close the open item and end the response: completed, incomplete when the answer

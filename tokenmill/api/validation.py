@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from tokenmill.api.errors import APIError, bad_request
+from tokenmill.api.errors import bad_request
 from tokenmill.api.protocol import SamplingFields
 from tokenmill.request import ContextOverflow, context_overflow, first_invalid_token_id
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
@@ -34,14 +34,6 @@ def default_model_name(path: str) -> str:
     """The default served name: the model file's or folder's name without its extension."""
     base = os.path.basename(os.path.normpath(path))
     return base.removesuffix(".gguf")
-
-
-def check_model(served: str, model: str | None) -> str:
-    """The served model's name; 404 if the request names another model."""
-    if model is not None and model != served:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {served!r}",
-                       param="model", code="model_not_found")
-    return served
 
 
 def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:

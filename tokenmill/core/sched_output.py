@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenmill.outputs import TokenLogprobs
+from tokenmill.outputs import ComputeUsage, TokenLogprobs
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -91,6 +91,8 @@ class EngineCoreOutput:
     new_prompt_logprobs: list[TokenLogprobs | None] | None = None
     # When the request was first scheduled (time.monotonic()), for queue-time metrics.
     first_scheduled_time: float | None = None
+    # The request's compute, energy and cost so far (a snapshot).
+    usage: ComputeUsage | None = None
 
     @property
     def finished(self) -> bool:

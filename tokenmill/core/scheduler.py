@@ -327,6 +327,7 @@ class Scheduler:
                 new_logprobs=runner_out.logprobs.get(rid),
                 new_prompt_logprobs=prompt_lps,
                 first_scheduled_time=request.first_scheduled_time,
+                usage=request.usage.copy(),
             ))
         return outputs
 

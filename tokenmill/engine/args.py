@@ -16,6 +16,7 @@ from tokenmill.config import (
     SPECULATIVE_METHODS,
     CacheConfig,
     DeviceConfig,
+    EconomicsConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
@@ -30,13 +31,21 @@ CLI_MAX_TOKENS = 256
 CLI_TEMPERATURE = 0.7
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Options shared by every command that starts an engine."""
+def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) -> None:
+    """Options shared by every command that starts an engine; ``several_models``: --model may
+    be repeated, as ``[NAME=]PATH[,option...]`` (see tokenmill.server.model_registry)."""
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=ModelConfig.model,
-                   help="GGUF file or Hugging Face folder (default: embedded "
-                        "SmolLM2-135M-Instruct); with --load-format dummy also a preset: "
-                        "llama-3.1-8b, qwen3-0.6b")
+    if several_models:
+        g.add_argument("--model", action="append", default=None, metavar="[NAME=]PATH[,OPT]",
+                       help="a model to serve (repeatable): GGUF file or Hugging Face folder, "
+                            "with the name clients use and engine options of its own, e.g. "
+                            "chat=model.gguf,max-model-len=4096 (default: the embedded "
+                            "SmolLM2-135M-Instruct)")
+    else:
+        g.add_argument("--model", default=ModelConfig.model,
+                       help="GGUF file or Hugging Face folder (default: embedded "
+                            "SmolLM2-135M-Instruct); with --load-format dummy also a preset: "
+                            "llama-3.1-8b, qwen3-0.6b")
     g.add_argument("--dtype", default=ModelConfig.dtype, choices=DTYPES)
     g.add_argument("--max-model-len", type=int, default=ModelConfig.max_model_len)
     g.add_argument("--load-format", default=ModelConfig.load_format, choices=LOAD_FORMATS)
@@ -60,6 +69,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="batch-invariant greedy decoding on the CPU: a request's tokens do not "
                         "depend on the requests beside it (slower prefill)")
     _add_speculative_args(g)
+    g.add_argument("--cost-per-hour", type=float, default=EconomicsConfig.cost_per_hour,
+                   metavar="USD", help="the machine's price per hour, spread over the requests "
+                   "by compute share (usage.cost_usd, /metrics)")
+    g.add_argument("--cpu-watts", type=float, default=EconomicsConfig.cpu_watts, metavar="W",
+                   help="power of this process's cores when busy, for the energy estimate where "
+                   "the CPU has no readable energy counter (default: 6 W per core)")
 
 
 def _add_cache_args(g: argparse._ArgumentGroup) -> None:
@@ -129,6 +144,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             ngram_max=args.ngram_max),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
         deterministic=args.deterministic,
+        economics=EconomicsConfig(cost_per_hour=args.cost_per_hour, cpu_watts=args.cpu_watts),
     )
 
 

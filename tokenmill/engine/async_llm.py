@@ -1,7 +1,8 @@
 """AsyncLLM: the synchronous LLMEngine driven by one background thread, for asyncio front ends.
 
-The engine is not thread-safe, so exactly one thread owns it and runs its step loop. The asyncio
-side never touches the engine: it sends add / abort commands through a lock-protected list that
+The engine is not thread-safe, so exactly one thread owns it and runs its step loop (a
+``StepLoop``, which several engines of one server share, taking turns). The asyncio side never
+touches the engine: it sends add / abort commands through a lock-protected list that
 the loop drains between steps, and gets RequestOutputs (DELTA mode) back through per-call
 asyncio queues fed with ``loop.call_soon_threadsafe``. When there is nothing to do the loop
 sleeps on a condition variable, so an idle server uses no CPU.
@@ -136,6 +137,60 @@ def load_engine_for_thread(config: EngineConfig) -> LLMEngine:
     return box["engine"]  # type: ignore[return-value]
 
 
+class StepLoop:
+    """The thread that steps one or more engines: in each turn, every engine with work runs its
+    commands and one step. An idle loop sleeps on its condition variable.
+
+    The engines of one server (a chat model and an embedding model) share one loop rather than
+    a thread each: every thread that runs OpenMP regions keeps a pool of OpenMP workers, and
+    once there are more workers than cores libgomp stops spinning between regions, which made
+    decoding 2.3x slower on 2 cores (see ``load_engine_for_thread``). Taking turns on one
+    thread also leaves each step all the cores.
+    """
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self._clients: list[AsyncLLM] = []
+        self._thread: threading.Thread | None = None
+
+    def attach(self, client: AsyncLLM) -> None:
+        """Step ``client``'s engine from now on (starts the thread if it is not running)."""
+        with self.cond:
+            self._clients.append(client)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tokenmill-engine",
+                                                daemon=True)
+                self._thread.start()
+            self.cond.notify()
+
+    def detach(self, client: AsyncLLM) -> None:
+        """Stop stepping ``client``'s engine (the thread ends with the last one)."""
+        with self.cond:
+            if client in self._clients:
+                self._clients.remove(client)
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                work = self._wait_for_work()
+                if work is None:
+                    self._thread = None
+                    return
+            for client, commands in work:
+                client._turn(commands)
+
+    def _wait_for_work(self) -> list[tuple[AsyncLLM, list[_Add | _Abort]]] | None:
+        """Each engine with work and its commands (None once no engine is attached); called
+        with the condition held, sleeps on it while every engine is idle."""
+        while True:
+            if not self._clients:
+                return None
+            work = [(c, c._take_commands()) for c in self._clients if c._has_work()]
+            if work:
+                return work
+            self.cond.wait()
+
+
 class AsyncLLM:
     """An LLMEngine for asyncio code: ``await submit(...)``, iterate the returned group.
 
@@ -146,7 +201,9 @@ class AsyncLLM:
 
     def __init__(self, engine: LLMEngine, *, max_queue: int = 128,
                  stat_loggers: Sequence[StatLogger] = (),
-                 debug_fail_at_step: int | None = None) -> None:
+                 debug_fail_at_step: int | None = None,
+                 step_loop: StepLoop | None = None) -> None:
+        """``step_loop``: the thread to share with other engines (default: one of its own)."""
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         self.engine = engine
@@ -156,16 +213,18 @@ class AsyncLLM:
         self.dead: asyncio.Event | None = None  # created in start(), on the event loop
         self.dead_reason: str | None = None
         self._stats = StatsCollector()
-        self._cond = threading.Condition()
+        self._step_loop = step_loop or StepLoop()
+        self._cond = self._step_loop.cond
         self._commands: list[_Add | _Abort] = []
         self._stopping = False
+        self._started = False
+        self._stopped = threading.Event()  # the step loop has let go of the engine
         self._num_steps = 0
         self._ids = itertools.count()
         # Loop-thread state: request id -> (its group, prompt index, sequences it holds).
         self._routes: dict[str, tuple[RequestGroup, int, int]] = {}
         self._num_seqs_in_flight = 0
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------- engine facts (read-only)
 
@@ -193,11 +252,11 @@ class AsyncLLM:
     # ------------------------------------------------------------------------ life cycle
 
     def start(self) -> None:
-        """Start the engine thread; call from the event loop that will use this client."""
+        """Start stepping the engine; call from the event loop that will use this client."""
         self._loop = asyncio.get_running_loop()
         self.dead = asyncio.Event()
-        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
-        self._thread.start()
+        self._started = True
+        self._step_loop.attach(self)
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread; requests still in flight end with finish_reason "abort".
@@ -205,9 +264,9 @@ class AsyncLLM:
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, timeout)
-        if self._thread is None or not self._thread.is_alive():
+        if self._started:
+            await asyncio.to_thread(self._stopped.wait, timeout)
+        if not self._started or self._stopped.is_set():
             self.engine.close()
 
     async def wait_idle(self, timeout: float) -> bool:
@@ -301,28 +360,33 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------- the engine thread
 
-    def _run(self) -> None:
+    def _has_work(self) -> bool:
+        """Step-loop thread, condition held: commands, stopping, or requests to step."""
+        return bool(self._commands) or self._stopping or self.engine.has_unfinished_requests()
+
+    def _take_commands(self) -> list[_Add | _Abort]:
+        """Step-loop thread, condition held: the commands sent since the last turn."""
+        commands, self._commands = self._commands, []
+        return commands
+
+    def _turn(self, commands: list[_Add | _Abort]) -> None:
+        """Step-loop thread: this engine's turn (or, when stopping, its last one)."""
         try:
-            while True:
-                commands = self._wait_for_work()
-                if commands is None:
-                    break
+            if self._stopping:
+                self._round([_Abort(rid) for rid in self.engine.unfinished_request_ids()])
+                self._leave()
+            else:
                 self._round(commands)
-            self._round([_Abort(rid) for rid in self.engine.unfinished_request_ids()])
         except Exception as e:  # the engine's state is unknown now: fail everything
             logger.exception("the engine loop failed; failing all requests in flight")
             self.dead_reason = f"the engine failed: {type(e).__name__}: {e}"
             self._post(self._fail_all, self.dead_reason)
+            self._leave()
 
-    def _wait_for_work(self) -> list[_Add | _Abort] | None:
-        """The commands sent since the last round (None to stop); sleeps while idle."""
-        with self._cond:
-            while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
-                self._cond.wait()
-            if self._stopping:
-                return None
-            commands, self._commands = self._commands, []
-            return commands
+    def _leave(self) -> None:
+        """This engine is stepped no more (stopped or dead); other engines go on."""
+        self._step_loop.detach(self)
+        self._stopped.set()
 
     def _round(self, commands: list[_Add | _Abort]) -> None:
         """Apply commands, run one step if anything is unfinished, publish outputs and stats."""

@@ -13,6 +13,7 @@ from tokenmill.core.kv_cache import KVCacheManager
 from tokenmill.core.sched_output import EngineCoreOutput, SchedulerOutput
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.executor import make_executor
+from tokenmill.metrics.economics import EnergyMeter, StepAccountant
 from tokenmill.metrics.stats import SchedulerStats, SpecDecodingStats
 from tokenmill.model_loader import LoadedModel
 from tokenmill.quant.model import count_parameters, model_weight_bytes
@@ -94,6 +95,10 @@ class EngineCore:
         self.spec_stats = SpecDecodingStats() if self.proposer is not None else None
         # Draft distributions of the drafts proposed for the next step (draft models only).
         self._draft_probs: dict[str, torch.Tensor] = {}
+        # Each step's time, energy and cost, shared out to its requests by tokens.
+        econ = config.economics
+        self.accountant = StepAccountant(EnergyMeter(econ.cpu_watts), econ.cost_per_hour)
+        logger.info("energy: %s", ", ".join(self.accountant.meter.sources))
 
     def close(self) -> None:
         """Stop the executor (the tensor-parallel workers, if any); idempotent. No step runs
@@ -127,9 +132,12 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model, and report each request's new tokens; then propose the
         next step's draft tokens when speculating."""
+        self.accountant.begin()
         sched = self.scheduler.schedule()
         self.last_batch = (len(sched.num_scheduled_tokens), sched.total_num_scheduled_tokens)
         runner_out = self.executor.execute(sched, self._draft_probs)
+        for rid, share in self.accountant.end(sched.num_scheduled_tokens).items():
+            self.scheduler.requests[rid].usage.add(share)
         if self.spec_stats is not None:
             for rid, drafts in sched.scheduled_spec_decode_tokens.items():
                 emitted = len(runner_out.sampled_token_ids.get(rid, ()))
@@ -171,6 +179,7 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         stats = self.scheduler.stats()
+        stats.usage_total = self.accountant.totals.copy()
         if self.spec_stats is not None:
             stats.spec_decoding = self.spec_stats.copy()
         return stats

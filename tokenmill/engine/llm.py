@@ -10,6 +10,7 @@ from tqdm import tqdm
 from tokenmill.config import (
     CacheConfig,
     DeviceConfig,
+    EconomicsConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
@@ -79,6 +80,8 @@ class LLM:
         ngram_max: int = 4,
         tensor_parallel_size: int = 1,
         deterministic: bool = False,
+        cost_per_hour: float = 0.0,
+        cpu_watts: float | None = None,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len,
@@ -99,6 +102,7 @@ class LLM:
                 ngram_min=ngram_min, ngram_max=ngram_max),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             deterministic=deterministic,
+            economics=EconomicsConfig(cost_per_hour=cost_per_hour, cpu_watts=cpu_watts),
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()

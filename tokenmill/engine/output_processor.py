@@ -8,7 +8,13 @@ from dataclasses import dataclass, field
 
 from tokenmill.core.sched_output import EngineCoreOutput
 from tokenmill.detokenizer import IncrementalDetokenizer, StopChecker
-from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
+from tokenmill.outputs import (
+    CompletionOutput,
+    ComputeUsage,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprobs,
+)
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
@@ -35,6 +41,7 @@ class _Sequence:
     inter_token_latencies: list[float] = field(default_factory=list)
     # How much of text / token_ids / logprobs / latencies went out in DELTA mode.
     sent: tuple[int, int, int, int] = (0, 0, 0, 0)
+    usage: ComputeUsage = field(default_factory=ComputeUsage)
 
 
 @dataclass
@@ -113,6 +120,9 @@ class OutputProcessor:
 
     def _apply(self, parent: _Parent, seq: _Sequence, out: EngineCoreOutput, now: float) -> bool:
         metrics = parent.metrics
+        if out.usage is not None:
+            seq.usage = out.usage
+            metrics.usage = ComputeUsage.total([s.usage for s in parent.sequences])
         if out.first_scheduled_time is not None and metrics.first_scheduled_time is None:
             metrics.first_scheduled_time = out.first_scheduled_time
         # Every sample of an n > 1 request computes the same prompt: report it once.

@@ -12,6 +12,7 @@ from prometheus_client import (
 )
 
 from tokenmill.metrics.stats import IterationStats, SchedulerStats, SpecDecodingStats
+from tokenmill.outputs import ComputeUsage
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
                     5.0, 10.0, 20.0, 40.0, 80.0)
@@ -20,71 +21,133 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
+# attribute -> (kind, metric name without "tokenmill:", help, histogram buckets). Every family
+# is labelled by model_name; the per-model loggers bind that label.
+_FAMILIES: dict[str, tuple[str, str, str, tuple[float, ...]]] = {
+    "num_running": ("gauge", "num_requests_running", "Sequences in the running batch.", ()),
+    "num_waiting": ("gauge", "num_requests_waiting", "Sequences waiting to be scheduled.", ()),
+    "kv_usage": ("gauge", "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).",
+                 ()),
+    "preemptions": ("counter", "num_preemptions", "Sequences preempted for lack of blocks.", ()),
+    "prefix_queries": ("counter", "prefix_cache_queries",
+                       "Prompt tokens looked up in the prefix cache.", ()),
+    "prefix_hits": ("counter", "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                    ()),
+    "prefix_hit_rate": ("gauge", "prefix_cache_hit_rate",
+                        "Prefix-cache hits / queries since the start (0-1).", ()),
+    "prompt_tokens": ("counter", "prompt_tokens", "Prompt tokens prefilled.", ()),
+    "generation_tokens": ("counter", "generation_tokens", "Tokens generated.", ()),
+    "ttft": ("histogram", "time_to_first_token_seconds", "Time to first token.",
+             _LATENCY_BUCKETS),
+    "itl": ("histogram", "inter_token_latency_seconds", "Time between output tokens.",
+            _LATENCY_BUCKETS),
+    "e2e": ("histogram", "e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS),
+    "queue_time": ("histogram", "request_queue_time_seconds", "Arrival to first scheduled.",
+                   _REQUEST_BUCKETS),
+    "prompt_len": ("histogram", "request_prompt_tokens",
+                   "Prompt length of finished sequences.", _TOKEN_BUCKETS),
+    "gen_len": ("histogram", "request_generation_tokens", "Output length of finished sequences.",
+                _TOKEN_BUCKETS),
+    "batch_size": ("histogram", "iteration_batch_size", "Sequences computed per engine step.",
+                   _BATCH_BUCKETS),
+    "batch_tokens": ("histogram", "iteration_tokens", "Tokens computed per engine step.",
+                     _TOKEN_BUCKETS),
+    "compute_seconds": ("counter", "compute_seconds", "Seconds of engine steps.", ()),
+    "energy_joules": ("counter", "energy_joules", "Energy of engine steps (J; estimated where "
+                      "the machine has no energy counter: see energy_estimated).", ()),
+    "cost_usd": ("counter", "cost_usd", "Cost of engine steps (USD, --cost-per-hour).", ()),
+    "joules_per_output_token": ("gauge", "joules_per_output_token",
+                                "Energy per generated token since the start (J).", ()),
+    "energy_estimated": ("gauge", "energy_estimated",
+                         "1 when the energy is estimated from CPU time, 0 when measured.", ()),
+    "spec_drafts": ("counter", "spec_decode_num_drafts",
+                    "Speculative proposals verified (one per request and step).", ()),
+    "spec_draft_tokens": ("counter", "spec_decode_num_draft_tokens", "Draft tokens verified.",
+                          ()),
+    "spec_accepted_tokens": ("counter", "spec_decode_num_accepted_tokens",
+                             "Draft tokens accepted.", ()),
+}
+
+
+class PrometheusMetrics:
+    """The metric families of one server in a registry of their own (no process globals);
+    ``for_model`` gives each served model its logger, every sample labelled by model_name."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.families: dict[str, Gauge | Counter | Histogram] = {}
+        for attr, (kind, name, doc, buckets) in _FAMILIES.items():
+            full = f"tokenmill:{name}"
+            if kind == "gauge":
+                self.families[attr] = Gauge(full, doc, ["model_name"], registry=r)
+            elif kind == "counter":
+                self.families[attr] = Counter(full, doc, ["model_name"], registry=r)
+            else:
+                self.families[attr] = Histogram(full, doc, ["model_name"], buckets=buckets,
+                                                registry=r)
+        self.finished = Counter("tokenmill:request_finished",
+                                "Finished sequences by finish reason.",
+                                ["model_name", "finish_reason"], registry=r)
+        self.spec_accepted_per_pos = Counter(
+            "tokenmill:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft (0-based).",
+            ["model_name", "position"], registry=r)
+
+    def for_model(self, model_name: str) -> PrometheusStatLogger:
+        """The stat logger of one served model."""
+        return PrometheusStatLogger(model_name, self)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
 class PrometheusStatLogger:
-    """Keeps the server's metrics in its own registry (no process globals), fed by ``record``.
+    """One model's metrics, fed by ``record`` (in ``metrics``' families, or in families of its
+    own when none are given).
 
     ``record`` runs on the engine thread and ``render`` on the HTTP side: prometheus_client's
     metric objects are thread-safe.
     """
 
-    def __init__(self, model_name: str) -> None:
-        self.registry = CollectorRegistry()
-        labels = {"model_name": model_name}
-        r = self.registry
+    num_running: Gauge
+    num_waiting: Gauge
+    kv_usage: Gauge
+    preemptions: Counter
+    prefix_queries: Counter
+    prefix_hits: Counter
+    prefix_hit_rate: Gauge
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+    queue_time: Histogram
+    prompt_len: Histogram
+    gen_len: Histogram
+    batch_size: Histogram
+    batch_tokens: Histogram
+    compute_seconds: Counter
+    energy_joules: Counter
+    cost_usd: Counter
+    joules_per_output_token: Gauge
+    energy_estimated: Gauge
+    spec_drafts: Counter
+    spec_draft_tokens: Counter
+    spec_accepted_tokens: Counter
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"tokenmill:{name}", doc, list(labels), registry=r).labels(**labels)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(f"tokenmill:{name}", doc, list(labels), registry=r).labels(**labels)
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(f"tokenmill:{name}", doc, list(labels), buckets=buckets,
-                             registry=r).labels(**labels)
-
-        self.num_running = gauge("num_requests_running", "Sequences in the running batch.")
-        self.num_waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
-        self.preemptions = counter("num_preemptions", "Sequences preempted for lack of blocks.")
-        self.prefix_queries = counter("prefix_cache_queries",
-                                      "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.prefix_hit_rate = gauge("prefix_cache_hit_rate",
-                                     "Prefix-cache hits / queries since the start (0-1).")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.finished = Counter(
-            "tokenmill:request_finished", "Finished sequences by finish reason.",
-            ["model_name", "finish_reason"], registry=r)
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.",
-                              _LATENCY_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.",
-                             _LATENCY_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS)
-        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.",
-                                    _REQUEST_BUCKETS)
-        self.prompt_len = histogram("request_prompt_tokens", "Prompt length of finished "
-                                    "sequences.", _TOKEN_BUCKETS)
-        self.gen_len = histogram("request_generation_tokens", "Output length of finished "
-                                 "sequences.", _TOKEN_BUCKETS)
-        self.batch_size = histogram("iteration_batch_size", "Sequences computed per engine "
-                                    "step.", _BATCH_BUCKETS)
-        self.batch_tokens = histogram("iteration_tokens", "Tokens computed per engine step.",
-                                      _TOKEN_BUCKETS)
-        self.spec_drafts = counter("spec_decode_num_drafts",
-                                   "Speculative proposals verified (one per request and step).")
-        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens",
-                                         "Draft tokens verified.")
-        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens",
-                                            "Draft tokens accepted.")
-        self.spec_accepted_per_pos = Counter(
-            "tokenmill:spec_decode_num_accepted_tokens_per_pos",
-            "Draft tokens accepted, by position in the draft (0-based).",
-            ["model_name", "position"], registry=r)
+    def __init__(self, model_name: str, metrics: PrometheusMetrics | None = None) -> None:
+        self.metrics = metrics if metrics is not None else PrometheusMetrics()
+        for attr, family in self.metrics.families.items():
+            setattr(self, attr, family.labels(model_name))
+        self.finished = self.metrics.finished
+        self.spec_accepted_per_pos = self.metrics.spec_accepted_per_pos
         self._model_name = model_name
         # Running totals already turned into counter increments.
         self._seen = {"preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}
         self._spec_seen = SpecDecodingStats()
+        self._usage_seen = ComputeUsage()
+        self._output_tokens = 0
 
     def record(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:
         """Take one step's statistics and the scheduler's state after it."""
@@ -103,6 +166,7 @@ class PrometheusStatLogger:
                                      / scheduler.prefix_cache_queries_total)
         if scheduler.spec_decoding is not None:
             self._record_spec(scheduler.spec_decoding)
+        self._record_usage(scheduler.usage_total, iteration.num_generation_tokens)
         if iteration.batch_size:
             self.batch_size.observe(iteration.batch_size)
             self.batch_tokens.observe(iteration.num_batched_tokens)
@@ -121,6 +185,22 @@ class PrometheusStatLogger:
             self.prompt_len.observe(f.num_prompt_tokens)
             self.gen_len.observe(f.num_generation_tokens)
 
+    def _record_usage(self, total: ComputeUsage, new_output_tokens: int) -> None:
+        """Counters go up by the change in the engine's totals of step time, energy, cost."""
+        seen = self._usage_seen
+        for counter, now, before in ((self.compute_seconds, total.compute_seconds,
+                                      seen.compute_seconds),
+                                     (self.energy_joules, total.energy_joules,
+                                      seen.energy_joules),
+                                     (self.cost_usd, total.cost_usd, seen.cost_usd)):
+            if now > before:
+                counter.inc(now - before)
+        self._usage_seen = total.copy()
+        self._output_tokens += new_output_tokens
+        if self._output_tokens:
+            self.joules_per_output_token.set(total.energy_joules / self._output_tokens)
+        self.energy_estimated.set(1.0 if total.energy_estimated else 0.0)
+
     def _record_spec(self, totals: SpecDecodingStats) -> None:
         """Counters go up by the change in the engine's running totals."""
         seen = self._spec_seen
@@ -134,5 +214,5 @@ class PrometheusStatLogger:
         self._spec_seen = totals.copy()
 
     def render(self) -> tuple[bytes, str]:
-        """The exposition text and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        """The exposition text (of every model sharing the families) and its content type."""
+        return self.metrics.render()

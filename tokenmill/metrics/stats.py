@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import ComputeUsage, RequestOutput
 
 
 @dataclass
@@ -69,6 +69,8 @@ class SchedulerStats:
     prefix_cache_hits_total: int = 0
     # Running totals of speculative decoding; None when the engine does not speculate.
     spec_decoding: SpecDecodingStats | None = None
+    # Time, energy and cost of every step since the start.
+    usage_total: ComputeUsage = field(default_factory=ComputeUsage)
 
 
 @dataclass

@@ -93,7 +93,7 @@ def plan_kv_cache(cache: CacheConfig, platform: Platform, bytes_per_block: int,
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
     elif cache.kv_cache_memory_bytes is None and profiled_budget is not None:
-        num_blocks = profiled_budget // bytes_per_block
+        num_blocks = int(profiled_budget * cache.kv_cache_share) // bytes_per_block
     else:
         budget = cache.kv_cache_memory_bytes
         if budget is None:
@@ -102,6 +102,7 @@ def plan_kv_cache(cache: CacheConfig, platform: Platform, bytes_per_block: int,
             budget = int(free_memory * cache.kv_cache_memory_fraction)
             if not platform.is_cuda:
                 budget = min(budget, CPU_DEFAULT_KV_BYTES_CAP)
+            budget = int(budget * cache.kv_cache_share)
         num_blocks = budget // bytes_per_block
     if num_blocks < 2:
         raise ValueError(

@@ -25,10 +25,11 @@ from tokenmill.api.protocol import (
 )
 from tokenmill.api.responses_protocol import ResponsesRequest
 from tokenmill.api.tokens import detokenize, tokenize
-from tokenmill.api.validation import check_model
+from tokenmill.server.admin_routes import admin_router
 from tokenmill.server.classify import create_classification
 from tokenmill.server.errors import check_json_content_type, install_error_handlers, read_body
 from tokenmill.server.guard import HostPolicy, RequestGuard
+from tokenmill.server.lifecycle import ModelManager
 from tokenmill.server.openapi import install_openapi, json_body
 from tokenmill.server.responses_routes import responses_router
 from tokenmill.server.serving import create_response
@@ -37,14 +38,17 @@ from tokenmill.server.state import ServerState
 M = TypeVar("M", bound=BaseModel)
 
 
-def build_app(state: ServerState) -> FastAPI:
-    """The application; its lifespan starts and stops the engine thread."""
+def build_app(state: ServerState, manager: ModelManager | None = None) -> FastAPI:
+    """The application; its lifespan starts and stops the engines. ``manager``: the admin API's
+    model manager (its routes exist only when the server has an admin key)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        state.client.start()
+        for client in state.clients:
+            client.start()
         yield
-        await state.client.shutdown()
+        for client in state.clients:
+            await client.shutdown()
         state.workers.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None,
@@ -66,6 +70,10 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(_inference_routes(state), dependencies=[Depends(require_key)])
     app.include_router(responses_router(state), dependencies=[Depends(require_key)])
     app.include_router(_open_routes(state), dependencies=[Depends(require_key_if_configured)])
+    if state.config.admin_key is not None:
+        if manager is None:
+            raise ValueError("an admin key needs a model manager")
+        app.include_router(admin_router(state, manager))
     config = state.config
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
@@ -112,21 +120,23 @@ def _inference_routes(state: ServerState) -> APIRouter:
 
     @router.get("/v1/models")
     async def models() -> JSONResponse:
-        card = ModelCard(id=state.model_name, created=state.created,
-                         max_model_len=state.client.max_model_len)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        cards = [ModelCard(id=m.name, created=state.created, max_model_len=m.client.max_model_len)
+                 for m in state.models.values()]
+        return JSONResponse(ModelList(data=cards).model_dump())
 
     @router.post("/tokenize", openapi_extra=json_body(TokenizeRequest))
     async def tokenize_route(request: Request) -> JSONResponse:
         req = await read_json(state, request, TokenizeRequest)
-        check_model(state.model_name, req.model)
-        return JSONResponse((await state.offload(tokenize, req, state.client)).model_dump())
+        with state.model(req.model, task=None).lease() as served:
+            answer = await state.offload(tokenize, req, served.client)
+        return JSONResponse(answer.model_dump())
 
     @router.post("/detokenize", openapi_extra=json_body(DetokenizeRequest))
     async def detokenize_route(request: Request) -> JSONResponse:
         req = await read_json(state, request, DetokenizeRequest)
-        check_model(state.model_name, req.model)
-        return JSONResponse((await state.offload(detokenize, req, state.client)).model_dump())
+        with state.model(req.model, task=None).lease() as served:
+            answer = await state.offload(detokenize, req, served.client)
+        return JSONResponse(answer.model_dump())
 
     return router
 
@@ -138,7 +148,7 @@ def _open_routes(state: ServerState) -> APIRouter:
     async def health() -> JSONResponse:
         if state.serving:
             return JSONResponse({"status": "ok"})
-        reason = state.client.dead_reason or ("shutting down" if state.draining else "starting")
+        reason = state.dead_reason or ("shutting down" if state.draining else "starting")
         return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
 
     @router.get("/metrics")

@@ -9,7 +9,6 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenmill.api.classify import ClassifyRequest, prepare_classify, score_labels
 from tokenmill.api.protocol import now, random_id
-from tokenmill.api.validation import check_model
 from tokenmill.server.serving import submit
 from tokenmill.server.state import ServerState
 from tokenmill.server.streaming import until_disconnect
@@ -19,11 +18,13 @@ async def create_classification(state: ServerState, req: ClassifyRequest,
                                 raw: Request) -> Response:
     """Validate, score and answer one classify request; the engine requests stop if the
     client goes away first."""
-    model = check_model(state.model_name, req.model)
-    call = await state.offload(prepare_classify, req, state.client)
-    scoring = score_labels(call.scorer, functools.partial(submit, state), state.client.capacity)
-    results = await until_disconnect(raw.receive, scoring)
+    served = state.model(req.model)
+    with served.lease():  # scoring submits as it goes
+        call = await state.offload(prepare_classify, req, served.client)
+        scoring = score_labels(call.scorer, functools.partial(submit, state, served.client),
+                               served.client.capacity)
+        results = await until_disconnect(raw.receive, scoring)
     if results is None:  # the client is gone; nobody reads this
         return Response(status_code=499)
-    body = call.response(results, model, random_id(call.id_prefix), now())
+    body = call.response(results, served.name, random_id(call.id_prefix), now())
     return JSONResponse(body.model_dump())

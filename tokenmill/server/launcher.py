@@ -10,26 +10,31 @@ can restart it on a clean engine.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import signal
 import socket
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
 
 from tokenmill.api.validation import default_model_name
 from tokenmill.config import EngineConfig, ServerConfig
-from tokenmill.engine.async_llm import AsyncLLM, load_engine_for_thread
-from tokenmill.metrics.prometheus import PrometheusStatLogger
+from tokenmill.engine.async_llm import load_engine_for_thread
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.metrics.prometheus import PrometheusMetrics
 from tokenmill.server.app import build_app
 from tokenmill.server.connections import GuardedH11Protocol
+from tokenmill.server.lifecycle import ModelManager, serve_engine
+from tokenmill.server.model_registry import ModelSpec
 from tokenmill.server.state import ServerState
 
 logger = logging.getLogger(__name__)
 
 # Seconds between an engine failure and the process exit: errors reach clients, probes see 503.
 FAULT_EXIT_GRACE_S = 2.0
+# Seconds between checks that every model's engine is alive.
+ENGINE_WATCH_S = 0.2
 # Seconds uvicorn waits for open connections after the drain before cancelling them.
 CONNECTION_CLOSE_TIMEOUT_S = 5
 
@@ -66,46 +71,88 @@ class _Server(uvicorn.Server):
         task.add_done_callback(self._tasks.discard)
 
     async def _drain(self) -> None:
-        client, timeout = self.state.client, self.state.config.drain_timeout
+        clients, timeout = self.state.clients, self.state.config.drain_timeout
         logger.info("waiting up to %.0f s for %d sequences in flight", timeout,
-                    client.num_seqs_in_flight)
-        if not await client.wait_idle(timeout):
-            logger.warning("drain timeout: aborting %d sequences", client.num_seqs_in_flight)
-            client.abort_all()
-            await client.wait_idle(CONNECTION_CLOSE_TIMEOUT_S)
+                    sum(c.num_seqs_in_flight for c in clients))
+        idle = await asyncio.gather(*(c.wait_idle(timeout) for c in clients))
+        if not all(idle):
+            logger.warning("drain timeout: aborting %d sequences",
+                           sum(c.num_seqs_in_flight for c in clients))
+            for client in clients:
+                client.abort_all()
+            await asyncio.gather(*(c.wait_idle(CONNECTION_CLOSE_TIMEOUT_S) for c in clients))
         self.should_exit = True
 
     async def _watch_engine(self) -> None:
-        dead = self.state.client.dead
-        assert dead is not None
-        await dead.wait()
-        logger.error("%s; exiting in %.0f s", self.state.client.dead_reason, FAULT_EXIT_GRACE_S)
+        """Exit (code 1) once any model's engine has died (models come and go: polled)."""
+        while self.state.dead_reason is None:
+            await asyncio.sleep(ENGINE_WATCH_S)
+        logger.error("%s; exiting in %.0f s", self.state.dead_reason, FAULT_EXIT_GRACE_S)
         await asyncio.sleep(FAULT_EXIT_GRACE_S)
         self.exit_code = 1
         self.should_exit = True
 
 
-def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
-    """Serve until SIGTERM (exit code 0) or an engine failure (exit code 1)."""
-    # The model loads before the port opens: anything that answers is ready to serve.
-    # Not in this thread: see load_engine_for_thread.
-    engine = load_engine_for_thread(engine_config)
-    if config.served_model_name is None:
-        config = dataclasses.replace(config,
-                                     served_model_name=default_model_name(engine.model_path))
-    metrics = PrometheusStatLogger(config.served_model_name or "default")
-    client = AsyncLLM(engine, max_queue=config.max_queue, stat_loggers=[metrics],
-                      debug_fail_at_step=config.debug_fail_at_step)
-    state = ServerState(config, client, metrics)
+def load_models(models: list[tuple[str | None, EngineConfig]],
+                config: ServerConfig) -> ServerState:
+    """Load every model (in order; a failure closes those already loaded) and build the
+    server's state: one step loop for all engines, one metrics registry."""
+    engines: list[tuple[str | None, LLMEngine]] = []
+    try:
+        for name, engine_config in models:
+            # Not in this thread: see load_engine_for_thread.
+            engines.append((name, load_engine_for_thread(engine_config)))
+        names = served_names(engines, config.served_model_name)
+    except BaseException:
+        for _, engine in engines:
+            engine.close()
+        raise
+    state = ServerState(config, {}, PrometheusMetrics())
+    for i, (name, (_, engine)) in enumerate(zip(names, engines, strict=True)):
+        state.models[name] = serve_engine(
+            state, name, engine,
+            debug_fail_at_step=config.debug_fail_at_step if i == 0 else None)
+    return state
+
+
+def served_names(engines: list[tuple[str | None, LLMEngine]],
+                 served_model_name: str | None) -> list[str]:
+    """The name of each model: its spec's, --served-model-name (one model only), or the file's
+    name; ValueError for a name given twice."""
+    if served_model_name is not None and len(engines) > 1:
+        raise ValueError("--served-model-name names the only model; with several, name each "
+                         "one as --model NAME=PATH")
+    names = [name or served_model_name or default_model_name(engine.model_path)
+             for name, engine in engines]
+    for name in names:
+        if names.count(name) > 1:
+            raise ValueError(f"two models are served as {name!r}: name them apart with "
+                             "--model NAME=PATH")
+    return names
+
+
+def run_server(models: list[tuple[str | None, EngineConfig]], config: ServerConfig,
+               make_config: Callable[[ModelSpec], EngineConfig] | None = None) -> int:
+    """Serve ``models`` ((name or None, config) each) until SIGTERM (exit code 0) or an
+    engine failure (exit code 1). ``make_config``: the EngineConfig of a model the admin API
+    loads (needed with an admin key)."""
+    # The models load before the port opens: anything that answers is ready to serve.
+    state = load_models(models, config)
+    manager = None
+    if config.admin_key is not None:
+        if make_config is None:
+            raise ValueError("the admin API needs make_config")
+        manager = ModelManager(state, make_config, config.models_dir)
     if config.debug_fail_at_step is not None:
         logger.warning("fault injection is on: engine step %d will raise",
                        config.debug_fail_at_step)
     uv_config = uvicorn.Config(
-        build_app(state), host=config.host, port=config.port, log_level="info",
+        build_app(state, manager), host=config.host, port=config.port, log_level="info",
         timeout_graceful_shutdown=CONNECTION_CLOSE_TIMEOUT_S, lifespan="on",
         http=GuardedH11Protocol.configured(config.header_timeout, config.max_connections))
     server = _Server(uv_config, state)
-    logger.info("serving %r on http://%s:%d/v1 (auth %s)", state.model_name, config.host,
-                config.port, "on" if config.api_key else "off")
+    logger.info("serving %s on http://%s:%d/v1 (auth %s)",
+                ", ".join(f"{m.name!r} ({m.task})" for m in state.models.values()),
+                config.host, config.port, "on" if config.api_key else "off")
     server.run()
     return server.exit_code

@@ -29,7 +29,6 @@ from tokenmill.api.responses_protocol import (
     ResponsesRequest,
 )
 from tokenmill.api.responses_stream import Event, ResponseBuilder, item_id
-from tokenmill.api.validation import check_model
 from tokenmill.engine.async_llm import EngineDeadError, RequestGroup
 from tokenmill.server.errors import check_json_content_type, read_body
 from tokenmill.server.openapi import json_body
@@ -88,15 +87,17 @@ async def run_search(plan: ResponsePlan, search: SearchFn | None) -> list[FileSe
 async def create_response(state: ServerState, req: ResponsesRequest, raw: Request,
                           search: SearchFn | None, store: ResponseStore) -> Response:
     """Check, search, submit and answer one Responses request."""
-    model = check_model(state.model_name, req.model)
+    served = state.model(req.model)
     history = store.get(req.previous_response_id, "previous_response_id").conversation \
         if req.previous_response_id is not None else []
-    plan = await state.offload(plan_response, req, history)
-    results = await run_search(plan, search) if plan.query is not None else None
-    call: ResponsesCall = await state.offload(prepare_response, plan, state.client, results,
-                                              state.config.tool_call_parser)
-    group = await submit(state, call.chat.engine_prompts, call.chat.params, "resp")
-    builder = ResponseBuilder(call, call.skeleton(item_id("resp"), model, now()))
+    with served.lease():  # held until the engine has the request
+        plan = await state.offload(plan_response, req, history)
+        results = await run_search(plan, search) if plan.query is not None else None
+        call: ResponsesCall = await state.offload(
+            prepare_response, plan, served.client, results, state.config.tool_call_parser)
+        group = await submit(state, served.client, call.chat.engine_prompts, call.chat.params,
+                             "resp")
+    builder = ResponseBuilder(call, call.skeleton(item_id("resp"), served.name, now()))
 
     def keep(response: ResponseObject) -> None:
         if req.store and response.status in ("completed", "incomplete"):

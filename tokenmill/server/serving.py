@@ -14,8 +14,12 @@ from tokenmill.api.endpoints import prepare
 from tokenmill.api.errors import APIError, bad_request
 from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest, now, random_id
 from tokenmill.api.responses import Collected, collect
-from tokenmill.api.validation import check_model
-from tokenmill.engine.async_llm import EngineDeadError, EngineOverloadedError, RequestGroup
+from tokenmill.engine.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestGroup,
+)
 from tokenmill.engine.llm_engine import PromptType
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.state import ServerState
@@ -25,13 +29,13 @@ from tokenmill.server.streaming import EngineStreamingResponse, stream_events, u
 RETRY_AFTER_S = 1
 
 
-async def submit(state: ServerState, prompts: Sequence[PromptType], params: SamplingParams,
-                 prefix: str) -> RequestGroup:
-    """Queue the prompts in the engine, turning refusals into HTTP errors."""
+async def submit(state: ServerState, client: AsyncLLM, prompts: Sequence[PromptType],
+                 params: SamplingParams, prefix: str) -> RequestGroup:
+    """Queue the prompts in ``client``'s engine, turning refusals into HTTP errors."""
     if state.draining:
         raise APIError(503, "the server is shutting down", code="shutting_down")
     try:
-        return await state.client.submit(prompts, params, prefix)
+        return await client.submit(prompts, params, prefix)
     except EngineOverloadedError as e:
         raise APIError(503, f"the server is overloaded ({e}); retry later", code="overloaded",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -56,11 +60,14 @@ async def collect_unless_gone(group: RequestGroup, num_prompts: int, n: int,
 async def create_response(state: ServerState, req: ChatCompletionRequest | CompletionRequest,
                           raw: Request) -> Response:
     """Validate, submit and answer one chat or completions request."""
-    model = check_model(state.model_name, req.model)
-    call = await state.offload(functools.partial(
-        prepare, split_special_tokens=state.config.split_special_tokens,
-        tool_call_parser=state.config.tool_call_parser), req, state.client)
-    group = await submit(state, call.engine_prompts, call.params, call.id_prefix)
+    served = state.model(req.model)
+    model = served.name
+    with served.lease():
+        call = await state.offload(functools.partial(
+            prepare, split_special_tokens=state.config.split_special_tokens,
+            tool_call_parser=state.config.tool_call_parser), req, served.client)
+        group = await submit(state, served.client, call.engine_prompts, call.params,
+                             call.id_prefix)
     rid, created = random_id(call.id_prefix), now()
     if req.stream:
         events = stream_events(group, call.chunks(model, rid, created), req.include_usage)

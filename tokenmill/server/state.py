@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hmac
 import re
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from tokenmill.api.errors import APIError
 from tokenmill.api.protocol import now
 from tokenmill.config import ServerConfig
-from tokenmill.engine.async_llm import AsyncLLM
-from tokenmill.metrics.prometheus import PrometheusStatLogger
+from tokenmill.engine.async_llm import AsyncLLM, StepLoop
+from tokenmill.metrics.prometheus import PrometheusMetrics
 
 # "Bearer" (any case), one space, one credential of visible ASCII characters.
 T = TypeVar("T")
@@ -27,13 +30,46 @@ PREPARE_THREADS = 4
 _BEARER = re.compile(r"[Bb][Ee][Aa][Rr][Ee][Rr] +([\x21-\x7e]+)")
 
 
+# What a served model does: "generate" (chat, completions, classify) or "embed".
+GENERATE, EMBED = "generate", "embed"
+
+
+@dataclass
+class ServedModel:
+    """One model the server serves: the name clients send as ``model``, its engine client.
+
+    ``leases`` counts the requests that resolved this model and have not yet been queued in
+    its engine: a drain (unload, swap) waits for them too."""
+
+    name: str
+    client: AsyncLLM
+    task: str = GENERATE
+    path: str = ""
+    weight_bytes: int = 0
+    kv_cache_bytes: int = 0
+    loaded_at: float = field(default_factory=time.time)
+    leases: int = 0
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[ServedModel]:
+        """Hold the model while a request is prepared and submitted."""
+        self.leases += 1
+        try:
+            yield self
+        finally:
+            self.leases -= 1
+
+
 @dataclass
 class ServerState:
-    """What every route needs: the config, the engine client, the metrics."""
+    """What every route needs: the config, the served models (first: the default of its
+    task), the metrics of them all."""
 
     config: ServerConfig
-    client: AsyncLLM
-    metrics: PrometheusStatLogger
+    models: dict[str, ServedModel]
+    metrics: PrometheusMetrics
+    # The one thread that steps every model's engine (see StepLoop).
+    step_loop: StepLoop = field(default_factory=StepLoop)
     created: int = field(default_factory=now)
     # Set on SIGTERM: new requests get 503 while the ones in flight finish.
     draining: bool = False
@@ -45,16 +81,40 @@ class ServerState:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.workers, functools.partial(fn, *args))
 
+    def model(self, requested: str | None, task: str | None = GENERATE) -> ServedModel:
+        """The model a request names (None: the first one serving ``task``): 404 for a name
+        no model has, 400 for a model of another task (``task`` None: any)."""
+        if requested is None:
+            for served in self.models.values():
+                if task is None or served.task == task:
+                    return served
+            raise APIError(400, f"this server serves no {task} model", param="model",
+                           code="model_not_found")
+        served = self.models.get(requested)
+        if served is None:
+            raise APIError(404, f"the model {requested!r} does not exist; this server serves "
+                           f"{', '.join(repr(n) for n in self.models)}", param="model",
+                           code="model_not_found")
+        if task is not None and served.task != task:
+            what = "an embedding model" if served.task == EMBED else "a generative model"
+            raise APIError(400, f"the model {requested!r} is {what}; this endpoint needs a "
+                           f"{task} model", param="model", code="wrong_model_type")
+        return served
+
     @property
-    def model_name(self) -> str:
-        """The name clients must use in ``model`` (or leave out)."""
-        return self.config.served_model_name or "default"
+    def clients(self) -> list[AsyncLLM]:
+        return [m.client for m in self.models.values()]
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why a model's engine died (the first such), None while all run."""
+        return next((c.dead_reason for c in self.clients if c.dead_reason), None)
 
     @property
     def serving(self) -> bool:
-        """True while the server accepts inference requests."""
-        dead = self.client.dead
-        return not self.draining and dead is not None and not dead.is_set()
+        """True while the server accepts inference requests (every engine running)."""
+        return not self.draining and all(
+            c.dead is not None and not c.dead.is_set() for c in self.clients)
 
     def key_matches(self, authorization: str | None) -> bool:
         """Whether an ``Authorization: Bearer <key>`` header holds the API key (constant time)."""

@@ -1,0 +1,121 @@
+"""What each request costs: compute time, energy and money, shared out step by step.
+
+Every engine step is timed, and its energy read (or estimated) and priced; each request that
+had tokens in the step gets the share of it that its tokens are of the step's tokens. A
+request's totals therefore add up, over all requests, to the time, energy and cost of every
+step the engine ran.
+
+Energy comes from real counters through Zeus (https://ml.energy/zeus): the CPU packages' RAPL
+counters (Linux powercap) and NVIDIA GPUs' (NVML) or AMD GPUs' energy counters. Where the CPU's
+counters cannot be read (most VMs, this machine), the CPU part is estimated from the process's
+CPU time and a power per core (``cpu_watts`` for the cores the process may use), and every
+number that includes it says ``estimated``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+from tokenmill.outputs import ComputeUsage
+
+logger = logging.getLogger(__name__)
+
+# A guess of one busy server core's power where no counter says better (W): modern server
+# CPUs draw roughly 200-400 W for 32-64 cores under load.
+DEFAULT_WATTS_PER_CORE = 6.0
+
+
+def usable_cores() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+class EnergyMeter:
+    """Joules used since the meter was made: read from Zeus's counters where the machine has
+    them, the CPU estimated from process CPU time where it has none."""
+
+    def __init__(self, cpu_watts: float | None = None, use_counters: bool = True) -> None:
+        cores = usable_cores()
+        self.cpu_watts = cpu_watts if cpu_watts is not None else DEFAULT_WATTS_PER_CORE * cores
+        self._watts_per_cpu_second = self.cpu_watts / cores
+        self._cpus, self._gpus = _zeus_devices() if use_counters else (None, None)
+        self.estimated = self._cpus is None
+        self.sources = (["rapl"] if self._cpus is not None else ["cpu-time estimate"]) + (
+            ["gpu"] if self._gpus is not None else [])
+        self._start_mj = self._counters_mj()
+        self._start_cpu_s = time.process_time()
+
+    def read(self) -> float:
+        """Joules since the meter was made."""
+        joules = (self._counters_mj() - self._start_mj) / 1000.0
+        if self._cpus is None:
+            joules += (time.process_time() - self._start_cpu_s) * self._watts_per_cpu_second
+        return joules
+
+    def _counters_mj(self) -> float:
+        total = 0.0
+        if self._cpus is not None:
+            for i in range(len(self._cpus)):
+                m = self._cpus.get_total_energy_consumption(i)
+                total += m.cpu_mj + (m.dram_mj or 0.0)
+        if self._gpus is not None:
+            for i in range(len(self._gpus)):
+                total += float(self._gpus.get_total_energy_consumption(i))
+        return total
+
+
+def _zeus_devices() -> tuple[object | None, object | None]:
+    """Zeus's CPU (RAPL) and GPU managers, each None where the machine has no readable
+    counter (or Zeus is not installed)."""
+    try:
+        from zeus.device import get_cpus, get_gpus
+    except ImportError:  # an optional dependency: the estimate still works
+        logger.info("zeus is not installed: energy is estimated from CPU time")
+        return None, None
+    cpus = gpus = None
+    try:
+        cpus = get_cpus()
+        if len(cpus) == 0:
+            cpus = None
+    except Exception as e:  # noqa: BLE001 - any failure means: no counter to read
+        logger.info("no CPU energy counter (%s): CPU energy is estimated from CPU time", e)
+    try:
+        gpus = get_gpus()
+        if len(gpus) == 0:
+            gpus = None
+    except Exception:  # noqa: BLE001 - no GPU counter: nothing to add
+        gpus = None
+    return cpus, gpus
+
+
+@dataclass
+class StepAccountant:
+    """Times one engine step at a time and shares its time, energy and cost out by tokens."""
+
+    meter: EnergyMeter
+    cost_per_hour: float = 0.0
+    # Every step's usage since the engine started.
+    totals: ComputeUsage = field(default_factory=ComputeUsage)
+    _t0: float = 0.0
+    _e0: float = 0.0
+
+    def begin(self) -> None:
+        self._t0 = time.perf_counter()
+        self._e0 = self.meter.read()
+
+    def end(self, tokens: dict[str, int]) -> dict[str, ComputeUsage]:
+        """The step is over: each request's share (by its scheduled ``tokens``)."""
+        seconds = time.perf_counter() - self._t0
+        step = ComputeUsage(seconds, max(self.meter.read() - self._e0, 0.0),
+                            seconds * self.cost_per_hour / 3600.0, self.meter.estimated)
+        self.totals.add(step)
+        n = sum(tokens.values())
+        if not n:
+            return {}
+        return {rid: step.scaled(k / n) for rid, k in tokens.items()}

@@ -1,0 +1,193 @@
+"""Models loaded, unloaded and swapped while the server runs (the admin API's engine side).
+
+A swap is blue/green: the new version loads beside the old one (which keeps serving), takes the
+name once it is up, and the old one drains (every request it holds runs to its end) before it
+is unloaded. A load that fails changes nothing. Requests that resolved a model hold a lease on
+it until the engine has queued them, so a drain never closes an engine a request is about to
+reach.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.api.errors import APIError, bad_request
+from tokenmill.config import EngineConfig
+from tokenmill.engine.async_llm import AsyncLLM, load_engine_for_thread
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.server.model_registry import ModelSpec, parse_model_spec
+from tokenmill.server.state import EMBED, GENERATE, ServedModel, ServerState
+
+logger = logging.getLogger(__name__)
+
+# Seconds between checks of a draining model.
+DRAIN_POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """What an admin asks to load: a name, a path, engine options (as `--model` takes them)."""
+
+    name: str
+    path: str
+    options: dict[str, Any]
+
+    def spec(self) -> ModelSpec:
+        """The `--model` spec these fields spell; ValueError naming a bad option."""
+        parts = [f"{self.name}={self.path}"]
+        for key, value in self.options.items():
+            if not isinstance(key, str) or "," in key or "=" in key:
+                raise ValueError(f"bad engine option name {key!r}")
+            if value is True:
+                parts.append(key)
+            elif value is False or value is None:
+                continue
+            elif isinstance(value, int | float | str) and "," not in str(value):
+                parts.append(f"{key}={value}")
+            else:
+                raise ValueError(f"engine option {key!r} must be a number, a string without "
+                                 f"commas or true, got {value!r}")
+        return parse_model_spec(",".join(parts))
+
+
+def serve_engine(state: ServerState, name: str, engine: LLMEngine,
+                 debug_fail_at_step: int | None = None) -> ServedModel:
+    """A loaded engine as a served model: its client on the server's step loop, its metrics."""
+    config = state.config
+    client = AsyncLLM(engine, max_queue=config.max_queue,
+                      stat_loggers=[state.metrics.for_model(name)], step_loop=state.step_loop,
+                      debug_fail_at_step=debug_fail_at_step)
+    task = EMBED if getattr(engine.config, "task", GENERATE) == EMBED else GENERATE
+    info = engine.model_info()
+    return ServedModel(name, client, task, path=engine.model_path,
+                       weight_bytes=info.weight_bytes, kv_cache_bytes=info.kv_cache.total_bytes)
+
+
+class ModelManager:
+    """Loads, unloads and swaps the models of a running server; one change per name at once
+    (another gets 409)."""
+
+    def __init__(self, state: ServerState, make_config: Callable[[ModelSpec], EngineConfig],
+                 models_dir: str | None = None) -> None:
+        self.state = state
+        self.make_config = make_config
+        self.models_dir = os.path.realpath(models_dir) if models_dir else None
+        self._busy: dict[str, str] = {}  # name -> what is being done to it
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Every model: name, path, task, state, memory, sequences in flight."""
+        out = []
+        for m in self.state.models.values():
+            out.append({"name": m.name, "path": m.path, "task": m.task,
+                        "state": self._busy.get(m.name, "serving"),
+                        "weight_bytes": m.weight_bytes, "kv_cache_bytes": m.kv_cache_bytes,
+                        "loaded_at": m.loaded_at,
+                        "requests_in_flight": m.client.num_seqs_in_flight})
+        for name, what in self._busy.items():
+            if name not in self.state.models:
+                out.append({"name": name, "state": what})
+        return out
+
+    def resolve_path(self, path: str) -> str:
+        """``path`` inside --models-dir (relative paths are taken from it); 400 outside it."""
+        if not isinstance(path, str) or not path:
+            raise bad_request("path must be a non-empty string", "path")
+        if self.models_dir is None:
+            return path
+        full = os.path.realpath(os.path.join(self.models_dir, path))
+        if os.path.commonpath([full, self.models_dir]) != self.models_dir:
+            raise APIError(400, f"the path {path!r} is outside --models-dir", param="path",
+                           code="path_not_allowed")
+        return full
+
+    async def load(self, req: LoadRequest) -> ServedModel:
+        """Load a model under a new name; 409 if the name is taken or busy."""
+        if req.name in self.state.models:
+            raise APIError(409, f"a model named {req.name!r} is already loaded (swap it with "
+                           "PUT /admin/models/{name})", param="name", code="model_exists")
+        with self._changing(req.name, "loading"):
+            served = await self._build(req)
+            self.state.models[req.name] = served
+            served.client.start()
+        logger.info("loaded %r from %s", req.name, served.path)
+        return served
+
+    async def swap(self, req: LoadRequest) -> ServedModel:
+        """Blue/green: load ``req`` beside the model of that name, route new requests to it,
+        drain and unload the old one. Nothing changes if the load fails."""
+        old = self.state.models.get(req.name)
+        if old is None:
+            raise APIError(404, f"no model named {req.name!r} is loaded", param="name",
+                           code="model_not_found")
+        with self._changing(req.name, "swapping"):
+            # The new version takes the old one's place in the KV budget unless told otherwise.
+            new = await self._build(req, kv_cache_bytes=old.kv_cache_bytes)
+            new.client.start()
+            self.state.models[req.name] = new  # from here on new requests go to the new one
+            logger.info("swapped %r to %s; draining the old version", req.name, new.path)
+            await self._drain_and_close(old)
+        return new
+
+    async def unload(self, name: str) -> None:
+        """Stop routing to the model, let its requests finish, unload it."""
+        served = self.state.models.get(name)
+        if served is None:
+            raise APIError(404, f"no model named {name!r} is loaded", param="name",
+                           code="model_not_found")
+        if len(self.state.models) == 1:
+            raise APIError(409, "the last model cannot be unloaded (swap it instead)",
+                           param="name", code="last_model")
+        with self._changing(name, "unloading"):
+            del self.state.models[name]
+            await self._drain_and_close(served)
+        logger.info("unloaded %r", name)
+
+    def _changing(self, name: str, what: str) -> _Change:
+        if name in self._busy:
+            raise APIError(409, f"the model {name!r} is already {self._busy[name]}",
+                           param="name", code="model_busy")
+        return _Change(self._busy, name, what)
+
+    async def _build(self, req: LoadRequest, kv_cache_bytes: int | None = None) -> ServedModel:
+        """Load the engine on a thread of its own (the server keeps serving); a failure is a
+        400 with the reason. ``kv_cache_bytes``: the KV size unless the options set one."""
+        try:
+            spec = req.spec()
+            flags = spec.flags
+            if kv_cache_bytes and not spec.own_kv_size:
+                flags += ("--kv-cache-memory", str(kv_cache_bytes))
+            spec = ModelSpec(spec.name, self.resolve_path(req.path), flags, spec.kv_share)
+            config = self.make_config(spec)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        try:
+            engine = await asyncio.to_thread(load_engine_for_thread, config)
+        except (ValueError, OSError, RuntimeError, MemoryError) as e:
+            logger.warning("loading %r from %s failed: %s", req.name, req.path, e)
+            raise APIError(400, f"loading {req.name!r} failed: {type(e).__name__}: {e}",
+                           param="path", code="load_failed") from None
+        return serve_engine(self.state, req.name, engine)
+
+    async def _drain_and_close(self, served: ServedModel) -> None:
+        """Wait until no request holds or is about to reach the model, then close it."""
+        while served.leases or served.client.num_seqs_in_flight:
+            await asyncio.sleep(DRAIN_POLL_S)
+        await served.client.shutdown()
+
+
+class _Change:
+    """Marks a name busy for the duration of a ``with`` block."""
+
+    def __init__(self, busy: dict[str, str], name: str, what: str) -> None:
+        self.busy, self.name, self.what = busy, name, what
+
+    def __enter__(self) -> None:
+        self.busy[self.name] = self.what
+
+    def __exit__(self, *exc: object) -> None:
+        self.busy.pop(self.name, None)

@@ -1,0 +1,164 @@
+"""Several models in one server: `--model NAME=PATH[,option...]` specs, one EngineConfig per
+model, and one KV-cache budget shared among them.
+
+Each served model has its own engine (scheduler, KV cache, weights). Engine options given once
+on the command line apply to every model; options after the path apply to that model only and
+use the same names without the dashes, e.g.
+
+    tokenmill serve --model chat=model.gguf,max-model-len=4096 --model small=other.gguf,int8
+
+(a bare word is a flag: ``no-prefix-caching``, ``deterministic``; the quantization names are a
+short form of ``quantization=...``). Paths with commas cannot be given this way.
+
+Memory: with several models the KV budget is one: ``--kv-cache-memory`` bytes if given, else
+``--kv-cache-memory-fraction`` of the memory free before loading (capped on the CPU as for one
+model), split among the models in proportion to their ``kv-share`` (default 1 each). A model
+with its own ``kv-cache-memory`` or ``num-kv-blocks`` keeps exactly that, outside the split. On
+CUDA the split is of what ``--gpu-memory-utilization`` leaves: the models load one after
+another and each takes its share of what is left for the models still to load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tokenmill.config import QUANTIZATIONS, EngineConfig
+from tokenmill.engine.args import add_engine_args, engine_config_from_args
+from tokenmill.runner.kv_memory import CPU_DEFAULT_KV_BYTES_CAP
+from tokenmill.runner.platform import get_platform
+
+# Per-model options that are not engine options.
+_SHARE = "kv-share"
+# Engine options a model may not set for itself: they are one per server.
+_SERVER_WIDE = {"device", "threads", "tensor-parallel-size"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One `--model` value: the name clients use (None: from the path), the path (None: the
+    embedded default), the per-model engine flags and its share of the KV budget."""
+
+    name: str | None
+    path: str | None
+    flags: tuple[str, ...] = ()
+    kv_share: float = 1.0
+
+    @property
+    def own_kv_size(self) -> bool:
+        """Whether the model sets its KV cache size itself (outside the shared budget)."""
+        return any(f in ("--kv-cache-memory", "--num-kv-blocks") for f in self.flags)
+
+
+def parse_model_spec(value: str) -> ModelSpec:
+    """``[NAME=]PATH[,option[=value]...]``; ValueError naming what is wrong."""
+    head, *options = value.split(",")
+    name: str | None = None
+    path = head
+    if "=" in head and not os.path.exists(head):
+        name, path = head.split("=", 1)
+        if not name.strip():
+            raise ValueError(f"--model {value!r}: the name before '=' is empty")
+        name = name.strip()
+    if not path.strip():
+        raise ValueError(f"--model {value!r}: the path is empty")
+    flags: list[str] = []
+    share = 1.0
+    for option in options:
+        key, _, arg = option.strip().partition("=")
+        key = key.strip().replace("_", "-")
+        if not key:
+            continue
+        if key == _SHARE:
+            try:
+                share = float(arg)
+            except ValueError:
+                raise ValueError(f"--model {value!r}: kv-share must be a number") from None
+            if not share > 0:
+                raise ValueError(f"--model {value!r}: kv-share must be > 0, got {arg}")
+        elif key in QUANTIZATIONS and not arg:
+            flags += ["--quantization", key]
+        elif key in _SERVER_WIDE or key == "model":
+            raise ValueError(f"--model {value!r}: {key} is one per server, not per model")
+        else:
+            flags += [f"--{key}"] + ([arg] if arg else [])
+    return ModelSpec(name, path.strip(), tuple(flags), share)
+
+
+class _SpecParser(argparse.ArgumentParser):
+    """Engine options of one spec: errors raise instead of exiting."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ValueError(message)
+
+
+def engine_configs(args: argparse.Namespace, specs: list[ModelSpec]) -> list[EngineConfig]:
+    """Each spec's EngineConfig: the command line's engine options, then the spec's own."""
+    parser = _SpecParser(prog="--model", add_help=False)
+    add_engine_args(parser)
+    parser.set_defaults(**{k: v for k, v in vars(args).items() if k != "model"})
+    configs = []
+    for spec in specs:
+        argv = ["--model", spec.path] if spec.path else []
+        try:
+            ns = parser.parse_args([*argv, *spec.flags])
+        except ValueError as e:
+            raise ValueError(f"--model {spec.name or spec.path}: {e}") from None
+        configs.append(engine_config_from_args(ns))
+    return configs
+
+
+def share_kv_budget(configs: list[EngineConfig], specs: list[ModelSpec],
+                    budget_bytes: int | None, free_memory: int,
+                    on_cuda: bool) -> list[EngineConfig]:
+    """``configs`` with their KV sizes taken from one budget (see the module's docstring):
+    ``budget_bytes`` (the command line's --kv-cache-memory) if given; else on the CPU the
+    first config's kv_cache_memory_fraction of ``free_memory`` (bytes free before any model
+    loads, capped); else (CUDA) each model's share of what gpu_memory_utilization leaves."""
+    if len(configs) < 2:
+        return configs
+    splitting = [i for i, s in enumerate(specs) if not s.own_kv_size]
+    total_share = sum(specs[i].kv_share for i in splitting)
+    out = list(configs)
+    if budget_bytes is None and on_cuda:
+        # Loaded in order: each takes its share of what the models after it have not used.
+        left = total_share
+        for i in splitting:
+            cache = dataclasses.replace(out[i].cache, kv_cache_memory_bytes=None,
+                                        kv_cache_share=specs[i].kv_share / left)
+            out[i] = dataclasses.replace(out[i], cache=cache)
+            left -= specs[i].kv_share
+        return out
+    if budget_bytes is None:
+        fraction = configs[0].cache.kv_cache_memory_fraction
+        budget_bytes = min(int(free_memory * fraction), CPU_DEFAULT_KV_BYTES_CAP)
+    for i in splitting:
+        share = max(int(budget_bytes * specs[i].kv_share / total_share), 1)
+        cache = dataclasses.replace(out[i].cache, kv_cache_memory_bytes=share)
+        out[i] = dataclasses.replace(out[i], cache=cache)
+    return out
+
+
+def default_specs() -> list[ModelSpec]:
+    """What `tokenmill serve` serves without --model: the embedded chat model."""
+    return [ModelSpec(None, None)]
+
+
+def served_models(args: argparse.Namespace) -> list[tuple[str | None, EngineConfig]]:
+    """`tokenmill serve`'s models as (name or None, EngineConfig), the KV budget shared."""
+    specs = [parse_model_spec(v) for v in args.model] if args.model else default_specs()
+    configs = engine_configs(args, specs)
+    if len(configs) > 1:
+        platform = get_platform(configs[0].device.device)
+        configs = share_kv_budget(configs, specs, args.kv_cache_memory,
+                                  platform.available_memory(), platform.is_cuda)
+    return [(spec.name, c) for spec, c in zip(specs, configs, strict=True)]
+
+
+def config_factory(args: argparse.Namespace) -> Callable[[ModelSpec], EngineConfig]:
+    """The EngineConfig of a model loaded later (admin API): the command line's options, then
+    the spec's own."""
+    return lambda spec: engine_configs(args, [spec])[0]
