@@ -18,6 +18,7 @@ from tokenmill.bench import (
     gpu,
     latency,
     prefix_cache,
+    retrieval,
     spec,
     structured,
     throughput,
@@ -157,7 +158,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         body_timeout=args.body_timeout, max_connections=args.max_connections,
         split_special_tokens=args.split_special_tokens, tool_call_parser=args.tool_call_parser,
         admin_key=args.admin_key or os.environ.get("TOKENMILL_ADMIN_KEY") or None,
-        models_dir=args.models_dir)
+        models_dir=args.models_dir, data_dir=args.data_dir,
+        max_upload_bytes=args.max_upload_bytes)
     return run_server(served_models(args), config, config_factory(args))
 
 
@@ -209,6 +211,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="the format of the model's tool calls on /v1/chat/completions: hermes "
                    "(<tool_call> per call: Qwen, Hermes), smollm (<tool_call>[...]: SmolLM2), "
                    "or auto (by the chat template)")
+    g.add_argument("--data-dir", default=None,
+                   help="folder of uploaded files and vector stores (default: tokenmill's "
+                   "folder in the user's data directory)")
+    g.add_argument("--max-upload-bytes", type=int, default=ServerConfig.max_upload_bytes,
+                   help="larger files sent to /v1/files get 413")
     g.add_argument("--debug-fail-at-step", type=int, default=None, metavar="N",
                    help="TESTING ONLY: make the N-th engine step raise (fault injection)")
 
@@ -296,7 +303,7 @@ BENCH_SUITES: tuple[Registrar, ...] = (
     bench_serve.add_serve_parser, throughput.add_throughput_parser, latency.add_latency_parser,
     compare.add_compare_parser, prefix_cache.add_prefix_cache_parser, spec.add_spec_parser,
     bench_batch.add_batch_bench_parser, gpu.add_gpu_parser, _add_perplexity_parser,
-    fuzz.add_fuzz_parser, structured.add_structured_parser,
+    fuzz.add_fuzz_parser, structured.add_structured_parser, retrieval.add_retrieval_parser,
 )
 
 

@@ -324,6 +324,10 @@ class ServerConfig:
     admin_key: str | None = None
     # With an admin key: the folder models may be loaded from (None: any path).
     models_dir: str | None = None
+    # Files and vector stores (tokenmill/retrieval): their folder (None: the user's data
+    # folder, see retrieval.default_data_dir) and the largest upload /v1/files takes.
+    data_dir: str | None = None
+    max_upload_bytes: int = 512 << 20
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -332,6 +336,8 @@ class ServerConfig:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.max_body_bytes <= 0:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+        if self.max_upload_bytes <= 0:
+            raise ValueError(f"max_upload_bytes must be positive, got {self.max_upload_bytes}")
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if self.api_key is not None and not self.api_key:

@@ -36,7 +36,7 @@ def server() -> Iterator[Server]:
 def rag(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
     """The responses routes on the embedded model with ``FakeSearch`` as the search; stores
     other than its "vs_docs" are the real retrieval service's (a data folder of its own, the
-    deterministic HashEmbedder)."""
+    deterministic HashEmbedder), whose files and vector stores routes are served too."""
     from tokenmill.cli import build_parser
     from tokenmill.config import ServerConfig
     from tokenmill.retrieval.embedder import HashEmbedder
@@ -45,6 +45,7 @@ def rag(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
     from tokenmill.server.launcher import load_models
     from tokenmill.server.model_registry import served_models
     from tokenmill.server.responses_routes import responses_router
+    from tokenmill.server.retrieval_routes import retrieval_router
 
     args = build_parser().parse_args(["serve", *BASE_ARGS])
     state = load_models(served_models(args), ServerConfig(served_model_name="rag"))
@@ -66,6 +67,7 @@ def rag(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
     app = FastAPI(lifespan=lifespan)
     install_error_handlers(app)
     app.include_router(responses_router(state, search))
+    app.include_router(retrieval_router(retrieval))
     port = free_port()
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)

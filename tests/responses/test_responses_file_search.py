@@ -187,3 +187,31 @@ def test_bad_search_is_4xx_and_loses_nothing(rag_client: openai.OpenAI, rag: InP
     assert err.value.body["param"] == "tools" and word in err.value.body["message"]
     r = _ask(rag_client, rag, max_output_tokens=2)
     assert r.output[0].type == "file_search_call"
+
+
+def test_readme_rag_example(rag_client: openai.OpenAI, rag: InProcessServer,
+                            tmp_path: Any) -> None:
+    """The README's example, through the official client end to end: upload, vector store,
+    attach, ask with file_search, answer and citations (the embedder is the HashEmbedder)."""
+    client = rag_client
+    path = tmp_path / "handbook.md"
+    path.write_text("# Lighthouse handbook\n\nThe secret code word of the lighthouse is "
+                    "PELICAN. The keeper changes it every winter.\n\nTomatoes in the garden "
+                    "are watered every Tuesday and Friday morning.\n")
+    with open(path, "rb") as f:
+        file = client.files.create(file=f, purpose="assistants")
+    store = client.vector_stores.create(name="handbook")
+    attached = client.vector_stores.files.create_and_poll(vector_store_id=store.id,
+                                                         file_id=file.id)
+    assert attached.status == "completed"
+    r = client.responses.create(
+        model=rag.model, input="What is the secret code word of the lighthouse?",
+        instructions="Answer in one sentence.", max_output_tokens=40, temperature=0,
+        tools=[{"type": "file_search", "vector_store_ids": [store.id], "max_num_results": 3}],
+        include=["file_search_call.results"])
+    search, message = r.output
+    assert search.queries == ["What is the secret code word of the lighthouse?"]
+    assert [x.filename for x in search.results] == ["handbook.md"] * len(search.results)
+    assert "PELICAN" in r.output_text.upper()
+    assert [(a.type, a.filename, a.file_id) for a in message.content[0].annotations] == \
+        [("file_citation", "handbook.md", file.id)]

@@ -3,6 +3,7 @@ embedding through an ``Embedder`` and search. ``RetrievalService`` is the entry 
 Responses API's ``file_search`` tool calls its ``search``."""
 
 from tokenmill.retrieval.embedder import Embedder, HashEmbedder, TokenizerEmbedder
-from tokenmill.retrieval.service import RetrievalService, SearchResult
+from tokenmill.retrieval.service import RetrievalService, SearchResult, default_data_dir
 
-__all__ = ["Embedder", "HashEmbedder", "RetrievalService", "SearchResult", "TokenizerEmbedder"]
+__all__ = ["Embedder", "HashEmbedder", "RetrievalService", "SearchResult", "TokenizerEmbedder",
+           "default_data_dir"]

@@ -77,7 +77,7 @@ def batch_object(batch_id: str, store_id: str, created_at: int, cancelled: bool,
     made it) or completed."""
     if stats["in_progress"]:
         status = "in_progress"
-    elif cancelled:
+    elif cancelled and stats["cancelled"]:  # a cancel after every file was done changes nothing
         status = "cancelled"
     elif stats["failed"] and not stats["completed"]:
         status = "failed"

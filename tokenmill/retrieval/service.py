@@ -38,6 +38,14 @@ T = TypeVar("T")
 MAX_FILENAME_CHARS = 255
 
 
+def default_data_dir() -> str:
+    """Where files and vector stores live without ``--data-dir``: ``tokenmill`` in the user's
+    data folder (``~/.local/share/tokenmill`` on Linux)."""
+    import platformdirs
+
+    return platformdirs.user_data_dir("tokenmill", appauthor=False)
+
+
 @dataclass(frozen=True)
 class SearchResult:
     """One chunk found by a search: the file it comes from, its cosine similarity to the

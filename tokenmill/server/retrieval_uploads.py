@@ -1,0 +1,158 @@
+"""``POST /v1/files``' multipart body, read as it streams in: the file part goes straight to a
+file in the data folder and the upload is refused (413) the moment it passes the limit, so an
+upload never sits in memory and an oversized one costs at most the limit in disk writes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from python_multipart.multipart import MultipartParser, parse_options_header
+
+from tokenmill.api.errors import APIError, bad_request
+
+# The form's other fields (purpose, expires_after[...]) are a few bytes each.
+MAX_FIELD_BYTES = 64 << 10
+# Multipart framing around the file: boundaries, part headers, the small fields.
+ENVELOPE_BYTES = 256 << 10
+# Bytes gathered before each write to disk (on a worker thread).
+FLUSH_BYTES = 1 << 20
+
+
+def too_large(limit: int) -> APIError:
+    """413 for a file over ``--max-upload-bytes``."""
+    return APIError(413, f"the file exceeds the upload limit of {limit} bytes "
+                    "(--max-upload-bytes)", param="file", code="file_too_large")
+
+
+@dataclass
+class Upload:
+    """What a multipart body held: the file (saved at ``path``) and the form fields."""
+
+    path: str
+    filename: str | None = None
+    size: int = 0
+    fields: dict[str, str] = field(default_factory=dict)
+
+
+class _Parts:
+    """python-multipart's callbacks: collects fields, queues the file's bytes for writing."""
+
+    def __init__(self, upload: Upload, limit: int) -> None:
+        self.upload = upload
+        self.limit = limit
+        self.pending: list[bytes] = []
+        self.pending_bytes = 0
+        self.field_bytes = 0
+        self._header_name = b""
+        self._header_value = b""
+        self._headers: dict[bytes, bytes] = {}
+        self._name: str | None = None
+        self._is_file = False
+        self._value: list[bytes] = []
+
+    def callbacks(self) -> dict[str, object]:
+        return {"on_part_begin": self._part_begin, "on_header_field": self._header_field,
+                "on_header_value": self._header_val, "on_header_end": self._header_end,
+                "on_headers_finished": self._headers_done, "on_part_data": self._data,
+                "on_part_end": self._part_end}
+
+    def _part_begin(self) -> None:
+        self._headers, self._name, self._is_file, self._value = {}, None, False, []
+
+    def _header_field(self, data: bytes, start: int, end: int) -> None:
+        self._header_name += data[start:end]
+
+    def _header_val(self, data: bytes, start: int, end: int) -> None:
+        self._header_value += data[start:end]
+
+    def _header_end(self) -> None:
+        self._headers[self._header_name.lower()] = self._header_value
+        self._header_name, self._header_value = b"", b""
+
+    def _headers_done(self) -> None:
+        _, opts = parse_options_header(self._headers.get(b"content-disposition", b""))
+        name = opts.get(b"name")
+        self._name = name.decode("utf-8", "replace") if name is not None else None
+        filename = opts.get(b"filename")
+        if self._name == "file":
+            if self.upload.filename is not None:
+                raise bad_request("send one file per upload", "file")
+            self._is_file = True
+            self.upload.filename = (filename or b"").decode("utf-8", "replace")
+
+    def _data(self, data: bytes, start: int, end: int) -> None:
+        n = end - start
+        if self._is_file:
+            self.upload.size += n
+            if self.upload.size > self.limit:
+                raise too_large(self.limit)
+            self.pending.append(data[start:end])
+            self.pending_bytes += n
+        else:
+            self.field_bytes += n
+            if self.field_bytes > MAX_FIELD_BYTES:
+                raise bad_request(f"the form's fields exceed {MAX_FIELD_BYTES} bytes")
+            self._value.append(data[start:end])
+
+    def _part_end(self) -> None:
+        if not self._is_file and self._name is not None:
+            self.upload.fields[self._name] = b"".join(self._value).decode("utf-8", "replace")
+
+
+def _boundary(request: Request) -> bytes:
+    media, opts = parse_options_header(request.headers.get("content-type", ""))
+    if media != b"multipart/form-data" or not opts.get(b"boundary"):
+        raise APIError(415, "upload the file as multipart/form-data (fields 'file' and "
+                       "'purpose')", param="content-type", code="unsupported_media_type")
+    return opts[b"boundary"]
+
+
+def _write(path: str, chunks: list[bytes]) -> None:
+    with open(path, "ab") as f:
+        f.writelines(chunks)
+
+
+async def receive_upload(request: Request, path: str, limit: int, idle_timeout: float
+                         ) -> Upload:
+    """Stream a multipart upload to ``path``: 415 if it is not multipart, 413 once the file
+    passes ``limit`` bytes (or the declared length says it will), 408 if no data comes for
+    ``idle_timeout`` seconds, 400 for a malformed body or a missing file. On any error the
+    partial file is removed."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit + ENVELOPE_BYTES:
+        raise too_large(limit)
+    upload = Upload(path)
+    parts = _Parts(upload, limit)
+    parser = MultipartParser(_boundary(request), parts.callbacks())  # type: ignore[arg-type]
+    open(path, "wb").close()
+    try:
+        stream = request.stream().__aiter__()
+        while True:
+            try:
+                chunk = await asyncio.wait_for(stream.__anext__(), idle_timeout)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise APIError(408, f"the upload stalled for {idle_timeout:g} s",
+                               code="request_timeout", headers={"Connection": "close"}) from None
+            try:
+                parser.write(chunk)
+            except APIError:
+                raise
+            except Exception as e:  # python-multipart's errors: the body is malformed
+                raise bad_request(f"malformed multipart body: {e}") from None
+            if parts.pending_bytes >= FLUSH_BYTES:
+                await asyncio.to_thread(_write, path, parts.pending)
+                parts.pending, parts.pending_bytes = [], 0
+        parser.finalize()
+        await asyncio.to_thread(_write, path, parts.pending)
+        if upload.filename is None:
+            raise bad_request("the form has no 'file' field", "file")
+        return upload
+    except BaseException:
+        if os.path.exists(path):
+            os.unlink(path)
+        raise
