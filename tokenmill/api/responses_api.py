@@ -101,8 +101,9 @@ class ResponsesCall:
     def skeleton(self, rid: str, model: str, created_at: int) -> ResponseObject:
         """The response object before any output: the request's settings echoed back."""
         req = self.req
-        text = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text \
-            else {"type": "text"}
+        fmt = req.text.format if req.text else None
+        text = fmt.model_dump(by_alias=True, exclude_none=True) \
+            if fmt is not None and fmt.type != "text" else {"type": "text"}
         return ResponseObject(
             id=rid, created_at=created_at, status="in_progress", model=model,
             instructions=req.instructions, max_output_tokens=req.max_output_tokens,
