@@ -39,6 +39,8 @@ def test_plain_input(client: openai.OpenAI, server: Server) -> None:
     assert u.total_tokens == u.input_tokens + u.output_tokens
     assert u.input_tokens_details.cached_tokens == 0
     assert u.output_tokens_details.reasoning_tokens == 0
+    # tokenmill's additions, as chat's usage has them.
+    assert u.compute_seconds > 0 and u.energy_joules > 0
     assert r.temperature == 0 and r.max_output_tokens == 16 and r.store is True
 
 
@@ -88,7 +90,8 @@ def test_streaming_events_in_order(client: openai.OpenAI, server: Server) -> Non
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert events[-4].text == text and events[-3].part.text == text
     done = events[-1].response
-    assert done.status == "completed" and done.output_text == text and done.id == events[0].response.id
+    assert done.status == "completed" and done.output_text == text
+    assert done.id == events[0].response.id and done.usage.output_tokens == deltas
     whole = _create(client, server, input="What is the capital of France?",
                     max_output_tokens=16)
     assert whole.output_text == text  # greedy: the same answer streamed or whole
