@@ -91,7 +91,7 @@ def test_streaming_events_in_order(client: openai.OpenAI, server: Server) -> Non
     assert events[-4].text == text and events[-3].part.text == text
     done = events[-1].response
     assert done.status == "completed" and done.output_text == text
-    assert done.id == events[0].response.id and done.usage.output_tokens == deltas
+    assert done.id == events[0].response.id and done.usage.output_tokens >= deltas
     whole = _create(client, server, input="What is the capital of France?",
                     max_output_tokens=16)
     assert whole.output_text == text  # greedy: the same answer streamed or whole
