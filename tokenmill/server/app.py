@@ -24,7 +24,9 @@ from tokenmill.api.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from tokenmill.api.responses_protocol import ResponsesRequest
 from tokenmill.api.tokens import detokenize, tokenize
+from tokenmill.retrieval.service import RetrievalService
 from tokenmill.server.admin_routes import admin_router
 from tokenmill.server.classify import create_classification
 from tokenmill.server.embeddings import create_embeddings
@@ -32,15 +34,19 @@ from tokenmill.server.errors import check_json_content_type, install_error_handl
 from tokenmill.server.guard import HostPolicy, RequestGuard
 from tokenmill.server.lifecycle import ModelManager
 from tokenmill.server.openapi import install_openapi, json_body
+from tokenmill.server.responses_routes import responses_router
+from tokenmill.server.retrieval_routes import retrieval_limits, retrieval_router
 from tokenmill.server.serving import create_response
 from tokenmill.server.state import ServerState
 
 M = TypeVar("M", bound=BaseModel)
 
 
-def build_app(state: ServerState, manager: ModelManager | None = None) -> FastAPI:
+def build_app(state: ServerState, manager: ModelManager | None = None,
+              retrieval: RetrievalService | None = None) -> FastAPI:
     """The application; its lifespan starts and stops the engines. ``manager``: the admin API's
-    model manager (its routes exist only when the server has an admin key)."""
+    model manager (its routes exist only when the server has an admin key); ``retrieval``: the
+    files and vector stores (their routes and the file_search tool exist only with it)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -48,7 +54,11 @@ def build_app(state: ServerState, manager: ModelManager | None = None) -> FastAP
             client.start()
         if manager is not None:
             manager.start()
+        if retrieval is not None:
+            await retrieval.start()
         yield
+        if retrieval is not None:
+            await retrieval.close()
         if manager is not None:
             await manager.stop()
         for client in state.clients:
@@ -58,7 +68,8 @@ def build_app(state: ServerState, manager: ModelManager | None = None) -> FastAP
     app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     install_openapi(app, [ChatCompletionRequest, CompletionRequest, TokenizeRequest,
-                          DetokenizeRequest, ClassifyRequest, EmbeddingRequest], _version())
+                          DetokenizeRequest, ClassifyRequest, EmbeddingRequest,
+                          ResponsesRequest], _version())
     app.state.tokenmill = state
     install_error_handlers(app)
 
@@ -72,6 +83,11 @@ def build_app(state: ServerState, manager: ModelManager | None = None) -> FastAP
             await require_key(request)
 
     app.include_router(_inference_routes(state), dependencies=[Depends(require_key)])
+    search = retrieval.search if retrieval is not None else None
+    app.include_router(responses_router(state, search), dependencies=[Depends(require_key)])
+    if retrieval is not None:
+        app.include_router(retrieval_router(retrieval, retrieval_limits(state.config)),
+                           dependencies=[Depends(require_key)])
     app.include_router(_open_routes(state), dependencies=[Depends(require_key_if_configured)])
     if state.config.admin_key is not None:
         if manager is None:
