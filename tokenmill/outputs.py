@@ -123,3 +123,19 @@ class ClassificationResult:
     logprobs: dict[str, float]
     # The input's prompt once plus every label's tokens.
     num_prompt_tokens: int
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One input's embedding: the pooled vector of its whole prompt.
+
+    ``finish_reason`` is "stop" once computed; an aborted request ends with "abort" and an
+    empty ``embedding``."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    embedding: list[float]
+    metrics: RequestMetrics
+    finished: bool = True
+    finish_reason: str = "stop"

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tokenmill.outputs import ComputeUsage
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import PoolingParams, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -90,6 +90,9 @@ class Request:
     # The compiled grammar of sampling_params.structured_outputs (an xgrammar
     # CompiledGrammar; the scheduler only passes it on to the runner).
     grammar: object | None = None
+    # An embedding request: its whole prompt is computed in one step, and it finishes with the
+    # pooled vector instead of a token (sampling_params then only fill the shape).
+    pooling_params: PoolingParams | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -264,3 +264,36 @@ class SamplingParams:
         for tid, bias in self.logit_bias.items():
             _check_range("logit_bias key", tid, 0, hi, integer=True)
             _check_range(f"logit_bias[{tid}]", bias, -100.0, 100.0)
+
+
+@dataclass
+class PoolingParams:
+    """What an embedding request asks of its pooled vector, with vLLM's names.
+
+    ``normalize``: scale to unit length (None: as the model's pooling says, which for
+    sentence-transformers folders is their Normalize module and for decoders yes).
+    ``dimensions``: keep the first N entries (Matryoshka), renormalised when normalising.
+    ``truncate_prompt_tokens``: cut a longer input to its first N tokens (keeping the tokens
+    the tokenizer adds around a text, such as BERT's [CLS] ... [SEP]); -1 cuts to the model's
+    maximum length; None: a longer input is an error.
+    """
+
+    normalize: bool | None = None
+    dimensions: int | None = None
+    truncate_prompt_tokens: int | None = None
+
+    def validate(self, hidden_size: int | None = None) -> None:
+        """ValueError naming the field that is out of range."""
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize must be a boolean, got {self.normalize!r}")
+        dims = self.dimensions
+        if dims is not None:
+            if isinstance(dims, bool) or not isinstance(dims, int) or dims < 1:
+                raise ValueError(f"dimensions must be a positive integer, got {dims!r}")
+            if hidden_size is not None and dims > hidden_size:
+                raise ValueError(f"dimensions must be at most the model's embedding size "
+                                 f"{hidden_size}, got {dims}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int)
+                              or (k < 1 and k != -1)):
+            raise ValueError(f"truncate_prompt_tokens must be a positive integer or -1, got {k!r}")

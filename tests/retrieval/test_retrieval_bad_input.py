@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from conftest import RetrievalServer, wait_done
+from retrieval_harness import RetrievalServer, wait_done
 
 from tokenmill.server.retrieval_routes import RetrievalLimits
 

@@ -7,7 +7,7 @@ import io
 
 import openai
 import pytest
-from conftest import wait_done
+from retrieval_harness import wait_done
 
 DOCS = {
     "cats.txt": "Cats purr when they are content. A cat sleeps sixteen hours a day.",

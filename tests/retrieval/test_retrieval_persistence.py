@@ -8,7 +8,7 @@ import io
 import os
 
 import openai
-from conftest import RetrievalServer, wait_done
+from retrieval_harness import RetrievalServer, wait_done
 
 from tokenmill.api.vector_stores import VectorStoreCreate
 from tokenmill.retrieval import HashEmbedder, RetrievalService

@@ -3,6 +3,7 @@ and a blue/green swap under a steady stream of requests that none of them notice
 
 from __future__ import annotations
 
+import concurrent.futures
 import sys
 import threading
 import time
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_harness import Server, start_server
+from server_harness import Server, start_server, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
 
@@ -39,6 +40,7 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("models")
     tiny_llama(root / "v1", seed=1)
     tiny_llama(root / "v2", seed=2)
+    tiny_llama(root / "v3", seed=3)
     (root / "broken").mkdir()
     (root / "broken" / "config.json").write_text("{not json")
     return root
@@ -142,18 +144,61 @@ def test_swap_under_load_loses_nothing(admin: Server) -> None:
 
 
 def test_a_second_change_to_the_same_name_is_a_409(admin: Server) -> None:
-    answers: list[int] = []
-    first = threading.Thread(target=lambda: answers.append(httpx.put(
-        f"{admin.url}/admin/models/m", headers=ADMIN, timeout=120,
-        json={"path": "v1"}).status_code))
-    first.start()
-    conflicts = 0
-    while first.is_alive():
-        r = httpx.put(f"{admin.url}/admin/models/m", headers=ADMIN, timeout=120,
-                      json={"path": "v1"})
-        conflicts += r.status_code == 409
-        if conflicts:
-            break
-        time.sleep(0.01)
-    first.join()
-    assert answers == [200] and conflicts == 1
+    """While a swap of "m" runs (seen as its state in GET /admin/models), another swap of "m"
+    is a 409; the first one then succeeds."""
+    def swapping() -> bool:
+        data = httpx.get(f"{admin.url}/admin/models", headers=ADMIN).json()["data"]
+        return any(m["name"] == "m" and m["state"] == "swapping" for m in data)
+
+    for _ in range(5):  # a swap can finish before it is seen; then try again
+        answers: list[int] = []
+
+        def swap(out: list[int] = answers) -> None:
+            out.append(httpx.put(f"{admin.url}/admin/models/m", headers=ADMIN, timeout=120,
+                                 json={"path": "v1"}).status_code)
+
+        first = threading.Thread(target=swap)
+        first.start()
+        seen = wait_for(lambda t=first: swapping() or not t.is_alive(), timeout=60,
+                        interval=0.01)
+        second = None
+        if seen and first.is_alive():
+            second = httpx.put(f"{admin.url}/admin/models/m", headers=ADMIN, timeout=120,
+                               json={"path": "v1"})
+        first.join()
+        assert answers == [200]
+        if second is not None:
+            assert second.status_code == 409 and second.json()["error"]["code"] == "model_busy"
+            return
+    pytest.fail("no swap was ever seen in progress")
+
+
+@pytest.fixture(scope="module")
+def on_demand(models_dir: Path) -> Iterator[Server]:
+    s = start_server("--model", f"m={models_dir / 'v1'}", "--max-model-len", "256",
+                     "--models-dir", str(models_dir), "--max-loaded-models", "2",
+                     "--keep-alive", "3", env={"TOKENMILL_FUSED_DECODE": "0"})
+    yield s
+    assert s.stop() == 0, s.log()
+
+
+def loaded(server: Server) -> list[str]:
+    return [m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]]
+
+
+def test_models_load_on_demand_and_the_least_recently_used_makes_room(on_demand: Server) -> None:
+    """As Ollama: a request for a model in --models-dir loads it (concurrent requests share
+    one load); at --max-loaded-models the least recently used idle one is unloaded; the
+    command-line model stays; a name that is not there is a 404; idle models go after
+    --keep-alive."""
+    assert loaded(on_demand) == ["m"]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        codes = list(pool.map(lambda _: complete(on_demand, "v2").status_code, range(3)))
+    assert codes == [200, 200, 200] and loaded(on_demand) == ["m", "v2"]
+    assert on_demand.log().count("loaded 'v2'") == 1
+    assert complete(on_demand, "v3").status_code == 200
+    assert loaded(on_demand) == ["m", "v3"]  # v2 made room; m is pinned
+    assert complete(on_demand, "nowhere").status_code == 404
+    assert complete(on_demand, "../v1").status_code == 404
+    assert wait_for(lambda: loaded(on_demand) == ["m"], timeout=30)
+    assert complete(on_demand, "m").status_code == 200

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tokenmill.api.classify import ClassifyCall, ClassifyRequest, prepare_classify
+from tokenmill.api.embeddings import EmbeddingCall, EmbeddingRequest, prepare_embeddings
 from tokenmill.api.endpoints import ENDPOINTS, prepare
 from tokenmill.api.errors import APIError, bad_request, validate_body
 from tokenmill.api.protocol import now, random_id
@@ -24,7 +25,7 @@ from tokenmill.batch import DEFAULT_MAX_IN_FLIGHT
 from tokenmill.batch.format import BatchRequest, api_error_line, response_line
 from tokenmill.engine.classify import LabelRequest
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +156,44 @@ class _ClassifyJob:
                       prompt_tokens=body.usage.prompt_tokens)
 
 
+@dataclass
+class _EmbedJob:
+    """/v1/embeddings: one embedding request per input, answered when all are computed."""
+
+    request: BatchRequest
+    call: EmbeddingCall
+    outputs: dict[str, EmbeddingRequestOutput] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.request_ids = [f"b{self.request.line}-{i}" for i in range(len(self.call.prompts))]
+
+    @property
+    def weight(self) -> int:
+        return 1
+
+    @property
+    def complete(self) -> bool:
+        return len(self.outputs) == len(self.request_ids)
+
+    def start(self, engine: LLMEngine) -> list[str]:
+        for rid, prompt in zip(self.request_ids, self.call.prompts, strict=True):
+            engine.add_request(rid, prompt, self.call.params)
+        return self.request_ids
+
+    def finish(self, out: RequestOutput | EmbeddingRequestOutput, engine: LLMEngine) -> list[str]:
+        assert isinstance(out, EmbeddingRequestOutput)
+        self.outputs[out.request_id] = out
+        return []
+
+    def live_ids(self) -> list[str]:
+        return [rid for rid in self.request_ids if rid not in self.outputs]
+
+    def answer(self, model_name: str) -> Answer:
+        body = self.call.response([self.outputs[rid] for rid in self.request_ids], model_name)
+        return Answer(self.request.line, response_line(self.request, body, None), ok=True,
+                      prompt_tokens=body.usage.prompt_tokens)
+
+
 class BatchProcessor:
     """Answers BatchRequests with one engine; ``model_name`` goes into the response bodies
     (None: the model file's name)."""
@@ -211,6 +250,8 @@ class BatchProcessor:
             job: _Job
             if isinstance(body, ClassifyRequest):
                 job = _ClassifyJob(req, prepare_classify(body, self.engine))
+            elif isinstance(body, EmbeddingRequest):
+                job = _EmbedJob(req, prepare_embeddings(body, self.engine))
             else:
                 job = _GenerateJob(req, prepare(body, self.engine))  # type: ignore[arg-type]
         except Exception as e:  # noqa: BLE001 - answered as its line's error

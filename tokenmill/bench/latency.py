@@ -16,7 +16,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from tokenmill.bench.datasets import SampleRequest
-from tokenmill.bench.offline import add_offline_args, engine_facts, load_engine, sampling, workload
+from tokenmill.bench.offline import (
+    add_offline_args,
+    energy_line,
+    energy_report,
+    engine_facts,
+    load_engine,
+    sampling,
+    workload,
+)
 from tokenmill.bench.report import hardware, now_iso, peak_rss_mib, write_json
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.output_processor import OutputKind
@@ -96,9 +104,11 @@ def cmd_latency(args: argparse.Namespace) -> int:
     requests = workload(engine, args, args.num_warmups + args.num_iters)
     for i in range(args.num_warmups):
         time_one(engine, f"warmup-{i}", requests[i], args.temperature)
+    usage_before = engine.stats().usage_total
     timings = [time_one(engine, f"lat-{i}", requests[args.num_warmups + i], args.temperature)
                for i in range(args.num_iters)]
     result = summarize_timings(timings)
+    result.update(energy_report(engine, usage_before, sum(t.output_tokens for t in timings)))
     result.update(peak_rss_mib=peak_rss_mib(), date=now_iso(), dataset=args.dataset,
                   num_iters=args.num_iters, num_warmups=args.num_warmups,
                   engine=engine_facts(engine, load_s), hardware=hardware(),
@@ -111,6 +121,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
           f"prefill: {result['prefill_tokens_per_s']:.1f} tok/s   decode: {decode_text}")
     print(f"end-to-end: {result['e2e_ms']['median']:.1f} ms   "
           f"peak memory (RSS): {result['peak_rss_mib']:.0f} MiB")
+    print(energy_line(result))
     if args.result_file:
         write_json(args.result_file, result)
     return 0

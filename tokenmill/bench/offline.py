@@ -10,6 +10,7 @@ from typing import Any
 from tokenmill.bench.datasets import SampleRequest, load_jsonl, random_requests
 from tokenmill.engine.args import add_engine_args, engine_config_from_args
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.outputs import ComputeUsage
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -63,3 +64,26 @@ def warm_up(engine: LLMEngine, req: SampleRequest, num: int) -> None:
         engine.add_request(f"warmup-{i}", req.prompt, params)
         while engine.has_unfinished_requests():
             engine.step()
+
+
+def energy_report(engine: LLMEngine, before: ComputeUsage, output_tokens: int) -> dict[str, Any]:
+    """Energy and cost of the engine steps since ``before`` (the engine's totals then), per
+    1,000 output tokens; ``energy_estimated`` when no counter was read."""
+    now = engine.stats().usage_total
+    joules = now.energy_joules - before.energy_joules
+    cost = now.cost_usd - before.cost_usd
+    per_k = 1000 / output_tokens if output_tokens else 0.0
+    return {"energy_joules": joules, "cost_usd": cost,
+            "compute_seconds": now.compute_seconds - before.compute_seconds,
+            "joules_per_1k_output_tokens": joules * per_k,
+            "cost_usd_per_1k_output_tokens": cost * per_k,
+            "energy_estimated": now.energy_estimated,
+            "energy_sources": engine.core.accountant.meter.sources,
+            "cpu_watts": engine.core.accountant.meter.cpu_watts}
+
+
+def energy_line(report: dict[str, Any]) -> str:
+    """One line for the terminal."""
+    how = "estimated from CPU time" if report["energy_estimated"] else "measured"
+    return (f"Energy: {report['joules_per_1k_output_tokens']:.1f} J per 1k output tokens "
+            f"({how}), cost {report['cost_usd_per_1k_output_tokens']:.6f} USD per 1k")

@@ -15,6 +15,8 @@ from typing import Any
 from tokenmill.bench.datasets import SampleRequest
 from tokenmill.bench.offline import (
     add_offline_args,
+    energy_line,
+    energy_report,
     engine_facts,
     load_engine,
     sampling,
@@ -33,6 +35,7 @@ def run_throughput(engine: LLMEngine, requests: list[SampleRequest], temperature
     for i, req in enumerate(requests):
         engine.add_request(f"tp-{i}", req.prompt, sampling(req, temperature))
     out_tokens = in_tokens = done = 0
+    usage_before = engine.stats().usage_total
     start = time.perf_counter()
     with tqdm(total=len(requests), desc="bench throughput", unit="req", disable=not progress) as bar:
         while engine.has_unfinished_requests():
@@ -46,7 +49,8 @@ def run_throughput(engine: LLMEngine, requests: list[SampleRequest], temperature
     return {"num_requests": done, "elapsed_s": elapsed,
             "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
             "requests_per_s": done / elapsed, "output_tokens_per_s": out_tokens / elapsed,
-            "total_tokens_per_s": (in_tokens + out_tokens) / elapsed}
+            "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
+            **energy_report(engine, usage_before, out_tokens)}
 
 
 def add_throughput_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -75,6 +79,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     print(f"Throughput: {result['requests_per_s']:.2f} requests/s, "
           f"{result['output_tokens_per_s']:.1f} output tok/s, "
           f"{result['total_tokens_per_s']:.1f} total tok/s")
+    print(energy_line(result))
     print(f"Peak memory (RSS): {result['peak_rss_mib']:.0f} MiB")
     if args.result_file:
         write_json(args.result_file, result)

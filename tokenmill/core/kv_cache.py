@@ -329,3 +329,38 @@ class KVCacheManager:
     def forget(self, request_id: str) -> None:
         """Drop what is kept about a finished request beyond its blocks (its hashes)."""
         self._hashes.pop(request_id, None)
+
+
+class NoKVCache(KVCacheManager):
+    """The KV bookkeeping of an engine whose model keeps no KV cache (an encoder: each
+    request is computed whole in one step and attends only within that step).
+
+    Every request fits and holds no blocks, so the scheduler runs unchanged: its budget of
+    tokens per step and of sequences is then the only limit.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        # The smallest pool the base class accepts; no block of it is ever handed out.
+        super().__init__(num_blocks=2, block_size=block_size, enable_prefix_caching=False)
+
+    @property
+    def usage(self) -> float:
+        return 0.0
+
+    @property
+    def max_num_tokens(self) -> int:
+        return 0
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        return True
+
+    def allocate_new(self, request_id: str, cached_blocks: list[int], num_tokens: int,
+                     num_prompt_tokens: int | None = None) -> list[int] | None:
+        return []
+
+    def allocate_slots(self, request_id: str, num_total_tokens: int,
+                       num_computed_tokens: int | None = None) -> SlotAllocation | None:
+        return SlotAllocation([], [])
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:
+        raise RuntimeError("an engine without a KV cache cannot share a prompt's blocks")

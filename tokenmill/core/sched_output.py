@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenmill.outputs import ComputeUsage, TokenLogprobs
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import PoolingParams, SamplingParams
 
 
 @dataclass
@@ -23,6 +23,8 @@ class NewRequestData:
     # The compiled grammar its output must match (an xgrammar CompiledGrammar), or None.
     # Only rank 0's runner gets it: it does not pickle, and only rank 0's samples count.
     grammar: object | None = None
+    # Set for an embedding request: the runner pools its prompt's states instead of sampling.
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass
@@ -77,6 +79,8 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
     # Requests whose grammar is complete with this step's tokens: they finish with "stop".
     grammar_finished: set[str] = field(default_factory=set)
+    # The embedding of each embedding request whose prompt this step computed.
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -93,6 +97,8 @@ class EngineCoreOutput:
     first_scheduled_time: float | None = None
     # The request's compute, energy and cost so far (a snapshot).
     usage: ComputeUsage | None = None
+    # An embedding request's vector (it then finishes with "stop" and no tokens).
+    pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:

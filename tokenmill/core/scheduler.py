@@ -65,13 +65,16 @@ class Scheduler:
         n = request.num_prompt_tokens
         if n == 0:
             raise ValueError("the prompt must contain at least one token")
-        if context_overflow(n, None, self.max_model_len) is ContextOverflow.PROMPT:
+        if request.pooling_params is not None:
+            limit = self._check_pooling(n)
+        elif context_overflow(n, None, self.max_model_len) is ContextOverflow.PROMPT:
             raise ValueError(
                 f"the prompt has {n} tokens, but max_model_len is {self.max_model_len}: "
                 "it must leave room for at least one generated token")
-        limit = self.max_model_len
-        if request.max_total_tokens is not None:
-            limit = min(limit, request.max_total_tokens)
+        else:
+            limit = self.max_model_len
+            if request.max_total_tokens is not None:
+                limit = min(limit, request.max_total_tokens)
         request.max_total_tokens = limit
         if not self.kv.can_ever_fit(limit):
             raise ValueError(
@@ -79,6 +82,18 @@ class Scheduler:
                 f"{self.kv.max_num_tokens}; lower max_tokens or give the KV cache more memory")
         self.requests[rid] = request
         self.waiting.append(request)
+
+    def _check_pooling(self, n: int) -> int:
+        """The token limit of an embedding request of ``n`` prompt tokens (all of them: it
+        generates nothing); ValueError when it cannot be computed in one step."""
+        if n > self.max_model_len:
+            raise ValueError(f"the input has {n} tokens, more than max_model_len "
+                             f"{self.max_model_len}")
+        budget = self.config.max_num_batched_tokens
+        if n > budget:
+            raise ValueError(f"the input has {n} tokens, more than max_num_batched_tokens "
+                             f"{budget}: an embedding is computed in one step")
+        return n
 
     def finish_requests(self, request_ids: list[str] | set[str], status: RequestStatus) -> None:
         """End requests from outside the step (abort, or a stop string seen by the detokenizer)."""
@@ -221,6 +236,7 @@ class Scheduler:
                 block_ids=list(self.kv.get_block_ids(request.request_id)),
                 num_computed_tokens=request.num_computed_tokens,
                 grammar=request.grammar,
+                pooling_params=request.pooling_params,
             ))
             scheduled.append((request, num_new))
             budget -= num_new
@@ -263,12 +279,17 @@ class Scheduler:
         tokens = request.all_token_ids
         if params.prompt_logprobs is not None:
             tokens = tokens[:params.prompt_logprobs_start]
-        use_cache = params.prompt_logprobs is None or params.prompt_logprobs_start > 1
+        # An embedding pools the states of every prompt token, so none may come from the
+        # cache, and it is computed whole in one step (an encoder attends both ways; a
+        # decoder's mean pooling would otherwise need the states of earlier chunks).
+        pooling = request.pooling_params is not None
+        use_cache = not pooling and (params.prompt_logprobs is None
+                                     or params.prompt_logprobs_start > 1)
         cached = self.kv.find_cached_prefix(rid, tokens) if use_cache else []
         num_cached = len(cached) * self.kv.block_size
         remaining = request.num_tokens - num_cached
         num_new = min(remaining, budget)
-        if num_new < remaining and not self.config.enable_chunked_prefill:
+        if num_new < remaining and (pooling or not self.config.enable_chunked_prefill):
             return None
         if self.kv.allocate_new(rid, cached, num_cached + num_new,
                                 request.num_prompt_tokens if use_cache else None) is None:
@@ -293,6 +314,10 @@ class Scheduler:
         for rid in sched_out.num_scheduled_tokens:
             request = self.requests.get(rid)
             if request is None or request.is_finished:
+                continue
+            pooled = runner_out.pooled.get(rid)
+            if pooled is not None:
+                outputs.append(self._finish_pooled(request, pooled))
                 continue
             new_ids = runner_out.sampled_token_ids.get(rid, [])
             drafts = sched_out.scheduled_spec_decode_tokens.get(rid)
@@ -330,6 +355,15 @@ class Scheduler:
                 usage=request.usage.copy(),
             ))
         return outputs
+
+    def _finish_pooled(self, request: Request, pooled: list[float]) -> EngineCoreOutput:
+        """An embedding request whose prompt this step computed: it is done."""
+        self.running.remove(request)
+        self._finish(request, RequestStatus.FINISHED_STOPPED)
+        return EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
+                                finish_reason="stop",
+                                first_scheduled_time=request.first_scheduled_time,
+                                pooled=pooled)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status

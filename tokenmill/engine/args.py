@@ -12,8 +12,10 @@ import argparse
 from tokenmill.config import (
     DTYPES,
     LOAD_FORMATS,
+    POOLING_METHODS,
     QUANTIZATIONS,
     SPECULATIVE_METHODS,
+    TASKS,
     CacheConfig,
     DeviceConfig,
     EconomicsConfig,
@@ -54,6 +56,12 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
                    help="int8 per channel or int4 in groups of 32 (weight-only), fp8 (e4m3 "
                         "weights and per-token activations); auto keeps a GGUF file's Q4 (int4) "
                         "or Q5-Q8 (int8) weights compact on the CPU and is none otherwise")
+    g.add_argument("--task", default=ModelConfig.task, choices=TASKS,
+                   help="generate text, or embed (pooled embeddings; the default for encoder "
+                        "models such as BERT; without --model: the embedded all-MiniLM-L6-v2)")
+    g.add_argument("--pooling", default=ModelConfig.pooling, choices=POOLING_METHODS,
+                   help="how an embedding pools token states (default: the folder's "
+                        "sentence-transformers config, else cls for encoders, last for decoders)")
     g.add_argument("--device", default=DeviceConfig.device)
     g.add_argument("--threads", type=int, default=DeviceConfig.num_threads,
                    help="CPU threads per process (default: all cores, shared among the ranks)")
@@ -127,7 +135,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                           load_format=args.load_format, seed=args.seed,
-                          quantization=args.quantization),
+                          quantization=args.quantization, task=args.task,
+                          pooling=args.pooling),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
                           kv_cache_memory_bytes=args.kv_cache_memory,
                           kv_cache_memory_fraction=args.kv_cache_memory_fraction,

@@ -26,8 +26,8 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.engine.output_processor import OutputKind
 from tokenmill.metrics.stats import StatLogger, StatsCollector
-from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
+from tokenmill.sampling_params import PoolingParams, SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class InjectedFaultError(RuntimeError):
 class _Add:
     request_id: str
     prompt: PromptType
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     arrival_time: float
     # Compiled before sending, so the engine thread never compiles a grammar.
     grammar: object | None = None
@@ -62,14 +62,16 @@ class _Abort:
 
 # Put on a request's queue once the engine thread has queued it in the engine.
 _ACCEPTED = object()
-_Item = tuple[int, object]  # (prompt index within the group, RequestOutput | error | _ACCEPTED)
+# (prompt index within the group, RequestOutput | EmbeddingRequestOutput | error | _ACCEPTED)
+_Item = tuple[int, object]
+_Output = RequestOutput | EmbeddingRequestOutput
 
 
 class RequestGroup:
     """The engine requests of one API call (one per prompt), delivered through one queue.
 
     Iterate to get ``(prompt_index, RequestOutput)`` pairs with per-step deltas, until every
-    request has finished. ``close()`` (always call it, e.g. in ``finally``) aborts what is left:
+    request has finished (an embedding request gives one EmbeddingRequestOutput). ``close()`` (always call it, e.g. in ``finally``) aborts what is left:
     that is how a client's disconnect frees the engine's KV blocks.
     """
 
@@ -92,12 +94,12 @@ class RequestGroup:
             else:
                 self._early.append((index, item))
 
-    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def __aiter__(self) -> AsyncIterator[tuple[int, _Output]]:
         while self._unfinished:
             index, item = self._early.popleft() if self._early else await self.queue.get()
             if isinstance(item, BaseException):
                 raise item
-            if not isinstance(item, RequestOutput):
+            if not isinstance(item, RequestOutput | EmbeddingRequestOutput):
                 continue
             if item.finished:
                 self._unfinished.discard(index)
@@ -109,6 +111,20 @@ class RequestGroup:
         for index in sorted(self._unfinished):
             self._client._abort(self.request_ids[index])
         self._unfinished.clear()
+
+
+async def collect_embeddings(group: RequestGroup) -> list[EmbeddingRequestOutput]:
+    """The embeddings of a group of embedding requests, in the order of its prompts; closes
+    the group. EngineDeadError if one was aborted (the engine is shutting down)."""
+    results: list[EmbeddingRequestOutput | None] = [None] * len(group.request_ids)
+    try:
+        async for index, out in group:
+            if not isinstance(out, EmbeddingRequestOutput) or out.finish_reason == "abort":
+                raise EngineDeadError("the embedding request was aborted")
+            results[index] = out
+    finally:
+        group.close()
+    return results  # type: ignore[return-value]
 
 
 def load_engine_for_thread(config: EngineConfig) -> LLMEngine:
@@ -282,9 +298,26 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------- requests, asyncio
 
-    async def submit(self, prompts: Sequence[PromptType], params: SamplingParams,
+    @property
+    def task(self) -> str:
+        """The engine's task: "generate" or "embed"."""
+        return self.engine.task
+
+    @property
+    def embedding_size(self) -> int:
+        """Entries of a full embedding."""
+        return self.engine.embedding_size
+
+    async def embed(self, prompts: Sequence[PromptType], params: PoolingParams,
+                    request_id_prefix: str = "embd") -> list[EmbeddingRequestOutput]:
+        """The embedding of every prompt, in order, batched through the scheduler with
+        whatever else runs. Raises like :meth:`submit`; cancelling aborts what is left."""
+        return await collect_embeddings(await self.submit(prompts, params, request_id_prefix))
+
+    async def submit(self, prompts: Sequence[PromptType], params: SamplingParams | PoolingParams,
                      request_id_prefix: str = "req") -> RequestGroup:
-        """Queue one engine request per prompt, all with ``params``.
+        """Queue one engine request per prompt, all with ``params`` (PoolingParams: embedding
+        requests).
 
         Raises EngineDeadError, EngineOverloadedError, or ValueError (from the engine's own
         validation); nothing stays queued when it raises.
@@ -292,11 +325,12 @@ class AsyncLLM:
         if self.dead_reason is not None or self._loop is None:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
         grammar = None
-        if params.structured_outputs is not None:
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             # Off the event loop and off the engine thread; GrammarError is a ValueError.
             grammar = await asyncio.get_running_loop().run_in_executor(
                 None, self.engine.compile_grammar, params)
-        num_seqs = len(prompts) * params.n
+        n = params.n if isinstance(params, SamplingParams) else 1
+        num_seqs = len(prompts) * n
         if num_seqs > self.capacity:
             raise ValueError(f"the request needs {num_seqs} sequences (prompts x n) but this "
                              f"server runs at most {self.capacity} at once")
@@ -306,7 +340,7 @@ class AsyncLLM:
         ids = [f"{request_id_prefix}-{next(self._ids)}" for _ in prompts]
         group = RequestGroup(self, ids)
         for i, rid in enumerate(ids):
-            self._routes[rid] = (group, i, params.n)
+            self._routes[rid] = (group, i, n)
         self._num_seqs_in_flight += num_seqs
         now = time.monotonic()
         self._send([_Add(rid, p, params, now, grammar)
@@ -392,7 +426,7 @@ class AsyncLLM:
         """Apply commands, run one step if anything is unfinished, publish outputs and stats."""
         engine = self.engine
         items: list[tuple[str, object]] = []
-        outputs: list[RequestOutput] = []
+        outputs: list[_Output] = []
         for cmd in commands:
             if isinstance(cmd, _Add):
                 try:
@@ -418,7 +452,8 @@ class AsyncLLM:
         items.extend((o.request_id, o) for o in outputs)
         if items:
             self._post(self._deliver, items)
-        iteration = self._stats.observe(outputs, batch_size, batch_tokens)
+        iteration = self._stats.observe([o for o in outputs if isinstance(o, RequestOutput)],
+                                        batch_size, batch_tokens)
         sched = engine.stats()
         for stat_logger in self.stat_loggers:
             stat_logger.record(sched, iteration)

@@ -3,19 +3,21 @@ driven one step at a time."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.kv_cache import KVCacheManager
+from tokenmill.core.kv_cache import KVCacheManager, NoKVCache
 from tokenmill.core.sched_output import EngineCoreOutput, SchedulerOutput
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.executor import make_executor
 from tokenmill.metrics.economics import EnergyMeter, StepAccountant
 from tokenmill.metrics.stats import SchedulerStats, SpecDecodingStats
 from tokenmill.model_loader import LoadedModel
+from tokenmill.models.config import ArchConfig
 from tokenmill.quant.model import count_parameters, model_weight_bytes
 from tokenmill.request import Request, RequestStatus
 from tokenmill.runner.kv_memory import KVCachePlan
@@ -48,6 +50,17 @@ class ModelInfo:
     kv_cache: KVCachePlan
 
 
+def resolve_task(task: str, arch: ArchConfig) -> str:
+    """The engine's task: ``task``, with "auto" meaning "embed" for encoders; ValueError
+    for generation with an encoder."""
+    if task == "auto":
+        return "embed" if arch.is_encoder else "generate"
+    if task == "generate" and arch.is_encoder:
+        raise ValueError(f"task 'generate' needs a decoder model; {arch.architecture} is an "
+                         "encoder, which only gives embeddings (task 'embed')")
+    return task
+
+
 class EngineCore:
     """Owns the scheduler and the executor; ``step()`` is one forward pass of the continuous
     batch.
@@ -75,15 +88,31 @@ class EngineCore:
         self.quantization = loaded.quantization
         self.arch = loaded.arch
         self.tokenizer = loaded.tokenizer
-        self.max_model_len = self._resolve_max_model_len(config.model.max_model_len)
-        self.kv_plan = executor.plan_kv_cache(self.max_model_len)
-        executor.allocate_kv_cache(self.kv_plan.num_blocks)
-        if executor.capture_decode_graphs(self.max_model_len):
-            logger.info("decode CUDA graphs captured for batch sizes %s",
-                        executor.runner.decode_graphs.sizes)  # type: ignore[union-attr]
-        kv = KVCacheManager(self.kv_plan.num_blocks, config.cache.block_size,
-                            config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len)
+        self.task = resolve_task(config.model.task, self.arch)
+        if self.arch.is_encoder and config.parallel.tensor_parallel_size > 1:
+            raise ValueError("an encoder runs in one process: tensor_parallel_size must be 1")
+        self.pooler = loaded.pooler
+        self.max_model_len = self._resolve_max_model_len(config.model.max_model_len,
+                                                         loaded.max_seq_length)
+        sched_config = config.scheduler
+        if self.arch.is_encoder:
+            # An encoder computes each request whole in one step and attends only within it:
+            # nothing outlives the step, so there is no KV cache to size or allocate.
+            self.kv_plan = KVCachePlan(0, config.cache.block_size, 0, self.max_model_len)
+            kv: KVCacheManager = NoKVCache(config.cache.block_size)
+        else:
+            self.kv_plan = executor.plan_kv_cache(self.max_model_len)
+            executor.allocate_kv_cache(self.kv_plan.num_blocks)
+            if executor.capture_decode_graphs(self.max_model_len):
+                logger.info("decode CUDA graphs captured for batch sizes %s",
+                            executor.runner.decode_graphs.sizes)  # type: ignore[union-attr]
+            kv = KVCacheManager(self.kv_plan.num_blocks, config.cache.block_size,
+                                config.cache.enable_prefix_caching)
+        if self.task == "embed" and sched_config.max_num_batched_tokens < self.max_model_len:
+            # An embedding is computed in one step: any input up to max_model_len must fit.
+            sched_config = dataclasses.replace(sched_config,
+                                               max_num_batched_tokens=self.max_model_len)
+        self.scheduler = Scheduler(sched_config, kv, self.max_model_len)
         # (requests, tokens) the latest step computed, for batch-size metrics.
         self.last_batch: tuple[int, int] = (0, 0)
         logger.info(self.kv_plan.describe())
@@ -105,10 +134,12 @@ class EngineCore:
         afterwards."""
         self.executor.close()
 
-    def _resolve_max_model_len(self, asked: int | None) -> int:
+    def _resolve_max_model_len(self, asked: int | None, max_seq_length: int | None) -> int:
         model_max = self.arch.max_position_embeddings
         if asked is None:
-            return model_max
+            # A sentence-transformers folder's max_seq_length is the length it was trained
+            # for (and the length sentence-transformers cuts inputs to).
+            return min(model_max, max_seq_length or model_max)
         if asked > model_max:
             raise ValueError(
                 f"max_model_len={asked} is more than the model's context length {model_max}")

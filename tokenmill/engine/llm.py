@@ -19,8 +19,8 @@ from tokenmill.config import (
 )
 from tokenmill.engine.classify import LabelScorer, run_label_scoring
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
-from tokenmill.outputs import ClassificationResult, RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.outputs import ClassificationResult, EmbeddingRequestOutput, RequestOutput
+from tokenmill.sampling_params import PoolingParams, SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
 # generate() shows a progress bar (by default) from this many prompts on.
@@ -49,6 +49,9 @@ class LLM:
     processes); :meth:`close` stops them, as does dropping the LLM or leaving the interpreter.
     ``deterministic=True`` makes each request's tokens independent of its batch mates (CPU;
     see ``EngineConfig``).
+    ``task="embed"`` makes an embedding engine (:meth:`embed`; the default for encoder models
+    such as BERT, and with no ``model`` it runs the embedded all-MiniLM-L6-v2); ``pooling``
+    ("cls", "mean", "max", "last") overrides how its token states are pooled.
     """
 
     def __init__(
@@ -82,10 +85,13 @@ class LLM:
         deterministic: bool = False,
         cost_per_hour: float = 0.0,
         cpu_watts: float | None = None,
+        task: str = "auto",
+        pooling: str | None = None,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len,
-                              load_format=load_format, seed=seed, quantization=quantization),
+                              load_format=load_format, seed=seed, quantization=quantization,
+                              task=task, pooling=pooling),
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               kv_cache_memory_fraction=kv_cache_memory_fraction,
@@ -162,6 +168,38 @@ class LLM:
         scorer = LabelScorer(tok, self.engine.max_model_len, inputs, labels, instruction)
         return run_label_scoring(self.engine, scorer, f"classify{next(self._ids)}")
 
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+        """The embedding of every prompt (text, token ids, or {"prompt_token_ids": ...}), in
+        the order of the prompts, each with ``.embedding`` and ``.prompt_token_ids``. All go
+        through the scheduler together: many share each step. ValueError names a bad input
+        (nothing of the call stays queued)."""
+        batch = _as_batch(prompts)
+        params = pooling_params or PoolingParams()
+        engine = self.engine
+        order: dict[str, int] = {}
+        try:
+            for prompt in batch:
+                rid = f"embed{next(self._ids)}"
+                engine.add_request(rid, prompt, params)
+                order[rid] = len(order)
+        except ValueError as e:
+            for rid in order:
+                engine.abort_request(rid)
+            raise ValueError(f"input {len(order)}: {e}") from None
+        results: list[EmbeddingRequestOutput | None] = [None] * len(batch)
+        with tqdm(total=len(batch), desc="Embedding", unit="input", disable=not use_tqdm) as bar:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if isinstance(out, EmbeddingRequestOutput) and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        missing = [i for i, r in enumerate(results) if r is None]
+        if missing:
+            raise RuntimeError(f"the engine stopped without embedding inputs {missing}")
+        return results  # type: ignore[return-value]
+
     def _run(self, prompts: list[PromptType], params: list[SamplingParams],
              use_tqdm: bool | None) -> list[RequestOutput]:
         engine = self.engine
@@ -182,7 +220,7 @@ class LLM:
         with bar:
             while engine.has_unfinished_requests():
                 for out in engine.step():
-                    if out.finished and out.request_id in order:
+                    if isinstance(out, RequestOutput) and out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
                         out_tokens += sum(len(c.token_ids) for c in out.outputs)
                         bar.update(1)

@@ -8,10 +8,11 @@ import time
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore, ModelInfo
 from tokenmill.engine.output_processor import OutputKind, OutputProcessor
+from tokenmill.engine.pooling import EMBEDDING_SAMPLING, EmbeddingRequests, embedding_prompt
 from tokenmill.metrics.stats import SchedulerStats
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
 from tokenmill.request import Request, first_invalid_token_id
-from tokenmill.sampling_params import MAX_SEED, SamplingParams
+from tokenmill.sampling_params import MAX_SEED, PoolingParams, SamplingParams
 from tokenmill.structured.compiler import GrammarCompiler
 
 # A prompt is text, token ids, or {"prompt": text, "prompt_token_ids": ids} (either key).
@@ -28,6 +29,17 @@ class LLMEngine:
         self.processor = OutputProcessor(self.tokenizer)
         # Structured outputs' grammars, compiled on the caller's thread (cached by source).
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+        self.embeddings = EmbeddingRequests()
+
+    @property
+    def task(self) -> str:
+        """"generate" (text) or "embed" (pooled embeddings of whole prompts)."""
+        return self.core.task
+
+    @property
+    def embedding_size(self) -> int:
+        """Entries of a full embedding (the model's hidden size)."""
+        return self.core.arch.hidden_size
 
     @property
     def max_model_len(self) -> int:
@@ -53,7 +65,7 @@ class LLMEngine:
 
     def unfinished_request_ids(self) -> list[str]:
         """Requests added and not yet finished or aborted (the ids given to ``add_request``)."""
-        return list(self.processor.parents)
+        return list(self.processor.parents) + list(self.embeddings.pending)
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes, if any (idempotent)."""
@@ -95,15 +107,23 @@ class LLMEngine:
                              f"got {prompt[bad]!r}")
         return None, list(prompt)
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: SamplingParams | PoolingParams,
                     kind: OutputKind = OutputKind.FINAL_ONLY,
                     arrival_time: float | None = None, grammar: object | None = None) -> None:
         """Validate and queue a request; ValueError names what is wrong and nothing is queued.
 
-        A request with ``structured_outputs`` has its grammar compiled here unless ``grammar``
-        (from :meth:`compile_grammar`) is given."""
-        if request_id in self.processor.parents:
+        ``PoolingParams`` make an embedding request (task "embed" only): it finishes with one
+        EmbeddingRequestOutput. A request with ``structured_outputs`` has its grammar
+        compiled here unless ``grammar`` (from :meth:`compile_grammar`) is given."""
+        if request_id in self.processor.parents or request_id in self.embeddings:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if isinstance(params, PoolingParams):
+            self._add_embedding(request_id, prompt, params, arrival_time)
+            return
+        if self.task != "generate":
+            raise ValueError(f"this engine computes embeddings (task {self.task!r}) and does "
+                             "not generate text")
         params.validate(vocab_size=self.vocab_size)
         text, token_ids = self.encode_prompt(prompt)
         if grammar is None:
@@ -123,6 +143,19 @@ class LLMEngine:
         self.processor.add_request(request_id, [c.request_id for c in children], text,
                                    token_ids, params, kind, arrival)
 
+    def _add_embedding(self, request_id: str, prompt: PromptType, params: PoolingParams,
+                       arrival_time: float | None) -> None:
+        if self.task != "embed":
+            raise ValueError(f"this engine generates text (task {self.task!r}); embeddings need "
+                             "an engine started with task 'embed'")
+        params.validate(hidden_size=self.embedding_size)
+        text, token_ids = embedding_prompt(self.encode_prompt, self.tokenizer, prompt, params,
+                                           self.max_model_len)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        self.core.add_request(Request(request_id, token_ids, EMBEDDING_SAMPLING,
+                                      arrival_time=arrival, pooling_params=params))
+        self.embeddings.add(request_id, text, token_ids, arrival)
+
     def _child_requests(self, request_id: str, token_ids: list[int], params: SamplingParams,
                         arrival: float) -> list[Request]:
         eos = self.tokenizer.eos_token_ids
@@ -140,18 +173,21 @@ class LLMEngine:
                                     fork_of=f"{request_id}#0" if i else None))
         return children
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str) -> RequestOutput | EmbeddingRequestOutput | None:
         """Stop a request wherever it is; returns its final output (finish_reason "abort")."""
+        if request_id in self.embeddings:
+            self.core.abort_requests([request_id])
+            return self.embeddings.abort(request_id)
         self.core.abort_requests(self.processor.child_ids(request_id))
         return self.processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         """One engine step; returns the outputs of requests that have news."""
-        core_outputs = self.core.step()
+        embedded, core_outputs = self.embeddings.split(self.core.step())
         outputs, stopped = self.processor.process(core_outputs)
         if stopped:
             self.core.finish_stopped(stopped)
-        return outputs
+        return [*outputs, *embedded]

@@ -29,7 +29,8 @@ def load_runner(config: EngineConfig, platform: Platform,
     if loaded is None:
         loaded = load_model(config.model, platform.device, dtype)
     runner = ModelRunner(loaded.model, loaded.arch, platform, dtype, config.cache.block_size,
-                         loaded.tokenizer.eos_token_ids, deterministic=config.deterministic)
+                         loaded.tokenizer.eos_token_ids, deterministic=config.deterministic,
+                         pooler=loaded.pooler)
     return loaded, runner
 
 

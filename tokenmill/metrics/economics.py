@@ -79,6 +79,11 @@ def _zeus_devices() -> tuple[object | None, object | None]:
         logger.info("zeus is not installed: energy is estimated from CPU time")
         return None, None
     cpus = gpus = None
+    # Zeus logs a warning for every GPU library it cannot load (AMD's on an NVIDIA or CPU-only
+    # machine): not news here, the outcome is logged below.
+    zeus_log = logging.getLogger("zeus")
+    level = zeus_log.level
+    zeus_log.setLevel(logging.ERROR)
     try:
         cpus = get_cpus()
         if len(cpus) == 0:
@@ -91,6 +96,8 @@ def _zeus_devices() -> tuple[object | None, object | None]:
             gpus = None
     except Exception:  # noqa: BLE001 - no GPU counter: nothing to add
         gpus = None
+    finally:
+        zeus_log.setLevel(level)
     return cpus, gpus
 
 

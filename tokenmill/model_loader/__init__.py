@@ -13,10 +13,13 @@ from torch import nn
 from tokenmill.config import ModelConfig
 from tokenmill.distributed import tp_size
 from tokenmill.model_loader.dummy import init_dummy_weights
+from tokenmill.model_loader.embedded_embedding import embedded_embedding_model_path
 from tokenmill.model_loader.gguf import GGUFModel, embedded_model_path, load_gguf
 from tokenmill.model_loader.gguf_quantized import load_gguf_quantized
 from tokenmill.model_loader.hf import iter_safetensors, load_hf_config
+from tokenmill.model_loader.st_config import read_sentence_transformer
 from tokenmill.models.config import ArchConfig
+from tokenmill.models.pooler import PoolerConfig
 from tokenmill.models.registry import create_model
 from tokenmill.presets import get_preset
 from tokenmill.quant import quantize_model
@@ -35,11 +38,33 @@ class LoadedModel:
     path: str
     # The weight-only quantization applied ("none", "int8", "int4"), with "auto" resolved.
     quantization: str = "none"
+    # How embeddings are pooled (see resolve_pooler), and the longest input the folder's
+    # sentence-transformers config allows (None: no such limit).
+    pooler: PoolerConfig = PoolerConfig("last")
+    max_seq_length: int | None = None
 
 
-def resolve_model_path(model: str | None) -> str:
-    """The path to load: the given one, or the embedded SmolLM2 GGUF when none is given."""
-    return embedded_model_path() if model is None else model
+def resolve_model_path(model: str | None, task: str = "auto") -> str:
+    """The path to load: the given one, else the embedded all-MiniLM-L6-v2 folder for task
+    "embed" and the embedded SmolLM2 GGUF otherwise."""
+    if model is not None:
+        return model
+    return embedded_embedding_model_path() if task == "embed" else embedded_model_path()
+
+
+def resolve_pooler(config: ModelConfig, arch: ArchConfig,
+                   folder: str | None) -> tuple[PoolerConfig, int | None]:
+    """The pooling of the model's embeddings and its sentence-transformers length limit:
+    ``config.pooling`` if given, else what the folder's sentence-transformers files say, else
+    "cls" for encoders and "last" for decoders; normalised unless those files leave the
+    Normalize module out."""
+    info = read_sentence_transformer(folder) if folder is not None else None
+    length = info.max_seq_length if info is not None else None
+    if info is not None and config.pooling is None:
+        return info.pooler, length
+    normalize = info.pooler.normalize if info is not None else True
+    default = "cls" if arch.is_encoder else "last"
+    return PoolerConfig(config.pooling or default, normalize), length
 
 
 # GGUF block types by the weight-only method that keeps them compact under quantization="auto":
@@ -67,7 +92,7 @@ def resolve_quantization(requested: str, gguf: GGUFModel | None, device: torch.d
 
 def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     """Build the model on ``device`` in ``dtype`` and fill its weights as configured."""
-    path = resolve_model_path(config.model)
+    path = resolve_model_path(config.model, config.task)
     started = time.perf_counter()
     is_gguf = os.path.isfile(path) and (path.endswith(".gguf") or config.load_format == "gguf")
     is_preset = config.load_format == "dummy" and not os.path.exists(path)
@@ -82,6 +107,10 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) ->
     elif os.path.isdir(path):
         hf_config = load_hf_config(path)
         tokenizer = Tokenizer.from_hf_dir(path)
+        # Some tokenizer.json files pad or cut every input to a fixed length (all-MiniLM's to
+        # 128): the engine wants each text's own tokens, and decides on length limits itself.
+        tokenizer.backend.no_padding()
+        tokenizer.backend.no_truncation()
 
         def weights():  # type: ignore[no-redef]
             return iter_safetensors(path)
@@ -91,6 +120,7 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) ->
     method = resolve_quantization(config.quantization, gguf if is_gguf else None,
                                   torch.device(device))
     arch = ArchConfig.from_hf_dict(hf_config)
+    pooler, max_seq_length = resolve_pooler(config, arch, path if os.path.isdir(path) else None)
     model = create_model(arch, dtype, device)
     if config.load_format == "dummy":
         init_dummy_weights(model, seed=config.seed)
@@ -109,4 +139,4 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) ->
     logger.info("loaded %s (%s, %s) in %.1f s", path, arch.architecture, dtype,
                 time.perf_counter() - started)
     return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, path=path,
-                       quantization=method)
+                       quantization=method, pooler=pooler, max_seq_length=max_seq_length)

@@ -7,11 +7,15 @@ from typing import Any
 
 # Rope types whose frequencies models/layers.py knows how to compute.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Bidirectional encoders (the BERT family, models/bert.py): their checkpoints hold a BertModel,
+# bare or under "bert." beside a task head that embeddings do not use.
+ENCODER_ARCHITECTURES = frozenset({"BertModel", "BertForMaskedLM", "BertForPreTraining"})
 
 
 @dataclass(frozen=True)
 class ArchConfig:
-    """Shapes and constants of a decoder-only transformer (Llama, Mistral, Qwen2, Qwen3)."""
+    """Shapes and constants of a decoder-only transformer (Llama, Mistral, Qwen2, Qwen3) or
+    of a bidirectional encoder (BERT: ``is_encoder``; no rope, GELU, LayerNorm, token types)."""
 
     architecture: str
     vocab_size: int
@@ -35,6 +39,9 @@ class ArchConfig:
     eos_token_ids: tuple[int, ...] = ()
     # Checkpoint dtype name as written in config.json ("bfloat16", "float32"...), if any.
     torch_dtype: str | None = None
+    # Encoders only: LayerNorm epsilon and the number of token types (segment embeddings).
+    layer_norm_eps: float = 1e-12
+    type_vocab_size: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -47,6 +54,9 @@ class ArchConfig:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.is_encoder:
+            self._check_encoder()
+            return
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.rms_norm_eps <= 0:
@@ -60,6 +70,21 @@ class ArchConfig:
             if rope_type not in SUPPORTED_ROPE_TYPES:
                 raise ValueError(f"rope_scaling.rope_type {rope_type!r} is not supported; "
                                  f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+    def _check_encoder(self) -> None:
+        # HF's "gelu" is the exact (erf) GELU; the tanh approximations would differ slightly.
+        if self.hidden_act != "gelu":
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported for "
+                             f"{self.architecture} (only 'gelu')")
+        if self.num_key_value_heads != self.num_attention_heads:
+            raise ValueError("an encoder has as many key/value heads as attention heads")
+        if self.layer_norm_eps <= 0:
+            raise ValueError(f"layer_norm_eps must be > 0, got {self.layer_norm_eps}")
+
+    @property
+    def is_encoder(self) -> bool:
+        """A bidirectional encoder (embeddings only: no KV cache, no generation)."""
+        return self.architecture in ENCODER_ARCHITECTURES
 
     @property
     def num_layers(self) -> int:
@@ -80,6 +105,10 @@ class ArchConfig:
         kv_heads = d.get("num_key_value_heads") or heads
         head_dim = d.get("head_dim") or _div(d["hidden_size"], heads, "hidden_size")
         rope_theta, rope_scaling = _rope_from_hf(d)
+        encoder = archs[0] in ENCODER_ARCHITECTURES
+        if encoder and d.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"position_embedding_type {d['position_embedding_type']!r} is not "
+                             "supported (only 'absolute')")
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
@@ -98,10 +127,12 @@ class ArchConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)),
             mlp_bias=bool(d.get("mlp_bias", False)),
-            hidden_act=d.get("hidden_act", "silu"),
+            hidden_act=d.get("hidden_act", "gelu" if encoder else "silu"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+            layer_norm_eps=float(d.get("layer_norm_eps", 1e-12)),
+            type_vocab_size=int(d.get("type_vocab_size", 0)),
         )
 
 

@@ -12,6 +12,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache import blocks_for_tokens
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
 from tokenmill.models.config import ArchConfig
+from tokenmill.models.pooler import PoolerConfig
 from tokenmill.outputs import TokenLogprobs
 from tokenmill.runner.batch import FlatBatch
 from tokenmill.runner.cuda_graphs import DecodeGraphs, GraphCapture
@@ -22,9 +23,10 @@ from tokenmill.runner.fused_decode import (
 )
 from tokenmill.runner.kv_memory import KVCacheShape
 from tokenmill.runner.platform import Platform
+from tokenmill.runner.pooling import EncoderBatch, pool_embeddings
 from tokenmill.runner.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
 from tokenmill.runner.spec_verify import SpecRequest, verify_drafts
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import PoolingParams, SamplingParams
 from tokenmill.structured.matcher import GrammarState, allocate_bitmask, fill_rows
 from tokenmill.utils import host_tensor
 
@@ -51,6 +53,8 @@ class _RequestState:
     num_computed_tokens: int
     sampling: _SamplingState
     stop_ids: list[int] = field(default_factory=list)
+    # Set for an embedding request (pooled, never sampled).
+    pooling: PoolingParams | None = None
 
 
 # Prompt logprobs one request computes this step: its hidden-state rows, the prompt tokens they
@@ -84,6 +88,9 @@ class _StepInputs:
     spec: _SpecRows
     # Per request needing prompt logprobs this step (see _PromptLogprobRows).
     prompt_lp_rows: list[_PromptLogprobRows]
+    # Embedding requests whose prompt this step computes, with their rows (start, count).
+    pool_states: list[_RequestState] = field(default_factory=list)
+    pool_spans: list[tuple[int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -91,7 +98,8 @@ class ModelRunner:
 
     def __init__(self, model: nn.Module, arch: ArchConfig, platform: Platform,
                  dtype: torch.dtype, block_size: int, eos_token_ids: frozenset[int],
-                 enable_fused_decode: bool | None = None, deterministic: bool = False) -> None:
+                 enable_fused_decode: bool | None = None, deterministic: bool = False,
+                 pooler: PoolerConfig | None = None) -> None:
         self.model = model
         self.arch = arch
         self.platform = platform
@@ -99,6 +107,10 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         self.eos_token_ids = sorted(eos_token_ids)
+        # How embedding requests are pooled; an encoder (no KV cache, no sampling) runs
+        # nothing else.
+        self.pooler = pooler or PoolerConfig("last")
+        self.is_encoder = bool(getattr(model, "is_encoder", False))
         self.backend = platform.attention_backend()
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
@@ -113,11 +125,12 @@ class ModelRunner:
         # Decode-only steps through the C++ layer stack; None when off or unsupported (always
         # off under tensor parallelism: the C++ stack has no all-reduce between layers).
         # enable_fused_decode None defers to $TOKENMILL_FUSED_DECODE (see fused_decode.py).
-        if tp > 1:
+        if tp > 1 or self.is_encoder:
             enable_fused_decode = False
         # Deterministic: every step through the fused stack, each token its own sequence.
         self.deterministic = deterministic
-        self.fused_decoder = (make_invariant_decoder(model, self.device) if deterministic
+        self.fused_decoder = (make_invariant_decoder(model, self.device)
+                              if deterministic and not self.is_encoder
                               else make_fused_decoder(model, self.device, enable_fused_decode))
 
     # ------------------------------------------------------------------------ KV memory
@@ -183,6 +196,11 @@ class ModelRunner:
         inputs = self._prepare_inputs(sched)
         hidden = self._forward(inputs)
         out = RunnerOutput()
+        if inputs.pool_spans:
+            states = inputs.pool_states
+            vectors = pool_embeddings(hidden, inputs.pool_spans, [s.pooling for s in states],
+                                      self.pooler)
+            out.pooled = {s.request_id: v for s, v in zip(states, vectors, strict=True)}
         if inputs.prompt_lp_rows:
             self._prompt_logprobs(hidden, inputs, out)
         num_sampled = len(inputs.sample_rows)
@@ -198,6 +216,8 @@ class ModelRunner:
     def _forward(self, inputs: _StepInputs) -> torch.Tensor:
         """A captured decode graph, the fused C++ stack for a decode-only step when it is on,
         or ``model.forward``."""
+        if self.is_encoder:
+            return self.model(inputs.input_ids, inputs.positions, inputs.attn_meta)
         if self.deterministic:
             return self._forward_invariant(inputs)
         graphs = self.decode_graphs
@@ -236,7 +256,8 @@ class ModelRunner:
                 stop_ids += self.eos_token_ids
             self.requests[new.request_id] = _RequestState(
                 new.request_id, list(new.token_ids), new.num_prompt_tokens, params,
-                list(new.block_ids), new.num_computed_tokens, sampling, stop_ids)
+                list(new.block_ids), new.num_computed_tokens, sampling, stop_ids,
+                new.pooling_params)
         for cached in sched.cached_requests:
             state = self.requests[cached.request_id]
             if cached.block_ids is not None:
@@ -245,7 +266,9 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _prepare_inputs(self, sched: SchedulerOutput) -> _StepInputs:
-        batch = FlatBatch(self.block_size)
+        batch = EncoderBatch() if self.is_encoder else FlatBatch(self.block_size)
+        pool_states: list[_RequestState] = []
+        pool_spans: list[tuple[int, int]] = []
         sample_rows: list[int] = []
         sample_states: list[_RequestState] = []
         spec = _SpecRows()
@@ -267,6 +290,10 @@ class ModelRunner:
             row0 = batch.add(state.token_ids[start:end], start, state.block_ids,
                              split=self.deterministic)
             state.num_computed_tokens = end
+            if state.pooling is not None:  # the whole prompt, in this one step
+                pool_states.append(state)
+                pool_spans.append((row0, n))
+                continue
             if state.params.prompt_logprobs is not None:
                 self._plan_prompt_logprobs(state, start, end, row0, prompt_lp_rows)
             if end == len(state.token_ids):
@@ -281,6 +308,8 @@ class ModelRunner:
             sample_states=sample_states,
             spec=spec,
             prompt_lp_rows=prompt_lp_rows,
+            pool_states=pool_states,
+            pool_spans=pool_spans,
         )
 
     @staticmethod

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from tokenmill.api.classify import ClassifyRequest
+from tokenmill.api.embeddings import EmbeddingRequest
 from tokenmill.api.errors import APIError, parse_json
 from tokenmill.api.protocol import (
     ChatCompletionRequest,
@@ -25,28 +26,41 @@ from tokenmill.api.protocol import (
 )
 from tokenmill.api.responses_protocol import ResponsesRequest
 from tokenmill.api.tokens import detokenize, tokenize
+from tokenmill.retrieval.service import RetrievalService
 from tokenmill.server.admin_routes import admin_router
 from tokenmill.server.classify import create_classification
+from tokenmill.server.embeddings import create_embeddings
 from tokenmill.server.errors import check_json_content_type, install_error_handlers, read_body
 from tokenmill.server.guard import HostPolicy, RequestGuard
 from tokenmill.server.lifecycle import ModelManager
 from tokenmill.server.openapi import install_openapi, json_body
 from tokenmill.server.responses_routes import responses_router
+from tokenmill.server.retrieval_routes import retrieval_limits, retrieval_router
 from tokenmill.server.serving import create_response
 from tokenmill.server.state import ServerState
 
 M = TypeVar("M", bound=BaseModel)
 
 
-def build_app(state: ServerState, manager: ModelManager | None = None) -> FastAPI:
+def build_app(state: ServerState, manager: ModelManager | None = None,
+              retrieval: RetrievalService | None = None) -> FastAPI:
     """The application; its lifespan starts and stops the engines. ``manager``: the admin API's
-    model manager (its routes exist only when the server has an admin key)."""
+    model manager (its routes exist only when the server has an admin key); ``retrieval``: the
+    files and vector stores (their routes and the file_search tool exist only with it)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         for client in state.clients:
             client.start()
+        if manager is not None:
+            manager.start()
+        if retrieval is not None:
+            await retrieval.start()
         yield
+        if retrieval is not None:
+            await retrieval.close()
+        if manager is not None:
+            await manager.stop()
         for client in state.clients:
             await client.shutdown()
         state.workers.shutdown(wait=False, cancel_futures=True)
@@ -54,7 +68,8 @@ def build_app(state: ServerState, manager: ModelManager | None = None) -> FastAP
     app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     install_openapi(app, [ChatCompletionRequest, CompletionRequest, TokenizeRequest,
-                          DetokenizeRequest, ClassifyRequest, ResponsesRequest], _version())
+                          DetokenizeRequest, ClassifyRequest, EmbeddingRequest,
+                          ResponsesRequest], _version())
     app.state.tokenmill = state
     install_error_handlers(app)
 
@@ -68,7 +83,11 @@ def build_app(state: ServerState, manager: ModelManager | None = None) -> FastAP
             await require_key(request)
 
     app.include_router(_inference_routes(state), dependencies=[Depends(require_key)])
-    app.include_router(responses_router(state), dependencies=[Depends(require_key)])
+    search = retrieval.search if retrieval is not None else None
+    app.include_router(responses_router(state, search), dependencies=[Depends(require_key)])
+    if retrieval is not None:
+        app.include_router(retrieval_router(retrieval, retrieval_limits(state.config)),
+                           dependencies=[Depends(require_key)])
     app.include_router(_open_routes(state), dependencies=[Depends(require_key_if_configured)])
     if state.config.admin_key is not None:
         if manager is None:
@@ -118,6 +137,11 @@ def _inference_routes(state: ServerState) -> APIRouter:
         req = await read_json(state, request, ClassifyRequest)
         return await create_classification(state, req, request)
 
+    @router.post("/v1/embeddings", openapi_extra=json_body(EmbeddingRequest))
+    async def embeddings(request: Request) -> Response:
+        req = await read_json(state, request, EmbeddingRequest)
+        return await create_embeddings(state, req, request)
+
     @router.get("/v1/models")
     async def models() -> JSONResponse:
         cards = [ModelCard(id=m.name, created=state.created, max_model_len=m.client.max_model_len)
@@ -127,14 +151,14 @@ def _inference_routes(state: ServerState) -> APIRouter:
     @router.post("/tokenize", openapi_extra=json_body(TokenizeRequest))
     async def tokenize_route(request: Request) -> JSONResponse:
         req = await read_json(state, request, TokenizeRequest)
-        with state.model(req.model, task=None).lease() as served:
+        with (await state.resolve(req.model, task=None)).lease() as served:
             answer = await state.offload(tokenize, req, served.client)
         return JSONResponse(answer.model_dump())
 
     @router.post("/detokenize", openapi_extra=json_body(DetokenizeRequest))
     async def detokenize_route(request: Request) -> JSONResponse:
         req = await read_json(state, request, DetokenizeRequest)
-        with state.model(req.model, task=None).lease() as served:
+        with (await state.resolve(req.model, task=None)).lease() as served:
             answer = await state.offload(detokenize, req, served.client)
         return JSONResponse(answer.model_dump())
 

@@ -18,7 +18,7 @@ async def create_classification(state: ServerState, req: ClassifyRequest,
                                 raw: Request) -> Response:
     """Validate, score and answer one classify request; the engine requests stop if the
     client goes away first."""
-    served = state.model(req.model)
+    served = await state.resolve(req.model)
     with served.lease():  # scoring submits as it goes
         call = await state.offload(prepare_classify, req, served.client)
         scoring = score_labels(call.scorer, functools.partial(submit, state, served.client),

@@ -27,6 +27,7 @@ from tokenmill.server.app import build_app
 from tokenmill.server.connections import GuardedH11Protocol
 from tokenmill.server.lifecycle import ModelManager, serve_engine
 from tokenmill.server.model_registry import ModelSpec
+from tokenmill.server.retrieval_setup import build_retrieval
 from tokenmill.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -139,15 +140,16 @@ def run_server(models: list[tuple[str | None, EngineConfig]], config: ServerConf
     # The models load before the port opens: anything that answers is ready to serve.
     state = load_models(models, config)
     manager = None
-    if config.admin_key is not None:
+    if config.admin_key is not None or config.models_dir is not None:
         if make_config is None:
-            raise ValueError("the admin API needs make_config")
-        manager = ModelManager(state, make_config, config.models_dir)
+            raise ValueError("the admin API and loading on demand need make_config")
+        manager = ModelManager(state, make_config, config.models_dir,
+                               config.max_loaded_models, config.keep_alive)
     if config.debug_fail_at_step is not None:
         logger.warning("fault injection is on: engine step %d will raise",
                        config.debug_fail_at_step)
     uv_config = uvicorn.Config(
-        build_app(state, manager), host=config.host, port=config.port, log_level="info",
+        build_app(state, manager, build_retrieval(state, config)), host=config.host, port=config.port, log_level="info",
         timeout_graceful_shutdown=CONNECTION_CLOSE_TIMEOUT_S, lifespan="on",
         http=GuardedH11Protocol.configured(config.header_timeout, config.max_connections))
     server = _Server(uv_config, state)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -62,7 +63,7 @@ def serve_engine(state: ServerState, name: str, engine: LLMEngine,
     client = AsyncLLM(engine, max_queue=config.max_queue,
                       stat_loggers=[state.metrics.for_model(name)], step_loop=state.step_loop,
                       debug_fail_at_step=debug_fail_at_step)
-    task = EMBED if getattr(engine.config, "task", GENERATE) == EMBED else GENERATE
+    task = EMBED if engine.task == EMBED else GENERATE
     info = engine.model_info()
     return ServedModel(name, client, task, path=engine.model_path,
                        weight_bytes=info.weight_bytes, kv_cache_bytes=info.kv_cache.total_bytes)
@@ -73,11 +74,88 @@ class ModelManager:
     (another gets 409)."""
 
     def __init__(self, state: ServerState, make_config: Callable[[ModelSpec], EngineConfig],
-                 models_dir: str | None = None) -> None:
+                 models_dir: str | None = None, max_loaded_models: int | None = None,
+                 keep_alive: float | None = None) -> None:
         self.state = state
         self.make_config = make_config
         self.models_dir = os.path.realpath(models_dir) if models_dir else None
+        self.max_loaded_models = max_loaded_models
+        self.keep_alive = keep_alive
         self._busy: dict[str, str] = {}  # name -> what is being done to it
+        self._loading: dict[str, asyncio.Future[ServedModel]] = {}  # on-demand loads
+        self._reaper: asyncio.Task[None] | None = None
+        if self.models_dir is not None:
+            state.load_on_demand = self.load_on_demand
+
+    # ----------------------------------------------------------- on demand, as Ollama does
+
+    def start(self) -> None:
+        """Start unloading on-demand models idle for --keep-alive seconds (on the event loop)."""
+        if self.keep_alive is not None and self._reaper is None:
+            self._reaper = asyncio.ensure_future(self._reap())
+
+    async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
+
+    async def load_on_demand(self, name: str) -> ServedModel | None:
+        """Load ``name`` from --models-dir for a request that names it (None: no such model
+        there); requests for a model being loaded wait for that load."""
+        pending = self._loading.get(name)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        if self.models_dir is None or name in self.state.models:
+            return self.state.models.get(name)
+        try:
+            path = self.resolve_path(name)
+        except APIError:
+            return None
+        if not os.path.exists(path):
+            return None
+        future: asyncio.Future[ServedModel] = asyncio.get_running_loop().create_future()
+        self._loading[name] = future
+        try:
+            await self._make_room()
+            served = await self.load(LoadRequest(name, name, {}), on_demand=True)
+            future.set_result(served)
+            return served
+        except BaseException as e:
+            future.set_exception(e)
+            future.exception()  # retrieved: waiting requests re-raise it themselves
+            raise
+        finally:
+            del self._loading[name]
+
+    async def _make_room(self) -> None:
+        """Unload the least recently used idle on-demand model while the server is at
+        --max-loaded-models; 503 when every one is in use."""
+        limit = self.max_loaded_models
+        while limit is not None and len(self.state.models) + len(self._loading) > limit:
+            idle = [m for m in self.state.models.values()
+                    if m.on_demand and m.idle and m.name not in self._busy]
+            if not idle:
+                raise APIError(503, f"{len(self.state.models)} models are loaded "
+                               f"(--max-loaded-models {limit}) and none is idle; retry later",
+                               code="model_capacity", headers={"Retry-After": "5"})
+            victim = min(idle, key=lambda m: m.last_used)
+            logger.info("unloading %r (least recently used) to make room", victim.name)
+            await self.unload(victim.name)
+
+    async def _reap(self) -> None:
+        """Unload on-demand models idle for longer than --keep-alive."""
+        assert self.keep_alive is not None
+        while True:
+            await asyncio.sleep(min(self.keep_alive / 4, 5.0))
+            now = time.monotonic()
+            for m in list(self.state.models.values()):
+                if (m.on_demand and m.idle and m.name not in self._busy
+                        and now - m.last_used > self.keep_alive and len(self.state.models) > 1):
+                    logger.info("unloading %r: idle for %.0f s (--keep-alive)", m.name,
+                                now - m.last_used)
+                    await self.unload(m.name)
+
+    # ----------------------------------------------------------------- admin operations
 
     def describe(self) -> list[dict[str, Any]]:
         """Every model: name, path, task, state, memory, sequences in flight."""
@@ -86,7 +164,7 @@ class ModelManager:
             out.append({"name": m.name, "path": m.path, "task": m.task,
                         "state": self._busy.get(m.name, "serving"),
                         "weight_bytes": m.weight_bytes, "kv_cache_bytes": m.kv_cache_bytes,
-                        "loaded_at": m.loaded_at,
+                        "loaded_at": m.loaded_at, "on_demand": m.on_demand,
                         "requests_in_flight": m.client.num_seqs_in_flight})
         for name, what in self._busy.items():
             if name not in self.state.models:
@@ -105,13 +183,14 @@ class ModelManager:
                            code="path_not_allowed")
         return full
 
-    async def load(self, req: LoadRequest) -> ServedModel:
+    async def load(self, req: LoadRequest, on_demand: bool = False) -> ServedModel:
         """Load a model under a new name; 409 if the name is taken or busy."""
         if req.name in self.state.models:
             raise APIError(409, f"a model named {req.name!r} is already loaded (swap it with "
                            "PUT /admin/models/{name})", param="name", code="model_exists")
         with self._changing(req.name, "loading"):
             served = await self._build(req)
+            served.on_demand = on_demand
             self.state.models[req.name] = served
             served.client.start()
         logger.info("loaded %r from %s", req.name, served.path)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from tokenmill.engine.args import add_engine_args, engine_config_from_args
 from tokenmill.runner.kv_memory import CPU_DEFAULT_KV_BYTES_CAP
 from tokenmill.runner.platform import get_platform
 
+# Hugging Face model types that are encoders (they keep no KV cache).
+ENCODER_MODEL_TYPES = frozenset({"bert"})
 # Per-model options that are not engine options.
 _SHARE = "kv-share"
 # Engine options a model may not set for itself: they are one per server.
@@ -46,6 +49,8 @@ class ModelSpec:
     path: str | None
     flags: tuple[str, ...] = ()
     kv_share: float = 1.0
+    # False for an encoder (it keeps no KV cache): it takes no share of the budget.
+    needs_kv_cache: bool = True
 
     @property
     def own_kv_size(self) -> bool:
@@ -85,7 +90,18 @@ def parse_model_spec(value: str) -> ModelSpec:
             raise ValueError(f"--model {value!r}: {key} is one per server, not per model")
         else:
             flags += [f"--{key}"] + ([arg] if arg else [])
-    return ModelSpec(name, path.strip(), tuple(flags), share)
+    path = path.strip()
+    return ModelSpec(name, path, tuple(flags), share, needs_kv_cache=not _is_encoder(path))
+
+
+def _is_encoder(path: str) -> bool:
+    """Whether ``path`` is a Hugging Face folder of an encoder (BERT family: no KV cache)."""
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("model_type") in ENCODER_MODEL_TYPES
 
 
 class _SpecParser(argparse.ArgumentParser):
@@ -120,7 +136,9 @@ def share_kv_budget(configs: list[EngineConfig], specs: list[ModelSpec],
     loads, capped); else (CUDA) each model's share of what gpu_memory_utilization leaves."""
     if len(configs) < 2:
         return configs
-    splitting = [i for i, s in enumerate(specs) if not s.own_kv_size]
+    splitting = [i for i, s in enumerate(specs) if not s.own_kv_size and s.needs_kv_cache]
+    if not splitting:
+        return configs
     total_share = sum(specs[i].kv_share for i in splitting)
     out = list(configs)
     if budget_bytes is None and on_cuda:
@@ -142,14 +160,18 @@ def share_kv_budget(configs: list[EngineConfig], specs: list[ModelSpec],
     return out
 
 
-def default_specs() -> list[ModelSpec]:
-    """What `tokenmill serve` serves without --model: the embedded chat model."""
-    return [ModelSpec(None, None)]
+def default_specs(args: argparse.Namespace | None = None) -> list[ModelSpec]:
+    """What `tokenmill serve` serves without --model: the embedded chat model and the embedded
+    embedding model (all-MiniLM-L6-v2, no KV cache); with --task embed only the latter."""
+    embed = ModelSpec(None, None, ("--task", "embed"), needs_kv_cache=False)
+    if args is not None and getattr(args, "task", None) == "embed":
+        return [embed]
+    return [ModelSpec(None, None, ("--task", "generate")), embed]
 
 
 def served_models(args: argparse.Namespace) -> list[tuple[str | None, EngineConfig]]:
     """`tokenmill serve`'s models as (name or None, EngineConfig), the KV budget shared."""
-    specs = [parse_model_spec(v) for v in args.model] if args.model else default_specs()
+    specs = [parse_model_spec(v) for v in args.model] if args.model else default_specs(args)
     configs = engine_configs(args, specs)
     if len(configs) > 1:
         platform = get_platform(configs[0].device.device)

@@ -60,7 +60,7 @@ async def collect_unless_gone(group: RequestGroup, num_prompts: int, n: int,
 async def create_response(state: ServerState, req: ChatCompletionRequest | CompletionRequest,
                           raw: Request) -> Response:
     """Validate, submit and answer one chat or completions request."""
-    served = state.model(req.model)
+    served = await state.resolve(req.model)
     model = served.name
     with served.lease():
         call = await state.offload(functools.partial(

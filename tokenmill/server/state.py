@@ -8,7 +8,7 @@ import functools
 import hmac
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -49,15 +49,26 @@ class ServedModel:
     kv_cache_bytes: int = 0
     loaded_at: float = field(default_factory=time.time)
     leases: int = 0
+    # Loaded on demand (not named on the command line): --keep-alive and --max-loaded-models
+    # may unload it when it is idle.
+    on_demand: bool = False
+    last_used: float = field(default_factory=time.monotonic)
 
     @contextlib.contextmanager
     def lease(self) -> Iterator[ServedModel]:
         """Hold the model while a request is prepared and submitted."""
         self.leases += 1
+        self.last_used = time.monotonic()
         try:
             yield self
         finally:
             self.leases -= 1
+            self.last_used = time.monotonic()
+
+    @property
+    def idle(self) -> bool:
+        """No request holds it or runs in it."""
+        return not self.leases and not self.client.num_seqs_in_flight
 
 
 @dataclass
@@ -70,6 +81,8 @@ class ServerState:
     metrics: PrometheusMetrics
     # The one thread that steps every model's engine (see StepLoop).
     step_loop: StepLoop = field(default_factory=StepLoop)
+    # Loads a model a request names that is not loaded (--models-dir); None: no such loading.
+    load_on_demand: Callable[[str], Awaitable[ServedModel | None]] | None = None
     created: int = field(default_factory=now)
     # Set on SIGTERM: new requests get 503 while the ones in flight finish.
     draining: bool = False
@@ -81,6 +94,15 @@ class ServerState:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.workers, functools.partial(fn, *args))
 
+    async def resolve(self, requested: str | None,
+                      task: str | None = GENERATE) -> ServedModel:
+        """``model()``, loading a model that is not loaded first when the server loads on
+        demand (a name it cannot load stays a 404)."""
+        if (requested is not None and requested not in self.models
+                and self.load_on_demand is not None):
+            await self.load_on_demand(requested)
+        return self.model(requested, task)
+
     def model(self, requested: str | None, task: str | None = GENERATE) -> ServedModel:
         """The model a request names (None: the first one serving ``task``): 404 for a name
         no model has, 400 for a model of another task (``task`` None: any)."""
@@ -88,17 +110,21 @@ class ServerState:
             for served in self.models.values():
                 if task is None or served.task == task:
                     return served
-            raise APIError(400, f"this server serves no {task} model", param="model",
-                           code="model_not_found")
+            what = ("no embedding model: it does not serve embeddings" if task == EMBED else
+                    "no text-generation model: its models compute embeddings "
+                    "(POST /v1/embeddings)")
+            raise APIError(400, f"this server serves {what}", param="model",
+                           code="wrong_model_type")
         served = self.models.get(requested)
         if served is None:
             raise APIError(404, f"the model {requested!r} does not exist; this server serves "
                            f"{', '.join(repr(n) for n in self.models)}", param="model",
                            code="model_not_found")
         if task is not None and served.task != task:
-            what = "an embedding model" if served.task == EMBED else "a generative model"
-            raise APIError(400, f"the model {requested!r} is {what}; this endpoint needs a "
-                           f"{task} model", param="model", code="wrong_model_type")
+            what = ("computes embeddings (POST /v1/embeddings); it does not generate text"
+                    if served.task == EMBED else "generates text; it does not serve embeddings")
+            raise APIError(400, f"the model {requested!r} {what}", param="model",
+                           code="wrong_model_type")
         return served
 
     @property

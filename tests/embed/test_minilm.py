@@ -1,0 +1,107 @@
+"""The embedded all-MiniLM-L6-v2 through the engine: parity with sentence-transformers,
+batching, truncation and the errors of bad input."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from tokenmill import LLM
+from tokenmill.bench.embed_sentences import PARITY_SENTENCES
+from tokenmill.sampling_params import PoolingParams, SamplingParams
+
+
+def _cos(a: list[float], b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(torch.tensor(a), b.float(), dim=0))
+
+
+def test_parity_with_sentence_transformers(embed_llm: LLM, st_model: Any) -> None:
+    assert len(PARITY_SENTENCES) >= 100
+    outs = embed_llm.embed(list(PARITY_SENTENCES))
+    refs = st_model.encode(list(PARITY_SENTENCES), convert_to_tensor=True, batch_size=32)
+    sims = [_cos(o.embedding, r) for o, r in zip(outs, refs, strict=True)]
+    assert min(sims) >= 0.999, min(sims)
+    for out in outs:
+        assert len(out.embedding) == 384
+        assert math.isclose(math.sqrt(sum(x * x for x in out.embedding)), 1.0, rel_tol=1e-5)
+
+
+def test_mixed_batch_equals_one_at_a_time(embed_llm: LLM) -> None:
+    texts = ["short", "a medium length sentence about nothing much",
+             " ".join(["long"] * 120), "short", "another one, of medium length too"]
+    together = embed_llm.embed(texts)
+    assert embed_llm.engine.core.last_batch[0] == len(texts)  # all in one step
+    for text, out in zip(texts, together, strict=True):
+        (alone,) = embed_llm.embed(text)
+        assert alone.prompt_token_ids == out.prompt_token_ids
+        torch.testing.assert_close(torch.tensor(out.embedding), torch.tensor(alone.embedding),
+                                   atol=1e-5, rtol=0)
+
+
+def test_many_requests_share_a_step(minilm_path: str) -> None:
+    llm = LLM(minilm_path, max_num_seqs=8, max_num_batched_tokens=512)
+    try:
+        engine = llm.engine
+        for i in range(6):
+            engine.add_request(f"r{i}", "word " * (3 + 7 * i), PoolingParams())
+        outputs = engine.step()
+        assert engine.core.last_batch[0] == 6  # all of them, of different lengths, at once
+        assert sorted(o.request_id for o in outputs) == [f"r{i}" for i in range(6)]
+        assert not engine.has_unfinished_requests()
+    finally:
+        llm.close()
+
+
+def test_token_ids_input_and_dimensions(embed_llm: LLM) -> None:
+    (text_out,) = embed_llm.embed("The cat sat on the mat.")
+    (ids_out,) = embed_llm.embed([text_out.prompt_token_ids])
+    assert ids_out.prompt_token_ids == text_out.prompt_token_ids
+    torch.testing.assert_close(torch.tensor(ids_out.embedding), torch.tensor(text_out.embedding))
+    (short,) = embed_llm.embed("The cat sat on the mat.", PoolingParams(dimensions=32))
+    expected = torch.nn.functional.normalize(torch.tensor(text_out.embedding[:32]), dim=0)
+    torch.testing.assert_close(torch.tensor(short.embedding), expected, atol=1e-6, rtol=1e-5)
+    (raw,) = embed_llm.embed("The cat sat on the mat.", PoolingParams(normalize=False))
+    assert math.sqrt(sum(x * x for x in raw.embedding)) > 1.5  # a mean of states, not unit
+
+
+def test_truncation_keeps_the_special_tokens(embed_llm: LLM) -> None:
+    long_text = "word " * 400
+    with pytest.raises(ValueError, match="more than this model's maximum of 256"):
+        embed_llm.embed(long_text)
+    (cut,) = embed_llm.embed(long_text, PoolingParams(truncate_prompt_tokens=10))
+    cls, sep = cut.prompt_token_ids[0], cut.prompt_token_ids[-1]
+    assert len(cut.prompt_token_ids) == 10 and (cls, sep) == (101, 102)
+    (full,) = embed_llm.embed(long_text, PoolingParams(truncate_prompt_tokens=-1))
+    assert len(full.prompt_token_ids) == 256
+
+
+@pytest.mark.parametrize(("prompt", "params", "match"), [
+    ("", None, "must not be empty"),
+    ([], None, "must not be empty"),
+    ([5, 999999], None, "token id at index 1"),
+    ("hi", PoolingParams(dimensions=385), "dimensions must be at most"),
+    ("hi", PoolingParams(dimensions=0), "dimensions must be a positive integer"),
+    ("hi", PoolingParams(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+    ("hi", PoolingParams(truncate_prompt_tokens=1000), "truncate_prompt_tokens 1000"),
+])
+def test_bad_input_is_a_value_error(embed_llm: LLM, prompt: object,
+                                    params: PoolingParams | None, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        embed_llm.embed(prompt, params)  # type: ignore[arg-type]
+    assert not embed_llm.engine.has_unfinished_requests()
+    assert len(embed_llm.embed("still fine")[0].embedding) == 384
+
+
+def test_generation_is_refused_by_an_embedding_engine(embed_llm: LLM) -> None:
+    with pytest.raises(ValueError, match="computes embeddings"):
+        embed_llm.generate("hello", SamplingParams(max_tokens=2))
+    assert not embed_llm.engine.has_unfinished_requests()
+
+
+def test_no_kv_cache_for_an_encoder(embed_llm: LLM) -> None:
+    info = embed_llm.engine.model_info()
+    assert info.kv_cache.num_blocks == 0
+    assert embed_llm.engine.core.executor.runner.kv_caches == []

@@ -1,0 +1,218 @@
+"""BERT (and its small relatives, e.g. MiniLM): a bidirectional encoder for embeddings.
+
+Word + absolute position + token-type embeddings and a LayerNorm, then post-LN layers of
+self-attention and a GELU MLP. The batch is flat: the step's sequences back to back with no
+padding, each attending to all of its own tokens and to nothing else (one attention call per
+group of equal-length sequences, sorted together). There is no KV cache: a sequence is computed whole in one
+step. Query, key and value are one fused matmul.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.models.config import ArchConfig
+from tokenmill.models.layers import Embedding, Linear
+
+# Checkpoint names inside one layer -> (our module, row block of the fused qkv or None).
+_LAYER_NAMES: dict[str, tuple[str, int | None]] = {
+    "attention.self.query": ("qkv", 0),
+    "attention.self.key": ("qkv", 1),
+    "attention.self.value": ("qkv", 2),
+    "attention.output.dense": ("attn_out", None),
+    "attention.output.LayerNorm": ("attn_norm", None),
+    "intermediate.dense": ("inter", None),
+    "output.dense": ("out", None),
+    "output.LayerNorm": ("out_norm", None),
+}
+# Checkpoint tensors that embeddings do not use: BERT's [CLS] pooler (sentence-transformers
+# pools the token states itself) and a cached position-id range.
+_UNUSED = ("pooler.dense.weight", "pooler.dense.bias", "embeddings.position_ids")
+# Task heads of BertFor* checkpoints (masked LM, next sentence), beside the "bert." encoder.
+_HEAD_PREFIXES = ("cls.",)
+
+
+def _hf_leaf(name: str) -> str:
+    """TF-era checkpoints call LayerNorm parameters gamma / beta."""
+    if name.endswith(".gamma"):
+        return name.removesuffix(".gamma") + ".weight"
+    if name.endswith(".beta"):
+        return name.removesuffix(".beta") + ".bias"
+    return name
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where one checkpoint tensor goes: ``param``, or its rows ``[start, start + rows)``."""
+
+    param: nn.Parameter
+    start: int | None = None
+    rows: int = 0
+
+
+class BertEmbeddings(nn.Module):
+    """Token, position and token-type embeddings, summed and normalised."""
+
+    def __init__(self, c: ArchConfig) -> None:
+        super().__init__()
+        self.word_embeddings = Embedding(c.vocab_size, c.hidden_size)
+        self.position_embeddings = Embedding(c.max_position_embeddings, c.hidden_size)
+        self.token_type_embeddings = Embedding(max(c.type_vocab_size, 1), c.hidden_size)
+        self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # Every token is of type 0: one text per sequence, as sentence-transformers encodes it.
+        x = (self.word_embeddings(input_ids) + self.position_embeddings(positions)
+             + self.token_type_embeddings.weight[0])
+        return self.LayerNorm(x)
+
+
+class BertLayer(nn.Module):
+    """Self-attention and a GELU MLP, each followed by residual add and LayerNorm (post-LN)."""
+
+    def __init__(self, c: ArchConfig) -> None:
+        super().__init__()
+        h = c.hidden_size
+        self.num_heads = c.num_attention_heads
+        self.head_dim = c.head_dim
+        self.qkv = Linear(h, 3 * self.num_heads * self.head_dim)
+        self.attn_out = Linear(self.num_heads * self.head_dim, h)
+        self.attn_norm = nn.LayerNorm(h, eps=c.layer_norm_eps)
+        self.inter = Linear(h, c.intermediate_size)
+        self.out = Linear(c.intermediate_size, h)
+        self.out_norm = nn.LayerNorm(h, eps=c.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor, groups: list[tuple[int, int, int]]) -> torch.Tensor:
+        ctx = encoder_attention(self.qkv(x), groups, self.num_heads, self.head_dim)
+        x = self.attn_norm(x + self.attn_out(ctx))
+        return self.out_norm(x + self.out(F.gelu(self.inter(x))))
+
+
+def length_order(seq_lens: list[int]) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """The sequences of a flat batch sorted by length: their order (indices into
+    ``seq_lens``), and the groups of equal length in that order as ``(length, first row,
+    count)``, each group's rows contiguous."""
+    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
+    groups: list[tuple[int, int, int]] = []
+    row = 0
+    for i in order:
+        n = seq_lens[i]
+        if groups and groups[-1][0] == n:
+            groups[-1] = (n, groups[-1][1], groups[-1][2] + 1)
+        else:
+            groups.append((n, row, 1))
+        row += n
+    return order, groups
+
+
+def encoder_attention(qkv: torch.Tensor, groups: list[tuple[int, int, int]],
+                      num_heads: int, head_dim: int) -> torch.Tensor:
+    """``[T, heads * head_dim]`` bidirectional attention of each sequence over itself, for
+    rows laid out in ``groups`` of equal-length sequences (see :func:`length_order`).
+
+    A group of B sequences of n tokens is one SDPA call ``[B, heads, n, d]`` on views of
+    ``qkv``: a step costs one call per distinct length, not per sequence, no token is padded
+    and nothing is gathered or scattered.
+    """
+    t = qkv.shape[0]
+    out = qkv.new_empty(t, num_heads * head_dim)
+    for n, row, count in groups:
+        rows = slice(row, row + n * count)
+        q, k, v = qkv[rows].view(count, n, 3, num_heads, head_dim).permute(2, 0, 3, 1, 4)
+        ctx = F.scaled_dot_product_attention(q, k, v)  # [B, heads, n, d]
+        out[rows].view(count, n, num_heads, head_dim).copy_(ctx.transpose(1, 2))
+    return out
+
+
+class BertModel(nn.Module):
+    """The BERT encoder over a flat batch: ``forward`` gives every token's final state.
+
+    ``attn_meta`` supplies the sequence boundaries only (``query_lens_cpu``); its KV cache
+    fields are unused. Parameters start uninitialized: fill them with :meth:`load_weights`.
+    """
+
+    is_encoder = True
+
+    def __init__(self, config: ArchConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embeddings = BertEmbeddings(config)
+        self.layers = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+        self.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_meta: AttentionMetadata) -> torch.Tensor:
+        """``[T, hidden]`` final token states of the step's sequences.
+
+        The rows are sorted by sequence length on the way in (integer ids, a cheap gather)
+        and put back on the way out, so that every layer's attention works on contiguous
+        groups of equal-length sequences."""
+        lens = attn_meta.query_lens_cpu
+        order, groups = length_order(lens)
+        permuted = order != sorted(order)
+        if permuted:
+            starts = [0]
+            for n in lens:
+                starts.append(starts[-1] + n)
+            rows = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in order])
+            rows = rows.to(input_ids.device)
+            input_ids, positions = input_ids[rows], positions[rows]
+        x = self.embeddings(input_ids, positions)
+        for layer in self.layers:
+            x = layer(x, groups)
+        if permuted:
+            x = torch.empty_like(x).index_copy_(0, rows, x)
+        return x
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face tensors (bare BertModel names, or "bert."-prefixed ones beside
+        a task head) into the parameters; ValueError naming a tensor that is unexpected, of
+        the wrong shape, or missing once ``weights`` is exhausted."""
+        targets = self._hf_targets()
+        loaded: set[str] = set()
+        with torch.no_grad():
+            for raw_name, tensor in weights:
+                if raw_name.startswith(_HEAD_PREFIXES):
+                    continue
+                name = _hf_leaf(raw_name.removeprefix("bert."))
+                if name in _UNUSED:
+                    continue
+                target = targets.get(name)
+                if target is None:
+                    raise ValueError(f"unexpected tensor {raw_name!r} in checkpoint for "
+                                     f"{self.config.architecture}")
+                dst = (target.param if target.start is None
+                       else target.param.narrow(0, target.start, target.rows))
+                if tuple(tensor.shape) != tuple(dst.shape):
+                    raise ValueError(f"tensor {raw_name!r} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(dst.shape)}")
+                if name in loaded:
+                    raise ValueError(f"tensor {raw_name!r} appears twice in the checkpoint")
+                dst.copy_(tensor)
+                loaded.add(name)
+        missing = sorted(set(targets) - loaded)
+        if missing:
+            shown = ", ".join(repr(m) for m in missing[:8])
+            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            raise ValueError(f"checkpoint is missing tensors {shown}{more}")
+
+    def _hf_targets(self) -> dict[str, _Target]:
+        """HF tensor name (without "bert.") -> where it goes."""
+        targets = {f"embeddings.{n}": _Target(p)
+                   for n, p in self.embeddings.named_parameters()}
+        width = self.config.num_attention_heads * self.config.head_dim
+        for i, layer in enumerate(self.layers):
+            for hf_module, (ours, block) in _LAYER_NAMES.items():
+                module = getattr(layer, ours)
+                for leaf in ("weight", "bias"):
+                    param = getattr(module, leaf)
+                    name = f"encoder.layer.{i}.{hf_module}.{leaf}"
+                    targets[name] = (_Target(param) if block is None
+                                     else _Target(param, block * width, width))
+        return targets

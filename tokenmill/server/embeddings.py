@@ -1,0 +1,37 @@
+"""POST /v1/embeddings: validate and tokenize (in api/, off the event loop), embed every input
+through the engine's scheduler, answer whole."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenmill.api.embeddings import EmbeddingRequest, prepare_embeddings
+from tokenmill.api.errors import APIError
+from tokenmill.engine.async_llm import EngineDeadError, collect_embeddings
+from tokenmill.outputs import EmbeddingRequestOutput
+from tokenmill.server.serving import submit
+from tokenmill.server.state import EMBED, ServerState
+from tokenmill.server.streaming import until_disconnect
+
+
+async def create_embeddings(state: ServerState, req: EmbeddingRequest, raw: Request) -> Response:
+    """Validate, embed and answer one embeddings request; the engine requests stop if the
+    client goes away first."""
+    served = await state.resolve(req.model, task=EMBED)
+    with served.lease():
+        call = await state.offload(prepare_embeddings, req, served.client)
+        group = await submit(state, served.client, call.prompts, call.params, call.id_prefix)
+
+    async def run() -> list[EmbeddingRequestOutput]:
+        try:
+            return await collect_embeddings(group)
+        except EngineDeadError as e:
+            raise APIError(503, str(e), code="engine_dead") from None
+        finally:
+            group.close()
+
+    outputs = await until_disconnect(raw.receive, run())
+    if outputs is None:  # the client is gone; nobody reads this
+        return Response(status_code=499)
+    return JSONResponse(call.response(outputs, served.name).model_dump())
