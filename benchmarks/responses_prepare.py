@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -61,6 +62,7 @@ def main() -> None:
             plan_response(searched, []), engine, hits),
     }
     call = prepare_response(plan_response(searched, []), engine, hits)
+    load_before = os.getloadavg()[0]
     times: dict[str, list[float]] = {k: [] for k in kinds}
     for fn in kinds.values():  # warm the tokenizer and template caches
         fn()
@@ -72,7 +74,9 @@ def main() -> None:
     result = {"rounds": args.rounds, "max_model_len": args.max_model_len,
               "sources_in_prompt": len(call.sources),
               "prompt_tokens_with_sources": len(call.chat.engine_prompts[0]["prompt_token_ids"]),
-              "cpu": platform.processor() or platform.machine(), "rows": rows}
+              "cpu": platform.processor() or platform.machine(),
+              # Other work on the machine inflates every row alike (the kinds alternate).
+              "load_average_1min": [load_before, os.getloadavg()[0]], "rows": rows}
     print("| request | median ms | p90 ms |\n| --- | ---: | ---: |")
     for r in rows:
         print(f"| {r['kind']} | {r['median_ms']} | {r['p90_ms']} |")

@@ -25,9 +25,11 @@ from server_harness import BASE_ARGS, Server, free_port, start_server  # noqa: E
 
 
 @pytest.fixture(scope="session")
-def server() -> Iterator[Server]:
-    """`tokenmill serve` on the embedded model (no retrieval service)."""
-    s = start_server("--max-num-seqs", "8")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """`tokenmill serve` as shipped: the embedded chat and embedding models, vector stores in
+    a temporary folder."""
+    s = start_server("--max-num-seqs", "8", "--data-dir",
+                     str(tmp_path_factory.mktemp("serve-data")))
     yield s
     assert s.stop() == 0, s.log()
 
@@ -39,6 +41,7 @@ def rag(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
     deterministic HashEmbedder), whose files and vector stores routes are served too."""
     from tokenmill.cli import build_parser
     from tokenmill.config import ServerConfig
+    from tokenmill.model_loader.gguf import embedded_model_path
     from tokenmill.retrieval.embedder import HashEmbedder
     from tokenmill.retrieval.service import RetrievalService
     from tokenmill.server.errors import install_error_handlers
@@ -47,8 +50,10 @@ def rag(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
     from tokenmill.server.responses_routes import responses_router
     from tokenmill.server.retrieval_routes import retrieval_router
 
-    args = build_parser().parse_args(["serve", *BASE_ARGS])
-    state = load_models(served_models(args), ServerConfig(served_model_name="rag"))
+    # The chat model alone (the real retrieval service below embeds with the HashEmbedder).
+    args = build_parser().parse_args(["serve", *BASE_ARGS,
+                                      "--model", f"rag={embedded_model_path()}"])
+    state = load_models(served_models(args), ServerConfig())
     max_model_len = state.model(None).client.max_model_len
     retrieval = RetrievalService(str(tmp_path_factory.mktemp("retrieval")), HashEmbedder())
     search = FakeSearch(real=retrieval.search)
