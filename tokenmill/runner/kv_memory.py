@@ -77,6 +77,8 @@ class KVCachePlan:
         return self.max_num_tokens / self.max_model_len
 
     def describe(self) -> str:
+        if self.num_blocks == 0:
+            return "KV cache: none (an encoder computes each request whole in one step)"
         return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = "
                 f"{self.max_num_tokens} tokens ({self.total_bytes / 2**20:.0f} MiB); "
                 f"max concurrency at {self.max_model_len} tokens per request: "
