@@ -59,7 +59,7 @@ def test_bad_lines_get_errors_and_the_job_goes_on(tmp_path, small_llm):
         {"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}},
         completion("dup", "Hi"),
         completion("dup", "Hi again"),
-        {**completion("bad-url", "x"), "url": "/v1/embeddings"},
+        {**completion("bad-url", "x"), "url": "/v1/images/generations"},
         {**completion("bad-method", "x"), "method": "GET"},
         {"custom_id": "no-body", "method": "POST", "url": "/v1/completions", "body": "text"},
         completion("hot", "x", temperature="hot"),
