@@ -9,6 +9,10 @@ and it waits to be recomputed from its prompt and the tokens it had generated.
 A request admitted starts from the longest prefix of its tokens found in the prefix cache; a
 sample of an n > 1 request (``Request.fork_of``) waits until the first sample's prompt is
 computed and then shares its blocks (copy-on-write).
+
+An embedding request (``Request.pooling_params``) is admitted only when its whole prompt fits
+in the step's budget (never chunked, never served from the prefix cache: every token's state
+is pooled) and finishes in the ``update`` of that step, with the runner's pooled vector.
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ class KVCachePlan:
 
     def describe(self) -> str:
         if self.num_blocks == 0:
-            return "KV cache: none (the model keeps no KV cache)"
+            return "KV cache: none (an encoder computes each request whole in one step)"
         return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = "
                 f"{self.max_num_tokens} tokens ({self.total_bytes / 2**20:.0f} MiB); "
                 f"max concurrency at {self.max_model_len} tokens per request: "
