@@ -36,6 +36,11 @@ from tokenmill.engine.llm_engine import LLMEngine, ModelInfo
 from tokenmill.engine.output_processor import OutputKind
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.admin_cli import add_models_parser
+from tokenmill.server.monitor_cli import (
+    add_monitor_args,
+    add_monitor_parser,
+    monitor_config_from_args,
+)
 from tokenmill.stream.cli import add_stream_parser
 
 
@@ -161,7 +166,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         admin_key=args.admin_key or os.environ.get("TOKENMILL_ADMIN_KEY") or None,
         models_dir=args.models_dir, max_loaded_models=args.max_loaded_models,
         keep_alive=args.keep_alive if args.keep_alive > 0 else None,
-        data_dir=args.data_dir, max_upload_bytes=args.max_upload_bytes)
+        data_dir=args.data_dir, max_upload_bytes=args.max_upload_bytes,
+        monitor=monitor_config_from_args(args))
     return run_server(served_models(args), config, config_factory(args))
 
 
@@ -234,6 +240,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     add_engine_args(p, several_models=True)
     add_serve_args(p)
+    add_monitor_args(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -304,7 +311,7 @@ Registrar = Callable[[argparse._SubParsersAction], None]
 # says which commands exist, so no subpackage needs to import this module.
 COMMANDS: tuple[Registrar, ...] = (
     add_serve_parser, add_generate_parser, add_chat_parser, add_info_parser, add_bench_parser,
-    add_batch_parser, add_stream_parser, add_models_parser,
+    add_batch_parser, add_stream_parser, add_models_parser, add_monitor_parser,
 )
 
 # `tokenmill bench <suite>`, in the order `tokenmill bench --help` lists them.

@@ -295,6 +295,29 @@ class EngineConfig:
                              f"{self.device.device!r}")
 
 
+@dataclass(frozen=True)
+class MonitorConfig:
+    """The drift monitor of each served model (tokenmill/ops).
+
+    The reference is the first ``reference_size`` finished sequences, or the profile saved in
+    ``reference_path``; the live window holds the last ``window`` sequences since. A signal's
+    drift score crossing ``drift_threshold`` logs a warning (and so does its falling back).
+    """
+
+    enabled: bool = True
+    reference_size: int = 500
+    window: int = 500
+    reference_path: str | None = None
+    drift_threshold: float = 0.25
+
+    def __post_init__(self) -> None:
+        for name in ("reference_size", "window"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"monitor {name} must be >= 1, got {getattr(self, name)}")
+        if not self.drift_threshold > 0:
+            raise ValueError(f"drift_threshold must be positive, got {self.drift_threshold!r}")
+
+
 # The tool-call formats the server reads (tokenmill/api/tool_parsers.py); auto picks one.
 TOOL_CALL_PARSERS = ("auto", "hermes", "smollm")
 
@@ -349,6 +372,7 @@ class ServerConfig:
     max_loaded_models: int | None = None
     # Seconds an on-demand model stays loaded while idle; None: until it must make room.
     keep_alive: float | None = 300.0
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -91,6 +91,9 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None = None
     # Seconds between consecutive tokens of this sequence.
     inter_token_latencies: list[float] = field(default_factory=list)
+    # The sum of the raw logprobs of all its tokens so far (not a delta, even in DELTA mode);
+    # None when the engine did not compute them.
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:

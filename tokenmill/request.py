@@ -107,6 +107,8 @@ class Request:
     finished_time: float | None = None
     # Its shares of the steps that computed its tokens.
     usage: ComputeUsage = field(default_factory=ComputeUsage)
+    # The sum of its output tokens' raw logprobs; None once a token came without one.
+    cumulative_logprob: float | None = 0.0
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

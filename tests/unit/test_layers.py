@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("spec_decode", "executor"),
     ("engine",),
     ("api",),
-    ("retrieval",),
+    ("retrieval", "ops"),
     ("server", "batch", "stream"),
     ("bench",),
     ("cli",),

@@ -74,6 +74,9 @@ class RunnerOutput:
     # Per request, per new token: (logprob of the sampled token, its rank, {token id: logprob}
     # of the top alternatives). Only for requests that asked for logprobs.
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Per request, per new token: the raw logprob of the sampled token (every request; empty
+    # when the sampler does not compute them). The quality monitor averages them.
+    sampled_logprobs: dict[str, list[float]] = field(default_factory=dict)
     # Per request, per prompt position computed this step (excluding the first prompt token);
     # None for the positions before SamplingParams.prompt_logprobs_start that were skipped.
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
@@ -99,6 +102,8 @@ class EngineCoreOutput:
     usage: ComputeUsage | None = None
     # An embedding request's vector (it then finishes with "stop" and no tokens).
     pooled: list[float] | None = None
+    # The sum of its output tokens' logprobs so far; None when some token had none.
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:

@@ -338,6 +338,8 @@ class Scheduler:
                 if status is not None:
                     del new_ids[n + 1:]
                     break
+            if new_ids:
+                _add_logprobs(request, runner_out.sampled_logprobs.get(rid), len(new_ids))
             if status is None and rid in runner_out.grammar_finished:
                 status = RequestStatus.FINISHED_STOPPED
             if new_ids and request.first_token_time is None:
@@ -357,6 +359,7 @@ class Scheduler:
                 new_prompt_logprobs=prompt_lps,
                 first_scheduled_time=request.first_scheduled_time,
                 usage=request.usage.copy(),
+                cumulative_logprob=request.cumulative_logprob,
             ))
         return outputs
 
@@ -377,3 +380,13 @@ class Scheduler:
         self._finished_ids.add(request.request_id)
         self._preempted_ids.discard(request.request_id)
         del self.requests[request.request_id]
+
+
+def _add_logprobs(request: Request, logprobs: list[float] | None, num_tokens: int) -> None:
+    """Add the logprobs of the ``num_tokens`` tokens the request kept this step."""
+    if request.cumulative_logprob is None:
+        return
+    if logprobs is None or len(logprobs) < num_tokens:
+        request.cumulative_logprob = None
+    else:
+        request.cumulative_logprob += sum(logprobs[:num_tokens])

@@ -42,6 +42,7 @@ class _Sequence:
     # How much of text / token_ids / logprobs / latencies went out in DELTA mode.
     sent: tuple[int, int, int, int] = (0, 0, 0, 0)
     usage: ComputeUsage = field(default_factory=ComputeUsage)
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -120,6 +121,7 @@ class OutputProcessor:
 
     def _apply(self, parent: _Parent, seq: _Sequence, out: EngineCoreOutput, now: float) -> bool:
         metrics = parent.metrics
+        seq.cumulative_logprob = out.cumulative_logprob
         if out.usage is not None:
             seq.usage = out.usage
             metrics.usage = ComputeUsage.total([s.usage for s in parent.sequences])
@@ -179,10 +181,10 @@ class OutputProcessor:
         if kind is not OutputKind.DELTA:
             return CompletionOutput(seq.index, seq.text, list(seq.token_ids), seq.finish_reason,
                                     seq.stop_reason, seq.logprobs and list(seq.logprobs),
-                                    list(seq.inter_token_latencies))
+                                    list(seq.inter_token_latencies), seq.cumulative_logprob)
         t, n, lp, itl = seq.sent
         seq.sent = (len(seq.text), len(seq.token_ids), len(seq.logprobs or []),
                     len(seq.inter_token_latencies))
         return CompletionOutput(seq.index, seq.text[t:], seq.token_ids[n:], seq.finish_reason,
                                 seq.stop_reason, None if seq.logprobs is None else seq.logprobs[lp:],
-                                seq.inter_token_latencies[itl:])
+                                seq.inter_token_latencies[itl:], seq.cumulative_logprob)

@@ -88,6 +88,10 @@ class PrometheusMetrics:
         self.finished = Counter("tokenmill:request_finished",
                                 "Finished sequences by finish reason.",
                                 ["model_name", "finish_reason"], registry=r)
+        self.drift_score = Gauge("tokenmill:drift_score",
+                                 "Drift of a signal's live window from its reference "
+                                 "(PSI; cosine distance for prompt_embedding).",
+                                 ["model_name", "signal"], registry=r)
         self.spec_accepted_per_pos = Counter(
             "tokenmill:spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted, by position in the draft (0-based).",

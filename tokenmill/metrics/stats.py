@@ -84,6 +84,12 @@ class FinishedRequestStats:
     queue_time: float | None
     num_prompt_tokens: int
     num_generation_tokens: int
+    # For the quality monitor (tokenmill/ops): the prompt's text (None when it came as token
+    # ids), what stopped the output (a stop string or token id; None for eos, length, abort),
+    # and the mean raw logprob of its tokens (None without tokens or logprobs).
+    prompt: str | None = None
+    stop_reason: int | str | None = None
+    mean_logprob: float | None = None
 
 
 @dataclass
@@ -139,9 +145,14 @@ class StatsCollector:
             return
         del self._generated[out.request_id]
         for c in out.outputs:
+            n = counts[c.index]
             stats.finished.append(FinishedRequestStats(
                 finish_reason=c.finish_reason or "abort",
                 e2e_latency=out.metrics.e2e_latency,
                 queue_time=out.metrics.queue_time,
                 num_prompt_tokens=len(out.prompt_token_ids),
-                num_generation_tokens=counts[c.index]))
+                num_generation_tokens=n,
+                prompt=out.prompt,
+                stop_reason=c.stop_reason,
+                mean_logprob=(c.cumulative_logprob / n
+                              if c.cumulative_logprob is not None and n else None)))

@@ -352,10 +352,13 @@ class ModelRunner:
         result = self.sampler(logits, meta)
         sampled = result.sampled_token_ids.tolist()
         logprobs = result.to_token_logprobs() if result.has_logprobs else None
+        chosen = None if result.chosen_logprobs is None else result.chosen_logprobs.tolist()
         for i, (state, token_id) in enumerate(zip(states, sampled, strict=True)):
             kept = self._advance_grammar(state, [token_id], out)
             state.token_ids.extend(kept)
             out.sampled_token_ids[state.request_id] = kept
+            if chosen is not None and kept:
+                out.sampled_logprobs[state.request_id] = [chosen[i]]
             if logprobs is not None and state.params.logprobs is not None and kept:
                 out.logprobs[state.request_id] = [_trim(logprobs[i], state.params.logprobs)]
 
@@ -411,11 +414,13 @@ class ModelRunner:
         ) for s, drafts in zip(spec.states, spec.drafts, strict=True)]
         allowed = self._grammar_bitmask(spec.states, spec.drafts, logits.shape[1])
         result = verify_drafts(logits, requests, allowed)
-        for state, token_ids, logprobs in zip(spec.states, result.token_ids, result.logprobs,
-                                              strict=True):
+        for state, token_ids, logprobs, chosen in zip(spec.states, result.token_ids,
+                                                      result.logprobs, result.chosen_logprobs,
+                                                      strict=True):
             kept = self._advance_grammar(state, token_ids, out)
             state.token_ids.extend(kept)
             out.sampled_token_ids[state.request_id] = kept
+            out.sampled_logprobs[state.request_id] = chosen[:len(kept)]
             if logprobs is not None:
                 out.logprobs[state.request_id] = logprobs[:len(kept)]
 

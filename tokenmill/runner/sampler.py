@@ -194,6 +194,9 @@ class SamplerOutput:
     sampled_ranks: torch.Tensor | None = None  # [B] long, 1 = most likely
     topk_token_ids: torch.Tensor | None = None  # [B, k] long, most likely first
     topk_logprobs: torch.Tensor | None = None  # [B, k] float
+    # [B] float, the raw logprob of each sampled token, for every row (the quality monitor's
+    # mean output logprob); None when the Sampler was made with chosen_logprobs=False.
+    chosen_logprobs: torch.Tensor | None = None
 
     @property
     def has_logprobs(self) -> bool:
@@ -236,6 +239,12 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int,
     return chosen.squeeze(1), ranks, top_ids.gather(1, by_lp), top_lps.gather(1, by_lp)
 
 
+def logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """The log-probability [N] of ``token_ids`` [N] under raw ``logits`` [N, V] (float32):
+    one logsumexp per row, without materialising the whole log-softmax."""
+    return logits.gather(1, token_ids.view(-1, 1)).squeeze(1) - torch.logsumexp(logits, dim=-1)
+
+
 def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor,
                             k: int) -> list[TokenLogprobs]:
     """Logprob and rank of each actual next prompt token plus the top-k, from raw logits [P, V]
@@ -254,11 +263,17 @@ class Sampler:
     Order: logit_bias, min_tokens, repetition penalty (prompt + output tokens), frequency and
     presence penalties (output tokens), then argmax for greedy rows and temperature, top-k,
     top-p, min-p and a draw for the others. Logprobs come from the raw logits.
+
+    ``chosen_logprobs``: also give every row's sampled-token logprob (one logsumexp over the
+    logits, well under 1% of a decode step: see the README's monitoring section).
     """
+
+    def __init__(self, chosen_logprobs: bool = True) -> None:
+        self.chosen_logprobs = chosen_logprobs
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row; the input logits are not modified."""
-        logits = logits.float()
+        raw = logits = logits.float()
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -277,6 +292,9 @@ class Sampler:
             assert meta.max_num_logprobs is not None
             (out.sampled_logprobs, out.sampled_ranks, out.topk_token_ids,
              out.topk_logprobs) = gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
+            out.chosen_logprobs = out.sampled_logprobs
+        elif self.chosen_logprobs:
+            out.chosen_logprobs = logprobs_of(raw, sampled)
         return out
 
 

@@ -19,6 +19,7 @@ from tokenmill.runner.sampler import (
     SamplingMetadata,
     apply_logits_processors,
     compute_prompt_logprobs,
+    logprobs_of,
     sampling_weights,
 )
 from tokenmill.sampling_params import SamplingParams
@@ -41,10 +42,12 @@ class SpecRequest:
 
 @dataclass
 class VerifyResult:
-    """Per request: the emitted tokens (accepted drafts + 1) and their logprobs if asked."""
+    """Per request: the emitted tokens (accepted drafts + 1), their logprobs if asked, and
+    their raw logprobs (always)."""
 
     token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs] | None]
+    chosen_logprobs: list[list[float]]
 
 
 def verify_drafts(logits: torch.Tensor, requests: list[SpecRequest],
@@ -72,11 +75,20 @@ def verify_drafts(logits: torch.Tensor, requests: list[SpecRequest],
         for i, ids in zip(random_rows, sampled, strict=True):
             token_ids[i] = ids
     logprobs: list[list[TokenLogprobs] | None] = []
+    rows: list[int] = []
     for r, off, ids in zip(requests, offsets, token_ids, strict=False):  # offsets: R + 1
         k = r.params.logprobs
         logprobs.append(None if k is None else compute_prompt_logprobs(
             raw[off:off + len(ids)], torch.tensor(ids, device=raw.device), k))
-    return VerifyResult(token_ids, logprobs)
+        rows.extend(range(off, off + len(ids)))
+    flat = logprobs_of(raw[torch.tensor(rows, device=raw.device)],
+                       torch.tensor([t for ids in token_ids for t in ids],
+                                    device=raw.device)).tolist()
+    chosen, start = [], 0
+    for ids in token_ids:
+        chosen.append(flat[start:start + len(ids)])
+        start += len(ids)
+    return VerifyResult(token_ids, logprobs, chosen)
 
 
 def position_metadata(requests: list[SpecRequest], device: torch.device,

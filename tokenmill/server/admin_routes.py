@@ -6,6 +6,7 @@ The routes exist only when the server has an admin key, and answer only requests
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -35,8 +36,8 @@ class SwapModelBody(BaseModel):
     options: dict[str, Any] = Field(default_factory=dict)
 
 
-def admin_router(state: ServerState, manager: ModelManager) -> APIRouter:
-    """The /admin routes, behind the admin key."""
+def admin_key_check(state: ServerState) -> Callable[[Request], Awaitable[None]]:
+    """A route dependency that lets only requests bearing the admin key through (401)."""
     key = state.config.admin_key
     assert key is not None
 
@@ -46,7 +47,12 @@ def admin_router(state: ServerState, manager: ModelManager) -> APIRouter:
             raise APIError(401, "missing or invalid admin key (send Authorization: Bearer "
                            "<admin key>)", code="invalid_admin_key")
 
-    router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin_key)])
+    return require_admin_key
+
+
+def admin_router(state: ServerState, manager: ModelManager) -> APIRouter:
+    """The /admin routes, behind the admin key."""
+    router = APIRouter(prefix="/admin", dependencies=[Depends(admin_key_check(state))])
 
     async def body_of(request: Request, model: type[BaseModel]) -> Any:
         check_json_content_type(request)

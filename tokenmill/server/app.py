@@ -33,6 +33,7 @@ from tokenmill.server.embeddings import create_embeddings
 from tokenmill.server.errors import check_json_content_type, install_error_handlers, read_body
 from tokenmill.server.guard import HostPolicy, RequestGuard
 from tokenmill.server.lifecycle import ModelManager
+from tokenmill.server.monitoring import monitor_router
 from tokenmill.server.openapi import install_openapi, json_body
 from tokenmill.server.responses_routes import responses_router
 from tokenmill.server.retrieval_routes import retrieval_limits, retrieval_router
@@ -93,6 +94,8 @@ def build_app(state: ServerState, manager: ModelManager | None = None,
         if manager is None:
             raise ValueError("an admin key needs a model manager")
         app.include_router(admin_router(state, manager))
+        if state.monitors is not None:
+            app.include_router(monitor_router(state, state.monitors))
     config = state.config
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),

@@ -27,8 +27,9 @@ from tokenmill.server.app import build_app
 from tokenmill.server.connections import GuardedH11Protocol
 from tokenmill.server.lifecycle import ModelManager, serve_engine
 from tokenmill.server.model_registry import ModelSpec
+from tokenmill.server.monitoring import make_monitors, prompt_embedder
 from tokenmill.server.retrieval_setup import build_retrieval
-from tokenmill.server.state import ServerState
+from tokenmill.server.state import EMBED, ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ class _Server(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
         self._spawn(self._watch_engine())
+        if self.state.monitors is not None:
+            self._spawn(self.state.monitors.run_embeddings())
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not recorded in _captured_signals: uvicorn would re-raise it at exit and the process
@@ -98,6 +101,8 @@ def load_models(models: list[tuple[str | None, EngineConfig]],
                 config: ServerConfig) -> ServerState:
     """Load every model (in order; a failure closes those already loaded) and build the
     server's state: one step loop for all engines, one metrics registry."""
+    metrics = PrometheusMetrics()
+    monitors = make_monitors(config.monitor, metrics)
     engines: list[tuple[str | None, LLMEngine]] = []
     try:
         for name, engine_config in models:
@@ -108,7 +113,9 @@ def load_models(models: list[tuple[str | None, EngineConfig]],
         for _, engine in engines:
             engine.close()
         raise
-    state = ServerState(config, {}, PrometheusMetrics())
+    state = ServerState(config, {}, metrics, monitors=monitors)
+    if monitors is not None and any(e.task == EMBED for _, e in engines):
+        monitors.embed = prompt_embedder(state)
     for i, (name, (_, engine)) in enumerate(zip(names, engines, strict=True)):
         state.models[name] = serve_engine(
             state, name, engine,
@@ -149,7 +156,8 @@ def run_server(models: list[tuple[str | None, EngineConfig]], config: ServerConf
         logger.warning("fault injection is on: engine step %d will raise",
                        config.debug_fail_at_step)
     uv_config = uvicorn.Config(
-        build_app(state, manager, build_retrieval(state, config)), host=config.host, port=config.port, log_level="info",
+        build_app(state, manager, build_retrieval(state, config)), host=config.host,
+        port=config.port, log_level="info",
         timeout_graceful_shutdown=CONNECTION_CLOSE_TIMEOUT_S, lifespan="on",
         http=GuardedH11Protocol.configured(config.header_timeout, config.max_connections))
     server = _Server(uv_config, state)

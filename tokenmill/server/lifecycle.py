@@ -21,6 +21,7 @@ from tokenmill.api.errors import APIError, bad_request
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_llm import AsyncLLM, load_engine_for_thread
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.metrics.stats import StatLogger
 from tokenmill.server.model_registry import ModelSpec, parse_model_spec
 from tokenmill.server.state import EMBED, GENERATE, ServedModel, ServerState
 
@@ -60,10 +61,12 @@ def serve_engine(state: ServerState, name: str, engine: LLMEngine,
                  debug_fail_at_step: int | None = None) -> ServedModel:
     """A loaded engine as a served model: its client on the server's step loop, its metrics."""
     config = state.config
-    client = AsyncLLM(engine, max_queue=config.max_queue,
-                      stat_loggers=[state.metrics.for_model(name)], step_loop=state.step_loop,
-                      debug_fail_at_step=debug_fail_at_step)
     task = EMBED if engine.task == EMBED else GENERATE
+    loggers: list[StatLogger] = [state.metrics.for_model(name)]
+    if state.monitors is not None and task == GENERATE:
+        loggers.append(state.monitors.for_model(name))
+    client = AsyncLLM(engine, max_queue=config.max_queue, stat_loggers=loggers,
+                      step_loop=state.step_loop, debug_fail_at_step=debug_fail_at_step)
     info = engine.model_info()
     return ServedModel(name, client, task, path=engine.model_path,
                        weight_bytes=info.weight_bytes, kv_cache_bytes=info.kv_cache.total_bytes)

@@ -18,6 +18,7 @@ from tokenmill.api.protocol import now
 from tokenmill.config import ServerConfig
 from tokenmill.engine.async_llm import AsyncLLM, StepLoop
 from tokenmill.metrics.prometheus import PrometheusMetrics
+from tokenmill.ops.registry import MonitorRegistry
 
 # "Bearer" (any case), one space, one credential of visible ASCII characters.
 T = TypeVar("T")
@@ -81,6 +82,8 @@ class ServerState:
     metrics: PrometheusMetrics
     # The one thread that steps every model's engine (see StepLoop).
     step_loop: StepLoop = field(default_factory=StepLoop)
+    # The drift monitor of every served generative model; None: monitoring is off.
+    monitors: MonitorRegistry | None = None
     # Loads a model a request names that is not loaded (--models-dir); None: no such loading.
     load_on_demand: Callable[[str], Awaitable[ServedModel | None]] | None = None
     created: int = field(default_factory=now)
