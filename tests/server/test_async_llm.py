@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from types import SimpleNamespace
 
@@ -163,7 +162,7 @@ def test_step_failure_fails_requests_and_refuses_new_ones() -> None:
 
 
 def test_engines_share_one_step_loop_and_one_failure_stays_its_own() -> None:
-    """Two engines on one StepLoop: both answer, from one thread; when one engine's step
+    """Two engines on one StepLoop: both answer, from its one thread; when one engine's step
     raises, only its requests fail and the other keeps serving; the thread ends with the
     last engine."""
     chat, embed = FakeEngine(), FakeEngine()
@@ -174,8 +173,8 @@ def test_engines_share_one_step_loop_and_one_failure_stays_its_own() -> None:
         b = AsyncLLM(embed, step_loop=loop)  # type: ignore[arg-type]
         a.start()
         b.start()
-        threads = {t.name for t in threading.enumerate()}
-        assert sum(name == "tokenmill-engine" for name in threads) <= 1
+        thread = loop._thread
+        assert thread is not None and thread.is_alive()
         ga = await a.submit(["x"], SamplingParams(max_tokens=3))
         gb = await b.submit(["y"], SamplingParams(max_tokens=5))
         assert [len(o.outputs[0].token_ids) async for _, o in ga] == [1, 1, 1]
@@ -192,10 +191,7 @@ def test_engines_share_one_step_loop_and_one_failure_stays_its_own() -> None:
         await a.shutdown()
         await b.shutdown()
         assert embed.closed and chat.closed
-        for _ in range(100):
-            if not any(t.name == "tokenmill-engine" for t in threading.enumerate()):
-                break
-            await asyncio.sleep(0.01)
-        assert not any(t.name == "tokenmill-engine" for t in threading.enumerate())
+        thread.join(timeout=5)
+        assert not thread.is_alive() and loop._thread is None
 
     asyncio.run(main())
