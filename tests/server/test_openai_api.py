@@ -23,8 +23,9 @@ def tokenize(server: Server, **body: object) -> list[int]:
 
 
 def test_models(client: openai.OpenAI, server: Server) -> None:
+    # The default server: the embedded chat model first, then the embedded embedding model.
     models = client.models.list().data
-    assert [m.id for m in models] == [server.model]
+    assert [m.id for m in models] == [server.model, "all-MiniLM-L6-v2"]
 
 
 def test_chat_stream_equals_non_stream(client: openai.OpenAI, server: Server) -> None:
