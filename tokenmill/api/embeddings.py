@@ -14,12 +14,12 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from tokenmill.api.errors import bad_request
+from tokenmill.api.validation import ModelFacts
 from tokenmill.engine.llm_engine import PromptType
 from tokenmill.engine.pooling import embedding_prompt
 from tokenmill.outputs import EmbeddingRequestOutput
 from tokenmill.request import first_invalid_token_id
 from tokenmill.sampling_params import PoolingParams
-from tokenmill.tokenizer import Tokenizer
 
 # OpenAI's limit on the inputs of one request.
 MAX_INPUTS = 2048
@@ -57,17 +57,8 @@ class EmbeddingResponse(BaseModel):
     usage: EmbeddingUsage
 
 
-class EmbeddingModel(Protocol):
+class EmbeddingModel(ModelFacts, Protocol):
     """What validating an embeddings request needs of the engine (LLMEngine or AsyncLLM)."""
-
-    @property
-    def tokenizer(self) -> Tokenizer: ...
-
-    @property
-    def vocab_size(self) -> int: ...
-
-    @property
-    def max_model_len(self) -> int: ...
 
     @property
     def embedding_size(self) -> int: ...

@@ -15,8 +15,8 @@ from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.tokenizer import Tokenizer
 
 
-class ServedModel(Protocol):
-    """What validating a request needs of the model (an LLMEngine or an AsyncLLM)."""
+class ModelFacts(Protocol):
+    """What validating any request needs of the model (an LLMEngine or an AsyncLLM)."""
 
     @property
     def tokenizer(self) -> Tokenizer: ...
@@ -26,6 +26,10 @@ class ServedModel(Protocol):
 
     @property
     def max_model_len(self) -> int: ...
+
+
+class ServedModel(ModelFacts, Protocol):
+    """What validating a generation request needs of the model."""
 
     def compile_grammar(self, params: SamplingParams) -> object | None: ...
 
