@@ -213,3 +213,19 @@ def test_an_embedder_failure_is_logged_not_raised(caplog: pytest.LogCaptureFixtu
     feed(monitor, english, 5, random.Random(7))
     asyncio.run(registry.embed_pending(monitor))
     assert "embedding model is gone" in caplog.text
+
+
+def test_serve_options() -> None:
+    from tokenmill.cli import build_parser
+    from tokenmill.server.monitor_cli import monitor_config_from_args
+
+    args = build_parser().parse_args(["serve", "--monitor-window", "50", "--drift-threshold",
+                                      "0.1", "--monitor-reference", "ref.json"])
+    assert monitor_config_from_args(args) == MonitorConfig(
+        window=50, drift_threshold=0.1, reference_path="ref.json")
+    off = build_parser().parse_args(["serve", "--no-monitor"])
+    assert not monitor_config_from_args(off).enabled
+    with pytest.raises(ValueError, match="monitor window must be >= 1"):
+        MonitorConfig(window=0)
+    with pytest.raises(ValueError, match="drift_threshold must be positive"):
+        MonitorConfig(drift_threshold=0)
