@@ -23,7 +23,7 @@ from server_harness import Server, start_server  # noqa: E402
 
 KEY = "monitor-admin-key"
 ADMIN = {"Authorization": f"Bearer {KEY}"}
-WINDOW = 32
+WINDOW = 40
 MONITOR_ARGS = ("--monitor-reference-size", str(WINDOW), "--monitor-window", str(WINDOW),
                 "--drift-threshold", "0.25", "--max-num-seqs", "8")
 WORDS = "the a cat dog runs sees big small red house tree river blue fast slow".split()
@@ -39,7 +39,7 @@ def prompts(words: list[str], count: int, length: tuple[int, int], seed: int) ->
 # The same distribution exactly: the reference's prompts again, in another order.
 ENGLISH = prompts(WORDS, WINDOW, (4, 9), seed=1)
 ENGLISH_AGAIN = random.Random(2).sample(ENGLISH, len(ENGLISH))
-LONG_RUSSIAN = prompts(RUSSIAN, WINDOW, (30, 45), seed=3)
+LONG_RUSSIAN = prompts(RUSSIAN, WINDOW, (40, 60), seed=3)
 
 
 def send(server: Server, texts: list[str]) -> None:
