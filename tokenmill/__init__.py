@@ -7,6 +7,11 @@ The offline API::
     print(llm.generate("The capital of France is", SamplingParams(temperature=0))[0].outputs[0].text)
 """
 
+from tokenmill.utils import default_thread_policy
+
+default_thread_policy()  # before anything imports torch
+
+# ruff: noqa: E402
 from tokenmill.engine.llm import LLM
 from tokenmill.outputs import (
     ClassificationResult,

@@ -14,6 +14,7 @@ from tokenmill.batch.cli import add_batch_parser
 from tokenmill.bench import batch as bench_batch
 from tokenmill.bench import (
     compare,
+    contention,
     embed,
     fuzz,
     gpu,
@@ -320,7 +321,7 @@ BENCH_SUITES: tuple[Registrar, ...] = (
     compare.add_compare_parser, prefix_cache.add_prefix_cache_parser, spec.add_spec_parser,
     bench_batch.add_batch_bench_parser, gpu.add_gpu_parser, _add_perplexity_parser,
     fuzz.add_fuzz_parser, structured.add_structured_parser, retrieval.add_retrieval_parser,
-    embed.add_embed_parser,
+    embed.add_embed_parser, contention.add_contention_parser,
 )
 
 

@@ -309,8 +309,14 @@ class MonitorConfig:
     window: int = 500
     reference_path: str | None = None
     drift_threshold: float = 0.25
+    # The share of time the embedding model may spend embedding prompts for the centroid
+    # signal; prompts beyond it are sampled out (the centroid is a mean: a sample estimates it).
+    embedding_budget: float = 0.01
 
     def __post_init__(self) -> None:
+        if not 0.0 < self.embedding_budget <= 1.0:
+            raise ValueError(
+                f"monitor embedding_budget must be in (0, 1], got {self.embedding_budget!r}")
         for name in ("reference_size", "window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"monitor {name} must be >= 1, got {getattr(self, name)}")

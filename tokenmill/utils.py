@@ -27,3 +27,26 @@ def host_tensor(data: object, dtype: torch.dtype, device: torch.device | str) ->
     if torch.device(device).type != "cuda":
         return t
     return t.pin_memory().to(device, non_blocking=True)
+
+
+# Environment variables that choose how OpenMP's idle threads wait; a user who set any of them
+# keeps their choice.
+THREAD_POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+
+
+def default_thread_policy() -> None:
+    """Let OpenMP's idle threads sleep instead of spin, unless the user chose otherwise.
+
+    libgomp's default has every thread spin at each barrier before it sleeps. On a machine whose
+    cores are shared (a neighbour process, another engine), a spinning thread burns the time
+    slice the thread it waits for needs, and a decode step of a few hundred barriers slows down
+    by an order of magnitude; sleeping threads slow down only by the share of cores lost
+    (`tokenmill bench contention` measures both). libgomp reads this once, when it is loaded,
+    so it must run before torch is imported; if torch is already loaded it changes nothing.
+    """
+    import os
+    import sys
+
+    if "torch" in sys.modules or any(v in os.environ for v in THREAD_POLICY_VARS):
+        return
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"

@@ -16,6 +16,7 @@ from tokenmill.metrics.prometheus import PrometheusMetrics
 from tokenmill.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from tokenmill.ops import DriftMonitor, MonitorRegistry
 from tokenmill.ops.profile import load_profile, parse_profile
+from tokenmill.ops.registry import TimeBudget
 
 WORDS = "the a cat dog runs sees big small red house tree river blue fast slow".split()
 RUSSIAN = "кошка собака бежит видит большой маленький красный дом дерево река".split()
@@ -229,3 +230,51 @@ def test_serve_options() -> None:
         MonitorConfig(window=0)
     with pytest.raises(ValueError, match="drift_threshold must be positive"):
         MonitorConfig(drift_threshold=0)
+
+
+def test_prompt_embeddings_stay_within_their_time_budget() -> None:
+    # A fake clock: each embedding call of the fake embedder takes 0.5 s.
+    now = [0.0]
+
+    async def slow_embed(texts: list[str]) -> list[list[float]]:
+        now[0] += 0.5
+        return [[1.0, 0.0] for _ in texts]
+
+    registry = MonitorRegistry(MonitorConfig(reference_size=1000, window=100,
+                                             embedding_budget=0.01), embed=slow_embed)
+    registry.embed_budget = TimeBudget(0.01, burst=1.0, clock=lambda: now[0])
+    monitor = registry.for_model("m")
+    rng = random.Random(8)
+    feed(monitor, english, 64, rng)
+    asyncio.run(registry.embed_pending(monitor))
+    # The 1 s saved up (and the 1% of the 1 s the calls took) pays for three calls of 16
+    # prompts, the last one on credit; the rest wait.
+    assert monitor._centroid is not None and monitor._centroid.ref_count == 48
+    assert len(monitor.pending_texts) == 16
+    asyncio.run(registry.embed_pending(monitor))
+    assert monitor._centroid.ref_count == 48  # in debt: nothing runs
+    now[0] += 50.0  # 50 s of serving earn 0.5 s of embedding: the debt is paid, one more call
+    asyncio.run(registry.embed_pending(monitor))
+    assert monitor._centroid.ref_count == 64 and not monitor.pending_texts
+    # Over a long run the embedder's share of the time stays near the budget.
+    spent = 0.0
+    for _ in range(200):
+        feed(monitor, english, 16, rng)
+        before = now[0]
+        asyncio.run(registry.embed_pending(monitor))
+        spent += now[0] - before
+        now[0] += 10.0
+    assert spent / now[0] <= 0.011
+
+
+def test_time_budget_saves_up_no_more_than_its_burst() -> None:
+    now = [0.0]
+    budget = TimeBudget(0.5, burst=2.0, clock=lambda: now[0])
+    budget.spend(3.0)
+    assert not budget.available() and budget.seconds == pytest.approx(-1.0)
+    now[0] = 1.0  # half of each second passing comes back
+    assert not budget.available() and budget.seconds == pytest.approx(-0.5)
+    now[0] = 3.0
+    assert budget.available() and budget.seconds == pytest.approx(0.5)
+    now[0] = 100.0
+    assert budget.available() and budget.seconds == pytest.approx(2.0)

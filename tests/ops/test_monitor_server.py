@@ -25,7 +25,9 @@ KEY = "monitor-admin-key"
 ADMIN = {"Authorization": f"Bearer {KEY}"}
 WINDOW = 40
 MONITOR_ARGS = ("--monitor-reference-size", str(WINDOW), "--monitor-window", str(WINDOW),
-                "--drift-threshold", "0.25", "--max-num-seqs", "8")
+                "--drift-threshold", "0.25", "--max-num-seqs", "8",
+                # Every prompt embedded (the default samples them within 1% of the time).
+                "--monitor-embedding-budget", "1.0")
 WORDS = "the a cat dog runs sees big small red house tree river blue fast slow".split()
 RUSSIAN = "кошка собака бежит видит большой маленький красный дом дерево река".split()
 

@@ -41,14 +41,13 @@ class GaugeFamily(Protocol):
 class _Centroid:
     """Mean prompt embedding of the reference (a running sum) and of the live window."""
 
-    def __init__(self, reference_size: int, window: int) -> None:
-        self.reference_size = reference_size
+    def __init__(self, window: int) -> None:
         self.ref_sum: list[float] | None = None
         self.ref_count = 0
         self.live: deque[list[float]] = deque(maxlen=window)
 
-    def add(self, vector: list[float]) -> None:
-        if self.ref_count < self.reference_size:
+    def add(self, vector: list[float], in_reference: bool) -> None:
+        if in_reference:
             if self.ref_sum is None:
                 self.ref_sum = [0.0] * len(vector)
             self.ref_sum = [a + b for a, b in zip(self.ref_sum, vector, strict=True)]
@@ -86,8 +85,11 @@ class DriftMonitor:
         self._seen = 0
         self.reference_size = config.reference_size
         self.reference_source = f"the first {config.reference_size} requests"
-        self._centroid = _Centroid(config.reference_size, config.window) if embeddings else None
-        self.pending_texts: deque[str] = deque(maxlen=MAX_PENDING_EMBEDDINGS)
+        self._centroid = _Centroid(config.window) if embeddings else None
+        # (prompt end, finished during the reference?) waiting for the embedding model; only a
+        # sample is embedded when time is short (ops.registry), so the flag, not the count of
+        # embeddings, says which window a vector belongs to.
+        self.pending_texts: deque[tuple[str, bool]] = deque(maxlen=MAX_PENDING_EMBEDDINGS)
         if reference is not None:
             self._load_reference(reference, reference_source or "a saved profile")
         # A score at least every tenth of a window (and not before half of it is full).
@@ -110,7 +112,6 @@ class DriftMonitor:
             n = max(profile.centroid_count, 1)
             self._centroid.ref_sum = [x * n for x in profile.centroid]
             self._centroid.ref_count = n
-            self._centroid.reference_size = n
 
     @property
     def reference_complete(self) -> bool:
@@ -124,9 +125,10 @@ class DriftMonitor:
             return
         with self._lock:
             for f in iteration.finished:
+                in_reference = not self.reference_complete
                 self._add(request_signals(f))
                 if self._centroid is not None and f.prompt:
-                    self.pending_texts.append(f.prompt[-EMBED_CHARS:])
+                    self.pending_texts.append((f.prompt[-EMBED_CHARS:], in_reference))
             if self._since_score >= self.score_every and self.reference_complete:
                 self._score_locked()
 
@@ -142,13 +144,14 @@ class DriftMonitor:
         for name, value in signals.items():
             target[name].append(value)
 
-    def add_embeddings(self, vectors: list[list[float]]) -> None:
-        """Prompt embeddings computed off the engine thread (in the order of pending_texts)."""
+    def add_embeddings(self, vectors: list[list[float]], in_reference: list[bool]) -> None:
+        """Prompt embeddings computed off the engine thread, each with whether its request
+        finished while the reference was being taken (the pending_texts' flags)."""
         if self._centroid is None:
             return
         with self._lock:
-            for v in vectors:
-                self._centroid.add(v)
+            for v, ref in zip(vectors, in_reference, strict=True):
+                self._centroid.add(v, ref)
 
     # ---------------------------------------------------------------- scoring
 

@@ -21,6 +21,30 @@ EmbedFn = Callable[[list[str]], Awaitable[list[list[float]]]]
 EMBED_INTERVAL_S = 1.0
 # Texts per embedding call.
 EMBED_BATCH = 16
+# Seconds of embedding the budget can save up while the server is quiet.
+EMBED_BURST_S = 1.0
+
+
+class TimeBudget:
+    """A bucket of seconds that fills at ``share`` of the time passing, up to ``burst``
+    seconds; work may start while it holds any, and what the work took is taken out after."""
+
+    def __init__(self, share: float, burst: float = EMBED_BURST_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.share = share
+        self.burst = burst
+        self.clock = clock
+        self.seconds = burst
+        self._last = clock()
+
+    def available(self) -> bool:
+        now = self.clock()
+        self.seconds = min(self.burst, self.seconds + (now - self._last) * self.share)
+        self._last = now
+        return self.seconds > 0
+
+    def spend(self, seconds: float) -> None:
+        self.seconds -= seconds
 
 
 class MonitorRegistry:
@@ -32,6 +56,8 @@ class MonitorRegistry:
         self.config = config
         self.gauge = gauge
         self.embed = embed
+        # The embedding model's time for monitoring is bounded: serving comes first.
+        self.embed_budget = TimeBudget(config.embedding_budget)
         self.monitors: dict[str, DriftMonitor] = {}
         self.profile: Profile | None = None
         if config.reference_path is not None:
@@ -97,15 +123,20 @@ class MonitorRegistry:
                 await self.embed_pending(monitor)
 
     async def embed_pending(self, monitor: DriftMonitor) -> None:
-        """Embed what ``monitor`` has queued, a batch at a time."""
+        """Embed what ``monitor`` has queued, a batch at a time, while the time budget lasts
+        (what is left waits; the queue keeps the newest prompts)."""
         assert self.embed is not None
-        while monitor.pending_texts:
-            texts = []
-            while monitor.pending_texts and len(texts) < EMBED_BATCH:
-                texts.append(monitor.pending_texts.popleft())
+        while monitor.pending_texts and self.embed_budget.available():
+            batch = []
+            while monitor.pending_texts and len(batch) < EMBED_BATCH:
+                batch.append(monitor.pending_texts.popleft())
+            texts = [text for text, _ in batch]
+            start = self.embed_budget.clock()
             try:
                 vectors = await self.embed(texts)
             except Exception as e:  # noqa: BLE001 - monitoring must never break serving
                 logger.warning("prompt embeddings for drift monitoring failed: %s", e)
                 return
-            monitor.add_embeddings(vectors)
+            finally:
+                self.embed_budget.spend(self.embed_budget.clock() - start)
+            monitor.add_embeddings(vectors, [ref for _, ref in batch])

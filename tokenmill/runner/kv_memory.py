@@ -87,11 +87,14 @@ class KVCachePlan:
 
 def plan_kv_cache(cache: CacheConfig, platform: Platform, bytes_per_block: int,
                   max_model_len: int, free_memory: int | None = None,
-                  profiled_budget: int | None = None) -> KVCachePlan:
+                  profiled_budget: int | None = None,
+                  max_num_seqs: int | None = None) -> KVCachePlan:
     """Size the KV cache: explicit blocks, explicit bytes, ``profiled_budget`` bytes (on CUDA:
     what ``gpu_memory_utilization`` leaves after a profiling step, the tightest rank's under
     tensor parallelism), else a fraction of free memory (``free_memory`` bytes when given,
-    e.g. the tightest of several ranks, else the platform's)."""
+    e.g. the tightest of several ranks, else the platform's). On the CPU that fraction is
+    capped, and never more than ``max_num_seqs`` requests of ``max_model_len`` tokens need:
+    a small model's cache would otherwise take gigabytes it can never fill."""
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
     elif cache.kv_cache_memory_bytes is None and profiled_budget is not None:
@@ -105,6 +108,9 @@ def plan_kv_cache(cache: CacheConfig, platform: Platform, bytes_per_block: int,
             if not platform.is_cuda:
                 budget = min(budget, CPU_DEFAULT_KV_BYTES_CAP)
             budget = int(budget * cache.kv_cache_share)
+            if not platform.is_cuda and max_num_seqs is not None:
+                need = max_num_seqs * blocks_for_tokens(max_model_len, cache.block_size)
+                budget = min(budget, need * bytes_per_block)
         num_blocks = budget // bytes_per_block
     if num_blocks < 2:
         raise ValueError(
@@ -148,4 +154,5 @@ def size_kv_cache(runner: ModelRunner, config: EngineConfig, max_model_len: int,
         if not platform.is_cuda:
             free //= num_ranks  # the CPU ranks share one memory
     return plan_kv_cache(config.cache, platform, runner.kv_bytes_per_block(), max_model_len,
-                         free_memory=free, profiled_budget=budget)
+                         free_memory=free, profiled_budget=budget,
+                         max_num_seqs=config.scheduler.max_num_seqs)

@@ -33,6 +33,10 @@ def add_monitor_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--drift-threshold", type=float, default=MonitorConfig.drift_threshold,
                    help="log a warning when a signal's drift score (PSI) crosses this "
                    "(0.1: moderate, 0.25: major change)")
+    g.add_argument("--monitor-embedding-budget", type=float,
+                   default=MonitorConfig.embedding_budget, metavar="SHARE",
+                   help="the share of time the embedding model may spend embedding prompts for "
+                   "the prompt_embedding signal; beyond it prompts are sampled")
 
 
 def monitor_config_from_args(args: argparse.Namespace) -> MonitorConfig:
@@ -40,7 +44,8 @@ def monitor_config_from_args(args: argparse.Namespace) -> MonitorConfig:
     return MonitorConfig(enabled=not args.no_monitor,
                          reference_size=args.monitor_reference_size, window=args.monitor_window,
                          reference_path=args.monitor_reference,
-                         drift_threshold=args.drift_threshold)
+                         drift_threshold=args.drift_threshold,
+                         embedding_budget=args.monitor_embedding_budget)
 
 
 def add_monitor_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -1,0 +1,48 @@
+"""OpenMP's wait policy: tokenmill lets idle threads sleep unless the user chose a policy, and
+only when it is imported before torch (libgomp reads the variable when it is loaded)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tokenmill.bench.contention import parse_policy, policy_env
+
+PROBE = "import os, {first}; print(os.environ.get('OMP_WAIT_POLICY'))"
+
+
+def probe(first: str, **env: str) -> str:
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")}
+    out = subprocess.run([sys.executable, "-c", PROBE.format(first=first)], env={**base, **env},
+                         capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+def test_idle_threads_sleep_by_default() -> None:
+    assert probe("tokenmill") == "PASSIVE"
+    # The torch that tokenmill loads sees it: libgomp then sleeps at once.
+    assert probe("tokenmill, torch") == "PASSIVE"
+
+
+def test_the_users_choice_is_kept() -> None:
+    assert probe("tokenmill", OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"
+    assert probe("tokenmill", GOMP_SPINCOUNT="300000") == "None"
+
+
+def test_nothing_changes_once_torch_is_loaded() -> None:
+    assert probe("torch, tokenmill") == "None"
+
+
+def test_contention_policies_parse() -> None:
+    assert parse_policy("tokenmill=") == ("tokenmill", {})
+    assert parse_policy("spin=GOMP_SPINCOUNT=300000,OMP_WAIT_POLICY=ACTIVE") == (
+        "spin", {"GOMP_SPINCOUNT": "300000", "OMP_WAIT_POLICY": "ACTIVE"})
+    for bad in ("noequals", "=X=1", "name=VAR"):
+        with pytest.raises(ValueError, match="--policy"):
+            parse_policy(bad)
+    env = policy_env({"GOMP_SPINCOUNT": "1"})
+    assert env["GOMP_SPINCOUNT"] == "1" and "OMP_WAIT_POLICY" not in env
