@@ -115,7 +115,8 @@ def main() -> int:
     summary = summarize(results, names[0])
     for row in summary:
         print(f"{row['variant']:>8}: median {row['median']:.1f} output tok/s, best "
-              f"{row['best']:.1f}, vs {names[0]}: {row['vs_first']:+.2%}")
+              f"{row['best']:.1f}, vs {names[0]}: {row['vs_first']:+.2%} (medians), "
+              f"{row['paired_vs_first']:+.2%} (median of the rounds' ratios)")
     if args.result_file:
         write_json(args.result_file, {
             "benchmark": "monitoring-ab", "date": now_iso(), "hardware": hardware(),
@@ -128,9 +129,17 @@ def main() -> int:
 
 
 def summarize(results: dict[str, list[float]], first: str) -> list[dict[str, Any]]:
+    """Each variant's median and best, and against the first variant: the ratio of medians and
+    the median of the rounds' ratios (each round's runs are back to back, so a slow drift of
+    the machine's speed cancels out of a round's ratio)."""
     base = statistics.median(results[first])
-    return [{"variant": n, "median": statistics.median(v), "best": max(v),
-             "vs_first": statistics.median(v) / base - 1, "runs": v} for n, v in results.items()]
+    rows = []
+    for n, v in results.items():
+        paired = [x / b - 1 for x, b in zip(v, results[first], strict=True)]
+        rows.append({"variant": n, "median": statistics.median(v), "best": max(v),
+                     "vs_first": statistics.median(v) / base - 1,
+                     "paired_vs_first": statistics.median(paired), "paired": paired, "runs": v})
+    return rows
 
 
 if __name__ == "__main__":
