@@ -1,6 +1,7 @@
 """What accounting and drift monitoring cost 32-stream HTTP throughput: `tokenmill serve`
 variants side by side (idle servers use no CPU), `tokenmill bench serve` against each in turn,
-the order rotated every round.
+the order rotated every round. Besides throughput, each server's CPU time per output token of
+each run (from /proc), which a busy neighbour disturbs far less.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/monitoring_ab.py --rounds 4 \
         --variant on= --variant off=--no-monitor \
@@ -65,6 +66,13 @@ def start(name: str, args: list[str], source: str | None) -> tuple[subprocess.Po
     raise RuntimeError(f"{name} did not start in {START_TIMEOUT_S} s")
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, every thread) the process has used so far."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def bench(url: str, num_prompts: int, input_len: int, output_len: int, seed: int) -> float:
     """Output tokens/s of one `tokenmill bench serve` run with 32 streams."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
@@ -93,6 +101,7 @@ def main() -> int:
         variants[name] = (shlex.split(serve_args), source or None)
     servers = {name: start(name, a, s) for name, (a, s) in variants.items()}
     results: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
     loads: list[float] = []
     try:
         names = list(variants)
@@ -102,17 +111,27 @@ def main() -> int:
             order = names[r % len(names):] + names[:r % len(names)]
             for name in order:
                 # Every variant sees the same prompts in a round, new ones every round.
+                before = cpu_seconds(servers[name][0].pid)
                 results[name].append(bench(servers[name][1], args.num_prompts, args.input_len,
                                            args.output_len, seed=r))
+                # The server's CPU time for the run's output tokens: far less sensitive to
+                # neighbours than throughput (it does not count the time a thread waits).
+                cpu[name].append((cpu_seconds(servers[name][0].pid) - before) * 1000
+                                 / (args.num_prompts * args.output_len))
                 loads.append(os.getloadavg()[0])
-            print(f"round {r + 1}: " + ", ".join(f"{n} {results[n][-1]:.1f}" for n in names),
-                  flush=True)
+            print(f"round {r + 1}: " + ", ".join(
+                f"{n} {results[n][-1]:.1f} tok/s {cpu[n][-1]:.2f} CPU ms/token" for n in names),
+                flush=True)
     finally:
         for proc, _ in servers.values():
             proc.send_signal(signal.SIGTERM)
         for proc, _ in servers.values():
             proc.wait(60)
     summary = summarize(results, names[0])
+    cpu_summary = summarize(cpu, names[0])
+    for row in cpu_summary:
+        print(f"{row['variant']:>8}: median {row['median']:.3f} server CPU ms per output token, "
+              f"vs {names[0]}: {row['paired_vs_first']:+.2%} (median of the rounds' ratios)")
     for row in summary:
         print(f"{row['variant']:>8}: median {row['median']:.1f} output tok/s, best "
               f"{row['best']:.1f}, vs {names[0]}: {row['vs_first']:+.2%} (medians), "
@@ -124,6 +143,7 @@ def main() -> int:
             "workload": {"streams": 32, "num_prompts": args.num_prompts,
                          "input_len": args.input_len, "output_len": args.output_len},
             "rounds": results, "load_avg_after_each_run": loads, "summary": summary,
+            "cpu_ms_per_output_token": cpu, "cpu_summary": cpu_summary,
             "command": "python benchmarks/monitoring_ab.py " + " ".join(sys.argv[1:])})
     return 0
 

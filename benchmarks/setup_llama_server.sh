@@ -3,21 +3,21 @@
 # from the llama.cpp tree vendored in the llama-cpp-python sdist (the same llama.cpp that
 # benchmarks/setup_peers.sh builds for `tokenmill bench compare`).
 #
-# Usage: bash benchmarks/setup_llama_server.sh [WORKDIR]     (default: /work/peers)
+# Usage: bash benchmarks/setup_llama_server.sh [WORKDIR]     (default: benchmarks/.peers)
 #   -> prints the path of the built binary, WORKDIR/llama.cpp-build/bin/llama-server
 #
-# CPU flags: GGML_NATIVE=OFF with the instruction sets named one by one, so the build is the
-# same whichever machine compiles it. The defaults are the AVX2 set (AVX, AVX2, FMA, F16C, BMI2);
-# on a machine with AVX-512 pass e.g. LLAMA_CPU_FLAGS="-DGGML_AVX512=ON ..." in the environment.
+# CPU flags: GGML_NATIVE=OFF with the instruction sets named one by one
+# (benchmarks/llama_cpu_flags.sh: the AVX2 set, AVX-512/VNNI/BF16 where the CPU has them, never
+# AMX, whose native build crashes in a VM); LLAMA_CPU_FLAGS in the environment overrides them.
 # No curl/OpenSSL (models are local files) and no web UI (no npm, no download at build time).
 # Takes ~15-25 minutes on 2 cores at nice 19.
 set -euo pipefail
 
-work="${1:-/work/peers}"
+work="${1:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/.peers}"
 version="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 src="$work/llama_cpp_python-$version/vendor/llama.cpp"
 build="$work/llama.cpp-build"
-flags="${LLAMA_CPU_FLAGS:--DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF}"
+flags="${LLAMA_CPU_FLAGS:-$(bash "$(dirname "${BASH_SOURCE[0]}")/llama_cpu_flags.sh")}"
 
 mkdir -p "$work"
 if [ ! -d "$src" ]; then
@@ -28,7 +28,7 @@ fi
 
 # shellcheck disable=SC2086  # $flags is a list of cmake arguments
 cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release \
-  -DGGML_NATIVE=OFF $flags \
+  $flags \
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
   -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF

@@ -121,3 +121,53 @@ def test_a_broken_perplexity_module_breaks_only_itself(monkeypatch) -> None:
     args = parser.parse_args(["bench", "perplexity"])
     with pytest.raises(ValueError, match="perplexity is unavailable"):
         args.func(args)
+
+
+def test_llama_server_runs_with_one_slot_per_stream(monkeypatch) -> None:
+    started: list[list[str]] = []
+
+    class FakeServer:
+        base_url = "http://x"
+
+        def peak_rss_mib(self) -> float:
+            return 100.0 + len(started)
+
+        def stop(self) -> int:
+            return 0
+
+    def fake_start(cmd: list[str], port: int) -> FakeServer:
+        started.append(cmd)
+        return FakeServer()
+
+    monkeypatch.setattr(compare, "start_server", fake_start)
+    monkeypatch.setattr(compare, "load_level", lambda url, c, cfg, wl, min_tokens: level(c))
+    cfg = compare.CompareConfig(model="/m.gguf", threads=2, peers_python="py",
+                                levels=[1, 4, 32], serve_input_len=128, output_len=128,
+                                llama_server="/bin/llama-server")
+    out = compare.sweep_llama_server(cfg, None)  # type: ignore[arg-type]
+    assert [cmd[cmd.index("--parallel") + 1] for cmd in started] == ["1", "4", "32"]
+    # Each slot holds one request's 256 tokens (whole KV blocks), as tokenmill's cache does.
+    assert [cmd[cmd.index("--ctx-size") + 1] for cmd in started] == ["256", "1024", "8192"]
+    assert set(out["levels"]) == {"1", "4", "32"} and out["peak_rss_mib"] == 103.0
+    result = copy.deepcopy(RESULT)
+    result["systems"]["llama.cpp"]["serve"] = out
+    assert "with -np = streams" in markdown_report(result)
+
+
+def test_llama_cpu_flags_never_turn_on_amx(tmp_path) -> None:
+    import subprocess
+
+    script = compare.os.path.join(compare.os.path.dirname(compare.PEERS_SCRIPT), "..", "..",
+                                  "benchmarks", "llama_cpu_flags.sh")
+
+    def flags(cpu: str) -> str:
+        info = tmp_path / "cpuinfo"
+        info.write_text(f"processor\t: 0\nflags\t\t: {cpu}\n")
+        return subprocess.run(["bash", script], env={"CPUINFO": str(info), "PATH": "/usr/bin:/bin"},
+                              capture_output=True, text=True, check=True).stdout
+    amd = flags("fpu sse avx avx2 fma f16c bmi2")
+    assert "-DGGML_NATIVE=OFF" in amd and "-DGGML_AVX2=ON" in amd and "-DGGML_AVX512=OFF" in amd
+    intel = flags("avx avx2 avx512f avx512_vnni avx512_bf16 amx_tile amx_int8 amx_bf16")
+    assert "-DGGML_AVX512=ON" in intel and "-DGGML_AVX512_VNNI=ON" in intel
+    assert "-DGGML_AVX512_BF16=ON" in intel and "-DGGML_AMX_INT8=OFF" in intel
+    assert "AMX_TILE=ON" not in intel and "AMX_INT8=ON" not in intel

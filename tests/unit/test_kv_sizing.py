@@ -18,11 +18,11 @@ def test_cpu_cache_is_sized_to_the_workload() -> None:
     # 8 requests of 2,048 tokens: 8 x 128 blocks, though free memory would allow far more.
     plan = plan_kv_cache(CacheConfig(), cpu, BLOCK_BYTES, 2048, free_memory=100 * GIB,
                          max_num_seqs=8)
-    assert plan.num_blocks == 8 * 128
+    assert plan.num_blocks == 8 * 128 + 1  # and the reserved null block
     # A partial last block counts whole.
     plan = plan_kv_cache(CacheConfig(), cpu, BLOCK_BYTES, 2050, free_memory=100 * GIB,
                          max_num_seqs=8)
-    assert plan.num_blocks == 8 * 129
+    assert plan.num_blocks == 8 * 129 + 1
 
 
 def test_memory_limits_still_apply_below_the_workload() -> None:
@@ -38,7 +38,7 @@ def test_memory_limits_still_apply_below_the_workload() -> None:
     # A model sharing the budget with another gets its share, still no more than it needs.
     shared = CacheConfig(kv_cache_share=0.5)
     assert plan_kv_cache(shared, cpu, BLOCK_BYTES, 2048, free_memory=100 * GIB,
-                         max_num_seqs=4).num_blocks == 4 * 128
+                         max_num_seqs=4).num_blocks == 4 * 128 + 1
     assert plan_kv_cache(shared, cpu, BLOCK_BYTES, 8192, free_memory=100 * GIB,
                          max_num_seqs=1024).num_blocks == CPU_DEFAULT_KV_BYTES_CAP // 2 // BLOCK_BYTES
 

@@ -5,8 +5,11 @@ One after another on the same machine, the same GGUF file and the same thread co
 - single stream (`bench latency` / llama-cpp-python's `Llama` / transformers' `generate`):
   prefill of a 500-token prompt, then decode of 128 tokens; TTFT, prefill and decode tok/s;
 - offline batch of 32 x 128 output tokens (`bench throughput` / transformers' `generate`);
-- concurrency sweep through each HTTP server (`tokenmill serve` / `python -m llama_cpp.server`)
-  with the `bench serve` load generator: 1, 4, 16, 32 streams of 128 output tokens;
+- concurrency sweep through each HTTP server with the `bench serve` load generator: 1, 4, 16,
+  32 streams of 128 output tokens; `tokenmill serve` against llama.cpp's own `llama-server`
+  restarted at each level with as many slots (`-np`) as streams and their contexts
+  (continuous batching; built by benchmarks/setup_llama_server.sh), or, without that binary,
+  llama-cpp-python's server (one request at a time);
 - peak resident memory of every process.
 
 The peers run as subprocesses of the Python in ``--peers-python`` (the virtual environment of
@@ -33,11 +36,15 @@ from tokenmill.bench.procs import free_port, run_json_job, start_server
 from tokenmill.bench.report import hardware, now_iso, write_json
 from tokenmill.bench.serve import LoadSpec, benchmark, quiet_http_logs, server_model
 from tokenmill.core.kv_cache import blocks_for_tokens
+from tokenmill.utils import cdiv
 
 SYSTEMS = ("tokenmill", "llama.cpp", "transformers")
 PEERS_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers.py")
 # Context of every engine here (llama.cpp's n_ctx too): the longest workload is 500 + 128.
 MAX_MODEL_LEN = 1024
+# Where benchmarks/setup_llama_server.sh (run by setup_peers.sh) builds llama-server.
+DEFAULT_LLAMA_SERVER = os.path.join("benchmarks", ".peers", "llama.cpp-build", "bin",
+                                    "llama-server")
 # tokenmill's KV cache block size; its caches are sized to the workload (below), not to a share
 # of free memory, so that peak memory does not depend on what else the machine holds.
 BLOCK_SIZE = 16
@@ -62,6 +69,8 @@ class CompareConfig:
     systems: tuple[str, ...] = SYSTEMS
     # Extra engine options for every tokenmill process, e.g. ["--quantization", "int4"].
     tokenmill_args: list[str] = field(default_factory=list)
+    # llama.cpp's `llama-server` binary: the multi-stream peer (None: llama-cpp-python's).
+    llama_server: str | None = None
 
 
 @dataclass
@@ -108,18 +117,48 @@ def sweep(cmd: list[str], port: int, cfg: CompareConfig, wl: Workloads,
     """Start a server, run the load generator at every concurrency level, stop it."""
     server = start_server(cmd, port)
     try:
-        model = server_model(server.base_url, {})
-        levels: dict[str, Any] = {}
-        for c in cfg.levels:
-            n = max(4, cfg.prompts_per_stream * c)
-            print(f"  {c} concurrent streams, {n} requests", file=sys.stderr)
-            spec = LoadSpec(base_url=server.base_url, model=model, requests=wl.serve[:n],
-                            max_concurrency=c, seed=cfg.seed, min_tokens=min_tokens)
-            levels[str(c)] = compact(benchmark(spec, percentiles=(90.0, 99.0)))
+        levels = {str(c): load_level(server.base_url, c, cfg, wl, min_tokens)
+                  for c in cfg.levels}
         return {"command": " ".join(cmd), "levels": levels,
                 "peak_rss_mib": server.peak_rss_mib()}
     finally:
         server.stop()
+
+
+def load_level(url: str, streams: int, cfg: CompareConfig, wl: Workloads,
+               min_tokens: bool) -> dict[str, Any]:
+    """The load generator at one concurrency level."""
+    n = max(4, cfg.prompts_per_stream * streams)
+    print(f"  {streams} concurrent streams, {n} requests", file=sys.stderr)
+    spec = LoadSpec(base_url=url, model=server_model(url, {}), requests=wl.serve[:n],
+                    max_concurrency=streams, seed=cfg.seed, min_tokens=min_tokens)
+    return compact(benchmark(spec, percentiles=(90.0, 99.0)))
+
+
+def sweep_llama_server(cfg: CompareConfig, wl: Workloads) -> dict[str, Any]:
+    """`llama-server` started anew for each level with one slot per stream, each slot with
+    the context a request needs (as tokenmill's KV cache is sized); the peak memory is the
+    largest level's."""
+    assert cfg.llama_server is not None
+    per_slot = cdiv(cfg.serve_input_len + cfg.output_len, BLOCK_SIZE) * BLOCK_SIZE
+    levels: dict[str, Any] = {}
+    commands, rss = [], []
+    for c in cfg.levels:
+        port = free_port()
+        cmd = [cfg.llama_server, "--model", cfg.model, "--host", "127.0.0.1", "--port",
+               str(port), "--threads", str(cfg.threads), "--threads-batch", str(cfg.threads),
+               "--parallel", str(c), "--ctx-size", str(c * per_slot), "--cont-batching",
+               "--no-webui"]
+        server = start_server(cmd, port)
+        try:
+            # llama-server honours ignore_eos, so outputs have the asked length.
+            levels[str(c)] = load_level(server.base_url, c, cfg, wl, min_tokens=False)
+            rss.append(server.peak_rss_mib())
+        finally:
+            server.stop()
+        commands.append(" ".join(cmd))
+    return {"command": commands[-1], "commands": commands, "levels": levels,
+            "peak_rss_mib": rss[-1] if rss else None, "server": "llama-server"}
 
 
 def run_tokenmill(cfg: CompareConfig, wl: Workloads, folder: str) -> dict[str, Any]:
@@ -155,12 +194,18 @@ def run_tokenmill(cfg: CompareConfig, wl: Workloads, folder: str) -> dict[str, A
 
 
 def run_llama(cfg: CompareConfig, wl: Workloads, folder: str) -> dict[str, Any]:
-    """llama-cpp-python's `Llama` for the single stream, its server for the sweep."""
+    """llama-cpp-python's `Llama` for the single stream; for the sweep `llama-server` when its
+    binary is there, else llama-cpp-python's server."""
     py, t = cfg.peers_python, str(cfg.threads)
     print("llama.cpp: single stream", file=sys.stderr)
     out = {"latency": run_json_job([py, PEERS_SCRIPT, "llama-latency", "--model", cfg.model,
                                     "--threads", t, "--workload", wl.latency_path,
                                     "--num-warmups", str(cfg.num_warmups)])}
+    out["version"] = out["latency"].get("version")
+    if cfg.llama_server is not None:
+        print("llama.cpp: HTTP server (llama-server, -np = streams)", file=sys.stderr)
+        out["serve"] = sweep_llama_server(cfg, wl)
+        return out
     print("llama.cpp: HTTP server (llama_cpp.server)", file=sys.stderr)
     port = free_port()
     # The server serves one request at a time; interrupt_requests off lets a queued request
@@ -170,7 +215,6 @@ def run_llama(cfg: CompareConfig, wl: Workloads, folder: str) -> dict[str, Any]:
            "--n_ctx", str(MAX_MODEL_LEN), "--interrupt_requests", "False"]
     # It has no ignore_eos (nor usage in streams: its chunks, one token each, are counted).
     out["serve"] = sweep(cmd, port, cfg, wl, min_tokens=True)
-    out["version"] = out["latency"].get("version")
     return out
 
 
@@ -253,6 +297,10 @@ def add_compare_parser(subparsers: argparse._SubParsersAction) -> None:
                                                           "python"),
                    help="the Python that has the peers (benchmarks/setup_peers.sh makes it)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
+    p.add_argument("--llama-server", default=DEFAULT_LLAMA_SERVER, metavar="PATH",
+                   help="llama.cpp's llama-server binary, the multi-stream peer (default: "
+                        "where benchmarks/setup_llama_server.sh builds it; if missing, "
+                        "llama-cpp-python's server is used)")
     p.add_argument("--tokenmill-args", default="",
                    help="extra engine options for tokenmill, as one string: "
                         "--tokenmill-args='--quantization int4'")
@@ -286,7 +334,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
         serve_input_len=args.input_len, output_len=args.output_len,
         prompts_per_stream=args.prompts_per_stream, latency_input_len=args.latency_input_len,
         num_iters=args.num_iters, num_warmups=args.num_warmups, batch_size=args.batch_size,
-        seed=args.seed, systems=systems, tokenmill_args=shlex.split(args.tokenmill_args))
+        seed=args.seed, systems=systems, tokenmill_args=shlex.split(args.tokenmill_args),
+        llama_server=args.llama_server if os.access(args.llama_server, os.X_OK) else None)
+    if cfg.llama_server is None:
+        print(f"no llama-server at {args.llama_server}: the multi-stream peer is "
+              "llama-cpp-python's server (one request at a time)", file=sys.stderr)
     result = run_compare(cfg)
     result["command"] = " ".join(["tokenmill", *sys.argv[1:]])
     stem = os.path.join(args.out_dir, f"{args.name}-{dt.date.today().isoformat()}")

@@ -94,6 +94,11 @@ def markdown_report(result: dict[str, Any]) -> str:
             lines.append(f"- {system}: failed ({entry['error'].splitlines()[0]})")
         else:
             lines.append(f"- {system} {entry.get('version', '')}")
+            server = (entry.get("serve") or {}).get("command")
+            if system == "llama.cpp" and server:
+                lines.append(f"  - HTTP server: `{server}`" + (
+                    " (started for each level with -np = streams)"
+                    if entry["serve"].get("server") == "llama-server" else ""))
     if result.get("load_average_before"):
         before, after = result["load_average_before"][0], result["load_average_after"][0]
         lines.append(f"- load average (1 min) before / after the run: {before:.2f} / {after:.2f}")

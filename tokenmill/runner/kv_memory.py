@@ -19,6 +19,7 @@ import torch
 from tokenmill.config import CacheConfig, EngineConfig
 from tokenmill.core.kv_cache import blocks_for_tokens, tokens_in_blocks
 from tokenmill.runner.platform import Platform
+from tokenmill.utils import cdiv
 
 if TYPE_CHECKING:
     from tokenmill.runner.model_runner import ModelRunner
@@ -109,7 +110,8 @@ def plan_kv_cache(cache: CacheConfig, platform: Platform, bytes_per_block: int,
                 budget = min(budget, CPU_DEFAULT_KV_BYTES_CAP)
             budget = int(budget * cache.kv_cache_share)
             if not platform.is_cuda and max_num_seqs is not None:
-                need = max_num_seqs * blocks_for_tokens(max_model_len, cache.block_size)
+                # Every request's own blocks, and the one reserved null block.
+                need = max_num_seqs * cdiv(max_model_len, cache.block_size) + 1
                 budget = min(budget, need * bytes_per_block)
         num_blocks = budget // bytes_per_block
     if num_blocks < 2:
