@@ -155,6 +155,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tokenmill.server.launcher import run_server
     from tokenmill.server.model_registry import config_factory, served_models
 
+    if args.model_path is not None:
+        if args.model:
+            raise ValueError(f"the model is given twice: as MODEL ({args.model_path!r}) and as "
+                             f"--model {args.model}; give one of them")
+        args.model = [args.model_path]
+
     config = ServerConfig(
         served_model_name=args.served_model_name, host=args.host, port=args.port,
         api_key=args.api_key or os.environ.get("TOKENMILL_API_KEY") or None,
@@ -239,6 +245,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `tokenmill serve`."""
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    p.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                   help="the model to serve, as `vllm serve MODEL` takes it: the same as one "
+                        "--model [NAME=]PATH[,OPT] (default: the embedded models)")
     add_engine_args(p, several_models=True)
     add_serve_args(p)
     add_monitor_args(p)
@@ -332,7 +341,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for register in COMMANDS:
         register(sub)
+    _accept_global_options(sub)
     return parser
+
+
+def _accept_global_options(sub: argparse._SubParsersAction) -> None:
+    """Let every command (and sub-command) take the global options after its name too:
+    `tokenmill chat -q` as well as `tokenmill -q chat`. Their default is SUPPRESS, so a
+    command without them keeps the value given before its name."""
+    for p in sub.choices.values():
+        if "--quiet" not in p._option_string_actions:
+            p.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
+                           help="log warnings only")
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                _accept_global_options(action)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -107,6 +107,9 @@ class CompletionCall:
     prompts: list[CompletionPrompt]
     params: SamplingParams
     tokenizer: Tokenizer
+    # ``max_tokens: 0`` with ``echo``: the prompt only, scored (its logprobs when asked), as
+    # OpenAI's legacy API answered it; the engine samples one token that is not reported.
+    score_only: bool = False
 
     @property
     def engine_prompts(self) -> list[PromptType]:
@@ -123,12 +126,13 @@ class CompletionCall:
                 per_prompt = sorted(per_prompt,
                                     key=lambda c: -sum(lp.logprob for lp in c.logprobs))
             for c_index, c in enumerate(per_prompt[:req.n]):
-                text = "".join(c.text)
+                text = "" if self.score_only else "".join(c.text)
                 lps = None
                 if k is not None:
-                    ids = [lp.token_id for lp in c.logprobs]
+                    ids = [] if self.score_only else [lp.token_id for lp in c.logprobs]
                     offset = len(prompt.text) if req.echo else 0
-                    lps = completion_logprobs(ids, list(c.logprobs), k, texts, offset)
+                    lps = completion_logprobs(ids, [] if self.score_only else list(c.logprobs),
+                                              k, texts, offset)
                     if req.echo:
                         lps = _merge(_echo_logprobs(prompt, result.prompt_logprobs[p_index], k,
                                                     texts), lps)
@@ -136,8 +140,11 @@ class CompletionCall:
                     index=p_index * req.n + c_index,
                     text=prompt.text + text if req.echo else text, logprobs=lps,
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        usage = result.usage()
+        if self.score_only:
+            usage.completion_tokens, usage.total_tokens = 0, usage.prompt_tokens
         return CompletionResponse(id=rid, created=created, model=model, choices=choices,
-                                  usage=result.usage())
+                                  usage=usage)
 
     def chunks(self, model: str, rid: str, created: int) -> CompletionChunks:
         """The builder of this request's streamed chunks (see StreamChunks)."""
@@ -221,12 +228,19 @@ def prepare_completion(req: CompletionRequest, served: ServedModel, *,
     tokenizer, vocab_size = served.tokenizer, served.vocab_size
     prompts = _prompts(req, tokenizer, vocab_size, served.max_model_len * MAX_CHARS_PER_TOKEN,
                        split_special_tokens)
+    score_only = req.max_tokens == 0
+    if score_only and not req.echo:
+        raise bad_request("max_tokens 0 asks for the prompt alone: it needs echo: true",
+                          "max_tokens")
+    if score_only and req.stream:
+        raise bad_request("max_tokens 0 (score the prompt) cannot be streamed", "stream")
+    max_tokens = 1 if score_only else req.max_tokens
     for p in prompts:
-        check_context(len(p.token_ids), req.max_tokens, served.max_model_len, "prompt")
+        check_context(len(p.token_ids), max_tokens, served.max_model_len, "prompt")
     # best_of ranks its samples by the sum of their tokens' logprobs: ask for those.
     k = req.logprobs
-    params = sampling_params(req, vocab_size, max_tokens=req.max_tokens,
+    params = sampling_params(req, vocab_size, max_tokens=max_tokens,
                              logprobs=0 if k is None and best_of > req.n else k,
                              prompt_logprobs=k if req.echo else None)
     check_grammar(req, params, served)
-    return CompletionCall(req, prompts, replace(params, n=best_of), tokenizer)
+    return CompletionCall(req, prompts, replace(params, n=best_of), tokenizer, score_only)

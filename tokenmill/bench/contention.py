@@ -119,6 +119,7 @@ def measure_policy(args: argparse.Namespace, name: str, env: dict[str, str]) -> 
     port = free_port()
     server = _start_server(args, port, penv)
     try:
+        serve_throughput(args, server.base_url)  # warm-up: the first steps pay one-time costs
         for _ in range(args.rounds):
             for cond, count in (("quiet", 0), ("busy", args.busy_cores)):
                 with busy_cores(count):

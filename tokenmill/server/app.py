@@ -35,6 +35,7 @@ from tokenmill.server.guard import HostPolicy, RequestGuard
 from tokenmill.server.lifecycle import ModelManager
 from tokenmill.server.monitoring import monitor_router
 from tokenmill.server.openapi import install_openapi, json_body
+from tokenmill.server.request_id import RequestIdMiddleware
 from tokenmill.server.responses_routes import responses_router
 from tokenmill.server.retrieval_routes import retrieval_limits, retrieval_router
 from tokenmill.server.serving import create_response
@@ -100,6 +101,7 @@ def build_app(state: ServerState, manager: ModelManager | None = None,
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(RequestIdMiddleware)
     # Added last, so it runs first: nothing (CORS preflights included) answers a foreign Host.
     app.add_middleware(RequestGuard, policy=HostPolicy(config.host, config.allowed_hosts,
                                                       config.allowed_origins))
@@ -151,6 +153,16 @@ def _inference_routes(state: ServerState) -> APIRouter:
                  for m in state.models.values()]
         return JSONResponse(ModelList(data=cards).model_dump())
 
+    @router.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        served = state.models.get(model_id)
+        if served is None:
+            raise APIError(404, f"the model {model_id!r} does not exist; served: "
+                           f"{sorted(state.models)}", param="model", code="model_not_found")
+        card = ModelCard(id=served.name, created=state.created,
+                         max_model_len=served.client.max_model_len)
+        return JSONResponse(card.model_dump())
+
     @router.post("/tokenize", openapi_extra=json_body(TokenizeRequest))
     async def tokenize_route(request: Request) -> JSONResponse:
         req = await read_json(state, request, TokenizeRequest)
@@ -177,6 +189,10 @@ def _open_routes(state: ServerState) -> APIRouter:
             return JSONResponse({"status": "ok"})
         reason = state.dead_reason or ("shutting down" if state.draining else "starting")
         return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+
+    @router.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": _version()})
 
     @router.get("/metrics")
     async def metrics() -> Response:

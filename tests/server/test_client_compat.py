@@ -1,0 +1,88 @@
+"""Routes and headers that clients expect of an OpenAI-compatible server: one model by id,
+``x-request-id`` on every answer, ``/version``, and prompt scoring with ``max_tokens: 0`` and
+``echo`` (lm-evaluation-harness's loglikelihood requests)."""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import openai
+import pytest
+from server_harness import Server
+
+PROMPT = "The capital of France is Paris"
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_retrieve_one_model(client: openai.OpenAI, server: Server) -> None:
+    model = client.models.retrieve(server.model)
+    assert model.id == server.model and model.object == "model"
+    assert client.models.retrieve("all-MiniLM-L6-v2").id == "all-MiniLM-L6-v2"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no-such-model")
+    assert e.value.body["code"] == "model_not_found"  # type: ignore[index]
+    assert "no-such-model" in e.value.body["message"]  # type: ignore[index]
+
+
+def test_every_answer_has_a_request_id(server: Server) -> None:
+    mine = httpx.get(f"{server.url}/v1/models", headers={"x-request-id": "trace-42"}, timeout=10)
+    assert mine.headers["x-request-id"] == "trace-42"
+    new = [httpx.get(f"{server.url}/v1/models", timeout=10).headers["x-request-id"]
+           for _ in range(2)]
+    assert new[0] != new[1] and all(len(r) >= 16 for r in new)
+    # An unusable id (spaces, too long) is replaced, not echoed.
+    odd = httpx.get(f"{server.url}/health", headers={"x-request-id": "a b"}, timeout=10)
+    assert odd.headers["x-request-id"] not in ("a b", "")
+    # Errors and streams carry it too.
+    bad = httpx.post(f"{server.url}/v1/completions", json={"model": server.model},
+                     headers={"x-request-id": "err-1"}, timeout=10)
+    assert bad.status_code == 400 and bad.headers["x-request-id"] == "err-1"
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
+                      headers={"x-request-id": "stream-1"},
+                      json={"model": server.model, "prompt": "Hi", "max_tokens": 2,
+                            "stream": True}) as r:
+        assert r.headers["x-request-id"] == "stream-1"
+        r.read()
+
+
+def test_version(server: Server) -> None:
+    r = httpx.get(f"{server.url}/version", timeout=10)
+    assert r.status_code == 200 and r.json()["version"]
+
+
+def test_max_tokens_zero_with_echo_scores_the_prompt(client: openai.OpenAI,
+                                                     server: Server) -> None:
+    scored = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=0,
+                                       echo=True, logprobs=1, temperature=0)
+    choice = scored.choices[0]
+    assert choice.text == PROMPT
+    assert scored.usage.completion_tokens == 0
+    lps = choice.logprobs
+    assert "".join(lps.tokens) == PROMPT
+    assert lps.token_logprobs[0] is None and len(lps.token_logprobs) == scored.usage.prompt_tokens
+    # The same numbers as the prompt part of an ordinary echo request.
+    full = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=1,
+                                     echo=True, logprobs=1, temperature=0)
+    n = scored.usage.prompt_tokens
+    assert full.choices[0].logprobs.tokens[:n] == lps.tokens
+    for a, b in zip(full.choices[0].logprobs.token_logprobs[1:n], lps.token_logprobs[1:],
+                    strict=True):
+        assert math.isclose(a, b, abs_tol=1e-4)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"max_tokens": 0}, "max_tokens"),                                  # no echo
+    ({"max_tokens": 0, "echo": True, "stream": True}, "stream"),
+    ({"max_tokens": -1, "echo": True}, "max_tokens"),
+])
+def test_max_tokens_zero_needs_echo_and_no_stream(server: Server, body: dict,
+                                                  param: str) -> None:
+    r = httpx.post(f"{server.url}/v1/completions",
+                   json={"model": server.model, "prompt": PROMPT, **body}, timeout=10)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
