@@ -379,6 +379,8 @@ class ServerConfig:
     # Seconds an on-demand model stays loaded while idle; None: until it must make room.
     keep_alive: float | None = 300.0
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    # Seconds between the log's stats lines of each model (0: none).
+    log_stats_interval: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

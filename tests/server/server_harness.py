@@ -44,7 +44,7 @@ class Server:
             return f.read()
 
     def metrics(self, model: str | None = None) -> dict[str, float]:
-        """Every sample of /metrics by name (labels other than finish_reason dropped; the
+        """Every sample of /metrics by name (labels other than finished_reason dropped; the
         samples of several models added up), or of one model only."""
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
         out: dict[str, float] = {}
@@ -52,7 +52,7 @@ class Server:
             for s in family.samples:
                 if model is not None and s.labels.get("model_name") != model:
                     continue
-                reason = s.labels.get("finish_reason")
+                reason = s.labels.get("finished_reason")
                 key = f"{s.name}[{reason}]" if reason else s.name
                 out[key] = out.get(key, 0.0) + s.value
         return out

@@ -168,7 +168,7 @@ BAD: list[tuple[str, dict | bytes, int, str | None]] = [
 
 def _engine_counters(server: Server) -> tuple[float, float]:
     m = server.metrics()
-    finished = sum(v for k, v in m.items() if k.startswith("tokenmill:request_finished_total"))
+    finished = sum(v for k, v in m.items() if k.startswith("tokenmill:request_success_total"))
     return finished, m["tokenmill:prompt_tokens_total"]
 
 

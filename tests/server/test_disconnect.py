@@ -15,11 +15,11 @@ LONG = {"prompt": "Tell me a very long story.", "max_tokens": 450, "ignore_eos":
 
 
 def aborted(server: Server) -> float:
-    return server.metrics().get("tokenmill:request_finished_total[abort]", 0.0)
+    return server.metrics().get("tokenmill:request_success_total[abort]", 0.0)
 
 
 def ran_to_length(server: Server) -> float:
-    return server.metrics().get("tokenmill:request_finished_total[length]", 0.0)
+    return server.metrics().get("tokenmill:request_success_total[length]", 0.0)
 
 
 def generated(server: Server) -> float:

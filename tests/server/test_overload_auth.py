@@ -83,7 +83,7 @@ def test_overload_gets_503_with_retry_after(small: Server) -> None:
 
 def test_queued_request_disconnect(small: Server) -> None:
     assert wait_for(lambda: idle(small))
-    before = small.metrics().get("tokenmill:request_finished_total[abort]", 0.0)
+    before = small.metrics().get("tokenmill:request_success_total[abort]", 0.0)
     with httpx.Client(timeout=60, headers=AUTH) as http:
         running = [http.stream("POST", f"{small.url}/v1/completions", json=LONG)
                    for _ in range(2)]
@@ -100,4 +100,4 @@ def test_queued_request_disconnect(small: Server) -> None:
         for r in running:
             r.__exit__(None, None, None)
     assert wait_for(lambda: idle(small), timeout=10), small.metrics()
-    assert small.metrics()["tokenmill:request_finished_total[abort]"] == before + 3
+    assert small.metrics()["tokenmill:request_success_total[abort]"] == before + 3

@@ -138,7 +138,7 @@ def post(server: Server, path: str, body: dict | bytes) -> httpx.Response:
 
 def engine_counters(server: Server) -> tuple[float, float]:
     m = server.metrics()
-    finished = sum(v for k, v in m.items() if k.startswith("tokenmill:request_finished_total"))
+    finished = sum(v for k, v in m.items() if k.startswith("tokenmill:request_success_total"))
     return finished, m["tokenmill:prompt_tokens_total"]
 
 

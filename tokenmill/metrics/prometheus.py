@@ -11,7 +11,12 @@ from prometheus_client import (
     generate_latest,
 )
 
-from tokenmill.metrics.stats import IterationStats, SchedulerStats, SpecDecodingStats
+from tokenmill.metrics.stats import (
+    FinishedRequestStats,
+    IterationStats,
+    SchedulerStats,
+    SpecDecodingStats,
+)
 from tokenmill.outputs import ComputeUsage
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
@@ -19,6 +24,12 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0
 _REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# vLLM's buckets for its per-output-token and request-phase histograms, so dashboards built
+# for vLLM read these the same way.
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0)
+_PHASE_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                  60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
 # attribute -> (kind, metric name without "tokenmill:", help, histogram buckets). Every family
@@ -50,8 +61,17 @@ _FAMILIES: dict[str, tuple[str, str, str, tuple[float, ...]]] = {
                 _TOKEN_BUCKETS),
     "batch_size": ("histogram", "iteration_batch_size", "Sequences computed per engine step.",
                    _BATCH_BUCKETS),
-    "batch_tokens": ("histogram", "iteration_tokens", "Tokens computed per engine step.",
-                     _TOKEN_BUCKETS),
+    "batch_tokens": ("histogram", "iteration_tokens_total", "Tokens computed per engine step "
+                     "(vLLM's name).", _TOKEN_BUCKETS),
+    "tpot": ("histogram", "time_per_output_token_seconds",
+             "Decode time per output token after the first, per finished sequence.",
+             _TPOT_BUCKETS),
+    "prefill_time": ("histogram", "request_prefill_time_seconds",
+                     "First scheduled to first token.", _PHASE_BUCKETS),
+    "decode_time": ("histogram", "request_decode_time_seconds", "First token to finish.",
+                    _PHASE_BUCKETS),
+    "inference_time": ("histogram", "request_inference_time_seconds",
+                       "First scheduled to finish.", _PHASE_BUCKETS),
     "compute_seconds": ("counter", "compute_seconds", "Seconds of engine steps.", ()),
     "energy_joules": ("counter", "energy_joules", "Energy of engine steps (J; estimated where "
                       "the machine has no energy counter: see energy_estimated).", ()),
@@ -85,9 +105,14 @@ class PrometheusMetrics:
             else:
                 self.families[attr] = Histogram(full, doc, ["model_name"], buckets=buckets,
                                                 registry=r)
-        self.finished = Counter("tokenmill:request_finished",
-                                "Finished sequences by finish reason.",
-                                ["model_name", "finish_reason"], registry=r)
+        # vLLM's name and label, so its dashboards read it.
+        self.finished = Counter("tokenmill:request_success",
+                                "Finished sequences by finish reason (stop, length, abort).",
+                                ["model_name", "finished_reason"], registry=r)
+        self.cache_config = Gauge("tokenmill:cache_config_info",
+                                  "The KV cache's configuration (value 1, in the labels).",
+                                  ["model_name", "block_size", "num_gpu_blocks",
+                                   "cache_dtype", "enable_prefix_caching"], registry=r)
         self.drift_score = Gauge("tokenmill:drift_score",
                                  "Drift of a signal's live window from its reference "
                                  "(PSI; cosine distance for prompt_embedding).",
@@ -131,6 +156,10 @@ class PrometheusStatLogger:
     gen_len: Histogram
     batch_size: Histogram
     batch_tokens: Histogram
+    tpot: Histogram
+    prefill_time: Histogram
+    decode_time: Histogram
+    inference_time: Histogram
     compute_seconds: Counter
     energy_joules: Counter
     cost_usd: Counter
@@ -188,6 +217,23 @@ class PrometheusStatLogger:
                 self.queue_time.observe(f.queue_time)
             self.prompt_len.observe(f.num_prompt_tokens)
             self.gen_len.observe(f.num_generation_tokens)
+            self._record_phases(f)
+
+    def _record_phases(self, f: FinishedRequestStats) -> None:
+        """vLLM's request-phase histograms of one finished sequence."""
+        for hist, seconds in ((self.prefill_time, f.prefill_time),
+                              (self.decode_time, f.decode_time),
+                              (self.inference_time, f.inference_time)):
+            if seconds is not None:
+                hist.observe(seconds)
+        if f.decode_time is not None and f.num_generation_tokens > 1:
+            self.tpot.observe(f.decode_time / (f.num_generation_tokens - 1))
+
+    def set_cache_config(self, block_size: int, num_blocks: int, dtype: str,
+                         prefix_caching: bool) -> None:
+        """Publish the KV cache's configuration (vLLM's cache_config_info)."""
+        self.metrics.cache_config.labels(self._model_name, str(block_size), str(num_blocks),
+                                         dtype, str(prefix_caching)).set(1)
 
     def _record_usage(self, total: ComputeUsage, new_output_tokens: int) -> None:
         """Counters go up by the change in the engine's totals of step time, energy, cost."""

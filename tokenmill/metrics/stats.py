@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tokenmill.outputs import ComputeUsage, RequestOutput
+from tokenmill.outputs import ComputeUsage, RequestMetrics, RequestOutput
 
 
 @dataclass
@@ -90,6 +90,11 @@ class FinishedRequestStats:
     prompt: str | None = None
     stop_reason: int | str | None = None
     mean_logprob: float | None = None
+    # Seconds from first scheduled to first token (prefill), first token to finish (decode),
+    # and first scheduled to finish (inference); None where the sequence never got there.
+    prefill_time: float | None = None
+    decode_time: float | None = None
+    inference_time: float | None = None
 
 
 @dataclass
@@ -155,4 +160,15 @@ class StatsCollector:
                 prompt=out.prompt,
                 stop_reason=c.stop_reason,
                 mean_logprob=(c.cumulative_logprob / n
-                              if c.cumulative_logprob is not None and n else None)))
+                              if c.cumulative_logprob is not None and n else None),
+                **_phases(out.metrics)))
+
+
+def _phases(m: RequestMetrics) -> dict[str, float | None]:
+    """A finished request's prefill, decode and inference seconds (vLLM's phases)."""
+    def span(start: float | None, end: float | None) -> float | None:
+        return end - start if start is not None and end is not None else None
+
+    return {"prefill_time": span(m.first_scheduled_time, m.first_token_time),
+            "decode_time": span(m.first_token_time, m.finished_time),
+            "inference_time": span(m.first_scheduled_time, m.finished_time)}

@@ -21,6 +21,7 @@ from tokenmill.api.errors import APIError, bad_request
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_llm import AsyncLLM, load_engine_for_thread
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.metrics.log_stats import LoggingStatLogger
 from tokenmill.metrics.stats import StatLogger
 from tokenmill.server.model_registry import ModelSpec, parse_model_spec
 from tokenmill.server.state import EMBED, GENERATE, ServedModel, ServerState
@@ -62,12 +63,17 @@ def serve_engine(state: ServerState, name: str, engine: LLMEngine,
     """A loaded engine as a served model: its client on the server's step loop, its metrics."""
     config = state.config
     task = EMBED if engine.task == EMBED else GENERATE
-    loggers: list[StatLogger] = [state.metrics.for_model(name)]
+    prometheus = state.metrics.for_model(name)
+    info = engine.model_info()
+    prometheus.set_cache_config(info.kv_cache.block_size, info.kv_cache.num_blocks, info.dtype,
+                                engine.config.cache.enable_prefix_caching)
+    loggers: list[StatLogger] = [prometheus]
+    if config.log_stats_interval > 0:
+        loggers.append(LoggingStatLogger(name, config.log_stats_interval))
     if state.monitors is not None and task == GENERATE:
         loggers.append(state.monitors.for_model(name))
     client = AsyncLLM(engine, max_queue=config.max_queue, stat_loggers=loggers,
                       step_loop=state.step_loop, debug_fail_at_step=debug_fail_at_step)
-    info = engine.model_info()
     return ServedModel(name, client, task, path=engine.model_path,
                        weight_bytes=info.weight_bytes, kv_cache_bytes=info.kv_cache.total_bytes)
 
