@@ -7,8 +7,7 @@ import argparse
 import logging
 import os
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from tokenmill.batch.cli import add_batch_parser
 from tokenmill.bench import batch as bench_batch
@@ -26,6 +25,7 @@ from tokenmill.bench import (
     throughput,
 )
 from tokenmill.bench import serve as bench_serve
+from tokenmill.chat import ChatSession, run_generate
 from tokenmill.config import TOOL_CALL_PARSERS, ServerConfig
 from tokenmill.engine.args import (
     add_engine_args,
@@ -34,8 +34,6 @@ from tokenmill.engine.args import (
     sampling_params_from_args,
 )
 from tokenmill.engine.llm_engine import LLMEngine, ModelInfo
-from tokenmill.engine.output_processor import OutputKind
-from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.admin_cli import add_models_parser
 from tokenmill.server.monitor_cli import (
     add_monitor_args,
@@ -45,70 +43,16 @@ from tokenmill.server.monitor_cli import (
 from tokenmill.stream.cli import add_stream_parser
 
 
-def stream_text(engine: LLMEngine, prompt: str | dict, params: SamplingParams) -> Iterator[str]:
-    """Yield the text of one request as it is generated."""
-    rid = f"cli-{time.monotonic_ns()}"
-    engine.add_request(rid, prompt, params, kind=OutputKind.DELTA)
-    try:
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.request_id == rid and out.outputs[0].text:
-                    yield out.outputs[0].text
-    finally:
-        engine.abort_request(rid)  # no-op when finished; frees the request on Ctrl-C
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
-    """Run `tokenmill generate`: one prompt, streamed to stdout."""
+    """Run `tokenmill generate`: one prompt, streamed to stdout, then a summary."""
     engine = LLMEngine(engine_config_from_args(args))
-    params = sampling_params_from_args(args)
-    for delta in stream_text(engine, args.prompt, params):
-        sys.stdout.write(delta)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
-    return 0
+    return run_generate(engine, args.prompt, sampling_params_from_args(args))
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Run `tokenmill chat`: read messages from the terminal until /exit or EOF."""
     engine = LLMEngine(engine_config_from_args(args))
-    params = sampling_params_from_args(args)
-    tok = engine.tokenizer
-    history: list[dict] = []
-    if args.system:
-        history.append({"role": "system", "content": args.system})
-    print("tokenmill chat: type a message; /reset clears the history, /exit or Ctrl-D quits.",
-          file=sys.stderr)
-    while True:
-        try:
-            line = input("> ")
-        except (EOFError, KeyboardInterrupt):
-            print(file=sys.stderr)
-            return 0
-        if line.strip() == "/exit":
-            return 0
-        if line.strip() == "/reset":
-            history = history[:1] if args.system else []
-            continue
-        if not line.strip():
-            continue
-        history.append({"role": "user", "content": line})
-        text, ids = tok.encode_chat(history, add_generation_prompt=True)
-        prompt = {"prompt": text, "prompt_token_ids": ids}
-        reply = []
-        try:
-            for delta in stream_text(engine, prompt, params):
-                reply.append(delta)
-                sys.stdout.write(delta)
-                sys.stdout.flush()
-        except ValueError as e:  # e.g. the history outgrew the context
-            history.pop()
-            print(f"\nerror: {e}", file=sys.stderr)
-            continue
-        except KeyboardInterrupt:
-            pass
-        sys.stdout.write("\n")
-        history.append({"role": "assistant", "content": "".join(reply)})
+    return ChatSession(engine, sampling_params_from_args(args), args.system).run()
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -188,7 +132,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     """Options of the OpenAI-compatible HTTP server."""
     g = p.add_argument_group("server")
     g.add_argument("--host", default=ServerConfig.host, help="address to bind (default: loopback)")
-    g.add_argument("--port", type=int, default=ServerConfig.port)
+    g.add_argument("--port", type=int, default=ServerConfig.port, help="port to listen on")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (default: $TOKENMILL_API_KEY)")
     g.add_argument("--admin-key", default=None,
@@ -361,6 +305,18 @@ def _accept_global_options(sub: argparse._SubParsersAction) -> None:
         for action in p._actions:
             if isinstance(action, argparse._SubParsersAction):
                 _accept_global_options(action)
+            else:
+                _show_default(action)
+
+
+def _show_default(action: argparse.Action) -> None:
+    """Every option's help says its default, unless it already does or has none to say."""
+    default = action.default
+    if (not action.help or action.help == argparse.SUPPRESS or default is None
+            or default is argparse.SUPPRESS or isinstance(default, bool)
+            or "default" in action.help or not action.option_strings):
+        return
+    action.help += " (default: %(default)s)"
 
 
 def main(argv: list[str] | None = None) -> int:

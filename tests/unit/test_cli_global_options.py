@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from tokenmill.cli import build_parser, cmd_serve
@@ -31,3 +33,24 @@ def test_serve_refuses_the_model_twice() -> None:
     args = build_parser().parse_args(["serve", "a.gguf", "--model", "b.gguf"])
     with pytest.raises(ValueError, match="given twice"):
         cmd_serve(args)
+
+
+def _options(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _options(sub, (*path, name))
+        elif action.option_strings and not isinstance(action, argparse._HelpAction):
+            yield " ".join(path), action
+
+
+def test_every_option_has_a_help_line_and_says_its_default() -> None:
+    options = list(_options(build_parser()))
+    assert len(options) > 300
+    no_help = [f"{cmd} {a.option_strings[-1]}" for cmd, a in options if not a.help]
+    assert no_help == []
+    # A value with a default says it (flags and options without a default have none to say).
+    hidden = [f"{cmd} {a.option_strings[-1]}" for cmd, a in options
+              if a.default not in (None, False, True, argparse.SUPPRESS)
+              and "default" not in a.help]
+    assert hidden == []

@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("engine",),
     ("api",),
     ("retrieval", "ops"),
-    ("server", "batch", "stream"),
+    ("server", "batch", "stream", "chat"),
     ("bench",),
     ("cli",),
     ("__main__",),

@@ -24,12 +24,12 @@ def add_batch_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="requests queued in the engine at once (per engine)")
     p.add_argument("--served-model-name", default=None,
                    help="`model` in the response bodies (default: the model file's name)")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     g = p.add_argument_group("ray", "scale out on Ray Data (pip install 'ray[data]')")
     g.add_argument("--ray", action="store_true", help="run on Ray Data actors")
     g.add_argument("--ray-actors", type=int, default=2, help="actors, each holding an engine")
     g.add_argument("--ray-batch-size", type=int, default=64, help="lines per actor call")
-    g.add_argument("--ray-cpus-per-actor", type=float, default=1.0)
+    g.add_argument("--ray-cpus-per-actor", type=float, default=1.0, help="CPUs Ray reserves for each engine actor")
     g.add_argument("--ray-address", default=None,
                    help="Ray cluster to join (default: $RAY_ADDRESS, else a local one)")
     add_engine_args(p)

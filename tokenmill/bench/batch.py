@@ -31,8 +31,8 @@ def add_batch_bench_parser(subparsers: argparse._SubParsersAction) -> None:
                               description=__doc__.splitlines()[0])
     add_offline_args(p, input_len="128", output_len="128", num_prompts=64)
     p.add_argument("--num-iters", type=int, default=3, help="runs of each, alternating")
-    p.add_argument("--num-warmups", type=int, default=1)
-    p.add_argument("--max-in-flight", type=int, default=DEFAULT_MAX_IN_FLIGHT)
+    p.add_argument("--num-warmups", type=int, default=1, help="untimed iterations first")
+    p.add_argument("--max-in-flight", type=int, default=DEFAULT_MAX_IN_FLIGHT, help="requests in the engine at once")
     p.add_argument("--markdown-file", default=None, help="also write the table here")
     p.set_defaults(func=cmd_batch_bench)
 

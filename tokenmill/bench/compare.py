@@ -292,7 +292,7 @@ def add_compare_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("compare", help="tokenmill vs llama.cpp vs transformers, one run",
                               description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="GGUF file (default: the embedded model)")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads (default: every core this process may use)")
     p.add_argument("--peers-python", default=os.path.join("benchmarks", ".venv-peers", "bin",
                                                           "python"),
                    help="the Python that has the peers (benchmarks/setup_peers.sh makes it)")
@@ -305,15 +305,15 @@ def add_compare_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="extra engine options for tokenmill, as one string: "
                         "--tokenmill-args='--quantization int4'")
     p.add_argument("--concurrency", default="1,4,16,32", help="server streams per level")
-    p.add_argument("--prompts-per-stream", type=int, default=2)
+    p.add_argument("--prompts-per-stream", type=int, default=2, help="requests per concurrent stream at each level")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens (batch, server)")
-    p.add_argument("--latency-input-len", type=int, default=500)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--num-iters", type=int, default=3)
-    p.add_argument("--num-warmups", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", default=os.path.join("benchmarks", "results"))
+    p.add_argument("--latency-input-len", type=int, default=500, help="prompt tokens of the single-stream run")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+    p.add_argument("--batch-size", type=int, default=32, help="requests in the offline batch")
+    p.add_argument("--num-iters", type=int, default=3, help="timed iterations")
+    p.add_argument("--num-warmups", type=int, default=1, help="untimed iterations first")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--out-dir", default=os.path.join("benchmarks", "results"), help="folder for the JSON, markdown and PNG")
     p.add_argument("--name", default="cpu", help="file name prefix: NAME-DATE.json/.md/.png")
     p.set_defaults(func=cmd_compare)
 

@@ -35,19 +35,19 @@ def add_embed_parser(subparsers: argparse._SubParsersAction) -> None:
                                             "sentence-transformers")
     p.add_argument("--model", default=None,
                    help="embedding model folder (default: the embedded all-MiniLM-L6-v2)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--num-sentences", type=int, default=1000)
-    p.add_argument("--min-words", type=int, default=10)
-    p.add_argument("--max-words", type=int, default=60)
+    p.add_argument("--threads", type=int, default=2, help="CPU threads (default: every core this process may use)")
+    p.add_argument("--num-sentences", type=int, default=1000, help="sentences to embed")
+    p.add_argument("--min-words", type=int, default=10, help="fewest words in a sentence")
+    p.add_argument("--max-words", type=int, default=60, help="most words in a sentence")
     p.add_argument("--repeats", type=int, default=3, help="alternated runs of each engine")
     p.add_argument("--st-batch-size", type=int, default=32,
                    help="sentence-transformers' batch size (its default: 32)")
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one engine step at most (the running batch)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="tokens per engine step (larger steps spill the activations out of "
                         "the caches: measured no faster)")
     p.add_argument("--skip-throughput", action="store_true", help="parity only")
-    p.add_argument("--output", default=DEFAULT_OUTPUT)
+    p.add_argument("--output", default=DEFAULT_OUTPUT, help="where to write")
     p.set_defaults(func=cmd_embed)
 
 

@@ -175,9 +175,9 @@ def add_fuzz_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--max-time", type=int, default=120, help="seconds of schema fuzzing")
     p.add_argument("--workers", type=int, default=2, help="concurrent fuzzing clients")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--heavy-requests", type=int, default=8)
-    p.add_argument("--heavy-messages", type=int, default=120_000)
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--heavy-requests", type=int, default=8, help="large hand-made requests sent beside the fuzzer")
+    p.add_argument("--heavy-messages", type=int, default=120_000, help="chat messages in the largest of them")
     p.add_argument("--server-args", default="--max-model-len 256",
                    help="extra `tokenmill serve` options for the server it starts")
     p.add_argument("--result-file", default=None, help="write the result JSON here")

@@ -163,7 +163,7 @@ def add_gpu_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(model=None, load_format="dummy", max_num_seqs=256,
                    max_num_batched_tokens=8192)
     g = p.add_argument_group("suite")
-    g.add_argument("--suite", choices=SUITES, required=True)
+    g.add_argument("--suite", choices=SUITES, required=True, help="which GPU benchmark to run")
     g.add_argument("--num-prompts", type=int, default=None, help="default: the suite's")
     g.add_argument("--input-len", default=None, help="N or MIN:MAX (default: the suite's)")
     g.add_argument("--output-len", default=None, help="N or MIN:MAX (default: the suite's)")

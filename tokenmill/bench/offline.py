@@ -24,8 +24,8 @@ def add_offline_args(p: argparse.ArgumentParser, input_len: str, output_len: str
     g.add_argument("--input-len", default=input_len, help="prompt tokens: N or MIN:MAX (random)")
     g.add_argument("--output-len", default=output_len, help="output tokens: N or MIN:MAX")
     if num_prompts is not None:
-        g.add_argument("--num-prompts", type=int, default=num_prompts)
-    g.add_argument("--temperature", type=float, default=0.0)
+        g.add_argument("--num-prompts", type=int, default=num_prompts, help="requests to send")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     g.add_argument("--result-file", default=None, help="write the result JSON here")
 
 

@@ -196,9 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("command", choices=["check", "llama-latency", "hf-latency", "hf-batch"])
     ap.add_argument("--model", default=None, help="the GGUF file")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads (default: every core this process may use)")
     ap.add_argument("--workload", default=None, help="JSONL of prompt_token_ids, output_len")
-    ap.add_argument("--num-warmups", type=int, default=1)
+    ap.add_argument("--num-warmups", type=int, default=1, help="untimed iterations first")
     ap.add_argument("--n-ctx", type=int, default=2048)
     args = ap.parse_args(argv)
     commands: dict[str, Callable[[], dict[str, Any]]] = {

@@ -26,7 +26,7 @@ def add_prefix_cache_parser(subparsers: argparse._SubParsersAction) -> None:
                               description=__doc__.splitlines()[0])
     add_offline_args(p, input_len="1000", output_len="8", num_prompts=None)
     p.add_argument("--suffix-len", type=int, default=24, help="tokens after the shared prefix")
-    p.add_argument("--num-iters", type=int, default=5)
+    p.add_argument("--num-iters", type=int, default=5, help="timed iterations")
     p.add_argument("--markdown", default=None, help="also write the table here")
     p.set_defaults(func=cmd_prefix_cache)
 

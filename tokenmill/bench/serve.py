@@ -232,7 +232,7 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
                    help="requests/s with Poisson arrivals; inf (default) sends all at once")
     p.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the arrival gaps: 1 Poisson, <1 burstier, >1 steadier")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--tokenizer", default=None,
                    help="GGUF file or HF folder to tokenize with locally (default: the server's "
                         "/tokenize, else the embedded model)")
@@ -240,14 +240,14 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
                    help="do not send ignore_eos (outputs may end early)")
     p.add_argument("--min-tokens", action="store_true",
                    help="also send min_tokens = output length (servers without ignore_eos)")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--extra-body", type=json.loads, default={},
                    help="JSON object merged into every request body")
     p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="SLOs for goodput, e.g. ttft:500 tpot:100 e2el:20000")
     p.add_argument("--metric-percentiles", default="90,99",
                    help="comma-separated percentiles to report (besides mean and median)")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -260,7 +260,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--max-concurrency", type=int, default=None,
                    help="at most this many requests in flight")
-    p.add_argument("--num-warmups", type=int, default=1)
+    p.add_argument("--num-warmups", type=int, default=1, help="untimed iterations first")
     p.add_argument("--result-file", default=None, help="write the result JSON here")
     add_load_args(p)
     p.set_defaults(func=cmd_serve)

@@ -152,9 +152,9 @@ def add_spec_parser(subparsers: argparse._SubParsersAction) -> None:
                         "is the baseline of 'same tokens' (--speculative/--speculative-model "
                         "are ignored)")
     g.add_argument("--tasks", default="code,chat", help=f"comma-separated of {sorted(TASKS)}")
-    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--max-tokens", type=int, default=256, help="output tokens at most")
     g.add_argument("--num-iters", type=int, default=3, help="timed runs per mode and task")
-    g.add_argument("--num-warmups", type=int, default=1)
+    g.add_argument("--num-warmups", type=int, default=1, help="untimed iterations first")
     g.add_argument("--result-file", default=None, help="write the result JSON here")
     # One engine per mode, all loaded at once: a small KV cache each (one stream needs little).
     p.set_defaults(func=cmd_spec, num_kv_blocks=256)

@@ -33,7 +33,7 @@ def add_structured_parser(subparsers: argparse._SubParsersAction) -> None:
     add_engine_args(p)
     g = p.add_argument_group("structured")
     g.add_argument("--schemas", default=str(SCHEMAS_PATH), help="the schema set (JSON)")
-    g.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
+    g.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="output tokens at most")
     g.add_argument("--batch-sizes", default="1,32", help="overhead: comma-separated batch sizes")
     g.add_argument("--rounds", type=int, default=5, help="overhead: alternated rounds per mode")
     g.add_argument("--batch1-requests", type=int, default=8,

@@ -58,8 +58,8 @@ def add_throughput_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("throughput", help="offline engine throughput on many prompts",
                               description=__doc__.splitlines()[0])
     add_offline_args(p, input_len="128", output_len="128", num_prompts=32)
-    p.add_argument("--num-warmups", type=int, default=1)
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--num-warmups", type=int, default=1, help="untimed iterations first")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(func=cmd_throughput)
 
 

@@ -48,9 +48,9 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
                        help="GGUF file or Hugging Face folder (default: embedded "
                             "SmolLM2-135M-Instruct); with --load-format dummy also a preset: "
                             "llama-3.1-8b, qwen3-0.6b")
-    g.add_argument("--dtype", default=ModelConfig.dtype, choices=DTYPES)
-    g.add_argument("--max-model-len", type=int, default=ModelConfig.max_model_len)
-    g.add_argument("--load-format", default=ModelConfig.load_format, choices=LOAD_FORMATS)
+    g.add_argument("--dtype", default=ModelConfig.dtype, choices=DTYPES, help="compute dtype (auto: float32 on the CPU, bfloat16/float16 on CUDA)")
+    g.add_argument("--max-model-len", type=int, default=ModelConfig.max_model_len, help="longest prompt + output in tokens (default: the model's context)")
+    g.add_argument("--load-format", default=ModelConfig.load_format, choices=LOAD_FORMATS, help="how to read the weights (auto: by the file; dummy: random, for tests)")
     g.add_argument("--quantization", default=ModelConfig.quantization,
                    choices=QUANTIZATIONS,
                    help="int8 per channel or int4 in groups of 32 (weight-only), fp8 (e4m3 "
@@ -62,17 +62,17 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
     g.add_argument("--pooling", default=ModelConfig.pooling, choices=POOLING_METHODS,
                    help="how an embedding pools token states (default: the folder's "
                         "sentence-transformers config, else cls for encoders, last for decoders)")
-    g.add_argument("--device", default=DeviceConfig.device)
+    g.add_argument("--device", default=DeviceConfig.device, help="cpu, cuda or cuda:N (default: cuda when there is one, else cpu)")
     g.add_argument("--threads", type=int, default=DeviceConfig.num_threads,
                    help="CPU threads per process (default: all cores, shared among the ranks)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int,
                    default=ParallelConfig.tensor_parallel_size, metavar="N",
                    help="shard the model over N GPUs (or N CPU processes)")
     _add_cache_args(g)
-    g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs, help="sequences in one engine step at most (the running batch)")
     g.add_argument("--max-num-batched-tokens", type=int,
-                   default=SchedulerConfig.max_num_batched_tokens)
-    g.add_argument("--seed", type=int, default=ModelConfig.seed)
+                   default=SchedulerConfig.max_num_batched_tokens, help="tokens in one engine step at most (chunked prefill's budget)")
+    g.add_argument("--seed", type=int, default=ModelConfig.seed, help="random seed")
     g.add_argument("--deterministic", action="store_true", default=EngineConfig.deterministic,
                    help="batch-invariant greedy decoding on the CPU: a request's tokens do not "
                         "depend on the requests beside it (slower prefill)")
@@ -87,10 +87,10 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
 
 def _add_cache_args(g: argparse._ArgumentGroup) -> None:
     """The KV cache's size and layout, and CUDA graphs (which are sized like the cache)."""
-    g.add_argument("--block-size", type=int, default=CacheConfig.block_size)
-    g.add_argument("--num-kv-blocks", type=int, default=CacheConfig.num_blocks)
+    g.add_argument("--block-size", type=int, default=CacheConfig.block_size, help="tokens per KV cache block")
+    g.add_argument("--num-kv-blocks", type=int, default=CacheConfig.num_blocks, help="KV cache blocks (overrides the memory options)")
     g.add_argument("--kv-cache-memory", type=int, default=CacheConfig.kv_cache_memory_bytes,
-                   metavar="BYTES")
+                   metavar="BYTES", help="bytes of KV cache (default: sized from free memory and the workload)")
     g.add_argument("--kv-cache-memory-fraction", type=float,
                    default=CacheConfig.kv_cache_memory_fraction,
                    help="share of free memory for the KV cache (CPU)")
@@ -160,13 +160,13 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     """Sampling options of the commands that generate text (generate, chat, stream)."""
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=CLI_MAX_TOKENS)
-    g.add_argument("--temperature", type=float, default=CLI_TEMPERATURE)
-    g.add_argument("--top-p", type=float, default=SamplingParams.top_p)
-    g.add_argument("--top-k", type=int, default=SamplingParams.top_k)
-    g.add_argument("--min-p", type=float, default=SamplingParams.min_p)
-    g.add_argument("--repetition-penalty", type=float, default=SamplingParams.repetition_penalty)
-    g.add_argument("--sampling-seed", type=int, default=SamplingParams.seed)
+    g.add_argument("--max-tokens", type=int, default=CLI_MAX_TOKENS, help="output tokens at most")
+    g.add_argument("--temperature", type=float, default=CLI_TEMPERATURE, help="sampling temperature (0: greedy)")
+    g.add_argument("--top-p", type=float, default=SamplingParams.top_p, help="nucleus sampling: the smallest set of tokens with this much probability")
+    g.add_argument("--top-k", type=int, default=SamplingParams.top_k, help="sample among the k most likely tokens (-1 or 0: all)")
+    g.add_argument("--min-p", type=float, default=SamplingParams.min_p, help="drop tokens less likely than this share of the most likely one")
+    g.add_argument("--repetition-penalty", type=float, default=SamplingParams.repetition_penalty, help="divide the logits of tokens already seen by this (1: off)")
+    g.add_argument("--sampling-seed", type=int, default=SamplingParams.seed, help="seed of the sampler (default: random)")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     s = g.add_mutually_exclusive_group()
     s.add_argument("--json-schema", default=None, metavar="SCHEMA",

@@ -35,7 +35,7 @@ def add_stream_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--exit-when-idle", type=float, default=None, metavar="SECONDS",
                    help="exit once nothing has arrived or been in flight for this long")
     g = p.add_argument_group("redis", "read from and write to Redis Streams (pip install redis)")
-    g.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    g.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="the Redis server")
     g.add_argument("--input-stream", default=None, help="read this stream instead of stdin")
     g.add_argument("--group", default="tokenmill", help="consumer group of the input stream")
     g.add_argument("--consumer", default=None,

@@ -1,0 +1,196 @@
+"""The terminal front ends of the offline engine: `tokenmill generate` (one prompt, streamed,
+then a summary line) and `tokenmill chat` (a conversation with line editing, history and
+local slash-commands)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.output_processor import OutputKind
+from tokenmill.sampling_params import SamplingParams
+
+HELP = """commands (never sent to the model):
+  /help           this list
+  /reset          forget the conversation (the system message stays)
+  /system TEXT    set the system message (and forget the conversation)
+  /exit           quit (or Ctrl-D)"""
+# Shown after an answer that stopped because it reached max_tokens.
+CUT_MARK = "[cut at max_tokens: --max-tokens N for longer answers]"
+
+
+@dataclass
+class Answer:
+    """One streamed answer: its text, token counts, why it ended and how long it took."""
+
+    text: list[str] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    finish_reason: str | None = None
+    seconds: float = 0.0
+    first_token_seconds: float | None = None
+
+    def summary(self) -> str:
+        """``N tokens, X tokens/s, TTFT Y s`` (decode speed after the first token)."""
+        rate = ""
+        if self.first_token_seconds is not None and self.output_tokens > 1:
+            decode = self.seconds - self.first_token_seconds
+            if decode > 0:
+                rate = f", {(self.output_tokens - 1) / decode:.1f} tokens/s"
+        ttft = (f", first token after {self.first_token_seconds:.2f} s"
+                if self.first_token_seconds is not None else "")
+        return f"{self.output_tokens} tokens{rate}{ttft}"
+
+
+def stream_answer(engine: LLMEngine, prompt: str | dict, params: SamplingParams,
+                  out: TextIO) -> Answer:
+    """Run one request, writing its text to ``out`` as it comes; what it was."""
+    rid = f"cli-{time.monotonic_ns()}"
+    answer = Answer()
+    start = time.perf_counter()
+    engine.add_request(rid, prompt, params, kind=OutputKind.DELTA)
+    try:
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.request_id != rid:
+                    continue
+                c = o.outputs[0]
+                answer.prompt_tokens = len(o.prompt_token_ids)
+                if c.token_ids and answer.first_token_seconds is None:
+                    answer.first_token_seconds = time.perf_counter() - start
+                answer.output_tokens += len(c.token_ids)
+                if c.text:
+                    answer.text.append(c.text)
+                    out.write(c.text)
+                    out.flush()
+                if o.finished:
+                    answer.finish_reason = c.finish_reason
+    finally:
+        engine.abort_request(rid)  # no-op when finished; frees the request on Ctrl-C
+        answer.seconds = time.perf_counter() - start
+    return answer
+
+
+def run_generate(engine: LLMEngine, prompt: str, params: SamplingParams) -> int:
+    """`tokenmill generate`: the answer on stdout, a summary on stderr."""
+    answer = stream_answer(engine, prompt, params, sys.stdout)
+    sys.stdout.write("\n")
+    if answer.finish_reason == "length":
+        print(CUT_MARK, file=sys.stderr)
+    print(f"1 request: {answer.prompt_tokens} prompt + {answer.summary()}, "
+          f"{answer.seconds:.2f} s in all", file=sys.stderr)
+    return 0
+
+
+def history_file() -> str:
+    """Where the chat's input history is kept ($XDG_CACHE_HOME or ~/.cache)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tokenmill", "chat_history")
+
+
+def _enable_line_editing() -> None:
+    """Arrow keys, editing and a history kept between sessions, where readline exists and
+    the input is a terminal."""
+    if not sys.stdin.isatty():
+        return
+    try:
+        import readline
+    except ImportError:  # not on every platform: plain input() still works
+        return
+    import atexit
+
+    path = history_file()
+    try:
+        readline.read_history_file(path)
+    except OSError:
+        pass
+    readline.set_history_length(1000)
+
+    def save() -> None:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            readline.write_history_file(path)
+        except OSError:
+            pass
+
+    atexit.register(save)
+
+
+class ChatSession:
+    """A conversation with the engine; lines starting with '/' are commands for the session."""
+
+    def __init__(self, engine: LLMEngine, params: SamplingParams, system: str | None) -> None:
+        self.engine = engine
+        self.params = params
+        self.system = system
+        self.history: list[dict] = []
+
+    def messages(self) -> list[dict]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + self.history
+
+    def command(self, line: str) -> bool:
+        """Run a slash-command; False when the session should end."""
+        name, _, rest = line.strip().partition(" ")
+        if name == "/exit":
+            return False
+        if name == "/help":
+            print(HELP, file=sys.stderr)
+        elif name == "/reset":
+            self.history = []
+            print("(conversation cleared)", file=sys.stderr)
+        elif name == "/system":
+            self.system = rest.strip() or None
+            self.history = []
+            print("(system message " + ("set" if self.system else "removed")
+                  + "; conversation cleared)", file=sys.stderr)
+        else:
+            print(f"unknown command {name}: /help lists them (to send a message that starts "
+                  "with '/', begin it with a space)", file=sys.stderr)
+        return True
+
+    def say(self, line: str) -> None:
+        """Send one user message and stream the answer."""
+        self.history.append({"role": "user", "content": line})
+        text, ids = self.engine.tokenizer.encode_chat(self.messages(),
+                                                      add_generation_prompt=True)
+        try:
+            answer = stream_answer(self.engine, {"prompt": text, "prompt_token_ids": ids},
+                                   self.params, sys.stdout)
+        except ValueError as e:  # e.g. the history outgrew the context
+            self.history.pop()
+            print(f"\nerror: {e}", file=sys.stderr)
+            return
+        except KeyboardInterrupt:
+            print("\n(interrupted)", file=sys.stderr)
+            self.history.pop()
+            return
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        self.history.append({"role": "assistant", "content": "".join(answer.text)})
+        if answer.finish_reason == "length":
+            print(CUT_MARK, file=sys.stderr)
+        print(f"({answer.summary()})", file=sys.stderr)
+
+    def run(self) -> int:
+        _enable_line_editing()
+        print("tokenmill chat: type a message; /help lists the commands, /exit or Ctrl-D "
+              "quits.", file=sys.stderr)
+        while True:
+            try:
+                line = input("> ")
+            except (EOFError, KeyboardInterrupt):
+                print(file=sys.stderr)
+                return 0
+            if not line.strip():
+                continue
+            if line.startswith("/"):
+                if not self.command(line):
+                    return 0
+                continue
+            self.say(line.strip())
+
