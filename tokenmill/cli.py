@@ -268,9 +268,31 @@ Registrar = Callable[[argparse._SubParsersAction], None]
 
 # Every `tokenmill` command, in the order `tokenmill --help` lists them: the one place that
 # says which commands exist, so no subpackage needs to import this module.
+def add_tokenizer_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `tokenmill tokenizer export`."""
+    p = subparsers.add_parser("tokenizer", help="the model's tokenizer for other tools")
+    sub = p.add_subparsers(dest="action", required=True)
+    export = sub.add_parser("export", help="write a Hugging Face tokenizer folder (GGUF "
+                            "models too), for lm-eval, aiperf, guidellm and transformers")
+    export.add_argument("model", nargs="?", default=None,
+                        help="GGUF file or Hugging Face folder (default: the embedded model)")
+    export.add_argument("dir", help="the folder to write")
+    export.set_defaults(func=cmd_tokenizer_export)
+
+
+def cmd_tokenizer_export(args: argparse.Namespace) -> int:
+    """Run `tokenmill tokenizer export`."""
+    from tokenmill.model_loader.tokenizer_export import export_tokenizer
+
+    for path in export_tokenizer(args.model, args.dir):
+        print(path)
+    return 0
+
+
 COMMANDS: tuple[Registrar, ...] = (
     add_serve_parser, add_generate_parser, add_chat_parser, add_info_parser, add_bench_parser,
     add_batch_parser, add_stream_parser, add_models_parser, add_monitor_parser,
+    add_tokenizer_parser,
 )
 
 # `tokenmill bench <suite>`, in the order `tokenmill bench --help` lists them.
