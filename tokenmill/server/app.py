@@ -34,6 +34,7 @@ from tokenmill.server.errors import check_json_content_type, install_error_handl
 from tokenmill.server.guard import HostPolicy, RequestGuard
 from tokenmill.server.lifecycle import ModelManager
 from tokenmill.server.monitoring import monitor_router
+from tokenmill.server.ollama_routes import ollama_router
 from tokenmill.server.openapi import install_openapi, json_body
 from tokenmill.server.request_id import RequestIdMiddleware
 from tokenmill.server.responses_routes import responses_router
@@ -91,6 +92,7 @@ def build_app(state: ServerState, manager: ModelManager | None = None,
         app.include_router(retrieval_router(retrieval, retrieval_limits(state.config)),
                            dependencies=[Depends(require_key)])
     app.include_router(_open_routes(state), dependencies=[Depends(require_key_if_configured)])
+    app.include_router(ollama_router(state), dependencies=[Depends(require_key)])
     if state.config.admin_key is not None:
         if manager is None:
             raise ValueError("an admin key needs a model manager")

@@ -75,9 +75,9 @@ class EngineStreamingResponse(StreamingResponse):
     so the engine requests behind it are always aborted or already finished.
     """
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None],
+                 media_type: str = "text/event-stream") -> None:
+        super().__init__(content, media_type=media_type, headers={"Cache-Control": "no-cache"})
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -1,0 +1,265 @@
+"""Ollama's API on the same server, for the `ollama` client library, Open WebUI and the other
+tools that speak it: /api/version, /api/tags, /api/ps, /api/show, /api/chat and /api/generate
+(NDJSON streams unless ``"stream": false``), /api/embed and /api/embeddings. Requests become
+the OpenAI ones of tokenmill/api/ollama.py and run through the same validation, engine and
+disconnect handling; errors are Ollama's ``{"error": "..."}``."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenmill.api import ollama
+from tokenmill.api.embeddings import prepare_embeddings
+from tokenmill.api.endpoints import prepare
+from tokenmill.api.errors import APIError
+from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest, random_id
+from tokenmill.api.responses import StreamUsage, engine_error
+from tokenmill.engine.async_llm import EngineDeadError, RequestGroup, collect_embeddings
+from tokenmill.server.errors import read_body
+from tokenmill.server.serving import submit
+from tokenmill.server.state import EMBED, GENERATE, ServedModel, ServerState
+from tokenmill.server.streaming import EngineStreamingResponse, until_disconnect
+
+Handler = Callable[..., Awaitable[Response]]
+
+
+def _ollama_errors(handler: Handler) -> Handler:
+    """Answer an APIError as Ollama does: its status and ``{"error": message}``."""
+    @functools.wraps(handler)
+    async def wrapped(*args: Any, **kwargs: Any) -> Response:
+        try:
+            return await handler(*args, **kwargs)
+        except APIError as e:
+            return JSONResponse(ollama.ollama_error(e), status_code=e.status)
+
+    return wrapped
+
+
+async def _body(state: ServerState, request: Request) -> Any:
+    """The JSON body (any JSON: the mapping checks its shape)."""
+    raw = await read_body(request, state.config.max_body_bytes, state.config.body_timeout)
+    try:
+        return json.loads(raw or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the body is not JSON: {e}") from None
+
+
+async def _resolve(state: ServerState, name: Any, task: str | None) -> ServedModel:
+    """The served model an Ollama name means (``name:latest`` is ``name``)."""
+    if not isinstance(name, str) or not name:
+        raise APIError(400, "model is required", param="model")
+    if name not in state.models and name.endswith(":latest"):
+        name = name.removesuffix(":latest")
+    return await state.resolve(name, task)
+
+
+def _details(served: ServedModel) -> dict[str, Any]:
+    info = served.client.engine.model_info()
+    params = info.num_parameters
+    size = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.0f}M"
+    # Ollama names families as llama.cpp does: "llama", "qwen2", "bert".
+    family = info.architecture
+    for suffix in ("ForCausalLM", "ForMaskedLM", "Model"):
+        family = family.removesuffix(suffix)
+    family = family.lower()
+    return {"parent_model": "",
+            "format": "gguf" if info.path.endswith(".gguf") else "safetensors",
+            "family": family, "families": [family],
+            "parameter_size": size, "quantization_level": info.quantization}
+
+
+def _entry(served: ServedModel) -> dict[str, Any]:
+    """One model in /api/tags and /api/ps."""
+    return {"name": served.name, "model": served.name,
+            "modified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(served.loaded_at)),
+            "size": served.weight_bytes + served.kv_cache_bytes,
+            # A stable id of the model file (Ollama's is its blob's sha256).
+            "digest": hashlib.sha256(served.path.encode()).hexdigest(),
+            "details": _details(served)}
+
+
+async def _lines(group: RequestGroup, call: Any, model: str, key: str) -> AsyncIterator[dict]:
+    """Ollama's stream objects of one generation: the text as it comes, then the stats."""
+    chunks = call.chunks(model, random_id(call.id_prefix), int(time.time()))
+    usage, last, finish = StreamUsage(), None, None
+    try:
+        async for index, out in group:
+            usage.add(index, out)
+            last = out
+            delta = chunks.delta(index, out)
+            if delta is None or not delta.choices:
+                continue
+            choice = delta.choices[0]
+            finish = choice.finish_reason or finish
+            # A chat chunk's choice has a delta; a raw completion's, text.
+            delta_msg = getattr(choice, "delta", None)
+            text = (delta_msg.content if delta_msg is not None else choice.text) or ""
+            calls = delta_msg.tool_calls if delta_msg is not None else None
+            if key == "message":
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if calls:
+                    message["tool_calls"] = [{"function": {"name": c.function.name,
+                                                           "arguments": _args(c)}}
+                                             for c in calls if c.function is not None]
+                if text or calls:
+                    yield {"model": model, "created_at": ollama.now_iso(), "message": message,
+                           "done": False}
+            elif text:
+                yield {"model": model, "created_at": ollama.now_iso(), "response": text,
+                       "done": False}
+    except EngineDeadError as e:
+        yield ollama.ollama_error(engine_error(e))
+        return
+    info = usage.info()
+    end = {"role": "assistant", "content": ""} if key == "message" else ""
+    yield {"model": model, "created_at": ollama.now_iso(), key: end, "done": True,
+           "done_reason": "length" if finish == "length" else "stop",
+           **ollama.final_stats(last.metrics if last else None, info.prompt_tokens,
+                                info.completion_tokens)}
+
+
+def _args(call: Any) -> Any:
+    try:
+        return json.loads(call.function.arguments or "{}")
+    except json.JSONDecodeError:
+        return call.function.arguments
+
+
+async def _generate(state: ServerState, request: Request, body: Any,
+                    req: ChatCompletionRequest | CompletionRequest, key: str) -> Response:
+    """Run a chat or generate request and answer as NDJSON lines or one object."""
+    served = await _resolve(state, req.model, GENERATE)
+    with served.lease():
+        call = await state.offload(functools.partial(
+            prepare, split_special_tokens=state.config.split_special_tokens,
+            tool_call_parser=state.config.tool_call_parser), req, served.client)
+        group = await submit(state, served.client, call.engine_prompts, call.params,
+                             call.id_prefix)
+    lines = _lines(group, call, served.name, key)
+    if body.get("stream", True):
+        async def ndjson() -> AsyncIterator[str]:
+            async for line in lines:
+                yield json.dumps(line, ensure_ascii=False) + "\n"
+
+        return EngineStreamingResponse(ndjson(), group.close, media_type="application/x-ndjson")
+
+    async def whole() -> dict[str, Any]:
+        parts, calls, final = [], [], {}
+        try:
+            async for line in lines:
+                if "error" in line:
+                    return line
+                piece = line[key]
+                parts.append(piece["content"] if key == "message" else piece)
+                if key == "message":
+                    calls += piece.get("tool_calls", [])
+                final = line
+        finally:
+            group.close()
+        text = "".join(parts)
+        final[key] = ({"role": "assistant", "content": text, **({"tool_calls": calls}
+                                                                  if calls else {})}
+                      if key == "message" else text)
+        return final
+
+    result = await until_disconnect(request.receive, whole())
+    if result is None:
+        return Response(status_code=499)
+    return JSONResponse(result, status_code=500 if "error" in result else 200)
+
+
+async def _embed(state: ServerState, request: Request, body: Any, legacy: bool) -> Response:
+    req = ollama.embed_request(body, legacy)
+    served = await _resolve(state, req.model, EMBED)
+    started = time.monotonic()
+    with served.lease():
+        call = await state.offload(prepare_embeddings, req, served.client)
+        group = await submit(state, served.client, call.prompts, call.params, call.id_prefix)
+
+    async def run() -> Any:
+        try:
+            return await collect_embeddings(group)
+        except EngineDeadError as e:
+            raise engine_error(e) from None
+        finally:
+            group.close()
+
+    outputs = await until_disconnect(request.receive, run())
+    if outputs is None:
+        return Response(status_code=499)
+    answer = call.response(outputs, served.name)
+    vectors = [d.embedding for d in answer.data]
+    if legacy:
+        return JSONResponse({"embedding": vectors[0]})
+    return JSONResponse({"model": served.name, "embeddings": vectors,
+                         "total_duration": int((time.monotonic() - started) * 1e9),
+                         "load_duration": 0, "prompt_eval_count": answer.usage.prompt_tokens})
+
+
+def ollama_router(state: ServerState) -> APIRouter:
+    """The /api routes."""
+    router = APIRouter(prefix="/api")
+
+    @router.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": ollama.OLLAMA_API_VERSION})
+
+    @router.get("/tags")
+    async def tags() -> JSONResponse:
+        return JSONResponse({"models": [_entry(m) for m in state.models.values()]})
+
+    @router.get("/ps")
+    async def ps() -> JSONResponse:
+        return JSONResponse({"models": [{**_entry(m), "expires_at": "0001-01-01T00:00:00Z",
+                                         "size_vram": 0} for m in state.models.values()]})
+
+    @router.post("/show")
+    @_ollama_errors
+    async def show(request: Request) -> Response:
+        body = await _body(state, request)
+        served = await _resolve(state, body.get("model") if isinstance(body, dict) else None,
+                                None)
+        info = served.client.engine.model_info()
+        template = served.client.tokenizer.chat_template or ""
+        return JSONResponse({
+            "modelfile": f"FROM {served.path}\n", "parameters": "", "template": template,
+            "details": _details(served),
+            "model_info": {"general.architecture": info.architecture,
+                           "general.parameter_count": info.num_parameters,
+                           "context_length": info.max_model_len,
+                           "embedding_length": info.num_attention_heads * info.head_dim},
+            "capabilities": ["embedding"] if served.task == EMBED else ["completion", "tools"],
+            "modified_at": _entry(served)["modified_at"]})
+
+    @router.post("/chat")
+    @_ollama_errors
+    async def chat(request: Request) -> Response:
+        body = await _body(state, request)
+        return await _generate(state, request, body, ollama.chat_request(body), "message")
+
+    @router.post("/generate")
+    @_ollama_errors
+    async def generate(request: Request) -> Response:
+        body = await _body(state, request)
+        return await _generate(state, request, body, ollama.generate_request(body), "response")
+
+    @router.post("/embed")
+    @_ollama_errors
+    async def embed(request: Request) -> Response:
+        return await _embed(state, request, await _body(state, request), legacy=False)
+
+    @router.post("/embeddings")
+    @_ollama_errors
+    async def embeddings(request: Request) -> Response:
+        return await _embed(state, request, await _body(state, request), legacy=True)
+
+    return router
+
