@@ -18,13 +18,12 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenmill.api import ollama
 from tokenmill.api.embeddings import prepare_embeddings
-from tokenmill.api.endpoints import prepare
 from tokenmill.api.errors import APIError
 from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest, random_id
 from tokenmill.api.responses import StreamUsage, engine_error
 from tokenmill.engine.async_llm import EngineDeadError, RequestGroup, collect_embeddings
 from tokenmill.server.errors import read_body
-from tokenmill.server.serving import submit
+from tokenmill.server.serving import start_generation, submit
 from tokenmill.server.state import EMBED, GENERATE, ServedModel, ServerState
 from tokenmill.server.streaming import EngineStreamingResponse, until_disconnect
 
@@ -137,12 +136,7 @@ async def _generate(state: ServerState, request: Request, body: Any,
                     req: ChatCompletionRequest | CompletionRequest, key: str) -> Response:
     """Run a chat or generate request and answer as NDJSON lines or one object."""
     served = await _resolve(state, req.model, GENERATE)
-    with served.lease():
-        call = await state.offload(functools.partial(
-            prepare, split_special_tokens=state.config.split_special_tokens,
-            tool_call_parser=state.config.tool_call_parser), req, served.client)
-        group = await submit(state, served.client, call.engine_prompts, call.params,
-                             call.id_prefix)
+    call, group = await start_generation(state, served, req)
     lines = _lines(group, call, served.name, key)
     if body.get("stream", True):
         async def ndjson() -> AsyncIterator[str]:

@@ -10,6 +10,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive
 
+from tokenmill.api.chat import ChatCall
+from tokenmill.api.completions import CompletionCall
 from tokenmill.api.endpoints import prepare
 from tokenmill.api.errors import APIError, bad_request
 from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest, now, random_id
@@ -22,7 +24,7 @@ from tokenmill.engine.async_llm import (
 )
 from tokenmill.engine.llm_engine import PromptType
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.state import ServerState
+from tokenmill.server.state import ServedModel, ServerState
 from tokenmill.server.streaming import EngineStreamingResponse, stream_events, until_disconnect
 
 # Seconds a client is told to wait after a 503 for a full queue.
@@ -57,17 +59,26 @@ async def collect_unless_gone(group: RequestGroup, num_prompts: int, n: int,
         group.close()
 
 
-async def create_response(state: ServerState, req: ChatCompletionRequest | CompletionRequest,
-                          raw: Request) -> Response:
-    """Validate, submit and answer one chat or completions request."""
-    served = await state.resolve(req.model)
-    model = served.name
+async def start_generation(state: ServerState, served: ServedModel,
+                           req: ChatCompletionRequest | CompletionRequest,
+                           ) -> tuple[ChatCall | CompletionCall, RequestGroup]:
+    """Validate a chat or completions request (off the event loop) and queue it in
+    ``served``'s engine, holding the model while it is prepared."""
     with served.lease():
         call = await state.offload(functools.partial(
             prepare, split_special_tokens=state.config.split_special_tokens,
             tool_call_parser=state.config.tool_call_parser), req, served.client)
         group = await submit(state, served.client, call.engine_prompts, call.params,
                              call.id_prefix)
+    return call, group
+
+
+async def create_response(state: ServerState, req: ChatCompletionRequest | CompletionRequest,
+                          raw: Request) -> Response:
+    """Validate, submit and answer one chat or completions request."""
+    served = await state.resolve(req.model)
+    model = served.name
+    call, group = await start_generation(state, served, req)
     rid, created = random_id(call.id_prefix), now()
     if req.stream:
         events = stream_events(group, call.chunks(model, rid, created), req.include_usage)
