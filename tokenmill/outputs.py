@@ -56,6 +56,8 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # The request's max_tokens (None: up to the context), for vLLM's request_params_max_tokens.
+    max_tokens: int | None = None
     # Compute time, energy and cost so far (every sample of an n > 1 request together).
     usage: ComputeUsage = field(default_factory=ComputeUsage)
 

@@ -86,3 +86,14 @@ def test_max_tokens_zero_needs_echo_and_no_stream(server: Server, body: dict,
                    json={"model": server.model, "prompt": PROMPT, **body}, timeout=10)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_vllm_metrics_through_the_server(client: openai.OpenAI, server: Server) -> None:
+    client.completions.create(model=server.model, prompt=PROMPT, max_tokens=5, temperature=0)
+    m = server.metrics(server.model)
+    assert m["tokenmill:request_params_max_tokens_count"] >= 1
+    assert m["tokenmill:time_per_output_token_seconds_count"] >= 1
+    assert m["tokenmill:request_decode_time_seconds_count"] >= 1
+    assert m["tokenmill:request_success_total[length]"] >= 1
+    assert m["tokenmill:cache_config_info"] == 1
+    assert m["tokenmill:iteration_tokens_total_count"] >= 1

@@ -13,7 +13,8 @@ def finished(reason: str, tokens: int, prefill: float, decode: float) -> Finishe
     return FinishedRequestStats(finish_reason=reason, e2e_latency=prefill + decode + 0.5,
                                 queue_time=0.5, num_prompt_tokens=10,
                                 num_generation_tokens=tokens, prefill_time=prefill,
-                                decode_time=decode, inference_time=prefill + decode)
+                                decode_time=decode, inference_time=prefill + decode,
+                                max_tokens=tokens)
 
 
 def samples(metrics: PrometheusMetrics) -> dict[str, list]:
@@ -49,6 +50,7 @@ def test_vllm_names_labels_and_buckets() -> None:
     phase = [x.labels["le"] for x in s["tokenmill:request_prefill_time_seconds_bucket"]]
     assert phase[0] == "0.3" and "7680.0" in phase
     assert s["tokenmill:iteration_tokens_total_sum"][0].value == 40
+    assert s["tokenmill:request_params_max_tokens_sum"][0].value == 12
     info = s["tokenmill:cache_config_info"][0]
     assert info.value == 1 and info.labels["block_size"] == "16"
     assert info.labels["num_gpu_blocks"] == "1000" and info.labels["enable_prefix_caching"] == "True"

@@ -86,7 +86,7 @@ class OutputProcessor:
             prompt_lps = [None]  # the first prompt token has no logprob
         self.parents[request_id] = _Parent(
             request_id, prompt, prompt_token_ids, params, kind, seqs,
-            RequestMetrics(arrival_time=arrival_time), prompt_lps)
+            RequestMetrics(arrival_time=arrival_time, max_tokens=params.max_tokens), prompt_lps)
 
     def child_ids(self, request_id: str) -> list[str]:
         return [c for c, (p, _) in self.children.items() if p == request_id]

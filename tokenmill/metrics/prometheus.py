@@ -72,6 +72,8 @@ _FAMILIES: dict[str, tuple[str, str, str, tuple[float, ...]]] = {
                     _PHASE_BUCKETS),
     "inference_time": ("histogram", "request_inference_time_seconds",
                        "First scheduled to finish.", _PHASE_BUCKETS),
+    "max_tokens_param": ("histogram", "request_params_max_tokens",
+                         "The max_tokens of finished sequences that set one.", _TOKEN_BUCKETS),
     "compute_seconds": ("counter", "compute_seconds", "Seconds of engine steps.", ()),
     "energy_joules": ("counter", "energy_joules", "Energy of engine steps (J; estimated where "
                       "the machine has no energy counter: see energy_estimated).", ()),
@@ -160,6 +162,7 @@ class PrometheusStatLogger:
     prefill_time: Histogram
     decode_time: Histogram
     inference_time: Histogram
+    max_tokens_param: Histogram
     compute_seconds: Counter
     energy_joules: Counter
     cost_usd: Counter
@@ -226,6 +229,8 @@ class PrometheusStatLogger:
                               (self.inference_time, f.inference_time)):
             if seconds is not None:
                 hist.observe(seconds)
+        if f.max_tokens is not None:
+            self.max_tokens_param.observe(f.max_tokens)
         if f.decode_time is not None and f.num_generation_tokens > 1:
             self.tpot.observe(f.decode_time / (f.num_generation_tokens - 1))
 

@@ -95,6 +95,8 @@ class FinishedRequestStats:
     prefill_time: float | None = None
     decode_time: float | None = None
     inference_time: float | None = None
+    # The request's max_tokens (None: up to the context).
+    max_tokens: int | None = None
 
 
 @dataclass
@@ -161,7 +163,7 @@ class StatsCollector:
                 stop_reason=c.stop_reason,
                 mean_logprob=(c.cumulative_logprob / n
                               if c.cumulative_logprob is not None and n else None),
-                **_phases(out.metrics)))
+                max_tokens=out.metrics.max_tokens, **_phases(out.metrics)))
 
 
 def _phases(m: RequestMetrics) -> dict[str, float | None]:
