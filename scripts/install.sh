@@ -24,15 +24,23 @@ $PY -m pip install -q -c constraints.txt -e ".${extras}"
 $PY -c "from tokenmill.runner.fused_decode import load_extension; load_extension()" \
   || echo "warning: the C++ extension did not build now; tokenmill will try on first use" >&2
 
-# tests/stream needs a redis-server binary: install it where apt-get can (else those tests skip).
+# tests/stream needs a redis-server binary, tests/webui a headless Chromium and its driver:
+# install them where apt-get can (else those tests skip, saying why).
+apt_packages=""
 if [ -n "$extras" ] && ! command -v redis-server >/dev/null 2>&1; then
+  apt_packages="redis-server"
+fi
+if [ -n "$extras" ] && ! command -v chromedriver >/dev/null 2>&1; then
+  apt_packages="$apt_packages chromium chromium-driver"
+fi
+if [ -n "$apt_packages" ]; then
   sudo=""
   if [ "$(id -u)" != 0 ]; then sudo="sudo -n"; fi
   if command -v apt-get >/dev/null 2>&1 && $sudo apt-get update -qq \
-      && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+      && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $apt_packages >/dev/null  # shellcheck disable=SC2086
   then
-    echo "installed redis-server (for tests/stream)"
+    echo "installed$apt_packages (for tests/stream, tests/webui)"
   else
-    echo "warning: could not install redis-server; the Redis stream tests will be skipped" >&2
+    echo "warning: could not install $apt_packages; the tests that need them will be skipped" >&2
   fi
 fi

@@ -117,7 +117,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         admin_key=args.admin_key or os.environ.get("TOKENMILL_ADMIN_KEY") or None,
         models_dir=args.models_dir, max_loaded_models=args.max_loaded_models,
         keep_alive=args.keep_alive if args.keep_alive > 0 else None,
-        log_stats_interval=args.log_stats_interval,
+        log_stats_interval=args.log_stats_interval, webui=args.webui,
         data_dir=args.data_dir, max_upload_bytes=args.max_upload_bytes,
         monitor=monitor_config_from_args(args))
     return run_server(served_models(args), config, config_factory(args))
@@ -148,6 +148,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--keep-alive", type=float, default=ServerConfig.keep_alive,
                    metavar="SECONDS", help="unload an on-demand model idle this long "
                    "(0: never; default: %(default)s)")
+    g.add_argument("--no-webui", dest="webui", action="store_false",
+                   help="do not serve the web page (chat playground at /, dashboard at "
+                   "/dashboard)")
     g.add_argument("--log-stats-interval", type=float, default=ServerConfig.log_stats_interval,
                    metavar="SECONDS", help="log each model's throughput, running and waiting "
                    "requests and KV cache usage this often while it works (0: never; default: "

@@ -381,6 +381,8 @@ class ServerConfig:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     # Seconds between the log's stats lines of each model (0: none).
     log_stats_interval: float = 10.0
+    # The web page (chat playground at /, dashboard at /dashboard).
+    webui: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -41,6 +41,7 @@ from tokenmill.server.responses_routes import responses_router
 from tokenmill.server.retrieval_routes import retrieval_limits, retrieval_router
 from tokenmill.server.serving import create_response
 from tokenmill.server.state import ServerState
+from tokenmill.server.webui_routes import stats_router, webui_router
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -93,6 +94,9 @@ def build_app(state: ServerState, manager: ModelManager | None = None,
                            dependencies=[Depends(require_key)])
     app.include_router(_open_routes(state), dependencies=[Depends(require_key_if_configured)])
     app.include_router(ollama_router(state), dependencies=[Depends(require_key)])
+    app.include_router(stats_router(state, require_key))
+    if state.config.webui:
+        app.include_router(webui_router())
     if state.config.admin_key is not None:
         if manager is None:
             raise ValueError("an admin key needs a model manager")

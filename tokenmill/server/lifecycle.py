@@ -21,6 +21,7 @@ from tokenmill.api.errors import APIError, bad_request
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_llm import AsyncLLM, load_engine_for_thread
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.metrics.live import LiveStats
 from tokenmill.metrics.log_stats import LoggingStatLogger
 from tokenmill.metrics.stats import StatLogger
 from tokenmill.server.model_registry import ModelSpec, parse_model_spec
@@ -67,7 +68,8 @@ def serve_engine(state: ServerState, name: str, engine: LLMEngine,
     info = engine.model_info()
     prometheus.set_cache_config(info.kv_cache.block_size, info.kv_cache.num_blocks, info.dtype,
                                 engine.config.cache.enable_prefix_caching)
-    loggers: list[StatLogger] = [prometheus]
+    live = LiveStats()
+    loggers: list[StatLogger] = [prometheus, live]
     if config.log_stats_interval > 0:
         loggers.append(LoggingStatLogger(name, config.log_stats_interval))
     if state.monitors is not None and task == GENERATE:
@@ -75,7 +77,8 @@ def serve_engine(state: ServerState, name: str, engine: LLMEngine,
     client = AsyncLLM(engine, max_queue=config.max_queue, stat_loggers=loggers,
                       step_loop=state.step_loop, debug_fail_at_step=debug_fail_at_step)
     return ServedModel(name, client, task, path=engine.model_path,
-                       weight_bytes=info.weight_bytes, kv_cache_bytes=info.kv_cache.total_bytes)
+                       weight_bytes=info.weight_bytes, kv_cache_bytes=info.kv_cache.total_bytes,
+                       live=live)
 
 
 class ModelManager:

@@ -17,6 +17,7 @@ from tokenmill.api.errors import APIError
 from tokenmill.api.protocol import now
 from tokenmill.config import ServerConfig
 from tokenmill.engine.async_llm import AsyncLLM, StepLoop
+from tokenmill.metrics.live import LiveStats
 from tokenmill.metrics.prometheus import PrometheusMetrics
 from tokenmill.ops.registry import MonitorRegistry
 
@@ -54,6 +55,8 @@ class ServedModel:
     # may unload it when it is idle.
     on_demand: bool = False
     last_used: float = field(default_factory=time.monotonic)
+    # Its recent activity, for the dashboard (fed by its engine's steps).
+    live: LiveStats = field(default_factory=LiveStats)
 
     @contextlib.contextmanager
     def lease(self) -> Iterator[ServedModel]:

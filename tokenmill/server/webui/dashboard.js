@@ -1,0 +1,134 @@
+// The live dashboard: /stats every second, numbers and small canvas charts of the last
+// POINTS seconds for the chosen model.
+"use strict";
+
+const POINTS = 120;
+const COLORS = ["#2f6fed", "#e8832a", "#2a9d5c"];
+const history = {};  // model -> array of snapshots
+
+function fmt(x, digits) {
+  return x === null || x === undefined ? "-" : Number(x).toFixed(digits);
+}
+
+function pct(x) {
+  return x === null || x === undefined ? "-" : (100 * x).toFixed(1) + "%";
+}
+
+function triple(p, scale, digits) {
+  if (!p || p.p50 === undefined) return "-";
+  return [p.p50, p.p90, p.p99].map((v) => (v * scale).toFixed(digits)).join(" / ");
+}
+
+// Lines of series (arrays of numbers or nulls) on one canvas, from 0 to their maximum.
+function drawChart(id, series) {
+  const canvas = document.getElementById(id);
+  const ctx = canvas.getContext("2d");
+  const w = canvas.width, h = canvas.height, pad = 40;
+  ctx.clearRect(0, 0, w, h);
+  const values = series.flat().filter((v) => v !== null && !Number.isNaN(v));
+  const top = Math.max(1e-9, ...values) * 1.1;
+  ctx.strokeStyle = "#ccd";
+  ctx.fillStyle = "#667";
+  ctx.font = "20px system-ui";
+  for (let i = 0; i <= 4; i++) {
+    const y = h - pad - (i / 4) * (h - 2 * pad);
+    ctx.beginPath(); ctx.moveTo(pad, y); ctx.lineTo(w - 10, y); ctx.stroke();
+    ctx.fillText(((i / 4) * top).toPrecision(3), 2, y - 2);
+  }
+  series.forEach((data, k) => {
+    ctx.strokeStyle = COLORS[k % COLORS.length];
+    ctx.lineWidth = 3;
+    ctx.beginPath();
+    let started = false;
+    data.forEach((v, i) => {
+      if (v === null || v === undefined) { started = false; return; }
+      const x = pad + (i / (POINTS - 1)) * (w - pad - 10);
+      const y = h - pad - (v / top) * (h - 2 * pad);
+      if (started) ctx.lineTo(x, y); else { ctx.moveTo(x, y); started = true; }
+    });
+    ctx.stroke();
+  });
+}
+
+function showDrift(entry) {
+  const table = document.getElementById("d-drift");
+  table.replaceChildren();
+  const scores = entry.drift_scores;
+  if (!scores) return;
+  const head = table.insertRow();
+  for (const title of ["drift signal", "score (PSI)", ""]) {
+    const th = document.createElement("th");
+    th.textContent = title;
+    head.appendChild(th);
+  }
+  for (const [signal, score] of Object.entries(scores)) {
+    const row = table.insertRow();
+    row.insertCell().textContent = signal;
+    row.insertCell().textContent = score === null ? "not yet" : score.toFixed(3);
+    const flag = row.insertCell();
+    if (score !== null && score >= entry.drift_threshold) {
+      flag.textContent = "above " + entry.drift_threshold;
+      flag.className = "alert";
+    }
+  }
+}
+
+function show(name, entry) {
+  setText("d-output-tps", fmt(entry.output_tokens_per_s, 1));
+  setText("d-prompt-tps", fmt(entry.prompt_tokens_per_s, 1));
+  setText("d-running", entry.running + " / " + entry.waiting);
+  setText("d-kv", pct(entry.kv_cache_usage));
+  setText("d-prefix", pct(entry.prefix_cache_hit_rate));
+  setText("d-spec", pct(entry.spec_acceptance_rate));
+  setText("d-ttft", triple(entry.ttft_seconds, 1, 2));
+  setText("d-itl", triple(entry.itl_seconds, 1000, 0));
+  setText("d-finished", String(entry.finished_total));
+  setText("d-output-total", String(entry.output_tokens_total));
+  const est = entry.energy_estimated ? " (est.)" : "";
+  setText("d-energy", entry.joules_per_1k_output_tokens === null ? "-"
+    : fmt(entry.joules_per_1k_output_tokens, 1) + " J" + est);
+  setText("d-cost", entry.usd_per_1k_output_tokens === null ? "-"
+    : "$" + fmt(entry.usd_per_1k_output_tokens, 6));
+  showDrift(entry);
+  const h = history[name];
+  const col = (f) => h.map(f).concat(Array(POINTS - h.length).fill(null)).slice(0, POINTS);
+  drawChart("c-throughput", [col((e) => e.output_tokens_per_s), col((e) => e.prompt_tokens_per_s)]);
+  drawChart("c-requests", [col((e) => e.running), col((e) => e.waiting)]);
+  drawChart("c-latency", [col((e) => (e.ttft_seconds.p50 ?? null)),
+                          col((e) => (e.ttft_seconds.p90 ?? null)),
+                          col((e) => (e.itl_seconds.p50 ?? null))]);
+  drawChart("c-kv", [col((e) => 100 * e.kv_cache_usage)]);
+}
+
+async function poll() {
+  try {
+    const response = await api("/stats");
+    const stats = await response.json();
+    const select = document.getElementById("d-model");
+    const names = Object.keys(stats.models);
+    if (select.options.length !== names.length) {
+      select.replaceChildren();
+      for (const n of names) {
+        const o = document.createElement("option");
+        o.value = o.textContent = n + (stats.models[n].task === "embed" ? " (embeddings)" : "");
+        o.value = n;
+        select.appendChild(o);
+      }
+    }
+    for (const n of names) {
+      history[n] = (history[n] || []).concat([stats.models[n]]).slice(-POINTS);
+    }
+    const name = select.value || names[0];
+    if (name) show(name, stats.models[name]);
+    setText("d-updated", "updated " + new Date(stats.time * 1000).toLocaleTimeString());
+    setText("error", "");
+  } catch (e) {
+    setText("error", "cannot read /stats: " + e.message);
+  }
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  document.getElementById("key-button").onclick = () => askForKey("The server's --api-key:");
+  poll();
+  setInterval(poll, 1000);
+});
