@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import httpx
@@ -53,6 +54,29 @@ def test_every_answer_has_a_request_id(server: Server) -> None:
 def test_version(server: Server) -> None:
     r = httpx.get(f"{server.url}/version", timeout=10)
     assert r.status_code == 200 and r.json()["version"]
+
+
+def test_tokenizer_info_is_the_exported_tokenizer_config(server: Server, tmp_path) -> None:
+    """vLLM's /tokenizer_info (what lm-eval probes first): tokenizer_config.json's content,
+    the same as `tokenmill tokenizer export` writes, for each served model."""
+    from tokenmill.model_loader.tokenizer_export import export_tokenizer
+
+    info = httpx.get(f"{server.url}/tokenizer_info", timeout=30)
+    assert info.status_code == 200, info.text
+    body = info.json()
+    assert body["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert body["eos_token"] == "<|im_end|>" and "<|im_start|>" in body["chat_template"]
+    export_tokenizer(None, str(tmp_path))
+    exported = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    served_len = httpx.get(f"{server.url}/v1/models/{server.model}",
+                           timeout=10).json()["max_model_len"]
+    assert body == {**exported, "model_max_length": served_len}
+    # The embedding model by name; an unknown name is the usual 404.
+    bert = httpx.get(f"{server.url}/tokenizer_info", params={"model": "all-MiniLM-L6-v2"},
+                     timeout=30).json()
+    assert "[CLS]" in {t["content"] for t in bert["added_tokens_decoder"].values()}
+    missing = httpx.get(f"{server.url}/tokenizer_info", params={"model": "nope"}, timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 
 
 def test_max_tokens_zero_with_echo_scores_the_prompt(client: openai.OpenAI,

@@ -1,6 +1,9 @@
-"""POST /tokenize and /detokenize: text or chat messages to token ids and back."""
+"""POST /tokenize and /detokenize: text or chat messages to token ids and back; GET
+/tokenizer_info: the tokenizer's configuration."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from tokenmill.api.chat import MAX_CHAT_MESSAGES, TEMPLATE_ERRORS
 from tokenmill.api.errors import bad_request
@@ -11,6 +14,7 @@ from tokenmill.api.protocol import (
     TokenizeResponse,
 )
 from tokenmill.api.validation import ServedModel, check_token_ids
+from tokenmill.model_loader.tokenizer_export import tokenizer_config
 
 
 def tokenize(req: TokenizeRequest, served: ServedModel) -> TokenizeResponse:
@@ -37,3 +41,10 @@ def detokenize(req: DetokenizeRequest, served: ServedModel) -> DetokenizeRespons
     """The text of token ids; 400 unless each is in the vocabulary."""
     check_token_ids(req.tokens, served.vocab_size, "tokens")
     return DetokenizeResponse(prompt=served.tokenizer.decode(req.tokens))
+
+
+def tokenizer_info(served: ServedModel) -> dict[str, Any]:
+    """vLLM's ``/tokenizer_info``: what ``tokenizer_config.json`` holds for the served model's
+    tokenizer (class, special tokens, chat template, added tokens, the served context length),
+    the same as ``tokenmill tokenizer export`` writes."""
+    return tokenizer_config(served.tokenizer, served.max_model_len)

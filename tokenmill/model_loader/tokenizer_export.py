@@ -37,20 +37,15 @@ def load_for_export(model: str | None) -> tuple[Tokenizer, dict[str, Any]]:
     raise ValueError(f"model {path!r} is neither a GGUF file nor a Hugging Face folder")
 
 
-def export_tokenizer(model: str | None, out_dir: str) -> list[str]:
-    """Write the folder; the paths written."""
-    tokenizer, hf_config = load_for_export(model)
-    os.makedirs(out_dir, exist_ok=True)
-    backend = tokenizer.backend
-    added = backend.get_added_tokens_decoder()
-    special = {name: tok for name, tok in (("bos_token", tokenizer.bos_token),
-                                           ("eos_token", tokenizer.eos_token)) if tok}
-    max_len = hf_config.get("max_position_embeddings")
+def tokenizer_config(tokenizer: Tokenizer, model_max_length: int | None) -> dict[str, Any]:
+    """``tokenizer_config.json``'s content for ``tokenizer``: its class, special tokens, chat
+    template and added tokens (also what the server's ``GET /tokenizer_info`` answers)."""
+    added = tokenizer.backend.get_added_tokens_decoder()
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        **special,
+        **special_tokens(tokenizer),
         "chat_template": tokenizer.chat_template,
-        "model_max_length": max_len if isinstance(max_len, int) else 1_000_000,
+        "model_max_length": model_max_length if isinstance(model_max_length, int) else 1_000_000,
         "clean_up_tokenization_spaces": False,
         # BOS (where the model wants one) comes from tokenizer.json's post-processor.
         "add_bos_token": False, "add_eos_token": False,
@@ -62,6 +57,22 @@ def export_tokenizer(model: str | None, out_dir: str) -> list[str]:
     }
     if config["chat_template"] is None:
         del config["chat_template"]
+    return config
+
+
+def special_tokens(tokenizer: Tokenizer) -> dict[str, str]:
+    """``special_tokens_map.json``: the BOS and EOS tokens the tokenizer has."""
+    return {name: tok for name, tok in (("bos_token", tokenizer.bos_token),
+                                        ("eos_token", tokenizer.eos_token)) if tok}
+
+
+def export_tokenizer(model: str | None, out_dir: str) -> list[str]:
+    """Write the folder; the paths written."""
+    tokenizer, hf_config = load_for_export(model)
+    os.makedirs(out_dir, exist_ok=True)
+    backend = tokenizer.backend
+    config = tokenizer_config(tokenizer, hf_config.get("max_position_embeddings"))
+    special = special_tokens(tokenizer)
     eos_ids = sorted(tokenizer.eos_token_ids)
     files = {
         "tokenizer_config.json": config,

@@ -214,7 +214,9 @@ class DriftMonitor:
                 signals[CENTROID] = {"score": self.scores.get(CENTROID),
                                      "alert": CENTROID in self.alerting,
                                      "reference": {"count": self._centroid.ref_count},
-                                     "live": {"count": len(self._centroid.live)}}
+                                     "live": {"count": len(self._centroid.live)},
+                                     # prompts still waiting for the embedding model
+                                     "pending": len(self.pending_texts)}
             return {"model": self.model_name, "threshold": self.threshold,
                     "metric": "psi", "requests_seen": self._seen,
                     "reference": {"source": self.reference_source,

@@ -25,7 +25,7 @@ from tokenmill.api.protocol import (
     TokenizeRequest,
 )
 from tokenmill.api.responses_protocol import ResponsesRequest
-from tokenmill.api.tokens import detokenize, tokenize
+from tokenmill.api.tokens import detokenize, tokenize, tokenizer_info
 from tokenmill.retrieval.service import RetrievalService
 from tokenmill.server.admin_routes import admin_router
 from tokenmill.server.classify import create_classification
@@ -182,6 +182,11 @@ def _inference_routes(state: ServerState) -> APIRouter:
         with (await state.resolve(req.model, task=None)).lease() as served:
             answer = await state.offload(detokenize, req, served.client)
         return JSONResponse(answer.model_dump())
+
+    @router.get("/tokenizer_info")
+    async def tokenizer_info_route(model: str | None = None) -> JSONResponse:
+        with (await state.resolve(model, task=None)).lease() as served:
+            return JSONResponse(tokenizer_info(served.client))
 
     return router
 
