@@ -312,12 +312,6 @@ class Tokenizer:
                    extra_eos_token_ids=extra, chat_template=fields.get("tokenizer.chat_template"))
 
     @classmethod
-    def from_gguf(cls, reader: Any) -> Tokenizer:
-        """Build from an open ``gguf.GGUFReader``."""
-        fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
-        return cls.from_gguf_fields(fields)
-
-    @classmethod
     def from_hf_dir(cls, path: str) -> Tokenizer:
         """Build from a Hugging Face folder: tokenizer.json plus, when present,
         tokenizer_config.json, special_tokens_map.json, chat_template.jinja/.json and

@@ -22,6 +22,7 @@ from tokenmill.model_loader.gguf import (
     load_gguf,
     unpermute_rows,
 )
+from tokenmill.model_loader.gguf_header import GGUFHeader
 
 QTYPES = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
 # max |error| allowed per type, as a fraction of the largest |value|
@@ -265,3 +266,60 @@ def test_llama3_rope_freqs_become_rope_scaling(tmp_path: Path, factor: float, lo
         "rope_type": "llama3", "factor": factor, "low_freq_factor": low,
         "high_freq_factor": high, "original_max_position_embeddings": original}
     assert "rope_freqs.weight" not in dict(model.tensors())
+
+
+# ---------------------------------------------------------------- the header reader
+
+
+def _same_as_gguf_reader(path: str) -> None:
+    """GGUFHeader reads every field and tensor as llama.cpp's own GGUFReader does."""
+    reference = gguf.GGUFReader(path)
+    ours = GGUFHeader(path)
+    assert list(ours.fields) == list(reference.fields)[3:]  # GGUFReader adds GGUF.version etc.
+    for key, value in ours.fields.items():
+        assert value == reference.fields[key].contents(), key
+    assert [t.name for t in ours.tensors] == [t.name for t in reference.tensors]
+    for mine, theirs in zip(ours.tensors, reference.tensors, strict=True):
+        assert mine.tensor_type == theirs.tensor_type and mine.shape == tuple(theirs.shape)
+        assert mine.data.dtype == theirs.data.dtype and mine.data.shape == theirs.data.shape
+        assert np.array_equal(mine.data, theirs.data), mine.name
+
+
+def test_header_reader_matches_gguf_reader_on_the_embedded_model() -> None:
+    _same_as_gguf_reader(embedded_model_path())
+
+
+def test_header_reader_matches_gguf_reader_on_every_value_type(tmp_path: Path) -> None:
+    meta = {"add_uint32": ("t.u32", 7), "add_int64": ("t.i64", -5), "add_float64": ("t.f64", 0.1),
+            "add_bool": ("t.bool", True), "add_string": ("t.str", "héllo"),
+            "add_array": ("t.arr", [1, 2, 3])}
+    writer = gguf.GGUFWriter(str(tmp_path / "v.gguf"), "llama")
+    for method, (key, value) in meta.items():
+        getattr(writer, method)(key, value)
+    writer.add_array("t.strs", ["a", "", "ü" * 3])
+    writer.add_array("t.floats", [0.5, -1.25])
+    for name, (array, qtype) in _weights(3).items():
+        writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    _same_as_gguf_reader(str(tmp_path / "v.gguf"))
+    fields = GGUFHeader(str(tmp_path / "v.gguf")).fields
+    assert fields["t.strs"] == ["a", "", "üüü"] and fields["t.bool"] is True
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda b: b"GGUX" + b[4:], "magic"),
+    (lambda b: b[:4] + (9).to_bytes(4, "little") + b[8:], "version 9"),
+    (lambda b: b[:200], "past the end"),
+])
+def test_header_reader_names_a_damaged_file(tmp_path: Path, damage: Any, message: str) -> None:
+    good = tmp_path / "good.gguf"
+    _write(good, "llama", _weights(4))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(damage(good.read_bytes()))
+    with pytest.raises(ValueError, match=message):
+        GGUFHeader(str(bad))
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        load_gguf(str(bad))

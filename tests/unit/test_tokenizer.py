@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tokenmill.model_loader.gguf import embedded_model_path
+from tokenmill.model_loader.gguf import embedded_model_path, load_gguf, load_gguf_tokenizer
 from tokenmill.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -65,9 +65,7 @@ def gguf_path() -> str:
 
 @pytest.fixture(scope="module")
 def ours(gguf_path: str) -> Tokenizer:
-    from gguf import GGUFReader
-
-    return Tokenizer.from_gguf(GGUFReader(gguf_path))
+    return load_gguf(gguf_path).tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -199,11 +197,9 @@ def _write_spm_gguf(path: Path) -> None:
 
 
 def test_sentencepiece_gguf_matches_transformers(tmp_path: Path) -> None:
-    from gguf import GGUFReader
-
     path = tmp_path / "spm.gguf"
     _write_spm_gguf(path)
-    ours = Tokenizer.from_gguf(GGUFReader(str(path)))
+    ours = load_gguf_tokenizer(str(path))
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
     for text in ["hello world", " hello", "hello\nworld", "héllo wörld!", "lo<s>ll", "  "]:
         ids = ours.encode(text)
@@ -253,11 +249,9 @@ def test_special_token_text_in_template_kwargs_and_parts(ours: Tokenizer) -> Non
 def test_sentencepiece_chat_pieces_match_whole_encoding(tmp_path: Path) -> None:
     """A SentencePiece vocabulary adds a word-start space only at the start of the input: the
     pieces between control tokens must not get one either."""
-    from gguf import GGUFReader
-
     path = tmp_path / "spm.gguf"
     _write_spm_gguf(path)
-    base = Tokenizer.from_gguf(GGUFReader(str(path)))
+    base = load_gguf_tokenizer(str(path))
     tok = Tokenizer(base.backend, bos_token_id=1, eos_token_id=2, chat_template=(
         "{{ bos_token }}{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}"))
     messages = [{"role": "user", "content": "hello world"}, {"role": "user", "content": "hello"}]

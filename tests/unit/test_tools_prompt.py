@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import gguf
 import pytest
 import xgrammar
 
 from tokenmill.api.chat import prepare_chat
 from tokenmill.api.errors import APIError, validate_body
 from tokenmill.api.protocol import ChatCompletionRequest
+from tokenmill.model_loader.gguf import load_gguf_tokenizer
 from tokenmill.tokenizer import Tokenizer
 
 WEATHER = {"type": "function", "function": {
@@ -55,7 +55,7 @@ class Served:
 
 @pytest.fixture(scope="module")
 def smol(smollm_path: str) -> Served:
-    return Served(Tokenizer.from_gguf(gguf.GGUFReader(smollm_path)))
+    return Served(load_gguf_tokenizer(smollm_path))
 
 
 @pytest.fixture(scope="module")

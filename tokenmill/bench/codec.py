@@ -95,16 +95,14 @@ class LocalCodec:
     """tokenmill's Tokenizer on a GGUF file or a Hugging Face folder."""
 
     def __init__(self, path: str | None = None) -> None:
-        from tokenmill.model_loader.gguf import embedded_model_path
+        from tokenmill.model_loader.gguf import embedded_model_path, load_gguf
         from tokenmill.tokenizer import Tokenizer
 
         self.path = path or embedded_model_path()
         if os.path.isdir(self.path):
             self.tokenizer = Tokenizer.from_hf_dir(self.path)
         elif os.path.isfile(self.path):
-            import gguf
-
-            self.tokenizer = Tokenizer.from_gguf(gguf.GGUFReader(self.path))
+            self.tokenizer = load_gguf(self.path).tokenizer
         else:
             raise ValueError(f"--tokenizer {self.path!r} is neither a GGUF file nor a folder")
 

@@ -14,9 +14,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from tokenmill.model_loader.gguf_header import GGUFHeader
 from tokenmill.tokenizer import Tokenizer
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -124,13 +125,13 @@ class GGUFModel:
     def __init__(self, path: str) -> None:
         self.path = path
         try:
-            self._reader = GGUFReader(path, "r")
+            self._header = GGUFHeader(path)
         except (ValueError, OSError) as e:
             raise ValueError(f"{path!r} is not a readable GGUF file: {e}") from e
         # The vocabulary arrays are large and only the tokenizer needs them.
-        self.metadata: dict[str, Any] = {k: f.contents() for k, f in self._reader.fields.items()
+        self.metadata: dict[str, Any] = {k: v for k, v in self._header.fields.items()
                                          if k not in _VOCAB_KEYS}
-        self._by_hf_name = {gguf_name_to_hf(t.name): t for t in self._reader.tensors
+        self._by_hf_name = {gguf_name_to_hf(t.name): t for t in self._header.tensors
                             if t.name not in _SKIPPED}
         self.architecture: str = self.metadata.get("general.architecture", "")
         self.hf_config: dict[str, Any] = self._build_hf_config()
@@ -140,7 +141,7 @@ class GGUFModel:
     def tokenizer(self) -> Tokenizer:
         """The tokenizer described by the file's metadata (built on first use)."""
         if self._tokenizer is None:
-            self._tokenizer = Tokenizer.from_gguf(self._reader)
+            self._tokenizer = _tokenizer(self._header)
         return self._tokenizer
 
     def tensor_names(self) -> list[str]:
@@ -220,7 +221,7 @@ class GGUFModel:
         kind = self._meta("rope.scaling.type")
         factor = self._meta("rope.scaling.factor")
         original = self._meta("rope.scaling.original_context_length")
-        freqs = next((t for t in self._reader.tensors if t.name == "rope_freqs.weight"), None)
+        freqs = next((t for t in self._header.tensors if t.name == "rope_freqs.weight"), None)
         if freqs is not None:
             rope_dim = self._meta("rope.dimension_count", self._head_dim())
             return _llama3_scaling(np.asarray(freqs.data, dtype=np.float64),
@@ -265,6 +266,20 @@ def _llama3_scaling(factors: np.ndarray, theta: float, rope_dim: int,
         high = float(round(low + 1.0 / slope, 4))
     return {"rope_type": "llama3", "factor": round(factor, 4), "low_freq_factor": low,
             "high_freq_factor": high, "original_max_position_embeddings": original}
+
+
+def _tokenizer(header: GGUFHeader) -> Tokenizer:
+    return Tokenizer.from_gguf_fields(
+        {k: v for k, v in header.fields.items() if k.startswith("tokenizer.")})
+
+
+def load_gguf_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer of the GGUF file at ``path`` (any file with tokenizer.* metadata, a
+    tokenizer-only one too); ValueError if it is not a readable GGUF file."""
+    try:
+        return _tokenizer(GGUFHeader(path))
+    except OSError as e:
+        raise ValueError(f"{path!r} is not a readable GGUF file: {e}") from e
 
 
 def load_gguf(path: str) -> GGUFModel:
