@@ -29,6 +29,40 @@ def host_tensor(data: object, dtype: torch.dtype, device: torch.device | str) ->
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor whose pages the OS maps (zero-filled) only when first touched.
+
+    ``torch.zeros`` writes every byte at once: a 4 GiB KV cache took seconds to start and was
+    resident whether used or not. An anonymous memory map is zero by definition and becomes
+    resident page by page as the cache fills; it is page-aligned, so cache-line aligned too.
+    The tensor keeps the map alive.
+    """
+    import math
+    import mmap
+
+    import torch
+
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (from Linux's /proc; None elsewhere)."""
+    import os
+
+    try:
+        with open("/proc/self/stat") as f:
+            # Field 22 (after the parenthesised command name) is the start time in clock ticks.
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
 # Environment variables that choose how OpenMP's idle threads wait; a user who set any of them
 # keeps their choice.
 THREAD_POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")

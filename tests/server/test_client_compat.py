@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import httpx
 import openai
@@ -121,3 +122,14 @@ def test_vllm_metrics_through_the_server(client: openai.OpenAI, server: Server) 
     assert m["tokenmill:request_success_total[length]"] >= 1
     assert m["tokenmill:cache_config_info"] == 1
     assert m["tokenmill:iteration_tokens_total_count"] >= 1
+
+
+def test_start_up_prints_its_progress(server: Server) -> None:
+    """What `tokenmill serve` says while it starts: each model as it begins to load, when it
+    has loaded, and how long the whole start took."""
+    log = server.log()
+    first = log.index("loading model 1 of 2: the embedded model")
+    assert first < log.index("tokenmill.model_loader: loaded ") < log.index("loading model 2 of 2")
+    ready = re.search(r"serving .* on http://127\.0\.0\.1:\d+/v1 \(auth off\); ready "
+                      r"(\d+\.\d) s after the process started", log)
+    assert ready is not None and 0 < float(ready.group(1)) < 3600, log[-2000:]

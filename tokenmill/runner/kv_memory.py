@@ -19,7 +19,7 @@ import torch
 from tokenmill.config import CacheConfig, EngineConfig
 from tokenmill.core.kv_cache import blocks_for_tokens, tokens_in_blocks
 from tokenmill.runner.platform import Platform
-from tokenmill.utils import cdiv
+from tokenmill.utils import cdiv, lazy_zeros
 
 if TYPE_CHECKING:
     from tokenmill.runner.model_runner import ModelRunner
@@ -50,6 +50,9 @@ class KVCacheShape:
     def allocate(self, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
         """Zeroed ``[2, num_blocks, block_size, kv_heads, head_dim]`` tensors, one per layer."""
         shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        if torch.device(device).type == "cpu":
+            # Resident only as far as the cache is used (see lazy_zeros).
+            return [lazy_zeros(shape, self.dtype) for _ in range(self.num_layers)]
         return [torch.zeros(shape, dtype=self.dtype, device=device)
                 for _ in range(self.num_layers)]
 

@@ -30,6 +30,7 @@ from tokenmill.server.model_registry import ModelSpec
 from tokenmill.server.monitoring import make_monitors, prompt_embedder
 from tokenmill.server.retrieval_setup import build_retrieval
 from tokenmill.server.state import EMBED, ServerState
+from tokenmill.utils import process_age_s
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,9 @@ def load_models(models: list[tuple[str | None, EngineConfig]],
     monitors = make_monitors(config.monitor, metrics)
     engines: list[tuple[str | None, LLMEngine]] = []
     try:
-        for name, engine_config in models:
+        for i, (name, engine_config) in enumerate(models, 1):
+            logger.info("loading model %d of %d: %s%s", i, len(models),
+                        f"{name} = " if name else "", engine_config.model.model or "the embedded model")
             # Not in this thread: see load_engine_for_thread.
             engines.append((name, load_engine_for_thread(engine_config)))
         names = served_names(engines, config.served_model_name)
@@ -161,8 +164,10 @@ def run_server(models: list[tuple[str | None, EngineConfig]], config: ServerConf
         timeout_graceful_shutdown=CONNECTION_CLOSE_TIMEOUT_S, lifespan="on",
         http=GuardedH11Protocol.configured(config.header_timeout, config.max_connections))
     server = _Server(uv_config, state)
-    logger.info("serving %s on http://%s:%d/v1 (auth %s)",
+    age = process_age_s()
+    logger.info("serving %s on http://%s:%d/v1 (auth %s)%s",
                 ", ".join(f"{m.name!r} ({m.task})" for m in state.models.values()),
-                config.host, config.port, "on" if config.api_key else "off")
+                config.host, config.port, "on" if config.api_key else "off",
+                "" if age is None else f"; ready {age:.1f} s after the process started")
     server.run()
     return server.exit_code
