@@ -257,3 +257,17 @@ def test_quantized_large_batches_stay_eager(llama: Checkpoint) -> None:
     assert not fused.supports(torch.zeros(n, dtype=torch.long), meta)
     meta, _ = cache.step([(i, 1) for i in range(n - 1)])
     assert fused.supports(torch.zeros(n - 1, dtype=torch.long), meta)
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 32])
+def test_any_block_size(checkpoint: Checkpoint, block_size: int) -> None:
+    """The attention walks each sequence's blocks (shuffled, the last one partly filled) for
+    block sizes that do not divide the lengths, one token a block, and more than a prompt."""
+    model, arch = checkpoint.model, checkpoint.arch
+    fused = FusedDecoder(model)
+    cache = PagedKVCache.for_arch(arch, num_blocks=48 * 16 // block_size + 8,
+                                  block_size=block_size)
+    prefill(model, cache, PROMPT_LENS[:3], arch.vocab_size)
+    other = cache.clone()
+    want, got = decode_both(model, fused, cache, other, [3, 1, 4])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)

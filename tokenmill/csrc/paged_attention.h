@@ -106,13 +106,25 @@ struct PagedView {
   int64_t table_stride;
   int64_t block_size;
 
-  // Key (or value) row of token t of sequence b's table, for KV head g.
-  const T* row(const T* base, const int32_t* table, int64_t t, int64_t g, int64_t Hkv,
-               int64_t D) const {
-    const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size +
-                         t % block_size;
-    return base + (slot * Hkv + g) * D;
+  // The offsets (elements from the cache's start) of the key and value rows of tokens
+  // [0, L) of a sequence with block table ``table``, for KV head g, into ``rows``: once per
+  // (sequence, KV head) and block by block, so the per-token loops below do no division.
+  void row_offsets(const int32_t* table, int64_t L, int64_t g, int64_t Hkv, int64_t D,
+                   std::vector<int64_t>& rows) const {
+    rows.resize(static_cast<size_t>(L));
+    const int64_t token_stride = Hkv * D;
+    for (int64_t t0 = 0, blk = 0; t0 < L; t0 += block_size, ++blk) {
+      const int64_t base = (static_cast<int64_t>(table[blk]) * block_size * Hkv + g) * D;
+      const int64_t n = std::min(block_size, L - t0);
+      for (int64_t i = 0; i < n; ++i) rows[t0 + i] = base + i * token_stride;
+    }
   }
+};
+
+// Per-thread buffers of the attention: one (sequence, KV head) pair's scores and row offsets.
+struct AttentionScratch {
+  std::vector<float> scores;
+  std::vector<int64_t> rows;
 };
 
 // softmax in place over scores[0, L), returning the sum of the exponentials.
@@ -142,23 +154,24 @@ inline float softmax_unnormalized(float* s, int64_t L) {
 template <typename T, typename O, int ND>
 void attend_group_vec(const T* q, int64_t q_stride, const PagedView<T>& kv, int64_t b, int64_t g,
                       int64_t G, int64_t Hkv, float scale, O* out, int64_t out_stride,
-                      std::vector<float>& scores) {
+                      AttentionScratch& scratch) {
   using namespace vec16;
   constexpr int64_t D = 16 * ND;
   const int64_t L = kv.seq_lens[b];
-  const int32_t* table = kv.tables + b * kv.table_stride;
-  scores.resize(static_cast<size_t>(L));
-  float* s = scores.data();
+  kv.row_offsets(kv.tables + b * kv.table_stride, L, g, Hkv, D, scratch.rows);
+  const int64_t* rows = scratch.rows.data();
+  scratch.scores.resize(static_cast<size_t>(L));
+  float* s = scratch.scores.data();
   for (int64_t j = 0; j < G; ++j) {
     const T* qh = q + b * q_stride + (g * G + j) * D;
     f32x16 qv[ND];
     for (int c = 0; c < ND; ++c) qv[c] = load(qh + 16 * c) * scale;
     int64_t t = 0;
     for (; t + 4 <= L; t += 4) {
-      const T* k0 = kv.row(kv.k, table, t, g, Hkv, D);
-      const T* k1 = kv.row(kv.k, table, t + 1, g, Hkv, D);
-      const T* k2 = kv.row(kv.k, table, t + 2, g, Hkv, D);
-      const T* k3 = kv.row(kv.k, table, t + 3, g, Hkv, D);
+      const T* k0 = kv.k + rows[t];
+      const T* k1 = kv.k + rows[t + 1];
+      const T* k2 = kv.k + rows[t + 2];
+      const T* k3 = kv.k + rows[t + 3];
       f32x16 a0 = qv[0] * load(k0), a1 = qv[0] * load(k1);
       f32x16 a2 = qv[0] * load(k2), a3 = qv[0] * load(k3);
       for (int c = 1; c < ND; ++c) {
@@ -170,7 +183,7 @@ void attend_group_vec(const T* q, int64_t q_stride, const PagedView<T>& kv, int6
       hsum4(a0, a1, a2, a3, s + t);
     }
     for (; t < L; ++t) {
-      const T* k0 = kv.row(kv.k, table, t, g, Hkv, D);
+      const T* k0 = kv.k + rows[t];
       f32x16 a0 = qv[0] * load(k0);
       for (int c = 1; c < ND; ++c) a0 += qv[c] * load(k0 + 16 * c);
       s[t] = hsum(a0);
@@ -178,7 +191,7 @@ void attend_group_vec(const T* q, int64_t q_stride, const PagedView<T>& kv, int6
     const float inv = 1.f / softmax_unnormalized(s, L);
     f32x16 acc[ND] = {};
     for (t = 0; t < L; ++t) {
-      const T* v0 = kv.row(kv.v, table, t, g, Hkv, D);
+      const T* v0 = kv.v + rows[t];
       const float p = s[t];
       for (int c = 0; c < ND; ++c) acc[c] += p * load(v0 + 16 * c);
     }
@@ -194,17 +207,18 @@ void attend_group_vec(const T* q, int64_t q_stride, const PagedView<T>& kv, int6
 template <typename T, typename O>
 void attend_group_scalar(const T* q, int64_t q_stride, const PagedView<T>& kv, int64_t b,
                          int64_t g, int64_t G, int64_t Hkv, int64_t D, float scale, O* out,
-                         int64_t out_stride, std::vector<float>& scores) {
+                         int64_t out_stride, AttentionScratch& scratch) {
   const int64_t L = kv.seq_lens[b];
-  const int32_t* table = kv.tables + b * kv.table_stride;
-  scores.resize(static_cast<size_t>(L));
-  float* s = scores.data();
+  kv.row_offsets(kv.tables + b * kv.table_stride, L, g, Hkv, D, scratch.rows);
+  const int64_t* rows = scratch.rows.data();
+  scratch.scores.resize(static_cast<size_t>(L));
+  float* s = scratch.scores.data();
   std::vector<float> qf(D), acc(D);
   for (int64_t j = 0; j < G; ++j) {
     const T* qh = q + b * q_stride + (g * G + j) * D;
     for (int64_t d = 0; d < D; ++d) qf[d] = to_f(qh[d]) * scale;
     for (int64_t t = 0; t < L; ++t) {
-      const T* krow = kv.row(kv.k, table, t, g, Hkv, D);
+      const T* krow = kv.k + rows[t];
       float dot = 0.f;
       for (int64_t d = 0; d < D; ++d) dot += qf[d] * to_f(krow[d]);
       s[t] = dot;
@@ -212,7 +226,7 @@ void attend_group_scalar(const T* q, int64_t q_stride, const PagedView<T>& kv, i
     const float inv = 1.f / softmax_unnormalized(s, L);
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t t = 0; t < L; ++t) {
-      const T* vrow = kv.row(kv.v, table, t, g, Hkv, D);
+      const T* vrow = kv.v + rows[t];
       for (int64_t d = 0; d < D; ++d) acc[d] += s[t] * to_f(vrow[d]);
     }
     O* o = out + b * out_stride + (g * G + j) * D;
@@ -222,7 +236,7 @@ void attend_group_scalar(const T* q, int64_t q_stride, const PagedView<T>& kv, i
 
 template <typename T, typename O>
 using GroupKernel = void (*)(const T*, int64_t, const PagedView<T>&, int64_t, int64_t, int64_t,
-                             int64_t, float, O*, int64_t, std::vector<float>&);
+                             int64_t, float, O*, int64_t, AttentionScratch&);
 
 // The vectorized kernel for head size D, or nullptr where only the scalar one applies.
 template <typename T, typename O>
@@ -249,13 +263,13 @@ void paged_decode_attention(const T* q, int64_t q_stride, const PagedView<T>& kv
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / work_per_item);
   const GroupKernel<T, O> kernel = vector_kernel<T, O>(D);
   at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    AttentionScratch scratch;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / Hkv, g = i % Hkv;
       if (kernel != nullptr) {
-        kernel(q, q_stride, kv, b, g, G, Hkv, scale, out, Hq * D, scores);
+        kernel(q, q_stride, kv, b, g, G, Hkv, scale, out, Hq * D, scratch);
       } else {
-        attend_group_scalar<T, O>(q, q_stride, kv, b, g, G, Hkv, D, scale, out, Hq * D, scores);
+        attend_group_scalar<T, O>(q, q_stride, kv, b, g, G, Hkv, D, scale, out, Hq * D, scratch);
       }
     }
   });

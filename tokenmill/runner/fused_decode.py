@@ -30,6 +30,8 @@ from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.quant.model import float_matmul_layers, pin_row_kernels
 
 logger = logging.getLogger(__name__)
+# The torch.profiler range of one fused decode step (benchmarks/step_profile.py reads it).
+PROFILE_RANGE = "tokenmill::fused_decode_stack"
 
 # "1" forces the fused path on, "0" off; unset means DEFAULT_ENABLED. Read only here.
 ENV_FLAG = "TOKENMILL_FUSED_DECODE"
@@ -247,9 +249,12 @@ class FusedDecoder:
                 attn_meta: AttentionMetadata) -> torch.Tensor:
         """Final-normed hidden states ``[B, hidden]``, as ``model.forward`` returns them."""
         hidden = self.model.model.embed_tokens(input_ids)
-        return self.stack.forward(hidden, positions, attn_meta.kv_caches,
-                                  attn_meta.slot_mapping, attn_meta.seq_lens,
-                                  attn_meta.block_tables, attn_meta.max_seq_len)
+        # A named range for torch.profiler: the stack's own C++ work (attention, norms, rotary)
+        # is no ATen op and would otherwise show as time outside every op.
+        with torch.profiler.record_function(PROFILE_RANGE):
+            return self.stack.forward(hidden, positions, attn_meta.kv_caches,
+                                      attn_meta.slot_mapping, attn_meta.seq_lens,
+                                      attn_meta.block_tables, attn_meta.max_seq_len)
 
 
 def make_fused_decoder(model: nn.Module, device: torch.device,
