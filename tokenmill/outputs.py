@@ -56,6 +56,9 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # Prompt tokens served from the prefix cache (None until the request was scheduled; for n > 1,
+    # the first sample's, which computes the prompt the others share).
+    num_cached_tokens: int | None = None
     # The request's max_tokens (None: up to the context), for vLLM's request_params_max_tokens.
     max_tokens: int | None = None
     # Compute time, energy and cost so far (every sample of an n > 1 request together).

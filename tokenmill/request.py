@@ -103,6 +103,9 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    # Prompt tokens whose KV came from the prefix cache when the request was first admitted
+    # (None until then; a recompute after preemption does not change it).
+    num_cached_tokens: int | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
     # Its shares of the steps that computed its tokens.

@@ -81,3 +81,18 @@ def test_samples_differ_and_their_seeds_reproduce(llm: LLM) -> None:
     again = [c.token_ids for c in llm.generate("Once upon a time", params)[0].outputs]
     assert first == again
     assert len({tuple(t) for t in first}) > 1
+
+
+def test_each_output_says_how_many_prompt_tokens_came_from_the_cache(llm: LLM,
+                                                                     uncached: LLM) -> None:
+    prompt = list(range(3000, 3000 + 100))  # 6 full blocks of 16 and 4 tokens
+    params = SamplingParams(max_tokens=2)
+    first = llm.generate([prompt], params)[0]
+    assert first.metrics.num_cached_tokens == 0
+    # The same prompt again: its full blocks are hits; the last, partial block is computed.
+    again = llm.generate([prompt], params)[0]
+    assert again.metrics.num_cached_tokens == 6 * 16
+    # A prompt sharing the first 40 tokens reuses two whole blocks; n > 1 reports it once.
+    shared = llm.generate([prompt[:40] + [7] * 30], SamplingParams(max_tokens=2, n=3))[0]
+    assert shared.metrics.num_cached_tokens == 2 * 16
+    assert uncached.generate([prompt], params)[0].metrics.num_cached_tokens == 0

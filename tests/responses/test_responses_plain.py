@@ -37,7 +37,13 @@ def test_plain_input(client: openai.OpenAI, server: Server) -> None:
     u = r.usage
     assert u.input_tokens > 5 and 0 < u.output_tokens <= 16
     assert u.total_tokens == u.input_tokens + u.output_tokens
-    assert u.input_tokens_details.cached_tokens == 0
+    # Whole blocks of the prompt already in the prefix cache (the chat template's start, from
+    # earlier requests); the same prompt again finds all of its whole blocks there.
+    cached = u.input_tokens_details.cached_tokens
+    assert cached % 16 == 0 and cached < u.input_tokens
+    again = _create(client, server, input="What is the capital of France?",
+                    max_output_tokens=1).usage
+    assert again.input_tokens_details.cached_tokens == (u.input_tokens - 1) // 16 * 16
     assert u.output_tokens_details.reasoning_tokens == 0
     # tokenmill's additions, as chat's usage has them.
     assert u.compute_seconds > 0 and u.energy_joules > 0

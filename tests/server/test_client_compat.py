@@ -133,3 +133,24 @@ def test_start_up_prints_its_progress(server: Server) -> None:
     ready = re.search(r"serving .* on http://127\.0\.0\.1:\d+/v1 \(auth off\); ready "
                       r"(\d+\.\d) s after the process started", log)
     assert ready is not None and 0 < float(ready.group(1)) < 3600, log[-2000:]
+
+
+def test_usage_reports_prompt_tokens_from_the_prefix_cache(client: openai.OpenAI,
+                                                           server: Server) -> None:
+    """OpenAI's usage.prompt_tokens_details.cached_tokens (what aiperf and vLLM's clients read):
+    0 the first time a prompt is seen, its full blocks the next time; streamed usage too."""
+    text = "Describe, in careful detail, the tides of the Bay of Fundy. " * 8  # unique here
+    messages = [{"role": "user", "content": text}]
+    first = client.chat.completions.create(model=server.model, messages=messages, max_tokens=1)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.chat.completions.create(model=server.model, messages=messages, max_tokens=1)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % 16 == 0 and cached <= again.usage.prompt_tokens
+    chunks = list(client.chat.completions.create(
+        model=server.model, messages=messages, max_tokens=1, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    # Plain completions too (the prompt without the chat template is a new prefix).
+    plain = [client.completions.create(model=server.model, prompt=text, max_tokens=1)
+             for _ in range(2)]
+    assert [p.usage.prompt_tokens_details.cached_tokens > 0 for p in plain] == [False, True]

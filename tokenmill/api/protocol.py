@@ -185,10 +185,16 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # OpenAI's: how many prompt tokens came from the prefix cache.
+    prompt_tokens_details: PromptTokensDetails | None = None
     # tokenmill's additions: the request's share of the engine steps that computed it, their
     # energy (J; energy_estimated when not read from a counter) and cost (USD).
     compute_seconds: float | None = None

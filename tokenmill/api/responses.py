@@ -11,7 +11,7 @@ from typing import ClassVar, Protocol
 from pydantic import BaseModel
 
 from tokenmill.api.errors import APIError
-from tokenmill.api.protocol import UsageInfo
+from tokenmill.api.protocol import PromptTokensDetails, UsageInfo
 from tokenmill.engine.async_llm import EngineDeadError, RequestGroup
 from tokenmill.engine.llm_engine import PromptType
 from tokenmill.outputs import ComputeUsage, RequestOutput, TokenLogprobs
@@ -23,16 +23,26 @@ MIN_LOGPROB = -9999.0
 
 
 def usage_info(prompt_tokens: int, completion_tokens: int,
-               compute: ComputeUsage | None = None) -> UsageInfo:
-    """OpenAI's ``usage`` object, with the compute, energy and cost when known."""
+               compute: ComputeUsage | None = None,
+               cached_tokens: int | None = None) -> UsageInfo:
+    """OpenAI's ``usage`` object, with the prompt tokens served from the prefix cache and the
+    compute, energy and cost when known."""
     info = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens)
+    if cached_tokens is not None:
+        info.prompt_tokens_details = PromptTokensDetails(cached_tokens=cached_tokens)
     if compute is not None:
         info.compute_seconds = round(compute.compute_seconds, 6)
         info.energy_joules = round(compute.energy_joules, 6)
         info.energy_estimated = compute.energy_estimated
         info.cost_usd = round(compute.cost_usd, 9)
     return info
+
+
+def total_cached(per_prompt: Sequence[int | None]) -> int | None:
+    """The prompts' cached tokens together; None when no prompt was scheduled."""
+    known = [n for n in per_prompt if n is not None]
+    return sum(known) if known else None
 
 
 @dataclass
@@ -55,6 +65,8 @@ class Collected:
     prompt_logprobs: list[list[TokenLogprobs | None] | None]
     # Each prompt's compute, energy and cost (its latest output's).
     compute: list[ComputeUsage] = field(default_factory=list)
+    # Each prompt's tokens served from the prefix cache (None: not scheduled yet).
+    cached: list[int | None] = field(default_factory=list)
 
     @classmethod
     def from_final(cls, outputs: Sequence[RequestOutput]) -> Collected:
@@ -63,24 +75,27 @@ class Collected:
             [[Choice([c.text], len(c.token_ids), list(c.logprobs or []), c.finish_reason,
                      c.stop_reason) for c in out.outputs] for out in outputs],
             [out.prompt_token_ids for out in outputs], [out.prompt_logprobs for out in outputs],
-            [out.metrics.usage for out in outputs])
+            [out.metrics.usage for out in outputs],
+            [out.metrics.num_cached_tokens for out in outputs])
 
     def usage(self) -> UsageInfo:
         prompt = sum(len(p) for p in self.prompt_token_ids)
         completion = sum(c.num_tokens for per_prompt in self.choices for c in per_prompt)
-        return usage_info(prompt, completion, ComputeUsage.total(self.compute))
+        return usage_info(prompt, completion, ComputeUsage.total(self.compute),
+                          total_cached(self.cached))
 
 
 async def collect(group: RequestGroup, num_prompts: int, n: int) -> Collected:
     """Run the group to the end; ``group`` is closed whatever happens."""
     out = Collected([[Choice() for _ in range(n)] for _ in range(num_prompts)],
                     [[] for _ in range(num_prompts)], [None] * num_prompts,
-                    [ComputeUsage() for _ in range(num_prompts)])
+                    [ComputeUsage() for _ in range(num_prompts)], [None] * num_prompts)
     try:
         async for index, result in group:
             out.prompt_token_ids[index] = result.prompt_token_ids
             out.prompt_logprobs[index] = result.prompt_logprobs
             out.compute[index] = result.metrics.usage.copy()
+            out.cached[index] = result.metrics.num_cached_tokens
             for c in result.outputs:
                 choice = out.choices[index][c.index]
                 choice.text.append(c.text)
@@ -106,15 +121,18 @@ class StreamUsage:
     prompt_tokens: dict[int, int] = field(default_factory=dict)  # prompt index -> its tokens
     completion_tokens: int = 0
     compute: dict[int, ComputeUsage] = field(default_factory=dict)  # prompt index -> latest
+    cached: dict[int, int | None] = field(default_factory=dict)  # prompt index -> cached tokens
 
     def add(self, index: int, out: RequestOutput) -> None:
         self.prompt_tokens[index] = len(out.prompt_token_ids)
         self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
         self.compute[index] = out.metrics.usage.copy()
+        self.cached[index] = out.metrics.num_cached_tokens
 
     def info(self) -> UsageInfo:
         return usage_info(sum(self.prompt_tokens.values()), self.completion_tokens,
-                          ComputeUsage.total(list(self.compute.values())))
+                          ComputeUsage.total(list(self.compute.values())),
+                          total_cached(list(self.cached.values())))
 
 
 class StreamChunks(Protocol):

@@ -29,6 +29,7 @@ from tokenmill.api.responses_protocol import (
     FileSearchCall,
     FunctionCallItem,
     IncompleteDetails,
+    InputTokensDetails,
     OutputMessage,
     OutputText,
     ResponseError,
@@ -73,6 +74,7 @@ class ResponseBuilder:
     output_tokens: int = 0
     finish_reason: str | None = None
     compute: ComputeUsage | None = None
+    cached_tokens: int | None = None  # prompt tokens served from the prefix cache
     _message: _OpenMessage | None = None
     _citations: CitationReader | None = None
 
@@ -119,6 +121,7 @@ class ResponseBuilder:
         events: list[Event] = []
         self.input_tokens = len(out.prompt_token_ids)
         self.compute = out.metrics.usage.copy()
+        self.cached_tokens = out.metrics.num_cached_tokens
         for c in out.outputs:
             self.output_tokens += len(c.token_ids)
             if c.finished:
@@ -218,6 +221,8 @@ class ResponseBuilder:
         info = usage_info(self.input_tokens, self.output_tokens, self.compute)
         return ResponseUsage(input_tokens=self.input_tokens, output_tokens=self.output_tokens,
                              total_tokens=info.total_tokens,
+                             input_tokens_details=InputTokensDetails(
+                                 cached_tokens=self.cached_tokens or 0),
                              compute_seconds=info.compute_seconds,
                              energy_joules=info.energy_joules,
                              energy_estimated=info.energy_estimated, cost_usd=info.cost_usd)

@@ -98,6 +98,8 @@ class EngineCoreOutput:
     new_prompt_logprobs: list[TokenLogprobs | None] | None = None
     # When the request was first scheduled (time.monotonic()), for queue-time metrics.
     first_scheduled_time: float | None = None
+    # Prompt tokens served from the prefix cache at the request's first admission.
+    num_cached_tokens: int | None = None
     # The request's compute, energy and cost so far (a snapshot).
     usage: ComputeUsage | None = None
     # An embedding request's vector (it then finishes with "stop" and no tokens).

@@ -299,6 +299,8 @@ class Scheduler:
                                 request.num_prompt_tokens if use_cache else None) is None:
             return None
         request.num_computed_tokens = num_cached
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_cached
         return num_new
 
     def _preempt(self, request: Request) -> None:
@@ -358,6 +360,7 @@ class Scheduler:
                 new_logprobs=runner_out.logprobs.get(rid),
                 new_prompt_logprobs=prompt_lps,
                 first_scheduled_time=request.first_scheduled_time,
+                num_cached_tokens=request.num_cached_tokens,
                 usage=request.usage.copy(),
                 cumulative_logprob=request.cumulative_logprob,
             ))

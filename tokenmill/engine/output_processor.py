@@ -127,6 +127,8 @@ class OutputProcessor:
             metrics.usage = ComputeUsage.total([s.usage for s in parent.sequences])
         if out.first_scheduled_time is not None and metrics.first_scheduled_time is None:
             metrics.first_scheduled_time = out.first_scheduled_time
+        if out.num_cached_tokens is not None and seq.index == 0:
+            metrics.num_cached_tokens = out.num_cached_tokens
         # Every sample of an n > 1 request computes the same prompt: report it once.
         if out.new_prompt_logprobs and parent.prompt_logprobs is not None and seq.index == 0:
             parent.prompt_logprobs.extend(out.new_prompt_logprobs)
