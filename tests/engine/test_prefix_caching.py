@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from tokenmill import LLM, SamplingParams
@@ -85,7 +87,8 @@ def test_samples_differ_and_their_seeds_reproduce(llm: LLM) -> None:
 
 def test_each_output_says_how_many_prompt_tokens_came_from_the_cache(llm: LLM,
                                                                      uncached: LLM) -> None:
-    prompt = list(range(3000, 3000 + 100))  # 6 full blocks of 16 and 4 tokens
+    # 6 full blocks of 16 and 4 tokens, ids no other test's prompt shares.
+    prompt = random.Random(8231).sample(range(1000, 49000), 100)
     params = SamplingParams(max_tokens=2)
     first = llm.generate([prompt], params)[0]
     assert first.metrics.num_cached_tokens == 0
