@@ -13,7 +13,9 @@ import openai
 import pytest
 from server_harness import Server, start_server, wait_for
 
-DRAIN_S = 4
+# Long enough for the 24-token request to finish beside two others on a slow 2-core CPU in
+# fp32 (4 s was not, on an AVX2-only EPYC), far too short for the 450-token ones.
+DRAIN_S = 12
 
 
 def stream_events(server: Server, body: dict) -> list[str]:
