@@ -51,3 +51,19 @@ def logits_of(model: nn.Module, ids: list[int]) -> torch.Tensor:
     """``[len(ids), vocab]`` logits of one sequence through a fresh paged KV cache."""
     cache = PagedKVCache.for_arch(model.config)
     return run_step(model, cache, [(0, ids)])[0]
+
+
+def pack_int4_by_hand(q: torch.Tensor, block_n: int) -> torch.Tensor:
+    """The CPU kernel's layout written out: blocks of ``block_n`` rows, each ``[K][block_n/2]``
+    bytes with row i low and row i + block_n/2 high; a shorter last block pairs rows 2j, 2j+1."""
+    n, k = q.shape
+    out = []
+    for start in range(0, n, block_n):
+        rows = q[start:start + block_n]
+        width = rows.shape[0]
+        if width == block_n:
+            low, high = rows[: width // 2], rows[width // 2:]
+        else:
+            low, high = rows[0::2], rows[1::2]
+        out.append((low | (high << 4)).t().reshape(-1))  # [K][width/2]
+    return torch.cat(out).view(n, k // 2)

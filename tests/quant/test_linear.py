@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from quant_helpers import pack_int4_by_hand
 
 from tokenmill.quant import (
     Int4WeightOnlyLinear,
@@ -120,22 +121,6 @@ def test_int4_packed_layout_round_trips(n: int) -> None:
     assert torch.equal(unpack_int4_rows(packed, n, 64, rows), q[rows])
 
 
-def _pack_by_hand(q: torch.Tensor, block_n: int) -> torch.Tensor:
-    """The CPU kernel's layout written out: blocks of ``block_n`` rows, each ``[K][block_n/2]``
-    bytes with row i low and row i + block_n/2 high; a shorter last block pairs rows 2j, 2j+1."""
-    n, k = q.shape
-    out = []
-    for start in range(0, n, block_n):
-        rows = q[start:start + block_n]
-        width = rows.shape[0]
-        if width == block_n:
-            low, high = rows[: width // 2], rows[width // 2:]
-        else:
-            low, high = rows[0::2], rows[1::2]
-        out.append((low | (high << 4)).t().reshape(-1))  # [K][width/2]
-    return torch.cat(out).view(n, k // 2)
-
-
 @pytest.mark.parametrize("block_n", INT4_BLOCK_NS)
 @pytest.mark.parametrize("n", [32, 48, 64, 80, 176])
 def test_unpack_reads_each_known_layout(block_n: int, n: int) -> None:
@@ -143,7 +128,7 @@ def test_unpack_reads_each_known_layout(block_n: int, n: int) -> None:
     this machine's CPU is."""
     q = torch.randint(0, 16, (n, 64), generator=torch.Generator().manual_seed(n),
                       dtype=torch.uint8)
-    packed = _pack_by_hand(q, block_n)
+    packed = pack_int4_by_hand(q, block_n)
     assert torch.equal(unpack_int4(packed, n, 64, block_n), q)
     rows = torch.tensor([n - 1, 0, n // 2])
     assert torch.equal(unpack_int4_rows(packed, n, 64, rows, block_n), q[rows])
@@ -154,7 +139,7 @@ def test_this_cpu_packs_in_a_known_width() -> None:
                       dtype=torch.int32)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
     assert int4_block_n() in INT4_BLOCK_NS
-    assert torch.equal(packed.view(96, 32), _pack_by_hand(q.to(torch.uint8), int4_block_n()))
+    assert torch.equal(packed.view(96, 32), pack_int4_by_hand(q.to(torch.uint8), int4_block_n()))
 
 
 def test_int4_packing_in_chunks_equals_packing_at_once() -> None:

@@ -6,7 +6,7 @@ import os
 import time
 from pathlib import Path
 
-from tokenmill.runner.fused_decode import STALE_LOCK_S, _remove_stale_lock
+from tokenmill.csrc import STALE_LOCK_S, _remove_stale_lock
 
 
 def test_stale_lock_removed_fresh_lock_kept(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@
 
 #include "decode_kernels.h"
 #include "paged_attention.h"
+#include "quant_gemm.h"
 #include "token_bitmask.h"
 
 namespace tokenmill {
@@ -26,6 +27,9 @@ struct LinearSpec {
   at::Tensor bias;  // undefined when absent
   at::Tensor scales;  // kInt8 / kInt4 only
   int64_t group_size = 0;  // kInt4 only
+  // kInt8 / kInt4: > 0 for tokenmill's own kernels (quant_gemm.h; for int4 the packing's
+  // output-block width), 0 for PyTorch's, as the module computes in Python.
+  int64_t own_kernel = 0;
 
   // y = x W^T (+ bias). Quantized kinds take and return bf16, as tokenmill.quant's modules
   // compute (they cast in, add the bias in bf16 and cast back; the stack skips the casts when
@@ -35,8 +39,14 @@ struct LinearSpec {
       return bias.defined() ? at::linear(x, weight, bias) : at::linear(x, weight);
     }
     const at::Tensor xb = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
-    at::Tensor y = kind == kInt8 ? at::_weight_int8pack_mm(xb, weight, scales)
-                                 : at::_weight_int4pack_mm_for_cpu(xb, weight, group_size, scales);
+    at::Tensor y;
+    if (kind == kInt8) {
+      y = own_kernel > 0 ? qgemm::int8_linear(xb, weight, scales)
+                         : at::_weight_int8pack_mm(xb, weight, scales);
+    } else {
+      y = own_kernel > 0 ? qgemm::int4_linear(xb, weight, scales, group_size, own_kernel)
+                         : at::_weight_int4pack_mm_for_cpu(xb, weight, group_size, scales);
+    }
     if (bias.defined()) y = y + bias;
     return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
   }
@@ -63,11 +73,14 @@ class DecoderStack {
   }
 
   // norms: input, post-attention, q, k (q/k as empty tensors when absent); linears in the order
-  // qkv, o, gate_up, down, each as (kind, [weight, bias-or-empty, scales-or-empty], group size).
+  // qkv, o, gate_up, down, each as (kind, [weight, bias-or-empty, scales-or-empty], group size,
+  // own kernel: see LinearSpec::own_kernel).
   void add_layer(std::vector<at::Tensor> norms, std::vector<int64_t> kinds,
-                 std::vector<std::vector<at::Tensor>> tensors, std::vector<int64_t> group_sizes) {
+                 std::vector<std::vector<at::Tensor>> tensors, std::vector<int64_t> group_sizes,
+                 std::vector<int64_t> own_kernels) {
     TORCH_CHECK(norms.size() == 4 && kinds.size() == 4 && tensors.size() == 4 &&
-                group_sizes.size() == 4, "add_layer: expected 4 norms and 4 linears");
+                group_sizes.size() == 4 && own_kernels.size() == 4,
+                "add_layer: expected 4 norms and 4 linears");
     LayerWeights w;
     w.input_norm = norms[0];
     w.post_norm = norms[1];
@@ -82,6 +95,7 @@ class DecoderStack {
       if (tensors[i][1].numel() > 0) specs[i]->bias = tensors[i][1];
       if (tensors[i][2].numel() > 0) specs[i]->scales = tensors[i][2];
       specs[i]->group_size = group_sizes[i];
+      specs[i]->own_kernel = own_kernels[i];
     }
     for (const LinearSpec* spec : specs) io_bf16_ = io_bf16_ && spec->kind != kFloat;
     layers_.push_back(std::move(w));
@@ -239,6 +253,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("num_layers", &tokenmill::DecoderStack::num_layers)
       .def("forward", &tokenmill::DecoderStack::forward,
            pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("int4_linear", &tokenmill::qgemm::int4_linear,
+        "x W^T for int4 W in PyTorch's CPU packing (blocks of block_n outputs), x fp32 or bf16",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("scales_and_zeros"),
+        pybind11::arg("group_size"), pybind11::arg("block_n"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("int8_linear", &tokenmill::qgemm::int8_linear,
+        "x (W * scales[:, None])^T for int8 W [N, K], x fp32 or bf16",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("scales"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("apply_token_bitmask", &tokenmill::apply_token_bitmask,
         "logits[r][t] = -inf for each r in rows and each token t that bitmask[r] forbids",
         pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -1,7 +1,8 @@
 """Quantized replacements for ``nn.Linear``: weight-only int8 / int4, and fp8.
 
-Few rows (decode) run PyTorch's weight-only kernels, which read 1 or 0.5 byte per weight
-instead of 4 and beat the fp32 matmul about 2x. Many rows (prefill) are compute-bound, where
+Few rows (decode) run weight-only kernels, which read 1 or 0.5 byte per weight instead of 4
+and beat the fp32 matmul about 2x: tokenmill's own on the CPU (:func:`cpu_kernels`, C++ in
+``tokenmill/csrc/quant_gemm.h``), PyTorch's where that extension cannot be built. Many rows (prefill) are compute-bound, where
 those kernels lose to a bf16 matmul; there the weight is dequantized to bf16 on the fly for
 one dense matmul (see benchmarks/results/quant-kernels-cpu.md for the measurements behind
 ``dense_min_rows``). Either way activations go to the kernel in bf16 and the result comes
@@ -19,10 +20,13 @@ scale per output channel and quantizes activations per token for ``torch._scaled
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.csrc import extension_or_none
 from tokenmill.quant.packing import (
     KERNEL_DTYPE,
     QUANTIZE_ROWS,
@@ -39,6 +43,21 @@ from tokenmill.quant.packing import (
     unpack_int4,
     unpack_int4_rows,
 )
+
+
+def cpu_kernels() -> ModuleType | None:
+    """tokenmill's C++ int4 / int8 matmuls (``tokenmill/csrc/quant_gemm.h``), or None where the
+    extension cannot be built: then PyTorch's weight-only kernels compute instead.
+
+    PyTorch's int4 CPU kernel decodes the weights again for every few rows, so a 32-row decode
+    step costs ~14x a 1-row one on an AVX2 CPU; ours decodes each tile once per call. Both
+    take bf16 activations and give each row the same bits whatever the row count.
+    """
+    return extension_or_none() if USE_CPU_KERNELS else None
+
+
+# False sends the CPU int layers to PyTorch's kernels (benchmarks compare the two).
+USE_CPU_KERNELS = True
 
 # Rows from which the dense bf16 path wins, measured on SmolLM2-135M's shapes (see
 # benchmarks/results/quant-kernels-cpu.md). Dequantizing a weight that does not fit in cache
@@ -131,6 +150,9 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
         return cls(q, scales, bias)
 
     def _kernel(self, xb: torch.Tensor) -> torch.Tensor:
+        ext = cpu_kernels() if xb.device.type == "cpu" else None
+        if ext is not None:
+            return ext.int8_linear(xb, self.weight, self.scales)
         return torch.ops.aten._weight_int8pack_mm(xb, self.weight, self.scales)
 
     def _dense(self, xb: torch.Tensor) -> torch.Tensor:
@@ -183,8 +205,22 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         return cls.from_groups(quantize_int4(weight, group_size), bias)
 
     def _kernel(self, xb: torch.Tensor) -> torch.Tensor:
+        block_n = self.cpu_block_n()
+        ext = cpu_kernels() if block_n else None
+        if ext is not None:
+            return ext.int4_linear(xb, self.weight, self.scales_and_zeros, self.group_size,
+                                   block_n)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.weight, self.group_size,
                                                           self.scales_and_zeros)
+
+    def cpu_block_n(self) -> int:
+        """The output-block width of this weight's packing that tokenmill's own int4 kernel
+        reads, or 0 where it cannot (an unknown layout, a partial last block, a GPU)."""
+        block_n = int4_block_n()
+        if (self.weight.device.type != "cpu" or block_n is None
+                or self.out_features % block_n or self.weight.dtype != torch.uint8):
+            return 0
+        return block_n
 
     def _dense(self, xb: torch.Tensor) -> torch.Tensor:
         if not self._can_decode:

@@ -10,21 +10,15 @@ runner keeps ``model.forward`` for everything else.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import hashlib
 import logging
 import os
-import platform
-import time
 from dataclasses import dataclass
-from pathlib import Path
-from types import ModuleType
 
 import torch
 from torch import nn
 
 from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.csrc import load_extension
 from tokenmill.models import layers
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.quant.model import float_matmul_layers, pin_row_kernels
@@ -37,7 +31,6 @@ PROFILE_RANGE = "tokenmill::fused_decode_stack"
 ENV_FLAG = "TOKENMILL_FUSED_DECODE"
 DEFAULT_ENABLED = True
 
-_CSRC = Path(__file__).resolve().parent.parent / "csrc"
 # Linear kinds, as in fused_decode.cpp.
 KIND_FLOAT, KIND_INT8, KIND_INT4 = 0, 1, 2
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
@@ -61,68 +54,6 @@ def fused_decode_enabled(explicit: bool | None = None) -> bool:
     raise ValueError(f"{ENV_FLAG} must be 0 or 1, got {value!r}")
 
 
-def _cpu_flags() -> str:
-    """The CPU's feature flags (Linux), or the machine name elsewhere."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return platform.machine()
-
-
-# A build takes about a minute: a lock older than this was left by a killed build.
-STALE_LOCK_S = 600
-
-
-def _remove_stale_lock(path: str) -> None:
-    """torch waits forever on the lock file of a build that was killed half-way: remove one
-    older than any build takes."""
-    try:
-        age = time.time() - os.path.getmtime(path)
-    except OSError:
-        return
-    if age > STALE_LOCK_S:
-        logger.warning("removing %s, left %.0f s ago by a build that did not finish", path, age)
-        with contextlib.suppress(OSError):
-            os.remove(path)
-
-
-@functools.cache
-def load_extension() -> ModuleType:
-    """Compile (first time, ~1 minute) or load the cached C++ extension."""
-    from torch.utils import cpp_extension
-
-    # torch rebuilds when the .cpp changes but not when a header does, and its cache is keyed
-    # by name alone: the name carries a hash of every file in csrc (an edited header is a new
-    # extension), of the checkout's path (two checkouts do not rebuild each other's copy) and
-    # of the CPU's features (-march=native code from another machine could crash here).
-    digest = hashlib.sha256(str(_CSRC).encode() + _cpu_flags().encode())
-    for path in sorted(p for p in _CSRC.iterdir() if p.is_file()):
-        digest.update(path.name.encode() + path.read_bytes())
-    name = f"tokenmill_fused_decode_{digest.hexdigest()[:12]}"
-    build_dir = getattr(cpp_extension, "_get_build_directory", None)  # private: may go away
-    if build_dir is not None:
-        _remove_stale_lock(os.path.join(build_dir(name, False), "lock"))
-    return cpp_extension.load(
-        name=name,
-        sources=[str(_CSRC / "fused_decode.cpp")],
-        extra_include_paths=[str(_CSRC)],
-        # Built on the machine that runs it, so tuning for its CPU is safe. OpenMP makes
-        # at::parallel_for (the attention's threads) parallel inside the extension too.
-        extra_cflags=["-O3", "-march=native", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
-        verbose=False,
-    )
-
-
-def extension_if_loaded() -> ModuleType | None:
-    """The extension if this process has loaded it already; never starts a build."""
-    return load_extension() if load_extension.cache_info().currsize else None
-
-
 @dataclass(frozen=True)
 class LinearParts:
     """One projection as the C++ side takes it: kind tag, tensors, int4 group size."""
@@ -132,6 +63,9 @@ class LinearParts:
     bias: torch.Tensor | None
     scales: torch.Tensor | None = None
     group_size: int = 0
+    # > 0 where the module computes with tokenmill's own int kernel (for int4 the packing's
+    # block width), 0 where with PyTorch's: the C++ side must take the same one.
+    own_kernel: int = 0
     # Batch from which the module's own forward takes another route (tokenmill.quant's dense
     # bf16 matmul) that the C++ side does not repeat; None for no such limit.
     max_rows: int | None = None
@@ -162,12 +96,14 @@ def _quant_parts(module: nn.Module) -> LinearParts | None:
         return None
     int8_cls = getattr(qlinear, "Int8WeightOnlyLinear", None)
     int4_cls = getattr(qlinear, "Int4WeightOnlyLinear", None)
+    own = qlinear.cpu_kernels() is not None
     if int8_cls is not None and type(module) is int8_cls:
         return LinearParts(KIND_INT8, module.weight, module.bias, module.scales,
-                           max_rows=int(module.dense_min_rows))
+                           max_rows=int(module.dense_min_rows), own_kernel=int(own))
     if int4_cls is not None and type(module) is int4_cls:
         return LinearParts(KIND_INT4, module.weight, module.bias, module.scales_and_zeros,
-                           int(module.group_size), max_rows=int(module.dense_min_rows))
+                           int(module.group_size), max_rows=int(module.dense_min_rows),
+                           own_kernel=module.cpu_block_n() if own else 0)
     return None
 
 
@@ -233,7 +169,7 @@ class FusedDecoder:
             parts = [linear_parts(m, dtype) for m in
                      (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
             stack.add_layer(norms, [p.kind for p in parts], [p.tensors() for p in parts],
-                            [p.group_size for p in parts])
+                            [p.group_size for p in parts], [p.own_kernel for p in parts])
             for p in parts:
                 if p.max_rows is not None:
                     self.batch_limit = min(self.batch_limit, p.max_rows)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.csrc import extension_if_loaded
 from tokenmill.outputs import TokenLogprobs
-from tokenmill.runner.fused_decode import extension_if_loaded
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.matcher import apply_bitmask
 from tokenmill.utils import host_tensor

@@ -1,0 +1,135 @@
+"""tokenmill's own CPU int4 / int8 matmuls (tokenmill/csrc/quant_gemm.h) against fp32
+references computed from the same quantized values, PyTorch's kernels, and themselves at other
+row counts (a row's bits must not depend on how many rows share the call)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from quant_helpers import pack_int4_by_hand
+
+from tokenmill.csrc import load_extension
+from tokenmill.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+from tokenmill.quant.linear import cpu_kernels
+from tokenmill.quant.packing import INT4_BLOCK_NS, int4_block_n
+
+# Row counts that reach every path: the 1- and 2-row register kernels, the 6-row tile kernel
+# and its remainders.
+ROWS = [1, 2, 3, 5, 6, 7, 13, 40]
+
+
+@pytest.fixture(scope="module")
+def ext():
+    return load_extension()
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _int4_case(n: int, k: int, group: int, seed: int = 0):
+    """Nibbles, bf16 scales and zeros ``[K / g, N, 2]`` and the fp32 weight they encode."""
+    q = torch.randint(0, 16, (n, k), generator=_gen(seed), dtype=torch.uint8)
+    scale = (torch.rand(k // group, n, generator=_gen(seed + 1)) * 0.02 + 0.001)
+    zero = torch.randn(k // group, n, generator=_gen(seed + 2)) * 0.01
+    sz = torch.stack([scale, zero], dim=-1).to(torch.bfloat16)
+    s = sz[..., 0].float().t().repeat_interleave(group, dim=1)  # [N, K]
+    z = sz[..., 1].float().t().repeat_interleave(group, dim=1)
+    w = (q.float() - 8.0) * s + z
+    return q, sz, w
+
+
+@pytest.mark.parametrize("block_n", INT4_BLOCK_NS)
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_matches_fp32_reference_in_each_layout(ext, block_n: int, group: int) -> None:
+    n, k = 2 * block_n, 256
+    q, sz, w = _int4_case(n, k, group)
+    packed = pack_int4_by_hand(q, block_n)
+    x = torch.randn(40, k, generator=_gen(7))
+    ref = x.double() @ w.double().t()
+    for rows in ROWS:
+        y = ext.int4_linear(x[:rows], packed, sz, group, block_n)
+        assert y.dtype == torch.float32 and y.shape == (rows, n)
+        err = ((y.double() - ref[:rows]).abs().max() / ref[:rows].abs().max()).item()
+        assert err < 1e-5, (rows, err)
+    # bf16 activations: widened exactly, the output rounded once.
+    xb = x.to(torch.bfloat16)
+    y = ext.int4_linear(xb, packed, sz, group, block_n)
+    assert y.dtype == torch.bfloat16
+    exact = xb.double() @ w.double().t()
+    assert ((y.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()
+
+
+@pytest.mark.parametrize("block_n", INT4_BLOCK_NS)
+def test_int4_rows_keep_their_bits_at_every_row_count(ext, block_n: int) -> None:
+    q, sz, _ = _int4_case(3 * block_n, 192, 32, seed=3)
+    packed = pack_int4_by_hand(q, block_n)
+    x = torch.randn(64, 192, generator=_gen(11))
+    full = ext.int4_linear(x, packed, sz, 32, block_n)
+    for rows in [*ROWS, 63]:
+        assert torch.equal(ext.int4_linear(x[:rows], packed, sz, 32, block_n), full[:rows])
+        assert torch.equal(ext.int4_linear(x[rows - 1:rows], packed, sz, 32, block_n),
+                           full[rows - 1:rows])
+
+
+def test_int4_agrees_with_pytorchs_kernel_on_its_own_packing(ext) -> None:
+    w = torch.randn(960, 576, generator=_gen(5)) * 0.05
+    module = Int4WeightOnlyLinear.from_weight(w, None, 32)
+    x = torch.randn(33, 576, generator=_gen(6)).to(torch.bfloat16)
+    ours = ext.int4_linear(x, module.weight, module.scales_and_zeros, 32, int4_block_n())
+    theirs = torch.ops.aten._weight_int4pack_mm_for_cpu(x, module.weight, 32,
+                                                        module.scales_and_zeros)
+    err = ((ours.float() - theirs.float()).abs().max() / theirs.float().abs().max()).item()
+    assert err < 1e-2
+
+
+@pytest.mark.parametrize(("n", "k"), [(48, 64), (50, 77), (16, 8), (1, 3), (200, 1536)])
+def test_int8_matches_fp32_reference(ext, n: int, k: int) -> None:
+    # Output counts that end in a partial tile of 16 and of 4, inputs past a multiple of 8.
+    w = torch.randint(-127, 128, (n, k), generator=_gen(n), dtype=torch.int8)
+    scales = (torch.rand(n, generator=_gen(k)) * 0.01 + 1e-4).to(torch.bfloat16)
+    x = torch.randn(40, k, generator=_gen(3))
+    ref = x.double() @ (w.double() * scales.double()[:, None]).t()
+    full = ext.int8_linear(x, w, scales)
+    for rows in ROWS:
+        y = ext.int8_linear(x[:rows], w, scales)
+        assert y.shape == (rows, n) and y.dtype == torch.float32
+        err = ((y.double() - ref[:rows]).abs().max() / ref[:rows].abs().max()).item()
+        assert err < 1e-5, (rows, err)
+        assert torch.equal(y, full[:rows]), rows
+        assert torch.equal(ext.int8_linear(x[rows - 1:rows], w, scales), full[rows - 1:rows])
+    yb = ext.int8_linear(x.to(torch.bfloat16), w, scales)
+    assert yb.dtype == torch.bfloat16
+
+
+def test_no_rows_and_bad_arguments(ext) -> None:
+    q, sz, _ = _int4_case(32, 64, 32)
+    packed = pack_int4_by_hand(q, 32)
+    assert ext.int4_linear(torch.empty(0, 64), packed, sz, 32, 32).shape == (0, 32)
+    w8 = torch.zeros(16, 64, dtype=torch.int8)
+    assert ext.int8_linear(torch.empty(0, 64), w8, torch.ones(16)).shape == (0, 16)
+    with pytest.raises(RuntimeError, match="groups of"):
+        ext.int4_linear(torch.randn(2, 96), packed, sz, 32, 32)
+    with pytest.raises(RuntimeError, match="block width"):
+        ext.int4_linear(torch.randn(2, 64), packed, sz, 32, 48)
+    with pytest.raises(RuntimeError, match="int8"):
+        ext.int8_linear(torch.randn(2, 64), w8.float(), torch.ones(16))
+    with pytest.raises(RuntimeError, match="inputs"):
+        ext.int8_linear(torch.randn(2, 63), w8, torch.ones(16))
+    with pytest.raises(RuntimeError, match="scales"):
+        ext.int8_linear(torch.randn(2, 64), w8, torch.ones(15))
+
+
+def test_modules_compute_with_them_and_fall_back_without(monkeypatch) -> None:
+    """The int modules' CPU path is these kernels; with them off, PyTorch's, within bf16."""
+    assert cpu_kernels() is not None
+    w = torch.randn(96, 64, generator=_gen(2)) * 0.05
+    x = torch.randn(9, 64, generator=_gen(4))
+    for module in (Int4WeightOnlyLinear.from_weight(w, None, 32),
+                   Int8WeightOnlyLinear.from_weight(w, None)):
+        module.dense_min_rows = 10**9
+        ours = module(x)
+        monkeypatch.setattr("tokenmill.quant.linear.USE_CPU_KERNELS", False)
+        theirs = module(x)
+        monkeypatch.setattr("tokenmill.quant.linear.USE_CPU_KERNELS", True)
+        assert ((ours - theirs).abs().max() / theirs.abs().max()).item() < 1e-2

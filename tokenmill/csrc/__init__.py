@@ -1,0 +1,100 @@
+"""tokenmill's C++ extension for the CPU: where its sources live and how it is built and loaded.
+
+One extension holds every hand-written CPU kernel: the fused decoder layer stack
+(``fused_decode.cpp``, driven by ``tokenmill.runner.fused_decode``), the weight-only int4 / int8
+matmuls (``quant_gemm.h``, called by ``tokenmill.quant.linear``) and the grammar bitmask
+(``token_bitmask.h``). It is compiled once with ``torch.utils.cpp_extension.load`` (about a
+minute; ``scripts/install.sh`` does it at install time) and cached on disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+_CSRC = Path(__file__).resolve().parent
+_SOURCE_SUFFIXES = (".cpp", ".h")
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (Linux), or the machine name elsewhere."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.machine()
+
+
+# A build takes about a minute: a lock older than this was left by a killed build.
+STALE_LOCK_S = 600
+
+
+def _remove_stale_lock(path: str) -> None:
+    """torch waits forever on the lock file of a build that was killed half-way: remove one
+    older than any build takes."""
+    try:
+        age = time.time() - os.path.getmtime(path)
+    except OSError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning("removing %s, left %.0f s ago by a build that did not finish", path, age)
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
+@functools.cache
+def load_extension() -> ModuleType:
+    """Compile (first time, ~1 minute) or load the cached C++ extension."""
+    import torch  # noqa: F401  (cpp_extension needs torch imported)
+    from torch.utils import cpp_extension
+
+    # torch rebuilds when the .cpp changes but not when a header does, and its cache is keyed
+    # by name alone: the name carries a hash of every source in csrc (an edited header is a
+    # new extension), of the checkout's path (two checkouts do not rebuild each other's copy)
+    # and of the CPU's features (-march=native code from another machine could crash here).
+    digest = hashlib.sha256(str(_CSRC).encode() + _cpu_flags().encode())
+    for path in sorted(p for p in _CSRC.iterdir() if p.suffix in _SOURCE_SUFFIXES):
+        digest.update(path.name.encode() + path.read_bytes())
+    name = f"tokenmill_fused_decode_{digest.hexdigest()[:12]}"
+    build_dir = getattr(cpp_extension, "_get_build_directory", None)  # private: may go away
+    if build_dir is not None:
+        _remove_stale_lock(os.path.join(build_dir(name, False), "lock"))
+    return cpp_extension.load(
+        name=name,
+        sources=[str(_CSRC / "fused_decode.cpp")],
+        extra_include_paths=[str(_CSRC)],
+        # Built on the machine that runs it, so tuning for its CPU is safe. OpenMP makes
+        # at::parallel_for (the attention's threads) parallel inside the extension too.
+        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )
+
+
+def extension_if_loaded() -> ModuleType | None:
+    """The extension if this process has loaded it already; never starts a build."""
+    return load_extension() if load_extension.cache_info().currsize else None
+
+
+@functools.cache
+def extension_or_none() -> ModuleType | None:
+    """The extension, built if need be; None (with one warning) where it cannot be built, so
+    that callers fall back to PyTorch's own kernels."""
+    try:
+        return load_extension()
+    except Exception as e:  # no compiler, no ninja, a broken toolchain: never fatal
+        logger.warning("tokenmill's C++ extension failed to build or load, using PyTorch's "
+                       "kernels instead: %s", e)
+        return None
