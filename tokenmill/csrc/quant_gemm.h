@@ -3,9 +3,10 @@
 // PyTorch's _weight_int4pack_mm_for_cpu decodes the weights again for every few rows of x, so
 // on an AVX2 CPU a 32-row decode step costs ~14x a 1-row one. Here each tile of W is decoded
 // once per call, to fp32 in a cache-resident buffer, and every row of x is multiplied against
-// it there:
+// it there (a single row widens the weights in registers instead):
 //   - int4: the column block of PyTorch's packed layout (BN = 32 or 64 outputs), one quant
-//     group of K at a time (outer products, vectorized over the outputs);
+//     group of K at a time (outer products, vectorized over the outputs), the group's scale and
+//     zero applied once per group, not per weight;
 //   - int8: a few output rows at a time, the whole of K (dot products, vectorized over K).
 // Each output is one FMA chain in a fixed order over K, and the same code runs for every row
 // count, so a row's result does not depend on how many rows share the call (the
@@ -44,12 +45,56 @@ inline at::Tensor fp32_rows(const at::Tensor& x) {
 // ---- int4 ------------------------------------------------------------------------------
 // PyTorch's CPU packing (_convert_weight_to_int4pack_for_cpu, when N % BN == 0): uint8
 // [N / BN, K, BN / 2]; in block b at input k, byte j holds output b*BN + j in its low nibble
-// and output b*BN + BN/2 + j in its high one. scales_and_zeros: bf16 [K / g, N, 2].
-// w = (q - 8) * scale + zero, as one fma.
+// and output b*BN + BN/2 + j in its high one. scales_and_zeros: bf16 [K / g, N, 2], and
+// w = (q - 8) * scale + zero.
+//
+// Per quant group of g inputs, with z8 = zero - 8 * scale (one fma):
+//   y += scale * (sum_k q x_k) + z8 * (sum_k x_k),  as  y = fma(scale, dot, fma(z8, xsum, y)),
+// dot one fma chain over the group's inputs in k order, xsum the row's plain sum over them
+// (once per call). The nibbles only need widening to float, not scaling, in the inner loop.
 
-// Decode inputs [k0, k0 + kc) of one column block into dst[kc][BN].
-inline void decode_int4_tile(const uint8_t* block, int64_t k0, int64_t kc, int64_t bn,
-                             const float* scale, const float* zero, float* dst) {
+// Scales and z8 of one block for every group: s[g][bn], z8[g][bn].
+inline void block_scales(const uint16_t* sz, int64_t groups, int64_t N, int64_t n0, int64_t bn,
+                         float* s, float* z8) {
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint16_t* pairs = sz + (g * N + n0) * 2;
+    float* sg = s + g * bn;
+    float* zg = z8 + g * bn;
+    int64_t j = 0;
+#ifdef TOKENMILL_QGEMM_AVX2
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    const __m256 minus8 = _mm256_set1_ps(-8.f);
+    for (; j + 8 <= bn; j += 8) {  // 8 (scale, zero) pairs: scale in the low half of each word
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs + 2 * j));
+      const __m256 sv = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      const __m256 zv = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+      _mm256_storeu_ps(sg + j, sv);
+      _mm256_storeu_ps(zg + j, _mm256_fmadd_ps(minus8, sv, zv));
+    }
+#endif
+    for (; j < bn; ++j) {
+      sg[j] = bf16_bits_to_f(pairs[2 * j]);
+      zg[j] = std::fma(-8.f, sg[j], bf16_bits_to_f(pairs[2 * j + 1]));
+    }
+  }
+}
+
+// xsum[m][g]: each row's sum over each group, in k order.
+inline void group_sums(const float* x, int64_t M, int64_t K, int64_t group_size, float* xsum) {
+  const int64_t groups = K / group_size;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* xr = x + m * K + g * group_size;
+      float acc = 0.f;
+      for (int64_t k = 0; k < group_size; ++k) acc += xr[k];
+      xsum[m * groups + g] = acc;
+    }
+  }
+}
+
+// The nibbles of inputs [k0, k0 + kc) of one block as floats: dst[kc][bn].
+inline void widen_int4_tile(const uint8_t* block, int64_t k0, int64_t kc, int64_t bn,
+                            float* dst) {
   const int64_t half = bn / 2;
   for (int64_t kk = 0; kk < kc; ++kk) {
     const uint8_t* src = block + (k0 + kk) * half;
@@ -57,43 +102,38 @@ inline void decode_int4_tile(const uint8_t* block, int64_t k0, int64_t kc, int64
     int64_t j = 0;
 #ifdef TOKENMILL_QGEMM_AVX2
     const __m128i low4 = _mm_set1_epi8(0x0F);
-    const __m256 eight = _mm256_set1_ps(8.f);
     for (; j + 16 <= half; j += 16) {
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j));
       const __m128i lo = _mm_and_si128(b, low4);
       const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
-      const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-      const int64_t cols[4] = {j, j + 8, half + j, half + j + 8};
-      for (int p = 0; p < 4; ++p) {
-        const __m256 q = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[p])), eight);
-        _mm256_storeu_ps(out + cols[p], _mm256_fmadd_ps(q, _mm256_loadu_ps(scale + cols[p]),
-                                                        _mm256_loadu_ps(zero + cols[p])));
-      }
+      _mm256_storeu_ps(out + j, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)));
+      _mm256_storeu_ps(out + j + 8,
+                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))));
+      _mm256_storeu_ps(out + half + j, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)));
+      _mm256_storeu_ps(out + half + j + 8,
+                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))));
     }
 #endif
     for (; j < half; ++j) {
-      const float lo = static_cast<float>(src[j] & 15) - 8.f;
-      const float hi = static_cast<float>(src[j] >> 4) - 8.f;
-      out[j] = std::fma(lo, scale[j], zero[j]);
-      out[half + j] = std::fma(hi, scale[half + j], zero[half + j]);
+      out[j] = static_cast<float>(src[j] & 15);
+      out[half + j] = static_cast<float>(src[j] >> 4);
     }
   }
 }
 
-// acc[m][0, bn) += sum over kk < kc of x[m][k0 + kk] * tile[kk][0, bn), for rows [0, M),
-// each output one fma chain in kk order.
-inline void tile_outer_products(const float* x, int64_t ldx, int64_t M, int64_t k0, int64_t kc,
-                                const float* tile, int64_t bn, float* acc) {
+// For one group of every row: dot = x[m][k0..k0+kc) . tile columns, then
+// y[m][c] = fma(s[c], dot, fma(z8[c], xsum[m], y[m][c])). y and xsum are [M][bn] / [M]
+// (xsum strided by xs_stride).
+inline void tile_group(const float* x, int64_t ldx, int64_t M, int64_t k0, int64_t kc,
+                       const float* tile, int64_t bn, const float* s, const float* z8,
+                       const float* xsum, int64_t xs_stride, float* y) {
   int64_t m = 0;
 #ifdef TOKENMILL_QGEMM_AVX2
   // 6 rows x 16 columns: 12 accumulators, 2 tile loads and 6 broadcasts per input.
   for (; m + 6 <= M; m += 6) {
     for (int64_t c = 0; c + 16 <= bn; c += 16) {
       __m256 a[6][2];
-      for (int r = 0; r < 6; ++r) {
-        a[r][0] = _mm256_loadu_ps(acc + (m + r) * bn + c);
-        a[r][1] = _mm256_loadu_ps(acc + (m + r) * bn + c + 8);
-      }
+      for (auto& row : a) for (auto& v : row) v = _mm256_setzero_ps();
       for (int64_t kk = 0; kk < kc; ++kk) {
         const __m256 w0 = _mm256_loadu_ps(tile + kk * bn + c);
         const __m256 w1 = _mm256_loadu_ps(tile + kk * bn + c + 8);
@@ -103,90 +143,97 @@ inline void tile_outer_products(const float* x, int64_t ldx, int64_t M, int64_t 
           a[r][1] = _mm256_fmadd_ps(xv, w1, a[r][1]);
         }
       }
-      for (int r = 0; r < 6; ++r) {
-        _mm256_storeu_ps(acc + (m + r) * bn + c, a[r][0]);
-        _mm256_storeu_ps(acc + (m + r) * bn + c + 8, a[r][1]);
+      for (int h = 0; h < 2; ++h) {
+        const __m256 sv = _mm256_loadu_ps(s + c + 8 * h);
+        const __m256 zv = _mm256_loadu_ps(z8 + c + 8 * h);
+        for (int r = 0; r < 6; ++r) {
+          float* yp = y + (m + r) * bn + c + 8 * h;
+          const __m256 xs = _mm256_broadcast_ss(xsum + (m + r) * xs_stride);
+          _mm256_storeu_ps(yp, _mm256_fmadd_ps(sv, a[r][h],
+                                               _mm256_fmadd_ps(zv, xs, _mm256_loadu_ps(yp))));
+        }
       }
     }
   }
   // The remaining rows one at a time, 32 columns per pass: the same chain per output.
   for (; m < M; ++m) {
-    float* arow = acc + m * bn;
     const float* xrow = x + m * ldx + k0;
+    const __m256 xs = _mm256_broadcast_ss(xsum + m * xs_stride);
     for (int64_t c = 0; c + 32 <= bn; c += 32) {
-      __m256 a0 = _mm256_loadu_ps(arow + c), a1 = _mm256_loadu_ps(arow + c + 8);
-      __m256 a2 = _mm256_loadu_ps(arow + c + 16), a3 = _mm256_loadu_ps(arow + c + 24);
+      __m256 a[4];
+      for (auto& v : a) v = _mm256_setzero_ps();
       for (int64_t kk = 0; kk < kc; ++kk) {
         const __m256 xv = _mm256_broadcast_ss(xrow + kk);
         const float* w = tile + kk * bn + c;
-        a0 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w), a0);
-        a1 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + 8), a1);
-        a2 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + 16), a2);
-        a3 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + 24), a3);
+        for (int i = 0; i < 4; ++i) a[i] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + 8 * i), a[i]);
       }
-      _mm256_storeu_ps(arow + c, a0);
-      _mm256_storeu_ps(arow + c + 8, a1);
-      _mm256_storeu_ps(arow + c + 16, a2);
-      _mm256_storeu_ps(arow + c + 24, a3);
+      for (int i = 0; i < 4; ++i) {
+        float* yp = y + m * bn + c + 8 * i;
+        const __m256 sv = _mm256_loadu_ps(s + c + 8 * i);
+        const __m256 zv = _mm256_loadu_ps(z8 + c + 8 * i);
+        _mm256_storeu_ps(yp, _mm256_fmadd_ps(sv, a[i],
+                                             _mm256_fmadd_ps(zv, xs, _mm256_loadu_ps(yp))));
+      }
     }
   }
 #else
   for (; m < M; ++m) {
-    float* arow = acc + m * bn;
     const float* xrow = x + m * ldx + k0;
-    for (int64_t kk = 0; kk < kc; ++kk) {
-      const float* w = tile + kk * bn;
-      for (int64_t c = 0; c < bn; ++c) arow[c] = std::fma(xrow[kk], w[c], arow[c]);
+    for (int64_t c = 0; c < bn; ++c) {
+      float dot = 0.f;
+      for (int64_t kk = 0; kk < kc; ++kk) dot = std::fma(xrow[kk], tile[kk * bn + c], dot);
+      float& out = y[m * bn + c];
+      out = std::fma(s[c], dot, std::fma(z8[c], xsum[m * xs_stride], out));
     }
   }
 #endif
 }
 
 #ifdef TOKENMILL_QGEMM_AVX2
-// For 1 or 2 rows: decode each input's 32 weights (bytes [16p, 16p + 16) of the block: outputs
-// 16p.. and half + 16p..) straight into registers, no tile. The same values and chains as
-// decode_int4_tile + tile_outer_products, so the bits match theirs.
+// R (1-3) rows: each input's 32 nibbles (bytes [16p, 16p + 16) of the block: outputs 16p.. and
+// half + 16p..) widened in registers, no tile. The same chains as tile_group, so the same bits.
+// y [R][bn] starts at zero.
 template <int R>
 inline void int4_rows_direct(const float* x, int64_t ldx, const uint8_t* block, int64_t K,
-                             int64_t group_size, int64_t bn, const float* scales,
-                             const float* zeros, float* acc) {
+                             int64_t group_size, int64_t bn, const float* s, const float* z8,
+                             const float* xsum, int64_t xs_stride, float* y) {
   const int64_t half = bn / 2;
   const __m128i low4 = _mm_set1_epi8(0x0F);
-  const __m256 eight = _mm256_set1_ps(8.f);
   for (int64_t p = 0; p < half; p += 16) {
     const int64_t cols[4] = {p, p + 8, half + p, half + p + 8};
-    __m256 a[R][4];
-    for (auto& row : a) for (auto& v : row) v = _mm256_setzero_ps();
-    for (int64_t k0 = 0; k0 < K; k0 += group_size) {
-      const float* sc = scales + (k0 / group_size) * bn;
-      const float* zc = zeros + (k0 / group_size) * bn;
-      __m256 s[4], z[4];
-      for (int i = 0; i < 4; ++i) {
-        s[i] = _mm256_loadu_ps(sc + cols[i]);
-        z[i] = _mm256_loadu_ps(zc + cols[i]);
-      }
+    for (int64_t k0 = 0, g = 0; k0 < K; k0 += group_size, ++g) {
+      __m256 a[R][4];
+      for (auto& row : a) for (auto& v : row) v = _mm256_setzero_ps();
       for (int64_t k = k0; k < k0 + group_size; ++k) {
         const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + k * half + p));
         const __m128i lo = _mm_and_si128(b, low4);
         const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
-        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-        __m256 w[4];
-        for (int i = 0; i < 4; ++i) {
-          const __m256 q = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), eight);
-          w[i] = _mm256_fmadd_ps(q, s[i], z[i]);
-        }
+        const __m256 q[4] = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)),
+                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))),
+                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)),
+                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)))};
         for (int r = 0; r < R; ++r) {
           const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
-          for (int i = 0; i < 4; ++i) a[r][i] = _mm256_fmadd_ps(xv, w[i], a[r][i]);
+          for (int i = 0; i < 4; ++i) a[r][i] = _mm256_fmadd_ps(xv, q[i], a[r][i]);
         }
       }
-    }
-    for (int r = 0; r < R; ++r) {
-      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(acc + r * bn + cols[i], a[r][i]);
+      for (int i = 0; i < 4; ++i) {
+        const __m256 sv = _mm256_loadu_ps(s + g * bn + cols[i]);
+        const __m256 zv = _mm256_loadu_ps(z8 + g * bn + cols[i]);
+        for (int r = 0; r < R; ++r) {
+          float* yp = y + r * bn + cols[i];
+          const __m256 xs = _mm256_broadcast_ss(xsum + r * xs_stride + g);
+          _mm256_storeu_ps(yp, _mm256_fmadd_ps(sv, a[r][i],
+                                               _mm256_fmadd_ps(zv, xs, _mm256_loadu_ps(yp))));
+        }
+      }
     }
   }
 }
 #endif
+
+// From this many rows the int4 weights are widened once into a tile that every row reads.
+constexpr int64_t kInt4TileRows = 6;
 
 // y = x W^T for W in PyTorch's int4 CPU packing with output blocks of `bn` (32 or 64).
 inline at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed,
@@ -208,42 +255,48 @@ inline at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed,
   TORCH_CHECK(N % bn == 0 && packed.numel() == N * K / 2,
               "int4_linear: packed weight does not hold ", N, " x ", K, " nibbles in blocks of ",
               bn);
+  const bool out_bf16 = x_in.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(out_bf16 || x_in.scalar_type() == at::kFloat, "int4_linear: x must be fp32 or bf16");
   const at::Tensor x = fp32_rows(x_in);
   at::Tensor y = at::empty({M, N}, x_in.options());
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const uint16_t* szp = reinterpret_cast<const uint16_t*>(scales_and_zeros.data_ptr());
-  const int64_t num_blocks = N / bn;
-  const int64_t kc = group_size;
-  const bool out_bf16 = x_in.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(out_bf16 || x_in.scalar_type() == at::kFloat, "int4_linear: x must be fp32 or bf16");
-  at::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) {
-    const int64_t groups = K / group_size;
-    std::vector<float> tile(kc * bn), acc(M * bn), scale(groups * bn), zero(groups * bn);
+  const int64_t groups = K / group_size;
+  std::vector<float> xsum(M * groups);
+  group_sums(xp, M, K, group_size, xsum.data());
+  at::parallel_for(0, N / bn, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> tile(group_size * bn), acc(M * bn);
+    std::vector<float> s(groups * bn), z8(groups * bn);
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* block = wp + b * K * (bn / 2);
-      for (int64_t g = 0; g < groups; ++g) {
-        const uint16_t* sz = szp + (g * N + b * bn) * 2;
-        for (int64_t j = 0; j < bn; ++j) {
-          scale[g * bn + j] = bf16_bits_to_f(sz[2 * j]);
-          zero[g * bn + j] = bf16_bits_to_f(sz[2 * j + 1]);
-        }
-      }
+      block_scales(szp, groups, N, b * bn, bn, s.data(), z8.data());
+      std::fill(acc.begin(), acc.end(), 0.f);
 #ifdef TOKENMILL_QGEMM_AVX2
-      if (M == 1) {
-        int4_rows_direct<1>(xp, K, block, K, group_size, bn, scale.data(), zero.data(), acc.data());
-      } else if (M == 2) {
-        int4_rows_direct<2>(xp, K, block, K, group_size, bn, scale.data(), zero.data(), acc.data());
+      if (M < kInt4TileRows) {
+        // 1-5 rows: in chunks of 3 and 2, each decoding the block again in registers.
+        for (int64_t m = 0; m < M;) {
+          const int64_t r = M - m == 4 ? 2 : std::min<int64_t>(3, M - m);
+          const float* xr = xp + m * K;
+          const float* xs = xsum.data() + m * groups;
+          float* yr = acc.data() + m * bn;
+          if (r == 3) {
+            int4_rows_direct<3>(xr, K, block, K, group_size, bn, s.data(), z8.data(), xs, groups, yr);
+          } else if (r == 2) {
+            int4_rows_direct<2>(xr, K, block, K, group_size, bn, s.data(), z8.data(), xs, groups, yr);
+          } else {
+            int4_rows_direct<1>(xr, K, block, K, group_size, bn, s.data(), z8.data(), xs, groups, yr);
+          }
+          m += r;
+        }
       } else
 #endif
       {
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t k0 = 0; k0 < K; k0 += kc) {
-          const int64_t g = k0 / group_size;
-          decode_int4_tile(block, k0, kc, bn, scale.data() + g * bn, zero.data() + g * bn,
-                           tile.data());
-          tile_outer_products(xp, K, M, k0, kc, tile.data(), bn, acc.data());
+        for (int64_t g = 0; g < groups; ++g) {
+          widen_int4_tile(block, g * group_size, group_size, bn, tile.data());
+          tile_group(xp, K, M, g * group_size, group_size, tile.data(), bn, s.data() + g * bn,
+                     z8.data() + g * bn, xsum.data() + g, groups, acc.data());
         }
       }
       for (int64_t m = 0; m < M; ++m) {
