@@ -3,6 +3,8 @@ layer can take, at decode (1 row) and prefill (32-512 rows) sizes.
 
     python -m tokenmill.bench.quant_kernels --threads 2 --result-file out.json
 
+The "kernel" columns are tokenmill's own int kernels (``tokenmill/csrc/quant_gemm.h``), the
+"PyTorch kernel" ones ``_weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``.
 Each cell is the fastest of many calls (the minimum is the least disturbed by other work on
 the machine) in microseconds, activations fp32 in and out as the model has them. This is
 where ``INT8_DENSE_MIN_ROWS`` / ``INT4_DENSE_MIN_ROWS`` in ``tokenmill.quant.linear`` come from.
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.bench.report import hardware, now_iso, write_json
+from tokenmill.quant import linear as qlinear
 from tokenmill.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
 # (name, out_features, in_features): SmolLM2-135M's projections and its tied head.
@@ -54,12 +57,24 @@ def _variants(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tenso
             return module(x)
         return run
 
+    def pytorchs(module: Int8WeightOnlyLinear | Int4WeightOnlyLinear
+                 ) -> Callable[[torch.Tensor], torch.Tensor]:
+        def run(x: torch.Tensor) -> torch.Tensor:
+            module.dense_min_rows = NEVER
+            qlinear.USE_CPU_KERNELS = False
+            try:
+                return module(x)
+            finally:
+                qlinear.USE_CPU_KERNELS = True
+        return run
+
     return {
         "fp32": lambda x: F.linear(x, w),
         "bf16": lambda x: F.linear(x.bfloat16(), w_bf16).float(),
         "int8 kernel": path(int8, NEVER), "int8 dense": path(int8, ALWAYS),
         "int4 g32 kernel": path(int4_32, NEVER), "int4 g32 dense": path(int4_32, ALWAYS),
         "int4 g64 kernel": path(int4_64, NEVER),
+        "int8 PyTorch kernel": pytorchs(int8), "int4 g32 PyTorch kernel": pytorchs(int4_32),
     }
 
 

@@ -30,6 +30,7 @@ struct LinearSpec {
   // kInt8 / kInt4: > 0 for tokenmill's own kernels (quant_gemm.h; for int4 the packing's
   // output-block width), 0 for PyTorch's, as the module computes in Python.
   int64_t own_kernel = 0;
+  int64_t own_min_rows = 1;  // ... for this many rows and more
 
   // y = x W^T (+ bias). Quantized kinds take and return bf16, as tokenmill.quant's modules
   // compute (they cast in, add the bias in bf16 and cast back; the stack skips the casts when
@@ -39,13 +40,14 @@ struct LinearSpec {
       return bias.defined() ? at::linear(x, weight, bias) : at::linear(x, weight);
     }
     const at::Tensor xb = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
+    const bool own = own_kernel > 0 && xb.size(0) >= own_min_rows;
     at::Tensor y;
     if (kind == kInt8) {
-      y = own_kernel > 0 ? qgemm::int8_linear(xb, weight, scales)
-                         : at::_weight_int8pack_mm(xb, weight, scales);
+      y = own ? qgemm::int8_linear(xb, weight, scales)
+              : at::_weight_int8pack_mm(xb, weight, scales);
     } else {
-      y = own_kernel > 0 ? qgemm::int4_linear(xb, weight, scales, group_size, own_kernel)
-                         : at::_weight_int4pack_mm_for_cpu(xb, weight, group_size, scales);
+      y = own ? qgemm::int4_linear(xb, weight, scales, group_size, own_kernel)
+              : at::_weight_int4pack_mm_for_cpu(xb, weight, group_size, scales);
     }
     if (bias.defined()) y = y + bias;
     return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
@@ -74,10 +76,10 @@ class DecoderStack {
 
   // norms: input, post-attention, q, k (q/k as empty tensors when absent); linears in the order
   // qkv, o, gate_up, down, each as (kind, [weight, bias-or-empty, scales-or-empty], group size,
-  // own kernel: see LinearSpec::own_kernel).
+  // [own kernel, own min rows]: see LinearSpec).
   void add_layer(std::vector<at::Tensor> norms, std::vector<int64_t> kinds,
                  std::vector<std::vector<at::Tensor>> tensors, std::vector<int64_t> group_sizes,
-                 std::vector<int64_t> own_kernels) {
+                 std::vector<std::vector<int64_t>> own_kernels) {
     TORCH_CHECK(norms.size() == 4 && kinds.size() == 4 && tensors.size() == 4 &&
                 group_sizes.size() == 4 && own_kernels.size() == 4,
                 "add_layer: expected 4 norms and 4 linears");
@@ -95,7 +97,9 @@ class DecoderStack {
       if (tensors[i][1].numel() > 0) specs[i]->bias = tensors[i][1];
       if (tensors[i][2].numel() > 0) specs[i]->scales = tensors[i][2];
       specs[i]->group_size = group_sizes[i];
-      specs[i]->own_kernel = own_kernels[i];
+      TORCH_CHECK(own_kernels[i].size() == 2, "own kernel is [block width, min rows]");
+      specs[i]->own_kernel = own_kernels[i][0];
+      specs[i]->own_min_rows = own_kernels[i][1];
     }
     for (const LinearSpec* spec : specs) io_bf16_ = io_bf16_ && spec->kind != kFloat;
     layers_.push_back(std::move(w));

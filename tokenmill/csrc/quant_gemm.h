@@ -14,6 +14,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -239,6 +240,8 @@ constexpr int64_t kInt4TileRows = 6;
 inline at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed,
                               const at::Tensor& scales_and_zeros, int64_t group_size,
                               int64_t bn) {
+  // Named for torch.profiler, as an ATen op would be (benchmarks/step_profile.py).
+  RECORD_FUNCTION("tokenmill::int4_linear", std::vector<c10::IValue>());
   TORCH_CHECK(x_in.dim() == 2 && x_in.device().is_cpu(), "int4_linear: x must be [M, K] on CPU");
   TORCH_CHECK(bn == 32 || bn == 64, "int4_linear: block width must be 32 or 64, got ", bn);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(),
@@ -469,6 +472,7 @@ inline void int8_rows_direct(const float* x, int64_t M, int64_t K, const int8_t*
 // y = x (w * scales[:, None])^T for int8 w [N, K] and bf16 or fp32 scales [N].
 inline at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& weight,
                               const at::Tensor& scales_in) {
+  RECORD_FUNCTION("tokenmill::int8_linear", std::vector<c10::IValue>());
   TORCH_CHECK(x_in.dim() == 2 && x_in.device().is_cpu(), "int8_linear: x must be [M, K] on CPU");
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.is_contiguous(),
               "int8_linear: weight must be contiguous int8 [N, K]");

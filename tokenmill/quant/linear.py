@@ -20,6 +20,7 @@ scale per output channel and quantizes activations per token for ``torch._scaled
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 
 import torch
@@ -56,8 +57,10 @@ def cpu_kernels() -> ModuleType | None:
     return extension_or_none() if USE_CPU_KERNELS else None
 
 
-# False sends the CPU int layers to PyTorch's kernels (benchmarks compare the two).
-USE_CPU_KERNELS = True
+# False sends the CPU int layers to PyTorch's kernels: $TOKENMILL_CPU_INT_KERNELS=0 at start,
+# or set here (benchmarks compare the two).
+USE_CPU_KERNELS = os.environ.get("TOKENMILL_CPU_INT_KERNELS", "1").strip() not in ("0", "off",
+                                                                                 "false")
 
 # Rows from which the dense bf16 path wins, measured on SmolLM2-135M's shapes (see
 # benchmarks/results/quant-kernels-cpu.md). Dequantizing a weight that does not fit in cache
@@ -80,6 +83,8 @@ MISSING_CUDA_KERNELS: set[type[nn.Module]] = set()
 class _WeightOnlyLinear(nn.Module):
     """What the int8 and int4 modules share: shapes, bias, the row-count dispatch."""
 
+    OWN_MIN_ROWS = 1
+
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None,
                  dense_min_rows: int) -> None:
         super().__init__()
@@ -88,6 +93,10 @@ class _WeightOnlyLinear(nn.Module):
         # Rows from which forward() dequantizes for one dense matmul (bf16, or fp32 on CPUs
         # without native bf16: see dense_dtype); tests move it.
         self.dense_min_rows = dense_min_rows
+        # Rows from which the CPU int path takes tokenmill's own kernel (cpu_kernels) rather
+        # than PyTorch's; 1 once pinned (pin_row_kernels), so that every row count computes
+        # alike.
+        self.own_min_rows = self.OWN_MIN_ROWS
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -150,7 +159,8 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
         return cls(q, scales, bias)
 
     def _kernel(self, xb: torch.Tensor) -> torch.Tensor:
-        ext = cpu_kernels() if xb.device.type == "cpu" else None
+        ext = (cpu_kernels() if xb.device.type == "cpu" and xb.shape[0] >= self.own_min_rows
+               else None)
         if ext is not None:
             return ext.int8_linear(xb, self.weight, self.scales)
         return torch.ops.aten._weight_int8pack_mm(xb, self.weight, self.scales)
@@ -175,6 +185,11 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
     ``weight`` holds the nibbles packed by ``_convert_weight_to_int4pack_for_cpu``;
     ``scales_and_zeros`` is bf16 ``[in // group_size, out, 2]``.
     """
+
+    # One row is memory- and decode-bound: PyTorch's kernel was ~15% faster there on an AVX2
+    # EPYC; from two rows on, decoding the weights once for all rows wins (benchmarks/results/
+    # quant-kernels-cpu.md).
+    OWN_MIN_ROWS = 2
 
     def __init__(self, weight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
                  out_features: int, bias: torch.Tensor | None,
@@ -205,7 +220,7 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         return cls.from_groups(quantize_int4(weight, group_size), bias)
 
     def _kernel(self, xb: torch.Tensor) -> torch.Tensor:
-        block_n = self.cpu_block_n()
+        block_n = self.cpu_block_n() if xb.shape[0] >= self.own_min_rows else 0
         ext = cpu_kernels() if block_n else None
         if ext is not None:
             return ext.int4_linear(xb, self.weight, self.scales_and_zeros, self.group_size,

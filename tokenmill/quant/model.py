@@ -253,8 +253,10 @@ def pin_row_kernels(model: nn.Module) -> int:
     """
     changed = 0
     for module in model.modules():
-        if isinstance(module, _WeightOnlyLinear) and module.dense_min_rows != NEVER_DENSE:
+        if isinstance(module, _WeightOnlyLinear) and (module.dense_min_rows != NEVER_DENSE
+                                                      or module.own_min_rows != 1):
             module.dense_min_rows = NEVER_DENSE
+            module.own_min_rows = 1  # and one int kernel at every row count
             changed += 1
     return changed
 

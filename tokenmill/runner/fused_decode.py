@@ -66,6 +66,7 @@ class LinearParts:
     # > 0 where the module computes with tokenmill's own int kernel (for int4 the packing's
     # block width), 0 where with PyTorch's: the C++ side must take the same one.
     own_kernel: int = 0
+    own_min_rows: int = 1  # rows from which it does
     # Batch from which the module's own forward takes another route (tokenmill.quant's dense
     # bf16 matmul) that the C++ side does not repeat; None for no such limit.
     max_rows: int | None = None
@@ -99,11 +100,13 @@ def _quant_parts(module: nn.Module) -> LinearParts | None:
     own = qlinear.cpu_kernels() is not None
     if int8_cls is not None and type(module) is int8_cls:
         return LinearParts(KIND_INT8, module.weight, module.bias, module.scales,
-                           max_rows=int(module.dense_min_rows), own_kernel=int(own))
+                           max_rows=int(module.dense_min_rows), own_kernel=int(own),
+                           own_min_rows=int(module.own_min_rows))
     if int4_cls is not None and type(module) is int4_cls:
         return LinearParts(KIND_INT4, module.weight, module.bias, module.scales_and_zeros,
                            int(module.group_size), max_rows=int(module.dense_min_rows),
-                           own_kernel=module.cpu_block_n() if own else 0)
+                           own_kernel=module.cpu_block_n() if own else 0,
+                           own_min_rows=int(module.own_min_rows))
     return None
 
 
@@ -169,7 +172,8 @@ class FusedDecoder:
             parts = [linear_parts(m, dtype) for m in
                      (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
             stack.add_layer(norms, [p.kind for p in parts], [p.tensors() for p in parts],
-                            [p.group_size for p in parts], [p.own_kernel for p in parts])
+                            [p.group_size for p in parts],
+                            [[p.own_kernel, p.own_min_rows] for p in parts])
             for p in parts:
                 if p.max_rows is not None:
                     self.batch_limit = min(self.batch_limit, p.max_rows)
