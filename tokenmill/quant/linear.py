@@ -70,6 +70,21 @@ INT4_DENSE_MIN_ROWS = 96
 LARGE_WEIGHT_NUMEL = 1 << 23
 INT8_LARGE_DENSE_MIN_ROWS = 256
 INT4_LARGE_DENSE_MIN_ROWS = 512
+# Where the dense path is fp32 (CPUs without native bf16, see dense_dtype) it costs ~4x more
+# per row, and tokenmill's own int kernels (from 2 rows) beat it up to a few hundred rows:
+# measured on an AVX2 EPYC, benchmarks/results/quant-kernels-cpu.md. (Large weights keep
+# their thresholds above.)
+INT8_FP32_DENSE_MIN_ROWS = 96
+INT4_FP32_DENSE_MIN_ROWS = 384
+
+
+def default_dense_min_rows(method: str, numel: int, device_type: str) -> int:
+    """Rows from which an ``int8`` / ``int4`` layer of ``numel`` weights computes dense."""
+    if numel > LARGE_WEIGHT_NUMEL:
+        return INT8_LARGE_DENSE_MIN_ROWS if method == "int8" else INT4_LARGE_DENSE_MIN_ROWS
+    if dense_dtype(device_type) == torch.float32 and cpu_kernels() is not None:
+        return INT8_FP32_DENSE_MIN_ROWS if method == "int8" else INT4_FP32_DENSE_MIN_ROWS
+    return INT8_DENSE_MIN_ROWS if method == "int8" else INT4_DENSE_MIN_ROWS
 
 # A dense_min_rows no step reaches: the module runs its int kernel at every row count.
 NEVER_DENSE = 1 << 62
@@ -83,7 +98,10 @@ MISSING_CUDA_KERNELS: set[type[nn.Module]] = set()
 class _WeightOnlyLinear(nn.Module):
     """What the int8 and int4 modules share: shapes, bias, the row-count dispatch."""
 
-    OWN_MIN_ROWS = 1
+    # One row is memory- and decode-bound, and PyTorch's kernels were as fast or faster there
+    # in the model on an AVX2 EPYC (int4 ~15%, the int8 head ~30%); from two rows on,
+    # decoding the weights once for all rows wins (benchmarks/results/quant-kernels-cpu.md).
+    OWN_MIN_ROWS = 2
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None,
                  dense_min_rows: int) -> None:
@@ -146,8 +164,7 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
                  dense_min_rows: int | None = None) -> None:
         out_features, in_features = weight.shape
         if dense_min_rows is None:
-            dense_min_rows = (INT8_LARGE_DENSE_MIN_ROWS if weight.numel() > LARGE_WEIGHT_NUMEL
-                              else INT8_DENSE_MIN_ROWS)
+            dense_min_rows = default_dense_min_rows("int8", weight.numel(), weight.device.type)
         super().__init__(in_features, out_features, bias, dense_min_rows)
         self.register_buffer("weight", weight)
         self.register_buffer("scales", scales)
@@ -186,18 +203,13 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
     ``scales_and_zeros`` is bf16 ``[in // group_size, out, 2]``.
     """
 
-    # One row is memory- and decode-bound: PyTorch's kernel was ~15% faster there on an AVX2
-    # EPYC; from two rows on, decoding the weights once for all rows wins (benchmarks/results/
-    # quant-kernels-cpu.md).
-    OWN_MIN_ROWS = 2
-
     def __init__(self, weight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
                  out_features: int, bias: torch.Tensor | None,
                  dense_min_rows: int | None = None) -> None:
         in_features = scales_and_zeros.shape[0] * group_size
         if dense_min_rows is None:
-            large = out_features * in_features > LARGE_WEIGHT_NUMEL
-            dense_min_rows = INT4_LARGE_DENSE_MIN_ROWS if large else INT4_DENSE_MIN_ROWS
+            dense_min_rows = default_dense_min_rows("int4", out_features * in_features,
+                                                    weight.device.type)
         super().__init__(in_features, out_features, bias, dense_min_rows)
         self.group_size = group_size
         self.register_buffer("weight", weight)
