@@ -251,8 +251,8 @@ def test_quantized_large_batches_stay_eager(llama: Checkpoint) -> None:
     """From dense_min_rows rows on, tokenmill.quant computes differently: not fused."""
     pytest.importorskip("tokenmill.quant.linear")
     fused = FusedDecoder(quantized_copy(llama.model, "int8"))
-    cache = PagedKVCache.for_arch(llama.arch, num_blocks=64)
     n = fused.batch_limit
+    cache = PagedKVCache.for_arch(llama.arch, num_blocks=2 * n + 8)
     meta, _ = cache.step([(i, 1) for i in range(n)])
     assert not fused.supports(torch.zeros(n, dtype=torch.long), meta)
     meta, _ = cache.step([(i, 1) for i in range(n - 1)])
