@@ -32,22 +32,29 @@ struct LinearSpec {
   int64_t own_kernel = 0;
   int64_t own_min_rows = 1;  // ... for this many rows and more
 
-  // y = x W^T (+ bias). Quantized kinds take and return bf16, as tokenmill.quant's modules
+  bool own_at(int64_t rows) const {
+    return kind != kFloat && own_kernel > 0 && rows >= own_min_rows;
+  }
+
+  // y = x W^T (+ bias). tokenmill's kernels take x as it is. PyTorch's take and return bf16, as tokenmill.quant's modules
   // compute (they cast in, add the bias in bf16 and cast back; the stack skips the casts when
   // every projection is quantized, see DecoderStack::io_bf16_); float ones keep x's dtype.
   at::Tensor operator()(const at::Tensor& x) const {
     if (kind == kFloat) {
       return bias.defined() ? at::linear(x, weight, bias) : at::linear(x, weight);
     }
+    if (own_at(x.size(0))) {  // fp32 or bf16 as it is, the same dtype out
+      at::Tensor y = kind == kInt8 ? qgemm::int8_linear(x, weight, scales)
+                                   : qgemm::int4_linear(x, weight, scales, group_size, own_kernel);
+      if (bias.defined()) y = y + bias;
+      return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+    }
     const at::Tensor xb = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
-    const bool own = own_kernel > 0 && xb.size(0) >= own_min_rows;
     at::Tensor y;
     if (kind == kInt8) {
-      y = own ? qgemm::int8_linear(xb, weight, scales)
-              : at::_weight_int8pack_mm(xb, weight, scales);
+      y = at::_weight_int8pack_mm(xb, weight, scales);
     } else {
-      y = own ? qgemm::int4_linear(xb, weight, scales, group_size, own_kernel)
-              : at::_weight_int4pack_mm_for_cpu(xb, weight, group_size, scales);
+      y = at::_weight_int4pack_mm_for_cpu(xb, weight, group_size, scales);
     }
     if (bias.defined()) y = y + bias;
     return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
@@ -117,9 +124,18 @@ class DecoderStack {
     // Our own buffer: the residual adds below write into it in place.
     at::Tensor h = hidden.contiguous().clone();
     at::Tensor out;
+    // bf16 between the projections only where PyTorch's kernels take them (ours take fp32).
+    const int64_t B = h.size(0);
+    bool own_everywhere = true;
+    for (const LayerWeights& w : layers_) {
+      for (const LinearSpec* spec : {&w.qkv, &w.o, &w.gate_up, &w.down}) {
+        own_everywhere = own_everywhere && spec->own_at(B);
+      }
+    }
+    const bool io_bf16 = io_bf16_ && !own_everywhere;
     AT_DISPATCH_SWITCH(h.scalar_type(), "tokenmill_fused_decode",
       AT_DISPATCH_CASE(at::kFloat, [&] {
-        out = io_bf16_ ? run<float, c10::BFloat16>(h, positions, kv_caches, slot_mapping,
+        out = io_bf16 ? run<float, c10::BFloat16>(h, positions, kv_caches, slot_mapping,
                                                    seq_lens, block_tables, max_seq_len)
                        : run<float, float>(h, positions, kv_caches, slot_mapping, seq_lens,
                                            block_tables, max_seq_len);

@@ -1,12 +1,13 @@
 """Quantized replacements for ``nn.Linear``: weight-only int8 / int4, and fp8.
 
 Few rows (decode) run weight-only kernels, which read 1 or 0.5 byte per weight instead of 4
-and beat the fp32 matmul about 2x: tokenmill's own on the CPU (:func:`cpu_kernels`, C++ in
-``tokenmill/csrc/quant_gemm.h``), PyTorch's where that extension cannot be built. Many rows (prefill) are compute-bound, where
+and beat the fp32 matmul about 2x: on the CPU tokenmill's own from 2 rows (:func:`cpu_kernels`,
+C++ in ``tokenmill/csrc/quant_gemm.h``, fp32 activations as they are), PyTorch's for one row
+and where that extension cannot be built. Many rows (prefill) are compute-bound, where
 those kernels lose to a bf16 matmul; there the weight is dequantized to bf16 on the fly for
 one dense matmul (see benchmarks/results/quant-kernels-cpu.md for the measurements behind
-``dense_min_rows``). Either way activations go to the kernel in bf16 and the result comes
-back in the input's dtype; the bias is added before that cast.
+``dense_min_rows``). PyTorch's kernels and the dense path take activations in bf16; the
+result comes back in the input's dtype, the bias added before that cast.
 
 On CUDA the same modules call PyTorch's CUDA kernels: ``_weight_int8pack_mm`` for int8 (dense
 bf16 where this build lacks it) and tinygemm's ``_weight_int4pack_mm`` for int4, which needs
@@ -119,18 +120,37 @@ class _WeightOnlyLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        xb = x2.to(KERNEL_DTYPE)
-        if x2.shape[0] >= self.dense_min_rows:
-            y = self._dense(xb)
-        elif x2.device.type == "cpu":
-            y = self._kernel(xb)
+        rows = x2.shape[0]
+        ext = None
+        if (x2.device.type == "cpu" and self.own_min_rows <= rows < self.dense_min_rows):
+            ext = cpu_kernels()
+        if ext is not None and self._own_kernel_applies():
+            # tokenmill's kernels take fp32 (or bf16) activations as they are: no bf16 rounding.
+            if x2.dtype not in (torch.float32, torch.bfloat16):
+                x2 = x2.float()
+            y = self._own_kernel(ext, x2)
         else:
-            y = self._cuda_kernel(xb)
+            xb = x2.to(KERNEL_DTYPE)
+            if rows >= self.dense_min_rows:
+                y = self._dense(xb)
+            elif x2.device.type == "cpu":
+                y = self._kernel(xb)
+            else:
+                y = self._cuda_kernel(xb)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def _kernel(self, xb: torch.Tensor) -> torch.Tensor:
+        """PyTorch's weight-only kernel on bf16 activations."""
+        raise NotImplementedError
+
+    def _own_kernel_applies(self) -> bool:
+        """Whether tokenmill's CPU kernel reads this module's weight layout."""
+        return True
+
+    def _own_kernel(self, ext: ModuleType, x: torch.Tensor) -> torch.Tensor:
+        """tokenmill's CPU kernel (``cpu_kernels()``), fp32 or bf16 in and the same out."""
         raise NotImplementedError
 
     def _cuda_kernel(self, xb: torch.Tensor) -> torch.Tensor:
@@ -176,11 +196,10 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
         return cls(q, scales, bias)
 
     def _kernel(self, xb: torch.Tensor) -> torch.Tensor:
-        ext = (cpu_kernels() if xb.device.type == "cpu" and xb.shape[0] >= self.own_min_rows
-               else None)
-        if ext is not None:
-            return ext.int8_linear(xb, self.weight, self.scales)
         return torch.ops.aten._weight_int8pack_mm(xb, self.weight, self.scales)
+
+    def _own_kernel(self, ext: ModuleType, x: torch.Tensor) -> torch.Tensor:
+        return ext.int8_linear(x, self.weight, self.scales)
 
     def _dense(self, xb: torch.Tensor) -> torch.Tensor:
         dtype = dense_dtype(xb.device.type)
@@ -232,13 +251,15 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         return cls.from_groups(quantize_int4(weight, group_size), bias)
 
     def _kernel(self, xb: torch.Tensor) -> torch.Tensor:
-        block_n = self.cpu_block_n() if xb.shape[0] >= self.own_min_rows else 0
-        ext = cpu_kernels() if block_n else None
-        if ext is not None:
-            return ext.int4_linear(xb, self.weight, self.scales_and_zeros, self.group_size,
-                                   block_n)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.weight, self.group_size,
                                                           self.scales_and_zeros)
+
+    def _own_kernel_applies(self) -> bool:
+        return self.cpu_block_n() > 0
+
+    def _own_kernel(self, ext: ModuleType, x: torch.Tensor) -> torch.Tensor:
+        return ext.int4_linear(x, self.weight, self.scales_and_zeros, self.group_size,
+                               self.cpu_block_n())
 
     def cpu_block_n(self) -> int:
         """The output-block width of this weight's packing that tokenmill's own int4 kernel
