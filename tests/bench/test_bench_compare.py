@@ -171,3 +171,49 @@ def test_llama_cpu_flags_never_turn_on_amx(tmp_path) -> None:
     assert "-DGGML_AVX512=ON" in intel and "-DGGML_AVX512_VNNI=ON" in intel
     assert "-DGGML_AVX512_BF16=ON" in intel and "-DGGML_AMX_INT8=OFF" in intel
     assert "AMX_TILE=ON" not in intel and "AMX_INT8=ON" not in intel
+
+
+def test_report_gives_each_decode_as_a_share_of_the_roofline() -> None:
+    result = copy.deepcopy(RESULT)
+    result["roofline"] = {"read_bandwidth_gb_s": 20.0, "weight_bytes_per_token": 100 * 2**20,
+                          "roofline_tokens_per_s": 200.0}
+    md = markdown_report(result)
+    row = next(line for line in md.splitlines() if "% of the memory roofline" in line)
+    assert "20.0 GB/s read / 100.0 MiB a token = 200 tok/s" in row
+    assert "| 20.0 | 40.0 | 0.50x" in row  # 40 / 200 and 80 / 200 tok/s
+    assert "% of the memory roofline" in markdown_report(RESULT)  # the row, without values
+
+
+def test_roofline_pieces() -> None:
+    from tokenmill.bench.roofline import decode_weight_bytes, fraction, read_bandwidth
+    from tokenmill.model_loader.gguf import embedded_model_path
+    from tokenmill.model_loader.gguf_header import GGUFHeader
+
+    path = embedded_model_path()
+    tensors = GGUFHeader(path).tensors
+    # SmolLM2 ties its head to the token embedding: a decode step reads every tensor once.
+    assert "output.weight" not in {t.name for t in tensors}
+    assert decode_weight_bytes(path) == sum(t.data.nbytes for t in tensors)
+    assert read_bandwidth(1, nbytes=1 << 22, repeats=2) > 0
+    assert fraction(50.0, {"roofline_tokens_per_s": 200.0}) == 0.25
+    assert fraction(None, {"roofline_tokens_per_s": 200.0}) is None
+    assert fraction(50.0, {}) is None
+
+
+def test_an_untied_embedding_is_not_read_per_token(tmp_path) -> None:
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf_files import write_gguf
+
+    from tokenmill.bench.roofline import decode_weight_bytes
+
+    f32 = np.ones((64, 32), dtype=np.float32)
+    tensors = {"token_embd.weight": (f32, Q.F32), "blk.0.attn_q.weight": (f32[:32], Q.F32)}
+    kw = {"hidden": 32, "ffn": 64, "heads": 4, "kv_heads": 4, "context_length": 64,
+          "rms_eps": 1e-5}
+    tied = tmp_path / "tied.gguf"
+    write_gguf(tied, "llama", tensors, **kw)
+    assert decode_weight_bytes(str(tied)) == (64 + 32) * 32 * 4
+    untied = tmp_path / "untied.gguf"
+    write_gguf(untied, "llama", {**tensors, "output.weight": (f32, Q.F32)}, **kw)
+    assert decode_weight_bytes(str(untied)) == (32 + 64) * 32 * 4

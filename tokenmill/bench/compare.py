@@ -34,6 +34,7 @@ from tokenmill.bench.codec import LocalCodec
 from tokenmill.bench.datasets import SampleRequest, random_requests, write_jsonl
 from tokenmill.bench.procs import free_port, run_json_job, start_server
 from tokenmill.bench.report import hardware, now_iso, write_json
+from tokenmill.bench.roofline import roofline
 from tokenmill.bench.serve import LoadSpec, benchmark, quiet_http_logs, server_model
 from tokenmill.core.kv_cache import blocks_for_tokens
 from tokenmill.utils import cdiv
@@ -260,6 +261,8 @@ def run_compare(cfg: CompareConfig) -> dict[str, Any]:
     # Other work on the machine skews every number: the load averages say whether there was any.
     load_before = os.getloadavg()
     results: dict[str, Any] = {}
+    print("memory read bandwidth and the model's bytes per decode token", file=sys.stderr)
+    limit = roofline(cfg.model, cfg.threads)
     with tempfile.TemporaryDirectory(prefix="tokenmill-compare-") as folder:
         wl = prepare_workloads(cfg, folder)
         for system in cfg.systems:
@@ -274,7 +277,7 @@ def run_compare(cfg: CompareConfig) -> dict[str, Any]:
                 print(f"{system}: failed: {e}", file=sys.stderr)
                 results[system] = {"error": str(e)}
     return {"date": now_iso(), "hardware": hardware(), "config": asdict(cfg),
-            "peer_versions": versions, "load_average_before": load_before,
+            "peer_versions": versions, "roofline": limit, "load_average_before": load_before,
             "load_average_after": os.getloadavg(), "systems": results}
 
 

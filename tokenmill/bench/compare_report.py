@@ -6,6 +6,7 @@ import sys
 from typing import Any
 
 from tokenmill.bench.report import hardware_line, markdown_table
+from tokenmill.bench.roofline import fraction
 
 PEERS = ("llama.cpp", "transformers")
 
@@ -41,8 +42,17 @@ def _rows(result: dict[str, Any]) -> list[tuple[str, Any, Any, Any]]:
                 pick(result, "llama.cpp", "serve", "levels", level, key), None)
 
     top_tp = serve("output_throughput")
+    limit = result.get("roofline") or {}
+    share = tuple(None if f is None else 100 * f
+                  for f in (fraction(pick(result, s, "latency", "decode_tokens_per_s"), limit)
+                            for s in ("tokenmill", "llama.cpp")))
     rows = [
         (f"single-stream decode, {n_out} tokens (out tok/s)", *each("latency", "decode_tokens_per_s")),
+        ("single-stream decode, % of the memory roofline"
+         + (f" ({limit['read_bandwidth_gb_s']:.1f} GB/s read / "
+            f"{limit['weight_bytes_per_token'] / 2**20:.1f} MiB a token = "
+            f"{limit['roofline_tokens_per_s']:.0f} tok/s)" if limit else ""),
+         *share, None),
         (f"prefill, {n_in}-token prompt (prompt tok/s)", *each("latency", "prefill_tokens_per_s")),
         (f"TTFT, {n_in}-token prompt (ms, lower is better)", *each("latency", "ttft_ms", "median")),
         (f"{top} concurrent streams x {n_out} tokens, HTTP server (out tok/s); transformers: "
