@@ -95,6 +95,20 @@ def run(rows_list: list[int], budget_s: float) -> list[dict[str, object]]:
     return records
 
 
+def markdown(records: list[dict[str, object]]) -> str:
+    """One row per (shape, rows), microseconds; the fastest int-weight variant in bold."""
+    variants = list(records[0]["us"])  # type: ignore[arg-type]
+    lines = ["| layer (out x in) | rows | " + " | ".join(variants) + " |",
+             "| --- | ---: | " + " | ".join("---:" for _ in variants) + " |"]
+    for r in records:
+        us: dict[str, float] = r["us"]  # type: ignore[assignment]
+        fastest = min((v for v in us if v.startswith("int")), key=us.__getitem__)
+        cells = [f"**{us[v]:,.0f}**" if v == fastest else f"{us[v]:,.0f}" for v in variants]
+        lines.append(f"| {r['shape']} ({r['out']}x{r['in']}) | {r['rows']} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print the timings; optionally write them as JSON."""
     p = argparse.ArgumentParser(prog="python -m tokenmill.bench.quant_kernels",
@@ -104,10 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, nargs="+", default=ROWS)
     p.add_argument("--budget", type=float, default=0.3, help="seconds per cell")
     p.add_argument("--result-file", default=None)
+    p.add_argument("--markdown", default=None, metavar="FILE",
+                   help="also write the table as markdown (bold: the fastest int-weight path)")
     args = p.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     records = run(args.rows, args.budget)
+    if args.markdown:
+        with open(args.markdown, "w", encoding="utf-8") as f:
+            f.write(markdown(records) + "\n")
     if args.result_file:
         write_json(args.result_file, {"benchmark": "quant-kernels", "timestamp": now_iso(),
                                       "hardware": hardware(), "threads": torch.get_num_threads(),
