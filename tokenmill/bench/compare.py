@@ -34,7 +34,6 @@ from tokenmill.bench.codec import LocalCodec
 from tokenmill.bench.datasets import SampleRequest, random_requests, write_jsonl
 from tokenmill.bench.procs import free_port, run_json_job, start_server
 from tokenmill.bench.report import hardware, now_iso, write_json
-from tokenmill.bench.roofline import roofline
 from tokenmill.bench.serve import LoadSpec, benchmark, quiet_http_logs, server_model
 from tokenmill.core.kv_cache import blocks_for_tokens
 from tokenmill.utils import cdiv
@@ -262,7 +261,9 @@ def run_compare(cfg: CompareConfig) -> dict[str, Any]:
     load_before = os.getloadavg()
     results: dict[str, Any] = {}
     print("memory read bandwidth and the model's bytes per decode token", file=sys.stderr)
-    limit = roofline(cfg.model, cfg.threads)
+    # Its own process: the parent's resident buffer would be inherited by every fork after it.
+    limit = run_json_job([sys.executable, "-m", "tokenmill.bench.roofline", "--model", cfg.model,
+                          "--threads", str(cfg.threads)])
     with tempfile.TemporaryDirectory(prefix="tokenmill-compare-") as folder:
         wl = prepare_workloads(cfg, folder)
         for system in cfg.systems:

@@ -10,6 +10,9 @@ and zero per 32 weights; int8 with a scale per row), so one number serves every 
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 import time
 from typing import Any
 
@@ -63,3 +66,20 @@ def fraction(decode_tokens_per_s: Any, result: dict[str, Any]) -> float | None:
     if not isinstance(decode_tokens_per_s, int | float) or not limit:
         return None
     return decode_tokens_per_s / limit
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tokenmill.bench.roofline --model F --threads N``: the roofline as one JSON
+    line. `bench compare` runs it as its own process, so that the 1 GiB buffer never counts in
+    the memory of the processes it starts after it."""
+    p = argparse.ArgumentParser(prog="python -m tokenmill.bench.roofline",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="GGUF file")
+    p.add_argument("--threads", type=int, required=True)
+    args = p.parse_args(argv)
+    print(json.dumps(roofline(args.model, args.threads)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
