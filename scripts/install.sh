@@ -21,7 +21,7 @@ $PY -m pip install -q -c constraints.txt --no-deps "zeus>=0.16"
 $PY -m pip install -q -c constraints.txt -e ".${extras}"
 # The C++ decode extension is compiled for this CPU now (about a minute), not by the first
 # `tokenmill serve`; a failure here only warns: the engine then tries again, or runs without it.
-$PY -c "from tokenmill.runner.fused_decode import load_extension; load_extension()" \
+$PY -c "from tokenmill.csrc import load_extension; load_extension()" \
   || echo "warning: the C++ extension did not build now; tokenmill will try on first use" >&2
 
 # tests/stream needs a redis-server binary, tests/webui a headless Chromium and its driver:
