@@ -36,20 +36,20 @@ struct LinearSpec {
     return kind != kFloat && own_kernel > 0 && rows >= own_min_rows;
   }
 
-  // y = x W^T (+ bias). tokenmill's kernels take x as it is. PyTorch's take and return bf16, as tokenmill.quant's modules
+  // y = x W^T (+ bias). Quantized kinds (ours and PyTorch's kernels) take and return bf16, as tokenmill.quant's modules
   // compute (they cast in, add the bias in bf16 and cast back; the stack skips the casts when
   // every projection is quantized, see DecoderStack::io_bf16_); float ones keep x's dtype.
   at::Tensor operator()(const at::Tensor& x) const {
     if (kind == kFloat) {
       return bias.defined() ? at::linear(x, weight, bias) : at::linear(x, weight);
     }
-    if (own_at(x.size(0))) {  // fp32 or bf16 as it is, the same dtype out
-      at::Tensor y = kind == kInt8 ? qgemm::int8_linear(x, weight, scales)
-                                   : qgemm::int4_linear(x, weight, scales, group_size, own_kernel);
+    const at::Tensor xb = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
+    if (own_at(x.size(0))) {  // bf16 in and out, as PyTorch's kernels below
+      at::Tensor y = kind == kInt8 ? qgemm::int8_linear(xb, weight, scales)
+                                   : qgemm::int4_linear(xb, weight, scales, group_size, own_kernel);
       if (bias.defined()) y = y + bias;
       return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
     }
-    const at::Tensor xb = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
     at::Tensor y;
     if (kind == kInt8) {
       y = at::_weight_int8pack_mm(xb, weight, scales);
@@ -124,15 +124,9 @@ class DecoderStack {
     // Our own buffer: the residual adds below write into it in place.
     at::Tensor h = hidden.contiguous().clone();
     at::Tensor out;
-    // bf16 between the projections only where PyTorch's kernels take them (ours take fp32).
-    const int64_t B = h.size(0);
-    bool own_everywhere = true;
-    for (const LayerWeights& w : layers_) {
-      for (const LinearSpec* spec : {&w.qkv, &w.o, &w.gate_up, &w.down}) {
-        own_everywhere = own_everywhere && spec->own_at(B);
-      }
-    }
-    const bool io_bf16 = io_bf16_ && !own_everywhere;
+    // bf16 between the projections when all of them are quantized, as model.forward rounds
+    // the quantized layers' inputs (tokenmill's kernels and PyTorch's alike).
+    const bool io_bf16 = io_bf16_;
     AT_DISPATCH_SWITCH(h.scalar_type(), "tokenmill_fused_decode",
       AT_DISPATCH_CASE(at::kFloat, [&] {
         out = io_bf16 ? run<float, c10::BFloat16>(h, positions, kv_caches, slot_mapping,

@@ -2,12 +2,12 @@
 
 Few rows (decode) run weight-only kernels, which read 1 or 0.5 byte per weight instead of 4
 and beat the fp32 matmul about 2x: on the CPU tokenmill's own from 2 rows (:func:`cpu_kernels`,
-C++ in ``tokenmill/csrc/quant_gemm.h``, fp32 activations as they are), PyTorch's for one row
-and where that extension cannot be built. Many rows (prefill) are compute-bound, where
+C++ in ``tokenmill/csrc/quant_gemm.h``), PyTorch's for one row and where that extension cannot
+be built. Many rows (prefill) are compute-bound, where
 those kernels lose to a bf16 matmul; there the weight is dequantized to bf16 on the fly for
 one dense matmul (see benchmarks/results/quant-kernels-cpu.md for the measurements behind
-``dense_min_rows``). PyTorch's kernels and the dense path take activations in bf16; the
-result comes back in the input's dtype, the bias added before that cast.
+``dense_min_rows``). Every path takes activations in bf16; the result comes back in the
+input's dtype, the bias added before that cast.
 
 On CUDA the same modules call PyTorch's CUDA kernels: ``_weight_int8pack_mm`` for int8 (dense
 bf16 where this build lacks it) and tinygemm's ``_weight_int4pack_mm`` for int4, which needs
@@ -125,10 +125,10 @@ class _WeightOnlyLinear(nn.Module):
         if (x2.device.type == "cpu" and self.own_min_rows <= rows < self.dense_min_rows):
             ext = cpu_kernels()
         if ext is not None and self._own_kernel_applies():
-            # tokenmill's kernels take fp32 (or bf16) activations as they are: no bf16 rounding.
-            if x2.dtype not in (torch.float32, torch.bfloat16):
-                x2 = x2.float()
-            y = self._own_kernel(ext, x2)
+            # bf16 activations, as PyTorch's kernels take them. The kernels take fp32 too, but
+            # unrounded activations changed the embedded model's greedy answers (same
+            # perplexity; "What is the capital of France?" lost its "Paris"): kept as before.
+            y = self._own_kernel(ext, x2.to(KERNEL_DTYPE))
         else:
             xb = x2.to(KERNEL_DTYPE)
             if rows >= self.dense_min_rows:
