@@ -73,6 +73,9 @@ class ModelConfig:
             "(models are never downloaded at run time)")
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Size and layout of the paged KV cache.
@@ -80,6 +83,10 @@ class CacheConfig:
     The memory is, in order of precedence: ``num_blocks`` blocks, ``kv_cache_memory_bytes``
     bytes, or ``kv_cache_memory_fraction`` of the device memory free after loading the model.
     ``enable_prefix_caching`` reuses the KV blocks of earlier requests that share a prefix.
+    ``kv_cache_dtype`` is how K and V are stored: "auto" keeps the model's dtype, except fp16
+    for a quantized model on the CPU (its K and V come out of bf16 projections, so fp16 keeps
+    them nearly exactly, in half the memory of fp32); "float32", "float16" or "bfloat16" set it
+    (narrower than the model's on the CPU only).
 
     On CUDA the fraction is replaced by ``gpu_memory_utilization``, vLLM's meaning: the share of
     the GPU's *total* memory this engine may use, weights and activations included; the KV
@@ -92,12 +99,16 @@ class CacheConfig:
     kv_cache_memory_fraction: float = 0.2
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"
     # The share of the budget above (fraction or gpu_memory_utilization) this engine takes, when
     # several engines share it (set by the multi-model server; explicit sizes ignore it).
     kv_cache_share: float = 1.0
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization!r}")

@@ -133,3 +133,24 @@ def test_modules_compute_with_them_and_fall_back_without(monkeypatch) -> None:
         theirs = module(x)
         monkeypatch.setattr("tokenmill.quant.linear.USE_CPU_KERNELS", True)
         assert ((ours - theirs).abs().max() / theirs.abs().max()).item() < 1e-2
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_heads_compute_fp32_logits(ext, method: str, rows: int) -> None:
+    """An fp32 model's quantized head takes fp32 hidden states and returns fp32 logits, as
+    exact as the weights allow: bf16 logits are 0.125 apart around 20 and tie greedy choices."""
+    from tokenmill.quant.model import wrap_head
+
+    w = torch.randn(512, 128, generator=_gen(7)) * 0.5
+    linear = (Int8WeightOnlyLinear.from_weight(w, None) if method == "int8"
+              else Int4WeightOnlyLinear.from_weight(w, None, group_size=32))
+    head = wrap_head(linear, tied=False, dtype=torch.float32)
+    x = torch.randn(rows, 128, generator=_gen(8)) * 4
+    y = head(x)
+    ref = x.double() @ linear.dequantize().double().T
+    assert y.dtype == torch.float32
+    assert (y.double() - ref).abs().max() < 1e-5 * ref.abs().max()
+    # The same module as a body layer (no fp32_io) rounds to bf16: far coarser.
+    linear.fp32_io = False
+    assert (linear(x).double() - ref).abs().max() > 1e-4 * ref.abs().max()

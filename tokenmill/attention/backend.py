@@ -29,7 +29,8 @@ class AttentionBackend(ABC):
             q: ``[T, Hq, D]`` queries of all scheduled tokens, sequences back to back.
             k: ``[T, Hkv, D]`` keys of the same tokens (``Hq`` is a multiple of ``Hkv``).
             v: ``[T, Hkv, D]`` values of the same tokens.
-            kv_cache: ``[2, num_blocks, block_size, Hkv, D]`` this layer's cache, updated in place.
+            kv_cache: ``[2, num_blocks, block_size, Hkv, D]`` this layer's cache, updated in place;
+                its dtype may be narrower than ``q``'s (the CPU's fp16 cache).
             meta: the step's batch layout.
             scale: softmax scale, usually ``D ** -0.5``.
 
@@ -96,6 +97,10 @@ class TorchAttentionBackend(AttentionBackend):
         if not isinstance(plan, _StepPlan):
             plan = _build_plan(meta, num_tokens, q.device)
             meta.backend_plan = plan
+        if kv_cache.dtype != k.dtype:
+            # Stored narrower than computed: attend over the stored values everywhere, the new
+            # tokens' too, so a token's keys read the same whether cached or just computed.
+            k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
         # Write first, so chunks that continue a context read their own keys from the cache.
         kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
@@ -128,8 +133,8 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan,
     padded = plan.blocks_per_seq * block_size
     k = kv_cache[0].index_select(0, plan.blocks).view(num_seqs, padded, num_kv_heads, head_dim)
     v = kv_cache[1].index_select(0, plan.blocks).view(num_seqs, padded, num_kv_heads, head_dim)
-    k = k[:, :plan.ctx_len].transpose(1, 2)
-    v = v[:, :plan.ctx_len].transpose(1, 2)
+    k = k[:, :plan.ctx_len].to(q.dtype).transpose(1, 2)
+    v = v[:, :plan.ctx_len].to(q.dtype).transpose(1, 2)
     # Query heads that share a KV head become that head's "query rows", so GQA needs no copy of
     # K/V: [B, Hkv, group, D] against [B, Hkv, L, D].
     qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
@@ -155,6 +160,7 @@ def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: to
         vs = kv_cache[1].index_select(0, seq.blocks).view(-1, num_kv_heads, head_dim)
         ks = ks[:seq.seq_len].transpose(0, 1)
         vs = vs[:seq.seq_len].transpose(0, 1)
+    ks, vs = ks.to(q.dtype), vs.to(q.dtype)  # no-ops unless the cache is narrower
     # A batch dimension of 1: SDPA's CPU flash kernel takes only 4-D inputs, and 3-D ones fall
     # back to the math path (materialized scores, about 3x slower on a 500-token prompt).
     out = F.scaled_dot_product_attention(

@@ -127,16 +127,26 @@ class DecoderStack {
     // bf16 between the projections when all of them are quantized, as model.forward rounds
     // the quantized layers' inputs (tokenmill's kernels and PyTorch's alike).
     const bool io_bf16 = io_bf16_;
+    // The cache's own dtype: the activations', or fp16 under fp32 activations.
+    const bool fp16_cache = kv_caches.front().scalar_type() == at::kHalf;
+    auto with_cache = [&](auto x_tag) {
+      using X = decltype(x_tag);
+      out = fp16_cache ? run<float, X, c10::Half>(h, positions, kv_caches, slot_mapping, seq_lens,
+                                                  block_tables, max_seq_len)
+                       : run<float, X, float>(h, positions, kv_caches, slot_mapping, seq_lens,
+                                              block_tables, max_seq_len);
+    };
     AT_DISPATCH_SWITCH(h.scalar_type(), "tokenmill_fused_decode",
       AT_DISPATCH_CASE(at::kFloat, [&] {
-        out = io_bf16 ? run<float, c10::BFloat16>(h, positions, kv_caches, slot_mapping,
-                                                   seq_lens, block_tables, max_seq_len)
-                       : run<float, float>(h, positions, kv_caches, slot_mapping, seq_lens,
-                                           block_tables, max_seq_len);
+        if (io_bf16) {
+          with_cache(c10::BFloat16{});
+        } else {
+          with_cache(float{});
+        }
       })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
-        out = run<c10::BFloat16, c10::BFloat16>(h, positions, kv_caches, slot_mapping, seq_lens,
-                                                block_tables, max_seq_len);
+        out = run<c10::BFloat16, c10::BFloat16, c10::BFloat16>(
+            h, positions, kv_caches, slot_mapping, seq_lens, block_tables, max_seq_len);
       }));
     return out;
   }
@@ -153,19 +163,26 @@ class DecoderStack {
     TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
                 block_tables.size(0) == B);
     TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == num_layers(), "one cache per layer");
+    TORCH_CHECK(!kv_caches.empty(), "no KV caches");
+    const at::ScalarType cache_type = kv_caches.front().scalar_type();
+    TORCH_CHECK(cache_type == hidden.scalar_type() ||
+                    (cache_type == at::kHalf && hidden.scalar_type() == at::kFloat),
+                "the KV cache must be in the activation dtype, or fp16 under fp32 activations, "
+                "not ", cache_type);
     for (const auto& c : kv_caches) {
       TORCH_CHECK(c.dim() == 5 && c.size(0) == 2 && c.size(3) == hkv_ && c.size(4) == d_ &&
-                  c.is_contiguous() && c.scalar_type() == hidden.scalar_type(),
-                  "each KV cache must be contiguous [2, blocks, block_size, Hkv, D] in the "
-                  "activation dtype");
+                  c.is_contiguous() && c.scalar_type() == cache_type,
+                  "each KV cache must be contiguous [2, blocks, block_size, Hkv, D], all in "
+                  "one dtype");
     }
   }
 
-  // T: the activation (residual and KV cache) dtype; X: what the projections take and return,
-  // bf16 when every one is quantized (no casts around the int kernels), else T. The roundings
-  // are those of model.forward either way: there the int kernels' bf16 output is widened to T
-  // exactly, and T values are rounded to bf16 on the way in.
-  template <typename T, typename X>
+  // T: the activation (residual) dtype; X: what the projections take and return, bf16 when
+  // every one is quantized (no casts around the int kernels), else T; C: the KV cache's. The
+  // roundings are those of model.forward either way: there the int kernels' bf16 output is
+  // widened to T exactly, T values are rounded to bf16 on the way in, and k and v are computed
+  // in T and rounded to C as they are stored.
+  template <typename T, typename X, typename C>
   at::Tensor run(at::Tensor h, const at::Tensor& positions, const std::vector<at::Tensor>& kv,
                  const at::Tensor& slot_mapping, const at::Tensor& seq_lens,
                  const at::Tensor& block_tables, int64_t max_seq_len) const {
@@ -184,15 +201,15 @@ class DecoderStack {
       rms_norm_rows<T, X>(h.data_ptr<T>(), w.input_norm.data_ptr<T>(), x.data_ptr<X>(), B, H,
                           eps_);
       at::Tensor qkv = w.qkv(x).contiguous();
-      prepare_qkv<T, X>(w, qkv, q, pos, slots, kv[li]);
+      prepare_qkv<T, X, C>(w, qkv, q, pos, slots, kv[li]);
       const int64_t block_size = kv[li].size(2);
       const int64_t slots_per_side = kv[li].size(1) * block_size * hkv_ * d_;
-      const T* cache = kv[li].data_ptr<T>();
-      PagedView<T> view{cache, cache + slots_per_side, lens.data_ptr<int32_t>(),
+      const C* cache = kv[li].data_ptr<C>();
+      PagedView<C> view{cache, cache + slots_per_side, lens.data_ptr<int32_t>(),
                         tables.data_ptr<int32_t>(), tables.size(1), block_size};
-      paged_decode_attention<T, X>(q.data_ptr<T>(), hq_ * d_, view, B, hq_, hkv_, d_,
-                                   1.f / std::sqrt(static_cast<float>(d_)), attn.data_ptr<X>(),
-                                   max_seq_len);
+      paged_decode_attention<T, C, X>(q.data_ptr<T>(), hq_ * d_, view, B, hq_, hkv_, d_,
+                                      1.f / std::sqrt(static_cast<float>(d_)),
+                                      attn.data_ptr<X>(), max_seq_len);
       at::Tensor o = w.o(attn).contiguous();
       add_rows<T, X>(h.data_ptr<T>(), o.data_ptr<X>(), B, H);
       rms_norm_rows<T, X>(h.data_ptr<T>(), w.post_norm.data_ptr<T>(), x.data_ptr<X>(), B, H,
@@ -207,9 +224,9 @@ class DecoderStack {
     return out;
   }
 
-  // Per token: q widened to T into `q`, k into the cache, both with the optional per-head norm
-  // and rope; v into the cache.
-  template <typename T, typename X>
+  // Per token: q widened to T into `q`, k computed in T (the optional per-head norm, rope) and
+  // stored into the cache as C; v into the cache.
+  template <typename T, typename X, typename C>
   void prepare_qkv(const LayerWeights& w, const at::Tensor& qkv, at::Tensor& q,
                    const at::Tensor& pos, const at::Tensor& slots, const at::Tensor& cache) const {
     const int64_t B = qkv.size(0), width = qkv.size(1), half = d_ / 2;
@@ -218,8 +235,8 @@ class DecoderStack {
     const int64_t num_slots = cache.size(1) * cache.size(2);
     const X* base = qkv.data_ptr<X>();
     T* q_out = q.data_ptr<T>();
-    T* k_cache = cache.data_ptr<T>();
-    T* v_cache = k_cache + num_slots * kv_width;
+    C* k_cache = cache.data_ptr<C>();
+    C* v_cache = k_cache + num_slots * kv_width;
     const int64_t* p = pos.data_ptr<int64_t>();
     const int64_t* s = slots.data_ptr<int64_t>();
     for (int64_t b = 0; b < B; ++b) {
@@ -227,15 +244,16 @@ class DecoderStack {
       TORCH_CHECK(s[b] >= 0 && s[b] < num_slots, "slot ", s[b], " is outside the KV cache");
     }
     for_rows(B, width, [&](int64_t begin, int64_t end) {
+      std::vector<T> k_row(static_cast<size_t>(kv_width));
       for (int64_t b = begin; b < end; ++b) {
         const X* src = base + b * width;
         T* qb = q_out + b * q_width;
-        T* kb = k_cache + s[b] * kv_width;
-        T* vb = v_cache + s[b] * kv_width;
+        T* kb = k_row.data();
+        C* vb = v_cache + s[b] * kv_width;
         for (int64_t i = 0; i < q_width; ++i) qb[i] = from_f<T>(to_f(src[i]));
         for (int64_t i = 0; i < kv_width; ++i) kb[i] = from_f<T>(to_f(src[q_width + i]));
         for (int64_t i = 0; i < kv_width; ++i) {
-          vb[i] = from_f<T>(to_f(src[q_width + kv_width + i]));
+          vb[i] = from_f<C>(round_to<T>(to_f(src[q_width + kv_width + i])));
         }
         if (w.q_norm.defined()) {
           rms_norm_rows<T>(qb, w.q_norm.data_ptr<T>(), qb, hq_, d_, eps_);
@@ -245,6 +263,8 @@ class DecoderStack {
         const float* sn = sin_half_.data_ptr<float>() + p[b] * half;
         for (int64_t hh = 0; hh < hq_; ++hh) rope_head(qb + hh * d_, c, sn, half);
         for (int64_t hh = 0; hh < hkv_; ++hh) rope_head(kb + hh * d_, c, sn, half);
+        C* k_dst = k_cache + s[b] * kv_width;
+        for (int64_t i = 0; i < kv_width; ++i) k_dst[i] = from_f<C>(to_f(kb[i]));
       }
     });
   }

@@ -1,5 +1,7 @@
 // Decode attention over the paged KV cache on the CPU: one query token per sequence, keys and
 // values read straight from the cache blocks named by the block table (no gather), fp32 math.
+// The cache may be stored narrower than the queries (fp16 under fp32 activations):
+// its values widen exactly on load.
 //
 // The work is one (sequence, KV head) pair at a time: G = Hq / Hkv query heads share the pair's
 // keys and values, which stay in L2 while each head reads them. Scores are dot products of 16-wide
@@ -10,6 +12,7 @@
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -40,6 +43,14 @@ inline f32x16 load(const c10::BFloat16* p) {
   std::memcpy(&h, p, sizeof(h));
   const i32x16 w = __builtin_convertvector(h, i32x16) << 16;
   return reinterpret_cast<const f32x16&>(w);
+}
+
+// fp16 -> fp32 is exact (F16C's vcvtph2ps where the CPU has it).
+typedef _Float16 h16x16 __attribute__((vector_size(32)));
+inline f32x16 load(const c10::Half* p) {
+  h16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  return __builtin_convertvector(h, f32x16);
 }
 
 inline void store(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
@@ -150,9 +161,10 @@ inline float softmax_unnormalized(float* s, int64_t L) {
   return total;
 }
 
-// Query heads g*G .. g*G+G-1 of sequence b against its L cached tokens, head size 16 * ND.
-template <typename T, typename O, int ND>
-void attend_group_vec(const T* q, int64_t q_stride, const PagedView<T>& kv, int64_t b, int64_t g,
+// Query heads g*G .. g*G+G-1 of sequence b against its L cached tokens, head size 16 * ND
+// (Q: the queries' dtype, C: the cache's, O: the output's).
+template <typename Q, typename C, typename O, int ND>
+void attend_group_vec(const Q* q, int64_t q_stride, const PagedView<C>& kv, int64_t b, int64_t g,
                       int64_t G, int64_t Hkv, float scale, O* out, int64_t out_stride,
                       AttentionScratch& scratch) {
   using namespace vec16;
@@ -163,15 +175,15 @@ void attend_group_vec(const T* q, int64_t q_stride, const PagedView<T>& kv, int6
   scratch.scores.resize(static_cast<size_t>(L));
   float* s = scratch.scores.data();
   for (int64_t j = 0; j < G; ++j) {
-    const T* qh = q + b * q_stride + (g * G + j) * D;
+    const Q* qh = q + b * q_stride + (g * G + j) * D;
     f32x16 qv[ND];
     for (int c = 0; c < ND; ++c) qv[c] = load(qh + 16 * c) * scale;
     int64_t t = 0;
     for (; t + 4 <= L; t += 4) {
-      const T* k0 = kv.k + rows[t];
-      const T* k1 = kv.k + rows[t + 1];
-      const T* k2 = kv.k + rows[t + 2];
-      const T* k3 = kv.k + rows[t + 3];
+      const C* k0 = kv.k + rows[t];
+      const C* k1 = kv.k + rows[t + 1];
+      const C* k2 = kv.k + rows[t + 2];
+      const C* k3 = kv.k + rows[t + 3];
       f32x16 a0 = qv[0] * load(k0), a1 = qv[0] * load(k1);
       f32x16 a2 = qv[0] * load(k2), a3 = qv[0] * load(k3);
       for (int c = 1; c < ND; ++c) {
@@ -183,7 +195,7 @@ void attend_group_vec(const T* q, int64_t q_stride, const PagedView<T>& kv, int6
       hsum4(a0, a1, a2, a3, s + t);
     }
     for (; t < L; ++t) {
-      const T* k0 = kv.k + rows[t];
+      const C* k0 = kv.k + rows[t];
       f32x16 a0 = qv[0] * load(k0);
       for (int c = 1; c < ND; ++c) a0 += qv[c] * load(k0 + 16 * c);
       s[t] = hsum(a0);
@@ -191,7 +203,7 @@ void attend_group_vec(const T* q, int64_t q_stride, const PagedView<T>& kv, int6
     const float inv = 1.f / softmax_unnormalized(s, L);
     f32x16 acc[ND] = {};
     for (t = 0; t < L; ++t) {
-      const T* v0 = kv.v + rows[t];
+      const C* v0 = kv.v + rows[t];
       const float p = s[t];
       for (int c = 0; c < ND; ++c) acc[c] += p * load(v0 + 16 * c);
     }
@@ -204,8 +216,8 @@ void attend_group_vec(const T* q, int64_t q_stride, const PagedView<T>& kv, int6
 }
 
 // The same for any head size, one scalar loop per dot product.
-template <typename T, typename O>
-void attend_group_scalar(const T* q, int64_t q_stride, const PagedView<T>& kv, int64_t b,
+template <typename Q, typename C, typename O>
+void attend_group_scalar(const Q* q, int64_t q_stride, const PagedView<C>& kv, int64_t b,
                          int64_t g, int64_t G, int64_t Hkv, int64_t D, float scale, O* out,
                          int64_t out_stride, AttentionScratch& scratch) {
   const int64_t L = kv.seq_lens[b];
@@ -215,10 +227,10 @@ void attend_group_scalar(const T* q, int64_t q_stride, const PagedView<T>& kv, i
   float* s = scratch.scores.data();
   std::vector<float> qf(D), acc(D);
   for (int64_t j = 0; j < G; ++j) {
-    const T* qh = q + b * q_stride + (g * G + j) * D;
+    const Q* qh = q + b * q_stride + (g * G + j) * D;
     for (int64_t d = 0; d < D; ++d) qf[d] = to_f(qh[d]) * scale;
     for (int64_t t = 0; t < L; ++t) {
-      const T* krow = kv.k + rows[t];
+      const C* krow = kv.k + rows[t];
       float dot = 0.f;
       for (int64_t d = 0; d < D; ++d) dot += qf[d] * to_f(krow[d]);
       s[t] = dot;
@@ -226,7 +238,7 @@ void attend_group_scalar(const T* q, int64_t q_stride, const PagedView<T>& kv, i
     const float inv = 1.f / softmax_unnormalized(s, L);
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t t = 0; t < L; ++t) {
-      const T* vrow = kv.v + rows[t];
+      const C* vrow = kv.v + rows[t];
       for (int64_t d = 0; d < D; ++d) acc[d] += s[t] * to_f(vrow[d]);
     }
     O* o = out + b * out_stride + (g * G + j) * D;
@@ -234,19 +246,19 @@ void attend_group_scalar(const T* q, int64_t q_stride, const PagedView<T>& kv, i
   }
 }
 
-template <typename T, typename O>
-using GroupKernel = void (*)(const T*, int64_t, const PagedView<T>&, int64_t, int64_t, int64_t,
+template <typename Q, typename C, typename O>
+using GroupKernel = void (*)(const Q*, int64_t, const PagedView<C>&, int64_t, int64_t, int64_t,
                              int64_t, float, O*, int64_t, AttentionScratch&);
 
 // The vectorized kernel for head size D, or nullptr where only the scalar one applies.
-template <typename T, typename O>
-GroupKernel<T, O> vector_kernel(int64_t D) {
+template <typename Q, typename C, typename O>
+GroupKernel<Q, C, O> vector_kernel(int64_t D) {
   switch (D) {
-    case 32: return &attend_group_vec<T, O, 2>;
-    case 64: return &attend_group_vec<T, O, 4>;
-    case 96: return &attend_group_vec<T, O, 6>;
-    case 128: return &attend_group_vec<T, O, 8>;
-    case 256: return &attend_group_vec<T, O, 16>;
+    case 32: return &attend_group_vec<Q, C, O, 2>;
+    case 64: return &attend_group_vec<Q, C, O, 4>;
+    case 96: return &attend_group_vec<Q, C, O, 6>;
+    case 128: return &attend_group_vec<Q, C, O, 8>;
+    case 256: return &attend_group_vec<Q, C, O, 16>;
     default: return nullptr;
   }
 }
@@ -254,14 +266,14 @@ GroupKernel<T, O> vector_kernel(int64_t D) {
 // Decode attention of every (sequence, KV head) pair: q [B, q_stride] with the Hq heads first,
 // out [B, Hq * D] (stored as O: bf16 when it feeds a quantized matmul). Threads only when the
 // contexts are long enough to pay for waking them.
-template <typename T, typename O>
-void paged_decode_attention(const T* q, int64_t q_stride, const PagedView<T>& kv, int64_t B,
+template <typename Q, typename C, typename O>
+void paged_decode_attention(const Q* q, int64_t q_stride, const PagedView<C>& kv, int64_t B,
                             int64_t Hq, int64_t Hkv, int64_t D, float scale, O* out,
                             int64_t max_len) {
   const int64_t G = Hq / Hkv;
   const int64_t work_per_item = std::max<int64_t>(1, 2 * G * max_len * D);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / work_per_item);
-  const GroupKernel<T, O> kernel = vector_kernel<T, O>(D);
+  const GroupKernel<Q, C, O> kernel = vector_kernel<Q, C, O>(D);
   at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
     AttentionScratch scratch;
     for (int64_t i = begin; i < end; ++i) {
@@ -269,7 +281,8 @@ void paged_decode_attention(const T* q, int64_t q_stride, const PagedView<T>& kv
       if (kernel != nullptr) {
         kernel(q, q_stride, kv, b, g, G, Hkv, scale, out, Hq * D, scratch);
       } else {
-        attend_group_scalar<T, O>(q, q_stride, kv, b, g, G, Hkv, D, scale, out, Hq * D, scratch);
+        attend_group_scalar<Q, C, O>(q, q_stride, kv, b, g, G, Hkv, D, scale, out, Hq * D,
+                                     scratch);
       }
     }
   });

@@ -11,6 +11,7 @@ import argparse
 
 from tokenmill.config import (
     DTYPES,
+    KV_CACHE_DTYPES,
     LOAD_FORMATS,
     POOLING_METHODS,
     QUANTIZATIONS,
@@ -98,6 +99,9 @@ def _add_cache_args(g: argparse._ArgumentGroup) -> None:
                    default=CacheConfig.gpu_memory_utilization,
                    help="share of the GPU's total memory the engine may use, weights included; "
                         "the KV cache gets the rest after a profiling step (CUDA)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=CacheConfig.kv_cache_dtype,
+                   help="how K and V are stored (auto: the model's dtype; fp16 for a quantized "
+                        "model on the CPU)")
     g.add_argument("--enforce-eager", action="store_true", default=DeviceConfig.enforce_eager,
                    help="no CUDA graphs: run every decode step eagerly (CUDA)")
     g.add_argument("--cuda-graph-max-batch-size", type=int,
@@ -141,7 +145,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           kv_cache_memory_bytes=args.kv_cache_memory,
                           kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                           gpu_memory_utilization=args.gpu_memory_utilization,
-                          enable_prefix_caching=args.enable_prefix_caching),
+                          enable_prefix_caching=args.enable_prefix_caching,
+                          kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens),
         device=DeviceConfig(device=args.device, num_threads=args.threads,

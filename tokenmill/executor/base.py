@@ -28,9 +28,11 @@ def load_runner(config: EngineConfig, platform: Platform,
     dtype = platform.resolve_dtype(config.model.dtype)
     if loaded is None:
         loaded = load_model(config.model, platform.device, dtype)
+    kv_dtype = platform.resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype,
+                                               loaded.quantization != "none")
     runner = ModelRunner(loaded.model, loaded.arch, platform, dtype, config.cache.block_size,
                          loaded.tokenizer.eos_token_ids, deterministic=config.deterministic,
-                         pooler=loaded.pooler)
+                         pooler=loaded.pooler, kv_dtype=kv_dtype)
     return loaded, runner
 
 

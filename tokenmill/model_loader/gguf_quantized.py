@@ -48,6 +48,8 @@ from tokenmill.quant.packing import (
 )
 
 GGUF_GROUP = 32
+# Hand the freed temporaries back to the OS after this many quantized layers.
+TRIM_EVERY_LAYERS = 16
 # Bytes per block of 32 weights: (d fp16, [m fp16], 16 bytes of nibbles).
 _Q4_BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}
 
@@ -77,6 +79,8 @@ def _float_rows(raw: RawTensor) -> Iterator[torch.Tensor]:
     for r0 in range(0, raw.shape[0], QUANTIZE_ROWS):
         rows = raw.data[r0:r0 + QUANTIZE_ROWS]
         yield float_tensor(rows, raw.qtype, (rows.shape[0], raw.shape[1]))
+        if raw.shape[0] > QUANTIZE_ROWS:
+            release_freed_memory()  # the previous rows' temporaries (a tied embedding's: 100s of MB)
 
 
 def _part_names(module_name: str) -> list[str]:
@@ -149,6 +153,10 @@ def load_gguf_quantized(model: nn.Module, gguf: GGUFModel, method: str,
         _install(model, name, module, device)
         built.append(name)
         consumed.update(f"{p}.{kind}" for p in _part_names(name) for kind in ("weight", "bias"))
+        if len(built) % TRIM_EVERY_LAYERS == 0:
+            # The layers' temporaries stay in glibc's heap unless trimmed: untrimmed, loading
+            # the 135M model peaked at 830 MB for 370 MB of live memory (a trim costs ~5 ms).
+            release_freed_memory()
     slot = head_slot(model)
     if slot is not None and head_method != "none":
         name, tied = slot
@@ -158,6 +166,7 @@ def load_gguf_quantized(model: nn.Module, gguf: GGUFModel, method: str,
             _install(model, name, wrap_head(linear, tied, dtype), device)
             built.append(name)
             consumed.add(f"{name}.weight")
+            release_freed_memory()
     model.load_weights(_float_tensors(gguf, consumed, device, dtype))
     release_freed_memory()
     return built

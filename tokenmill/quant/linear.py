@@ -116,23 +116,29 @@ class _WeightOnlyLinear(nn.Module):
         # than PyTorch's; 1 once pinned (pin_row_kernels), so that every row count computes
         # alike.
         self.own_min_rows = self.OWN_MIN_ROWS
+        # fp32 in and out through tokenmill's CPU kernels at every row count, instead of bf16:
+        # set for output heads (wrap_head), whose bf16 logits (steps of 0.125 around 20) tied
+        # the embedded model's two best first tokens of "What is the capital of France?".
+        self.fp32_io = False
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         rows = x2.shape[0]
         ext = None
-        if (x2.device.type == "cpu" and self.own_min_rows <= rows < self.dense_min_rows):
+        own_min_rows = 1 if self.fp32_io else self.own_min_rows
+        if (x2.device.type == "cpu" and own_min_rows <= rows < self.dense_min_rows):
             ext = cpu_kernels()
         if ext is not None and self._own_kernel_applies():
-            # bf16 activations, as PyTorch's kernels take them. The kernels take fp32 too, but
-            # unrounded activations changed the embedded model's greedy answers (same
-            # perplexity; "What is the capital of France?" lost its "Paris"): kept as before.
-            y = self._own_kernel(ext, x2.to(KERNEL_DTYPE))
+            # bf16 activations, as PyTorch's kernels take them (unless fp32_io). The kernels
+            # take fp32 too, but unrounded activations into every layer changed the embedded
+            # model's greedy answers (same perplexity; "What is the capital of France?" lost
+            # its "Paris"): kept as before.
+            y = self._own_kernel(ext, x2.float() if self.fp32_io else x2.to(KERNEL_DTYPE))
         else:
             xb = x2.to(KERNEL_DTYPE)
             if rows >= self.dense_min_rows:
-                y = self._dense(xb)
+                y = self._dense(x2 if self.fp32_io else xb)
             elif x2.device.type == "cpu":
                 y = self._kernel(xb)
             else:

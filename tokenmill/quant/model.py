@@ -209,7 +209,11 @@ def head_unsupported(shape: torch.Size | tuple[int, ...], method: str, group_siz
 
 
 def wrap_head(linear: QuantizedLinear, tied: bool, dtype: torch.dtype) -> nn.Module:
-    """The module that replaces the head (or, tied, the embedding table) around ``linear``."""
+    """The module that replaces the head (or, tied, the embedding table) around ``linear``.
+
+    On the CPU the head computes fp32 logits from fp32 hidden states (``fp32_io``): bf16
+    logits are 0.125 apart around 20, coarse enough to tie a greedy choice."""
+    linear.fp32_io = dtype == torch.float32
     return QuantizedEmbedding(linear, dtype) if tied else QuantizedHead(linear, dtype)
 
 

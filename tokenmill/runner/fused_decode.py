@@ -36,6 +36,13 @@ KIND_FLOAT, KIND_INT8, KIND_INT4 = 0, 1, 2
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def fused_cache_dtype_ok(cache_dtype: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether the C++ stack reads a KV cache in ``cache_dtype`` under activations in
+    ``dtype``: the same dtype, or fp16 under fp32 (fused_decode.cpp's check_step). Other
+    pairs run model.forward."""
+    return cache_dtype == dtype or (cache_dtype == torch.float16 and dtype == torch.float32)
+
+
 class UnsupportedModel(ValueError):
     """The model has a part the fused stack does not reproduce exactly."""
 
@@ -183,7 +190,8 @@ class FusedDecoder:
         """Whether this step is one the fused stack computes: decode-only, on our caches."""
         return (0 < attn_meta.num_seqs < self.batch_limit and attn_meta.decode_only
                 and input_ids.shape[0] == attn_meta.num_seqs
-                and all(c.dtype == self.dtype and c.is_contiguous() for c in attn_meta.kv_caches))
+                and all(fused_cache_dtype_ok(c.dtype, self.dtype) and c.is_contiguous()
+                        for c in attn_meta.kv_caches))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_meta: AttentionMetadata) -> torch.Tensor:

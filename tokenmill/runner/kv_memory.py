@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -65,6 +65,8 @@ class KVCachePlan:
     block_size: int
     bytes_per_block: int
     max_model_len: int
+    dtype: str = ""  # how K and V are stored ("float16"); "" when there is no cache
+
 
     @property
     def total_bytes(self) -> int:
@@ -83,8 +85,9 @@ class KVCachePlan:
     def describe(self) -> str:
         if self.num_blocks == 0:
             return "KV cache: none (an encoder computes each request whole in one step)"
+        stored = f" in {self.dtype}" if self.dtype else ""
         return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = "
-                f"{self.max_num_tokens} tokens ({self.total_bytes / 2**20:.0f} MiB); "
+                f"{self.max_num_tokens} tokens ({self.total_bytes / 2**20:.0f} MiB{stored}); "
                 f"max concurrency at {self.max_model_len} tokens per request: "
                 f"{self.max_concurrency:.2f}x")
 
@@ -158,6 +161,7 @@ def size_kv_cache(runner: ModelRunner, config: EngineConfig, max_model_len: int,
         free = min_over_ranks(platform.available_memory())
         if not platform.is_cuda:
             free //= num_ranks  # the CPU ranks share one memory
-    return plan_kv_cache(config.cache, platform, runner.kv_bytes_per_block(), max_model_len,
+    plan = plan_kv_cache(config.cache, platform, runner.kv_bytes_per_block(), max_model_len,
                          free_memory=free, profiled_budget=budget,
                          max_num_seqs=config.scheduler.max_num_seqs)
+    return replace(plan, dtype=str(runner.kv_shape.dtype).removeprefix("torch."))

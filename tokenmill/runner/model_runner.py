@@ -99,7 +99,8 @@ class ModelRunner:
     def __init__(self, model: nn.Module, arch: ArchConfig, platform: Platform,
                  dtype: torch.dtype, block_size: int, eos_token_ids: frozenset[int],
                  enable_fused_decode: bool | None = None, deterministic: bool = False,
-                 pooler: PoolerConfig | None = None) -> None:
+                 pooler: PoolerConfig | None = None,
+                 kv_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.arch = arch
         self.platform = platform
@@ -118,8 +119,10 @@ class ModelRunner:
         self.sampling_states: dict[str, _SamplingState] = {}
         # This rank's share of the KV heads: each tensor-parallel rank caches its own heads.
         tp = getattr(model, "tp_size", 1)
+        # The cache's dtype: the activations' unless told (see Platform.resolve_kv_cache_dtype).
         self.kv_shape = KVCacheShape(arch.num_hidden_layers, block_size,
-                                     arch.num_key_value_heads // tp, arch.head_dim, dtype)
+                                     arch.num_key_value_heads // tp, arch.head_dim,
+                                     kv_dtype or dtype)
         # Captured decode steps (CUDA): set by capture_decode_graphs(); None runs eagerly.
         self.decode_graphs: DecodeGraphs | None = None
         # Decode-only steps through the C++ layer stack; None when off or unsupported (always

@@ -38,6 +38,26 @@ class Platform:
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.float32
 
+    def resolve_kv_cache_dtype(self, kv_cache_dtype: str, dtype: torch.dtype,
+                               quantized: bool) -> torch.dtype:
+        """The KV cache's dtype for the configured name, under activations in ``dtype``.
+
+        "auto" is ``dtype``, except fp16 for a quantized model with fp32 activations on the
+        CPU: its K and V come out of bf16 projections, which fp16 holds exactly (rope rounds
+        k once more, 2^-11 relative), in half the memory. A dtype other than the model's is
+        CPU-only: the CUDA attention kernels read the cache in the activations' dtype.
+        """
+        if kv_cache_dtype == "auto":
+            if not self.is_cuda and quantized and dtype == torch.float32:
+                return torch.float16
+            return dtype
+        chosen = _DTYPES[kv_cache_dtype]
+        if self.is_cuda and chosen != dtype:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} differs from the model's dtype "
+                             f"({str(dtype).removeprefix('torch.')}): on CUDA the KV cache is "
+                             "kept in the model's dtype")
+        return chosen
+
     def available_memory(self) -> int:
         """Bytes of device memory free now."""
         if self.is_cuda:

@@ -66,7 +66,8 @@ def serve_engine(state: ServerState, name: str, engine: LLMEngine,
     task = EMBED if engine.task == EMBED else GENERATE
     prometheus = state.metrics.for_model(name)
     info = engine.model_info()
-    prometheus.set_cache_config(info.kv_cache.block_size, info.kv_cache.num_blocks, info.dtype,
+    prometheus.set_cache_config(info.kv_cache.block_size, info.kv_cache.num_blocks,
+                                info.kv_cache.dtype or info.dtype,
                                 engine.config.cache.enable_prefix_caching)
     live = LiveStats()
     loggers: list[StatLogger] = [prometheus, live]
