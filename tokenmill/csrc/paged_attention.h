@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "decode_kernels.h"
@@ -136,6 +137,9 @@ struct PagedView {
 struct AttentionScratch {
   std::vector<float> scores;
   std::vector<int64_t> rows;
+  // A narrower cache's keys and values widened to fp32, and their rows' offsets in them.
+  std::vector<float> k, v;
+  std::vector<int64_t> dense_rows;
 };
 
 // softmax in place over scores[0, L), returning the sum of the exponentials.
@@ -161,29 +165,27 @@ inline float softmax_unnormalized(float* s, int64_t L) {
   return total;
 }
 
-// Query heads g*G .. g*G+G-1 of sequence b against its L cached tokens, head size 16 * ND
-// (Q: the queries' dtype, C: the cache's, O: the output's).
-template <typename Q, typename C, typename O, int ND>
-void attend_group_vec(const Q* q, int64_t q_stride, const PagedView<C>& kv, int64_t b, int64_t g,
-                      int64_t G, int64_t Hkv, float scale, O* out, int64_t out_stride,
-                      AttentionScratch& scratch) {
+// Query heads g*G .. g*G+G-1 of sequence b against its L tokens, whose key and value rows
+// (fp32) start at kbase + rows[t] and vbase + rows[t]; head size 16 * ND (Q: the queries'
+// dtype, O: the output's).
+template <typename Q, typename O, int ND>
+void attend_rows(const Q* q, int64_t q_stride, const float* kbase, const float* vbase,
+                 const int64_t* rows, int64_t L, int64_t b, int64_t g, int64_t G, float scale,
+                 O* out, int64_t out_stride, std::vector<float>& scores) {
   using namespace vec16;
   constexpr int64_t D = 16 * ND;
-  const int64_t L = kv.seq_lens[b];
-  kv.row_offsets(kv.tables + b * kv.table_stride, L, g, Hkv, D, scratch.rows);
-  const int64_t* rows = scratch.rows.data();
-  scratch.scores.resize(static_cast<size_t>(L));
-  float* s = scratch.scores.data();
+  scores.resize(static_cast<size_t>(L));
+  float* s = scores.data();
   for (int64_t j = 0; j < G; ++j) {
     const Q* qh = q + b * q_stride + (g * G + j) * D;
     f32x16 qv[ND];
     for (int c = 0; c < ND; ++c) qv[c] = load(qh + 16 * c) * scale;
     int64_t t = 0;
     for (; t + 4 <= L; t += 4) {
-      const C* k0 = kv.k + rows[t];
-      const C* k1 = kv.k + rows[t + 1];
-      const C* k2 = kv.k + rows[t + 2];
-      const C* k3 = kv.k + rows[t + 3];
+      const float* k0 = kbase + rows[t];
+      const float* k1 = kbase + rows[t + 1];
+      const float* k2 = kbase + rows[t + 2];
+      const float* k3 = kbase + rows[t + 3];
       f32x16 a0 = qv[0] * load(k0), a1 = qv[0] * load(k1);
       f32x16 a2 = qv[0] * load(k2), a3 = qv[0] * load(k3);
       for (int c = 1; c < ND; ++c) {
@@ -195,7 +197,7 @@ void attend_group_vec(const Q* q, int64_t q_stride, const PagedView<C>& kv, int6
       hsum4(a0, a1, a2, a3, s + t);
     }
     for (; t < L; ++t) {
-      const C* k0 = kv.k + rows[t];
+      const float* k0 = kbase + rows[t];
       f32x16 a0 = qv[0] * load(k0);
       for (int c = 1; c < ND; ++c) a0 += qv[c] * load(k0 + 16 * c);
       s[t] = hsum(a0);
@@ -203,7 +205,7 @@ void attend_group_vec(const Q* q, int64_t q_stride, const PagedView<C>& kv, int6
     const float inv = 1.f / softmax_unnormalized(s, L);
     f32x16 acc[ND] = {};
     for (t = 0; t < L; ++t) {
-      const C* v0 = kv.v + rows[t];
+      const float* v0 = vbase + rows[t];
       const float p = s[t];
       for (int c = 0; c < ND; ++c) acc[c] += p * load(v0 + 16 * c);
     }
@@ -212,6 +214,40 @@ void attend_group_vec(const Q* q, int64_t q_stride, const PagedView<C>& kv, int6
       const f32x16 r = acc[c] * inv;
       for (int i = 0; i < 16; ++i) o[16 * c + i] = from_f<O>(r[i]);
     }
+  }
+}
+
+// Query heads g*G .. g*G+G-1 of sequence b against its L cached tokens, head size 16 * ND
+// (Q: the queries' dtype, C: the cache's, O: the output's). A narrower cache is widened to
+// fp32 once per (sequence, KV head) into the scratch, not once per query head of the group:
+// the same values (widening is exact), so the same bits.
+template <typename Q, typename C, typename O, int ND>
+void attend_group_vec(const Q* q, int64_t q_stride, const PagedView<C>& kv, int64_t b, int64_t g,
+                      int64_t G, int64_t Hkv, float scale, O* out, int64_t out_stride,
+                      AttentionScratch& scratch) {
+  using namespace vec16;
+  constexpr int64_t D = 16 * ND;
+  const int64_t L = kv.seq_lens[b];
+  kv.row_offsets(kv.tables + b * kv.table_stride, L, g, Hkv, D, scratch.rows);
+  if constexpr (std::is_same_v<C, float>) {
+    attend_rows<Q, O, ND>(q, q_stride, kv.k, kv.v, scratch.rows.data(), L, b, g, G, scale, out,
+                          out_stride, scratch.scores);
+  } else {
+    const int64_t* rows = scratch.rows.data();
+    scratch.k.resize(static_cast<size_t>(L * D));
+    scratch.v.resize(static_cast<size_t>(L * D));
+    scratch.dense_rows.resize(static_cast<size_t>(L));
+    float* kf = scratch.k.data();
+    float* vf = scratch.v.data();
+    for (int64_t t = 0; t < L; ++t) {
+      for (int c = 0; c < ND; ++c) {
+        store(kf + t * D + 16 * c, load(kv.k + rows[t] + 16 * c));
+        store(vf + t * D + 16 * c, load(kv.v + rows[t] + 16 * c));
+      }
+      scratch.dense_rows[static_cast<size_t>(t)] = t * D;
+    }
+    attend_rows<Q, O, ND>(q, q_stride, kf, vf, scratch.dense_rows.data(), L, b, g, G, scale, out,
+                          out_stride, scratch.scores);
   }
 }
 
