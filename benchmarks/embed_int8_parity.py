@@ -4,7 +4,8 @@ The throughput goal (2x sentence-transformers) needs less arithmetic per token t
 CPU without bf16 (int8 matmuls: PyTorch's fbgemm-backed dynamic int8 linear runs ~1.6x the
 fp32 GEMM rate at these shapes on AVX2). This measures what int8 costs in accuracy before
 any kernel is written: sentence-transformers' own model with every ``nn.Linear`` of the
-encoder computing on fake-quantized values, against the same model in fp32:
+encoder computing on fake-quantized values, against the same model in fp32 (and, for scale,
+the fp32 and dynamic-int8 matmul rates at the model's shapes):
 
 - ``w8``: weights int8, one scale per output row (symmetric); activations fp32;
 - ``w8a8``: the same weights, and activations int8 with one scale per token (symmetric);
@@ -79,6 +80,43 @@ def quantized_copy(st: Any, scheme: str) -> Any:
     return model
 
 
+# all-MiniLM-L6-v2's projections (out x in) at a 2,048-token step.
+GEMM_SHAPES = [(1152, 384), (1536, 384), (384, 1536)]
+GEMM_ROWS = 2048
+
+
+def gemm_rates(threads: int) -> list[dict[str, Any]]:
+    """fp32 ``F.linear`` against PyTorch's dynamic int8 linear (fbgemm on x86: activations
+    quantized per call) at the model's shapes: what int8 could buy if it kept the accuracy."""
+    import time
+    import warnings
+
+    torch.set_num_threads(threads)
+    out = []
+    for n, k in GEMM_SHAPES:
+        x = torch.randn(GEMM_ROWS, k)
+        lin = nn.Linear(k, n)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            q = torch.ao.quantization.quantize_dynamic(nn.Sequential(lin), {nn.Linear},
+                                                       dtype=torch.qint8)
+        rates = {}
+        for name, f in (("fp32", lambda lin=lin, x=x: lin(x)),
+                        ("int8_dynamic", lambda q=q, x=x: q(x))):
+            with torch.inference_mode():
+                for _ in range(3):
+                    f()
+                best = float("inf")
+                for _ in range(5):
+                    t = time.perf_counter()
+                    for _ in range(5):
+                        f()
+                    best = min(best, (time.perf_counter() - t) / 5)
+            rates[name] = 2 * GEMM_ROWS * n * k / best / 1e9
+        out.append({"shape": [n, k], "rows": GEMM_ROWS, "gflops": rates})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -108,10 +146,18 @@ def main() -> None:
     print(hardware_line(hardware()))
     print(markdown_table(["scheme", "min cosine", "mean cosine", f"below {GOAL}", "below 0.999"],
                          rows))
+    rates = gemm_rates(args.threads)
+    print(markdown_table(["projection (out x in)", "rows", "fp32 GFLOP/s", "int8 dynamic GOP/s",
+                          "ratio"],
+                         [[f"{r['shape'][0]} x {r['shape'][1]}", r["rows"],
+                           f"{r['gflops']['fp32']:.1f}", f"{r['gflops']['int8_dynamic']:.1f}",
+                           f"{r['gflops']['int8_dynamic'] / r['gflops']['fp32']:.2f}x"]
+                          for r in rates]))
     if args.result_file:
         write_json(args.result_file, {"created": now_iso(), "hardware": hardware(),
-                                      "model": path, "num_sentences": len(texts), "goal": GOAL,
-                                      "results": results})
+                                      "threads": args.threads, "model": path,
+                                      "num_sentences": len(texts), "goal": GOAL,
+                                      "results": results, "gemm_rates": rates})
 
 
 if __name__ == "__main__":
