@@ -73,7 +73,8 @@ class ModelConfig:
             "(models are never downloaded at run time)")
 
 
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+# The same names as the model's dtype; "auto" is resolved by Platform.resolve_kv_cache_dtype.
+KV_CACHE_DTYPES = DTYPES
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,6 @@ class KVCachePlan:
     max_model_len: int
     dtype: str = ""  # how K and V are stored ("float16"); "" when there is no cache
 
-
     @property
     def total_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
