@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Issue 19's GPU run inside this workplace's device lease (15 minutes, 64 MiB a call): two
+# calls in a row to one warm machine, each step capped so that a hang costs its cap only.
+#
+#   python benchmarks/gpu/pack_device.py            # here, once: fills .device/
+#   phase 1, carry .device/whl .device/vocab.gguf .device/part1:  bash benchmarks/gpu/lease.sh 1
+#   phase 2, carry .device/whl .device/vocab.gguf .device/part2:  bash benchmarks/gpu/lease.sh 2
+#
+# Phase 1 needs only the tokenizer (dummy-weight presets): the kernel and graph tests, decode
+# and throughput on Llama-3.1-8B's shape, nano-vllm's workload. Phase 2 has the whole embedded
+# model: the engine tests, transformers side by side, the step profile, fp8. Logs and result
+# JSONs go into $OUT/phaseN.tgz after every step (so a cut-off call still returns them).
+set -u
+cd "$(dirname "$0")/../.."
+PHASE=${1:?phase 1 or 2}
+source benchmarks/gpu/device_setup.sh
+OUTDIR=${OUT:-/tmp/out}
+LOGS=/tmp/lease-logs
+RES=benchmarks/results/gpu
+mkdir -p "$OUTDIR" "$LOGS" "$RES"
+GPU=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).split()[-1].lower())" 2>/dev/null || echo gpu)
+[ "$GPU" = "hbm3" ] && GPU=h100   # "NVIDIA H100 80GB HBM3"
+
+REPO=$PWD
+pack() { tar czf "$OUTDIR/phase$PHASE.tgz" -C /tmp lease-logs -C "$REPO" "$RES"; }
+step() {  # step NAME CAP_SECONDS COMMAND...
+  local name=$1 cap=$2 t0=$SECONDS rc
+  shift 2
+  ${DRY:+echo} timeout -k 10 "$cap" "$@" > "$LOGS/$name.log" 2>&1
+  rc=$?
+  echo "## $name: rc=$rc in $((SECONDS - t0)) s"
+  grep -E "passed|failed|error|Error|tok/s|\] " "$LOGS/$name.log" | grep -v "^USDT" | tail -n 12 | cut -c1-240
+  pack
+}
+bench() { python3 -m tokenmill bench gpu "$@"; }
+
+if [ "$PHASE" = 1 ]; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  python3 -c "import torch, triton, transformers, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__)"
+  step tests-kernels 150 python3 -m pytest -q -p no:cacheprovider -rfE \
+    tests/unit/test_triton_attention.py tests/unit/test_cuda_graphs.py \
+    tests/gpu/test_cuda_engine.py::test_quantized_linear_on_cuda
+  step decode-bf16 100 bench --suite decode --model llama-3.1-8b --max-model-len 4096 \
+    --max-num-seqs 8 --result-file "$RES/$GPU-llama-3.1-8b-decode-bf16.json"
+  step throughput-bf16 170 bench --suite throughput --model llama-3.1-8b --max-model-len 2048 \
+    --result-file "$RES/$GPU-llama-3.1-8b-throughput-bf16.json"
+  step nano-vllm 90 bench --suite nano-vllm --model qwen3-0.6b --max-model-len 2048 \
+    --result-file "$RES/$GPU-qwen3-0.6b-nano-vllm.json"
+else
+  step tests-engine 130 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu \
+    -k "not quantized_linear"
+  step hf-batch 120 bench --suite hf-batch --model qwen3-0.6b --max-model-len 2048 \
+    --num-prompts 256 --input-len 512 --output-len 512 \
+    --result-file "$RES/$GPU-qwen3-0.6b-vs-transformers.json"
+  step profile 80 python3 benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b \
+    --batches 1,256 --steps 10 --result-file "$RES/$GPU-llama-3.1-8b-step-profile.json"
+  step decode-fp8 60 bench --suite decode --model llama-3.1-8b --max-model-len 4096 \
+    --max-num-seqs 8 --quantization fp8 --result-file "$RES/$GPU-llama-3.1-8b-decode-fp8.json"
+fi
+pack
+ls -la "$OUTDIR"

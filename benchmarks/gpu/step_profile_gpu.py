@@ -1,0 +1,138 @@
+"""Where a CUDA decode step's time goes, at several batch sizes: each step timed whole (host
+clock around ``engine.step()``), then profiled with torch.profiler (CPU and CUDA activity).
+The GPU kernels are grouped (matmuls, attention, norms/rotary/activations, sampling, copies);
+"GPU busy" is the sum of kernel times per step, and the step time minus it is where the GPU
+waits on the host (scheduling, input building, output processing, launch gaps).
+
+    python benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b --batches 1,256 \
+        [--steps 20] [--result-file FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.bench.report import markdown_table, now_iso, write_json
+from tokenmill.engine.output_processor import OutputKind
+
+PROMPT_TOKENS = 128
+ACTIVITIES = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+# Kernel name fragments -> group (first match wins).
+GROUPS = [
+    ("matmul (cuBLAS/cutlass GEMM)", ("gemm", "gemv", "cutlass", "sm90_xmma", "nvjet", "splitk",
+                                       "matmul", "_mm")),
+    ("attention (Triton)", ("attention", "attn", "decode_partition", "paged", "store_kv",
+                            "reduce_partitions")),
+    ("fused norms / rotary / activations", ("rms", "norm", "rotary", "rope", "silu", "swiglu",
+                                             "fused")),
+    ("sampling", ("sort", "topk", "argmax", "softmax", "multinomial", "exponential", "cumsum",
+                  "reduce")),
+    ("copies, indexing, elementwise", ("copy", "index", "gather", "scatter", "fill", "elementwise",
+                                       "cat", "memcpy", "memset")),
+]
+
+
+def group_of(name: str) -> str:
+    low = name.lower()
+    for group, keys in GROUPS:
+        if any(k in low for k in keys):
+            return group
+    return "other kernels"
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_steps(llm: LLM, batch: int, steps: int, seed: int, prof: bool) -> tuple[list[float], Any]:
+    engine = llm.engine
+    params = SamplingParams(max_tokens=2 * steps + 8, temperature=0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(seed)
+    vocab = engine.tokenizer.vocab_size
+    for i in range(batch):
+        ids = torch.randint(100, vocab - 100, (PROMPT_TOKENS,), generator=gen).tolist()
+        engine.add_request(f"p{seed}-{i}", {"prompt_token_ids": ids}, params,
+                           kind=OutputKind.DELTA)
+    seen: set[str] = set()
+    while len(seen) < batch:  # prefills, until every request decodes
+        seen |= {o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids}
+    times = []
+    for _ in range(steps):
+        sync()
+        t = time.perf_counter()
+        engine.step()
+        sync()
+        times.append(time.perf_counter() - t)
+    p = None
+    if prof:
+        with profile(activities=ACTIVITIES) as p:
+            for _ in range(steps):
+                engine.step()
+            sync()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return times, p
+
+
+def kernel_groups(p: Any, steps: int) -> tuple[dict[str, float], list[tuple[str, float]]]:
+    """(ms per step by group, top kernels) from the profile's device-side events."""
+    groups: dict[str, float] = {}
+    kernels: dict[str, float] = {}
+    for evt in p.events():
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        ms = evt.time_range.elapsed_us() / 1000 / steps
+        groups[group_of(evt.name)] = groups.get(group_of(evt.name), 0.0) + ms
+        kernels[evt.name] = kernels.get(evt.name, 0.0) + ms
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
+    return groups, top
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--batches", default="1,256")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--quantization", default="none")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--result-file", default=None)
+    a = ap.parse_args()
+    batches = [int(b) for b in a.batches.split(",")]
+    llm = LLM(model=a.model, load_format="dummy", device=a.device, max_model_len=a.max_model_len,
+              max_num_seqs=max(batches), quantization=a.quantization)
+    results: dict[str, Any] = {}
+    for n, batch in enumerate(batches):
+        run_steps(llm, batch, 3, seed=100 + n, prof=False)  # warm-up at this batch size
+        times, p = run_steps(llm, batch, a.steps, seed=n, prof=True)
+        step_ms = statistics.median(times) * 1000
+        groups, top = kernel_groups(p, a.steps)
+        busy = sum(groups.values())
+        rows = sorted(groups.items(), key=lambda kv: -kv[1])
+        rows.append(("GPU idle (host work, launch gaps)", max(step_ms - busy, 0.0)))
+        results[str(batch)] = {"step_ms_median": step_ms, "tokens_per_s": batch / step_ms * 1000,
+                               "gpu_busy_ms": busy, "groups_ms": dict(rows), "top_kernels": top}
+        print(f"\nbatch {batch}: step {step_ms:.2f} ms (median of {a.steps}), "
+              f"{batch / step_ms * 1000:.1f} tok/s, GPU busy {busy:.2f} ms")
+        print(markdown_table(["where", "ms per step", "share"],
+                             [[g, ms, f"{ms / step_ms:.0%}"] for g, ms in rows]))
+        print(markdown_table(["kernel", "ms per step"], [[k[:70], ms] for k, ms in top]))
+    if a.result_file:
+        write_json(a.result_file, {"created": now_iso(), "model": a.model,
+                                   "device": (torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"),
+                                   "torch": torch.__version__,
+                                   "command": " ".join(["python", *sys.argv]),
+                                   "results": results})
+
+
+if __name__ == "__main__":
+    main()
