@@ -29,8 +29,8 @@ ACTIVITIES = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_
 GROUPS = [
     ("matmul (cuBLAS/cutlass GEMM)", ("gemm", "gemv", "cutlass", "sm90_xmma", "nvjet", "splitk",
                                        "matmul", "_mm")),
-    ("attention (Triton)", ("attention", "attn", "decode_partition", "paged", "store_kv",
-                            "reduce_partitions")),
+    ("attention (Triton)", ("attention", "attn", "_decode_split", "_decode_reduce", "_prefill",
+                            "paged", "store_kv")),
     ("fused norms / rotary / activations", ("rms", "norm", "rotary", "rope", "silu", "swiglu",
                                              "fused")),
     ("sampling", ("sort", "topk", "argmax", "softmax", "multinomial", "exponential", "cumsum",

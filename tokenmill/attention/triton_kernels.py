@@ -250,7 +250,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, max_seq_len: int,
                      out: torch.Tensor | None = None,
-                     partition_size: int = 512) -> torch.Tensor:
+                     partition_size: int = 512, block_n: int = _DECODE_BLOCK_N,
+                     num_warps: int = NUM_WARPS, num_stages: int | None = None) -> torch.Tensor:
     """Attend one query per sequence over its paged context (flash decoding).
 
     Each sequence's context is cut into partitions of ``partition_size`` tokens, attended in
@@ -268,6 +269,9 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         max_seq_len: bound on ``seq_lens`` that sizes the grid of partitions.
         out: optional ``[B, Hq, D]`` output (any strides with a contiguous last dimension).
         partition_size: tokens per partition, a power of two of at least 16.
+        block_n, num_warps, num_stages: the split kernel's keys per tile (a power of two of at
+            least 16), warps per program and software-pipelining depth (None: Triton's
+            default); benchmarks/gpu/attention_bw.py sweeps them.
 
     Returns:
         ``out`` or a new ``[B, Hq, D]`` tensor in the dtype of q.
@@ -298,8 +302,9 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         PARTITION=partition_size, BLOCK_G=max(_MIN_DOT, triton.next_power_of_2(group)),
-        BLOCK_N=min(_DECODE_BLOCK_N, partition_size), BLOCK_D=block_d,
-        DOT_PRECISION=_dot_precision(q), num_warps=NUM_WARPS)
+        BLOCK_N=min(block_n, partition_size), BLOCK_D=block_d,
+        DOT_PRECISION=_dot_precision(q), num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}))
     _decode_reduce_kernel[(num_seqs, num_heads)](
         part_out, part_lse, seq_lens, out, num_splits, out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, PARTITION=partition_size, BLOCK_D=block_d)
