@@ -3,6 +3,8 @@ called (the scheduler and the block pool stay free of torch)."""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -12,6 +14,33 @@ if TYPE_CHECKING:
 def cdiv(a: int, b: int) -> int:
     """Ceiling division."""
     return -(-a // b)
+
+
+class ListSlice(Sequence[int]):
+    """``items[start:end]`` without copying: a read-only view of a list that is only appended
+    to while the view is in use. Sampling takes every row's prompt and output ids each step but
+    reads them only for the rows with penalties; copying them all cost O(context) per row."""
+
+    __slots__ = ("_items", "_start", "_end")
+
+    def __init__(self, items: list[int], start: int, end: int | None = None) -> None:
+        self._items, self._start = items, start
+        self._end = len(items) if end is None else end
+
+    def __len__(self) -> int:
+        return self._end - self._start
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def]
+        if isinstance(index, slice):
+            return self._items[self._start:self._end][index]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError("ListSlice index out of range")
+        return self._items[self._start + index]
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(self._items, self._start, self._end)
 
 
 def host_tensor(data: object, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

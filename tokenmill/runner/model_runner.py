@@ -28,7 +28,7 @@ from tokenmill.runner.sampler import Sampler, SamplingMetadata, compute_prompt_l
 from tokenmill.runner.spec_verify import SpecRequest, verify_drafts
 from tokenmill.sampling_params import PoolingParams, SamplingParams
 from tokenmill.structured.matcher import GrammarState, allocate_bitmask, fill_rows
-from tokenmill.utils import host_tensor
+from tokenmill.utils import ListSlice, host_tensor
 
 
 @dataclass
@@ -345,8 +345,8 @@ class ModelRunner:
                 out: RunnerOutput) -> None:
         meta = SamplingMetadata.build(
             params=[s.params for s in states],
-            prompt_token_ids=[s.token_ids[:s.num_prompt_tokens] for s in states],
-            output_token_ids=[s.token_ids[s.num_prompt_tokens:] for s in states],
+            prompt_token_ids=[ListSlice(s.token_ids, 0, s.num_prompt_tokens) for s in states],
+            output_token_ids=[ListSlice(s.token_ids, s.num_prompt_tokens) for s in states],
             generators=[s.sampling.generator for s in states],
             stop_token_ids=[s.stop_ids for s in states],
             device=self.device,

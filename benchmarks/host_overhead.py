@@ -1,0 +1,93 @@
+"""The engine's own per-step work around the model: scheduling, building the step's inputs,
+the sampler's host side, output processing. On a GPU this is time the device waits unless it
+overlaps a running step (issue 19's profile: 1.0 ms of a 5.8 ms step at batch 1, 3.5 ms of
+8.8 ms at batch 256 on an H200), so it is measured here on the CPU with a toy model whose
+forward, logits and sampling calls are timed and subtracted from the step.
+
+    python benchmarks/host_overhead.py [--batches 1,64,256] [--context 1000] [--steps 20]
+        [--result-file FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.bench.report import hardware, hardware_line, markdown_table, now_iso, write_json
+from tokenmill.engine.output_processor import OutputKind
+
+
+class _Timer:
+    """Wraps a callable and adds up the seconds spent in it."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn, self.seconds = fn, 0.0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t
+
+
+def measure(batch: int, context: int, steps: int) -> dict[str, float]:
+    blocks = batch * (context // 16 + steps // 16 + 4) + 16
+    llm = LLM(model="tiny-llama", load_format="dummy", device="cpu", max_num_seqs=batch,
+              max_model_len=context + 2 * steps + 64, num_kv_blocks=blocks,
+              max_num_batched_tokens=max(8192, context + 1))
+    engine = llm.engine
+    runner = engine.core.executor.runner
+    timers = [_Timer(runner._forward), _Timer(runner.model.compute_logits),
+              _Timer(runner.sampler)]
+    runner._forward, runner.model.compute_logits, runner.sampler = timers
+    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(0)
+    for i in range(batch):
+        ids = torch.randint(100, 40000, (context,), generator=gen).tolist()
+        engine.add_request(f"r{i}", {"prompt_token_ids": ids}, params, kind=OutputKind.DELTA)
+    seen: set[str] = set()
+    while len(seen) < batch:  # prefills, until every request decodes
+        seen |= {o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids}
+    totals, hosts = [], []
+    for _ in range(steps):
+        before = sum(t.seconds for t in timers)
+        t0 = time.perf_counter()
+        engine.step()
+        total = time.perf_counter() - t0
+        totals.append(total)
+        hosts.append(total - (sum(t.seconds for t in timers) - before))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"step_ms": statistics.median(totals) * 1000,
+            "host_ms": statistics.median(hosts) * 1000}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="1,64,256")
+    ap.add_argument("--context", type=int, default=1000)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--result-file", default=None)
+    a = ap.parse_args()
+    results = {}
+    for b in (int(x) for x in a.batches.split(",")):
+        results[str(b)] = measure(b, a.context, a.steps)
+    print(markdown_table(["batch", f"step ms (context {a.context})", "host ms per step",
+                          "host us per sequence"],
+                         [[b, r["step_ms"], r["host_ms"], r["host_ms"] * 1000 / int(b)]
+                          for b, r in results.items()]))
+    hw = hardware()
+    print(hardware_line(hw))
+    if a.result_file:
+        write_json(a.result_file, {"created": now_iso(), "hardware": hw, "context": a.context,
+                                   "steps": a.steps, "results": results})
+
+
+if __name__ == "__main__":
+    main()
