@@ -46,6 +46,18 @@ def measure(batch: int, context: int, steps: int) -> dict[str, float]:
     timers = [_Timer(runner._forward), _Timer(runner.model.compute_logits),
               _Timer(runner.sampler)]
     runner._forward, runner.model.compute_logits, runner.sampler = timers
+    # The host's phases (each includes none of the timed model calls except _sample's sampler
+    # call and _prepare_inputs' none): schedule, inputs, sampling bookkeeping, update, outputs.
+    phases = {"schedule": _Timer(engine.core.scheduler.schedule),
+              "prepare inputs": _Timer(runner._prepare_inputs),
+              "sample (host part)": _Timer(runner._sample),
+              "update": _Timer(engine.core.scheduler.update),
+              "process outputs": _Timer(engine.processor.process)}
+    engine.core.scheduler.schedule = phases["schedule"]
+    runner._prepare_inputs = phases["prepare inputs"]
+    runner._sample = phases["sample (host part)"]
+    engine.core.scheduler.update = phases["update"]
+    engine.processor.process = phases["process outputs"]
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
     for i in range(batch):
@@ -55,6 +67,9 @@ def measure(batch: int, context: int, steps: int) -> dict[str, float]:
     while len(seen) < batch:  # prefills, until every request decodes
         seen |= {o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids}
     totals, hosts = [], []
+    for t in phases.values():
+        t.seconds = 0.0
+    sampler_before = timers[2].seconds
     for _ in range(steps):
         before = sum(t.seconds for t in timers)
         t0 = time.perf_counter()
@@ -64,8 +79,10 @@ def measure(batch: int, context: int, steps: int) -> dict[str, float]:
         hosts.append(total - (sum(t.seconds for t in timers) - before))
     while engine.has_unfinished_requests():
         engine.step()
+    per_step = {name: t.seconds / steps * 1000 for name, t in phases.items()}
+    per_step["sample (host part)"] -= (timers[2].seconds - sampler_before) / steps * 1000
     return {"step_ms": statistics.median(totals) * 1000,
-            "host_ms": statistics.median(hosts) * 1000}
+            "host_ms": statistics.median(hosts) * 1000, "phases_ms": per_step}
 
 
 def main() -> None:
@@ -82,6 +99,9 @@ def main() -> None:
                           "host us per sequence"],
                          [[b, r["step_ms"], r["host_ms"], r["host_ms"] * 1000 / int(b)]
                           for b, r in results.items()]))
+    names = list(next(iter(results.values()))["phases_ms"])
+    print(markdown_table(["batch", *[f"{n} ms" for n in names]],
+                         [[b, *[r["phases_ms"][n] for n in names]] for b, r in results.items()]))
     hw = hardware()
     print(hardware_line(hw))
     if a.result_file:

@@ -21,6 +21,7 @@ scale per output channel and quantizes activations per token for ``torch._scaled
 
 from __future__ import annotations
 
+import functools
 import os
 from types import ModuleType
 
@@ -377,6 +378,17 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(qs), torch.cat(scales)
 
 
+@functools.cache
+def _fp8_kernels() -> ModuleType | None:
+    """:mod:`tokenmill.quant.fp8_kernels` when Triton is installed (imported on first CUDA
+    use, so a CPU run never imports Triton), else None."""
+    try:
+        from tokenmill.quant import fp8_kernels
+    except ImportError:
+        return None
+    return fp8_kernels
+
+
 class Fp8Linear(nn.Module):
     """``y = x @ w.T + bias`` in fp8 (e4m3): weights per output channel, activations per token.
 
@@ -408,8 +420,13 @@ class Fp8Linear(nn.Module):
         return cls(q, scales, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scaled, x_scale = scale_rows_absmax(x.reshape(-1, self.in_features), FP8_MAX)
-        xq = scaled.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        x2 = x.reshape(-1, self.in_features)
+        kernels = _fp8_kernels() if x2.is_cuda else None
+        if kernels is not None:  # one fused kernel instead of ten PyTorch ops
+            xq, x_scale = kernels.quantize_rows_fp8(x2.contiguous(), FP8_MAX)
+        else:
+            scaled, x_scale = scale_rows_absmax(x2, FP8_MAX)
+            xq = scaled.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         bias = None if self.bias is None else self.bias.to(KERNEL_DTYPE)
         y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale,
                              bias=bias, out_dtype=KERNEL_DTYPE)
