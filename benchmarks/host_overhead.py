@@ -15,11 +15,9 @@ import statistics
 import time
 from typing import Any
 
-import torch
-
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM
+from tokenmill.bench.latency import start_decoding
 from tokenmill.bench.report import hardware, hardware_line, markdown_table, now_iso, write_json
-from tokenmill.engine.output_processor import OutputKind
 
 
 class _Timer:
@@ -58,14 +56,7 @@ def measure(batch: int, context: int, steps: int) -> dict[str, float]:
     runner._sample = phases["sample (host part)"]
     engine.core.scheduler.update = phases["update"]
     engine.processor.process = phases["process outputs"]
-    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
-    gen = torch.Generator().manual_seed(0)
-    for i in range(batch):
-        ids = torch.randint(100, 40000, (context,), generator=gen).tolist()
-        engine.add_request(f"r{i}", {"prompt_token_ids": ids}, params, kind=OutputKind.DELTA)
-    seen: set[str] = set()
-    while len(seen) < batch:  # prefills, until every request decodes
-        seen |= {o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids}
+    start_decoding(engine, batch, context, steps + 8, seed=0)
     totals, hosts = [], []
     for t in phases.values():
         t.seconds = 0.0

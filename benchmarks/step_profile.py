@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM
+from tokenmill.bench.latency import start_decoding
 from tokenmill.bench.report import hardware, hardware_line, markdown_table, now_iso, write_json
-from tokenmill.engine.output_processor import OutputKind
 from tokenmill.runner.fused_decode import PROFILE_RANGE
 
 PROMPT_TOKENS = 128
@@ -53,14 +53,7 @@ def decode_steps(llm: LLM, batch: int, steps: int, seed: int) -> tuple[list[floa
     """Queue ``batch`` requests, run their prefill, then time ``steps`` decode steps; the last
     ``steps`` of them run under the profiler. Returns the step times and the profile."""
     engine = llm.engine
-    params = SamplingParams(max_tokens=2 * steps + 8, temperature=0, ignore_eos=True)
-    gen = torch.Generator().manual_seed(seed)
-    vocab = engine.tokenizer.vocab_size
-    for i in range(batch):
-        ids = torch.randint(100, vocab - 100, (PROMPT_TOKENS,), generator=gen).tolist()
-        engine.add_request(f"p{seed}-{i}", {"prompt_token_ids": ids}, params,
-                           kind=OutputKind.DELTA)
-    _all_decoding(engine, batch)
+    start_decoding(engine, batch, PROMPT_TOKENS, 2 * steps + 8, seed)
     times = []
     for _ in range(steps):
         t = time.perf_counter()
@@ -72,14 +65,6 @@ def decode_steps(llm: LLM, batch: int, steps: int, seed: int) -> tuple[list[floa
     while engine.has_unfinished_requests():
         engine.step()
     return times, prof
-
-
-def _all_decoding(engine: Any, batch: int) -> bool:
-    """Steps until every request has its first token (each is then decoding); True then."""
-    seen: set[str] = set()
-    while len(seen) < batch:
-        seen |= {o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids}
-    return True
 
 
 def breakdown(prof: Any, steps: int, step_ms: float) -> list[tuple[str, float]]:

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM
+from tokenmill.bench.latency import start_decoding
 from tokenmill.bench.report import markdown_table, now_iso, write_json
-from tokenmill.engine.output_processor import OutputKind
 
 PROMPT_TOKENS = 128
 ACTIVITIES = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -55,16 +55,7 @@ def sync() -> None:
 
 def run_steps(llm: LLM, batch: int, steps: int, seed: int, prof: bool) -> tuple[list[float], Any]:
     engine = llm.engine
-    params = SamplingParams(max_tokens=2 * steps + 8, temperature=0, ignore_eos=True)
-    gen = torch.Generator().manual_seed(seed)
-    vocab = engine.tokenizer.vocab_size
-    for i in range(batch):
-        ids = torch.randint(100, vocab - 100, (PROMPT_TOKENS,), generator=gen).tolist()
-        engine.add_request(f"p{seed}-{i}", {"prompt_token_ids": ids}, params,
-                           kind=OutputKind.DELTA)
-    seen: set[str] = set()
-    while len(seen) < batch:  # prefills, until every request decodes
-        seen |= {o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids}
+    start_decoding(engine, batch, PROMPT_TOKENS, 2 * steps + 8, seed)
     times = []
     for _ in range(steps):
         sync()

@@ -125,3 +125,24 @@ def cmd_latency(args: argparse.Namespace) -> int:
     if args.result_file:
         write_json(args.result_file, result)
     return 0
+
+
+def start_decoding(engine: LLMEngine, batch: int, prompt_tokens: int, max_tokens: int,
+                   seed: int) -> None:
+    """Queue ``batch`` greedy requests of ``prompt_tokens`` random ids (``max_tokens`` each,
+    eos ignored) and step until every one has its first token: the engine then runs
+    decode-only steps of ``batch`` sequences, which the step profilers time."""
+    import torch
+
+    from tokenmill.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(seed)
+    vocab = engine.tokenizer.vocab_size
+    for i in range(batch):
+        ids = torch.randint(100, vocab - 100, (prompt_tokens,), generator=gen).tolist()
+        engine.add_request(f"p{seed}-{i}", {"prompt_token_ids": ids}, params,
+                           kind=OutputKind.DELTA)
+    seen: set[str] = set()
+    while len(seen) < batch:
+        seen |= {o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids}
