@@ -12,7 +12,7 @@ cd "$(dirname "$0")/../.."
 OUT=${RESULTS:-benchmarks/results/gpu}
 mkdir -p "$OUT"
 GPU=$(python -c "import torch; print(torch.cuda.get_device_name(0).split()[-1].lower())")
-SUITES=${SUITES:-"tests decode throughput hf-batch nano-vllm"}
+SUITES=${SUITES:-"tests decode throughput hf-batch nano-vllm attention"}
 bench() { python -m tokenmill bench gpu "$@"; }
 
 for suite in $SUITES; do
@@ -35,13 +35,19 @@ for suite in $SUITES; do
       bench --suite throughput --model llama-3.1-8b --max-model-len 2048 --quantization fp8 \
         --result-file "$OUT/$GPU-llama-3.1-8b-throughput-fp8.json" ;;
     hf-batch)
-      # >= 5x transformers' continuous batching (generate_batch) on the same workload.
-      bench --suite hf-batch --model llama-3.1-8b --max-model-len 2048 --num-prompts 256 \
-        --result-file "$OUT/$GPU-llama-3.1-8b-vs-transformers.json" ;;
+      # >= 5x transformers' continuous batching (generate_batch) on the same workload. Without
+      # flash attention transformers made ~580 tok/s on an H200 (2026-11-26): 64 requests of
+      # 512 in / 512 out on Qwen3-0.6B's shape take it about a minute.
+      bench --suite hf-batch --model qwen3-0.6b --max-model-len 2048 --num-prompts 64 \
+        --input-len 512 --output-len 512 \
+        --result-file "$OUT/$GPU-qwen3-0.6b-vs-transformers.json" ;;
     nano-vllm)
       # nano-vllm's workload: 256 requests, lengths uniform in 100..1024, Qwen3-0.6B.
       bench --suite nano-vllm --model qwen3-0.6b --max-model-len 2048 \
         --result-file "$OUT/$GPU-qwen3-0.6b-nano-vllm.json" ;;
+    attention)
+      # The decode attention kernel alone against the copy bandwidth, launch settings swept.
+      python benchmarks/gpu/attention_bw.py --result-file "$OUT/$GPU-decode-attention-bw.json" ;;
     *) echo "unknown suite $suite" >&2; exit 2 ;;
   esac
 done
