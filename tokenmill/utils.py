@@ -3,8 +3,11 @@ called (the scheduler and the block pool stay free of torch)."""
 
 from __future__ import annotations
 
+import functools
+import importlib
 import itertools
 from collections.abc import Iterator, Sequence
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -14,6 +17,16 @@ if TYPE_CHECKING:
 def cdiv(a: int, b: int) -> int:
     """Ceiling division."""
     return -(-a // b)
+
+
+@functools.cache
+def triton_module(name: str) -> ModuleType | None:
+    """tokenmill's module of Triton kernels ``name``, imported on first use (so a run on the
+    CPU never imports Triton); None where Triton is not installed."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
 
 
 class ListSlice(Sequence[int]):

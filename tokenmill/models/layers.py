@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from types import ModuleType
@@ -16,6 +15,7 @@ from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.distributed import tensor_model_parallel_all_reduce, tp_rank, tp_size
 from tokenmill.models.config import ArchConfig
 from tokenmill.models.parallel import VocabParallelEmbedding, divide
+from tokenmill.utils import triton_module
 
 
 class Linear(nn.Linear):
@@ -39,16 +39,7 @@ def cuda_kernels(x: torch.Tensor) -> ModuleType | None:
     """:mod:`tokenmill.models.fused_ops` for a CUDA tensor when Triton is installed, else None.
 
     Imported on first use, so a CPU run never imports Triton."""
-    return _fused_ops() if x.is_cuda else None
-
-
-@functools.cache
-def _fused_ops() -> ModuleType | None:
-    try:
-        from tokenmill.models import fused_ops
-    except ImportError:
-        return None
-    return fused_ops
+    return triton_module("tokenmill.models.fused_ops") if x.is_cuda else None
 
 
 class RMSNorm(nn.Module):

@@ -21,7 +21,6 @@ scale per output channel and quantizes activations per token for ``torch._scaled
 
 from __future__ import annotations
 
-import functools
 import os
 from types import ModuleType
 
@@ -46,6 +45,7 @@ from tokenmill.quant.packing import (
     unpack_int4,
     unpack_int4_rows,
 )
+from tokenmill.utils import triton_module
 
 
 def cpu_kernels() -> ModuleType | None:
@@ -378,17 +378,6 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(qs), torch.cat(scales)
 
 
-@functools.cache
-def _fp8_kernels() -> ModuleType | None:
-    """:mod:`tokenmill.quant.fp8_kernels` when Triton is installed (imported on first CUDA
-    use, so a CPU run never imports Triton), else None."""
-    try:
-        from tokenmill.quant import fp8_kernels
-    except ImportError:
-        return None
-    return fp8_kernels
-
-
 class Fp8Linear(nn.Module):
     """``y = x @ w.T + bias`` in fp8 (e4m3): weights per output channel, activations per token.
 
@@ -421,7 +410,7 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        kernels = _fp8_kernels() if x2.is_cuda else None
+        kernels = triton_module("tokenmill.quant.fp8_kernels") if x2.is_cuda else None
         if kernels is not None:  # one fused kernel instead of ten PyTorch ops
             xq, x_scale = kernels.quantize_rows_fp8(x2.contiguous(), FP8_MAX)
         else:
