@@ -150,7 +150,10 @@ def test_heads_compute_fp32_logits(ext, method: str, rows: int) -> None:
     y = head(x)
     ref = x.double() @ linear.dequantize().double().T
     assert y.dtype == torch.float32
-    assert (y.double() - ref).abs().max() < 1e-5 * ref.abs().max()
+    # int8 heads take int16 activations (int_dot.h): steps of 3e-5 of the largest, 250x finer
+    # than bf16's; int4 heads widen fp32 activations exactly.
+    tol = 1e-4 if linear.int_activations() else 1e-5
+    assert (y.double() - ref).abs().max() < tol * ref.abs().max()
     # The same module as a body layer (no fp32_io) rounds to bf16: far coarser.
     linear.fp32_io = False
     assert (linear(x).double() - ref).abs().max() > 1e-4 * ref.abs().max()

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "decode_kernels.h"
+#include "int_dot.h"
 #include "paged_attention.h"
 #include "quant_gemm.h"
 #include "token_bitmask.h"
@@ -31,6 +32,11 @@ struct LinearSpec {
   // output-block width), 0 for PyTorch's, as the module computes in Python.
   int64_t own_kernel = 0;
   int64_t own_min_rows = 1;  // ... for this many rows and more
+  // > 0: our kernels on integer activations of this many bits (int_dot.h) instead of the fp32
+  // ones: 16 for kInt8; 8 or 16 for kInt4, which reads the weight again in q8 tiles (and
+  // their scales).
+  int64_t act_bits = 0;
+  at::Tensor q8_packed, q8_scales;
 
   bool own_at(int64_t rows) const {
     return kind != kFloat && own_kernel > 0 && rows >= own_min_rows;
@@ -45,8 +51,14 @@ struct LinearSpec {
     }
     const at::Tensor xb = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
     if (own_at(x.size(0))) {  // bf16 in and out, as PyTorch's kernels below
-      at::Tensor y = kind == kInt8 ? qgemm::int8_linear(xb, weight, scales)
-                                   : qgemm::int4_linear(xb, weight, scales, group_size, own_kernel);
+      at::Tensor y;
+      if (kind == kInt8) {
+        y = act_bits ? intdot::int8_q16_linear(xb, weight, scales)
+                     : qgemm::int8_linear(xb, weight, scales);
+      } else {
+        y = act_bits ? intdot::int4_q8_linear(xb, q8_packed, q8_scales, group_size, act_bits)
+                     : qgemm::int4_linear(xb, weight, scales, group_size, own_kernel);
+      }
       if (bias.defined()) y = y + bias;
       return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
     }
@@ -82,8 +94,9 @@ class DecoderStack {
   }
 
   // norms: input, post-attention, q, k (q/k as empty tensors when absent); linears in the order
-  // qkv, o, gate_up, down, each as (kind, [weight, bias-or-empty, scales-or-empty], group size,
-  // [own kernel, own min rows]: see LinearSpec).
+  // qkv, o, gate_up, down, each as (kind, [weight, bias-or-empty, scales-or-empty, q8 packed
+  // weight-or-empty, q8 scales-or-empty], group size, [own kernel, own min rows, activation
+  // bits]: see LinearSpec).
   void add_layer(std::vector<at::Tensor> norms, std::vector<int64_t> kinds,
                  std::vector<std::vector<at::Tensor>> tensors, std::vector<int64_t> group_sizes,
                  std::vector<std::vector<int64_t>> own_kernels) {
@@ -98,15 +111,26 @@ class DecoderStack {
     LinearSpec* specs[4] = {&w.qkv, &w.o, &w.gate_up, &w.down};
     for (int i = 0; i < 4; ++i) {
       TORCH_CHECK(kinds[i] >= kFloat && kinds[i] <= kInt4, "unknown linear kind ", kinds[i]);
-      TORCH_CHECK(tensors[i].size() == 3, "a linear is [weight, bias, scales]");
+      TORCH_CHECK(tensors[i].size() == 5,
+                  "a linear is [weight, bias, scales, q8 packed weight, q8 scales]");
       specs[i]->kind = kinds[i];
       specs[i]->weight = tensors[i][0];
       if (tensors[i][1].numel() > 0) specs[i]->bias = tensors[i][1];
       if (tensors[i][2].numel() > 0) specs[i]->scales = tensors[i][2];
+      if (tensors[i][3].numel() > 0) {
+        TORCH_CHECK(kinds[i] == kInt4 && tensors[i][4].numel() > 0,
+                    "q8 tiles are for int4 linears, with their scales");
+        specs[i]->q8_packed = tensors[i][3];
+        specs[i]->q8_scales = tensors[i][4];
+      }
       specs[i]->group_size = group_sizes[i];
-      TORCH_CHECK(own_kernels[i].size() == 2, "own kernel is [block width, min rows]");
+      TORCH_CHECK(own_kernels[i].size() == 3,
+                  "own kernel is [block width, min rows, activation bits]");
       specs[i]->own_kernel = own_kernels[i][0];
       specs[i]->own_min_rows = own_kernels[i][1];
+      specs[i]->act_bits = own_kernels[i][2];
+      TORCH_CHECK(specs[i]->act_bits == 0 || kinds[i] == kInt8 || specs[i]->q8_packed.defined(),
+                  "int4 on integer activations needs the weight in q8 tiles");
     }
     for (const LinearSpec* spec : specs) io_bf16_ = io_bf16_ && spec->kind != kFloat;
     layers_.push_back(std::move(w));
@@ -291,6 +315,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x W^T for int4 W in PyTorch's CPU packing (blocks of block_n outputs), x fp32 or bf16",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("scales_and_zeros"),
         pybind11::arg("group_size"), pybind11::arg("block_n"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("int4_q8_linear", &tokenmill::intdot::int4_q8_linear,
+        "x W^T for int4 W in q8 tiles (int_dot.h), x quantized to act_bits per block of 32",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("scales"),
+        pybind11::arg("group_size"), pybind11::arg("act_bits") = 8,
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("int8_q16_linear", &tokenmill::intdot::int8_q16_linear,
+        "x (W * scales[:, None])^T for int8 W [N, K], x quantized to int16 per row (int_dot.h)",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("scales"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int8_linear", &tokenmill::qgemm::int8_linear,
         "x (W * scales[:, None])^T for int8 W [N, K], x fp32 or bf16",

@@ -166,6 +166,35 @@ def pack_int4(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, int4_scales_and_zeros(groups)
 
 
+# tokenmill's int4 x int8 CPU kernel (tokenmill/csrc/int_dot.h) takes outputs in tiles of
+# this many and inputs in blocks of Q8_BLOCK (one int8 activation scale each).
+Q8_TILE_N = 16
+Q8_BLOCK = 32
+
+
+def q8_layout_fits(n: int, k: int, group_size: int) -> bool:
+    """Whether a ``[n, k]`` int4 weight of this group size packs into q8 tiles."""
+    return n % Q8_TILE_N == 0 and group_size % Q8_BLOCK == 0 and k % group_size == 0
+
+
+def pack_int4_q8(q: torch.Tensor, scales_and_zeros: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nibbles ``q`` uint8 ``[N, K]`` and bf16 ``[K // g, N, 2]`` (scale, zero) in the layout
+    of the int4 x int8 kernel (``tokenmill/csrc/int_dot.h``): uint8 ``[N / 16, K / 4, 32]``,
+    where byte ``4 j + i`` of tile ``t``, step ``s`` holds input ``4 s + i`` of output
+    ``16 t + j`` (low nibble) and of output ``16 t + 8 + j`` (high), and bf16 scales
+    ``[N / 16, groups, 2, 16]``."""
+    n, k = q.shape
+    tiles = n // Q8_TILE_N
+    # [tile, half, j, step, i] -> [tile, step, half, j, i]
+    t = q.to(torch.uint8).reshape(tiles, 2, 8, k // 4, 4).permute(0, 3, 1, 2, 4)
+    packed = (t[:, :, 0] | (t[:, :, 1] << 4)).reshape(tiles, k // 4, 32).contiguous()
+    groups = scales_and_zeros.shape[0]
+    scales = (scales_and_zeros.reshape(groups, tiles, Q8_TILE_N, 2).permute(1, 0, 3, 2)
+              .to(KERNEL_DTYPE).contiguous())
+    return packed, scales
+
+
 def int4_scales_and_zeros(groups: Int4Groups) -> torch.Tensor:
     """bf16 ``[K // g, N, 2]`` (scale, zero) with ``w = (q - 8) * scale + zero``: the form both
     int4 kernels (the CPU one and CUDA's tinygemm) take."""

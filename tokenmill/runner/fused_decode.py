@@ -77,11 +77,17 @@ class LinearParts:
     # Batch from which the module's own forward takes another route (tokenmill.quant's dense
     # bf16 matmul) that the C++ side does not repeat; None for no such limit.
     max_rows: int | None = None
+    # > 0: the own kernel runs on integer activations of this many bits (see
+    # _WeightOnlyLinear.activation_bits); for int4 it reads the weight in q8 tiles
+    # (Int4WeightOnlyLinear.q8_tiles).
+    act_bits: int = 0
+    q8_tiles: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         empty = torch.empty(0)
+        q8 = self.q8_tiles or (empty, empty)
         return [self.weight, empty if self.bias is None else self.bias,
-                empty if self.scales is None else self.scales]
+                empty if self.scales is None else self.scales, *q8]
 
 
 def linear_parts(module: nn.Module, dtype: torch.dtype) -> LinearParts:
@@ -108,12 +114,16 @@ def _quant_parts(module: nn.Module) -> LinearParts | None:
     if int8_cls is not None and type(module) is int8_cls:
         return LinearParts(KIND_INT8, module.weight, module.bias, module.scales,
                            max_rows=int(module.dense_min_rows), own_kernel=int(own),
-                           own_min_rows=int(module.own_min_rows))
+                           own_min_rows=int(module.own_min_rows),
+                           act_bits=module.activation_bits() if own else 0)
     if int4_cls is not None and type(module) is int4_cls:
         return LinearParts(KIND_INT4, module.weight, module.bias, module.scales_and_zeros,
                            int(module.group_size), max_rows=int(module.dense_min_rows),
                            own_kernel=module.cpu_block_n() if own else 0,
-                           own_min_rows=int(module.own_min_rows))
+                           own_min_rows=int(module.own_min_rows),
+                           act_bits=module.activation_bits() if own else 0,
+                           q8_tiles=module.q8_tiles() if own and module.int_activations()
+                           else None)
     return None
 
 
@@ -180,7 +190,7 @@ class FusedDecoder:
                      (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
             stack.add_layer(norms, [p.kind for p in parts], [p.tensors() for p in parts],
                             [p.group_size for p in parts],
-                            [[p.own_kernel, p.own_min_rows] for p in parts])
+                            [[p.own_kernel, p.own_min_rows, p.act_bits] for p in parts])
             for p in parts:
                 if p.max_rows is not None:
                     self.batch_limit = min(self.batch_limit, p.max_rows)

@@ -1,0 +1,208 @@
+"""tokenmill's integer-activation CPU kernels (tokenmill/csrc/int_dot.h): int4 weights in q8
+tiles times int8 or int16 activations, int8 weights times int16 activations. Each is checked against a
+reference written here from the definition (the same activation quantization, exact integer
+dots in float64), against the fp32 product within the quantization's error, and against itself
+at other row counts (a row's bits must not depend on the rest of the batch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.csrc import load_extension
+from tokenmill.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+from tokenmill.quant import linear as qlinear
+from tokenmill.quant.linear import cpu_kernels
+from tokenmill.quant.packing import pack_int4_q8, q8_layout_fits
+
+ROWS = [1, 2, 3, 4, 5, 9, 40]
+
+
+@pytest.fixture(scope="module")
+def ext():
+    return load_extension()
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _int4_case(n: int, k: int, group: int, seed: int = 0):
+    """Nibbles [N, K], bf16 (scale, zero) [K / g, N, 2] and the fp32 weight they encode."""
+    q = torch.randint(0, 16, (n, k), generator=_gen(seed), dtype=torch.uint8)
+    scale = torch.rand(k // group, n, generator=_gen(seed + 1)) * 0.02 + 0.001
+    zero = torch.randn(k // group, n, generator=_gen(seed + 2)) * 0.01
+    sz = torch.stack([scale, zero], dim=-1).to(torch.bfloat16)
+    s = sz[..., 0].float().t().repeat_interleave(group, dim=1)
+    z = sz[..., 1].float().t().repeat_interleave(group, dim=1)
+    return q, sz, (q.float() - 8.0) * s + z
+
+
+def _quantize_blocks(x: torch.Tensor, block: int, levels: int):
+    """x [M, K] as integers in [-levels, levels] per block of ``block`` inputs, and the scales
+    [M, K / block]: round-half-even of x * levels / absmax, scale absmax / levels."""
+    m, k = x.shape
+    xb = x.float().view(m, k // block, block)
+    amax = xb.abs().amax(dim=-1)
+    # levels / amax rounded once to fp32, as the kernel divides (torch's own fp32 division of
+    # a scalar by a tensor can be off by an ulp, enough to move a tie)
+    inv = torch.where(amax > 0, (levels / amax.double()).float(), torch.zeros_like(amax))
+    q = torch.round(xb * inv.unsqueeze(-1))
+    return q.view(m, k), amax / levels
+
+
+def _int4_q8_reference(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor, group: int,
+                       bits: int):
+    """y [M, N] in float64 from the definition in int_dot.h."""
+    xq, d = _quantize_blocks(x, 32, 127 if bits == 8 else 32767)
+    m, k = x.shape
+    n = q.shape[0]
+    blocks = k // 32
+    # integer dot per (row, output, block)
+    idot = torch.einsum("mbi,nbi->mnb", xq.double().view(m, blocks, 32),
+                        q.double().view(n, blocks, 32))
+    per_group = group // 32
+    dot = (idot * d.double().unsqueeze(1)).view(m, n, k // group, per_group).sum(-1)
+    xsum = (xq.double().view(m, blocks, 32).sum(-1) * d.double()).view(
+        m, k // group, per_group).sum(-1)
+    scale = sz[..., 0].double().t()  # [N, G]
+    z8 = sz[..., 1].double().t() - 8 * scale
+    return (dot * scale.unsqueeze(0)).sum(-1) + (xsum.unsqueeze(1) * z8.unsqueeze(0)).sum(-1)
+
+
+def test_q8_packing_layout() -> None:
+    """Byte 4 j + i of tile t, step s: input 4 s + i of output 16 t + j (low nibble) and of
+    output 16 t + 8 + j (high nibble); scales [tiles, groups, 2, 16]."""
+    n, k, group = 48, 64, 32
+    q, sz, _ = _int4_case(n, k, group)
+    packed, scales = pack_int4_q8(q, sz)
+    assert packed.shape == (n // 16, k // 4, 32) and packed.dtype == torch.uint8
+    assert scales.shape == (n // 16, k // group, 2, 16) and scales.dtype == torch.bfloat16
+    for t, s, j, i in [(0, 0, 0, 0), (1, 3, 7, 2), (2, 15, 5, 3), (2, 7, 0, 1)]:
+        byte = int(packed[t, s, 4 * j + i])
+        assert byte & 15 == int(q[16 * t + j, 4 * s + i])
+        assert byte >> 4 == int(q[16 * t + 8 + j, 4 * s + i])
+    for t, g, j in [(0, 0, 0), (1, 1, 9), (2, 0, 15)]:
+        assert scales[t, g, 0, j] == sz[g, 16 * t + j, 0]
+        assert scales[t, g, 1, j] == sz[g, 16 * t + j, 1]
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_q8_matches_its_definition(ext, group: int, bits: int) -> None:
+    n, k = 64, 256
+    q, sz, w = _int4_case(n, k, group)
+    packed, scales = pack_int4_q8(q, sz)
+    x = torch.randn(40, k, generator=_gen(7))
+    x[3, :32] = 0.0  # an all-zero block: scale 0, no division by zero
+    ref = _int4_q8_reference(x, q, sz, group, bits)
+    exact = x.double() @ w.double().t()
+    full = ext.int4_q8_linear(x, packed, scales, group, bits)
+    assert full.dtype == torch.float32 and full.shape == (40, n)
+    for rows in ROWS:
+        y = ext.int4_q8_linear(x[:rows], packed, scales, group, bits)
+        # the same bits for a row whatever the row count
+        assert torch.equal(y, full[:rows]), rows
+    err = ((full.double() - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-5, err
+    # steps of 1/127 (int8) or 1/32767 (int16) of each block's largest value
+    rel = ((full.double() - exact).norm() / exact.norm()).item()
+    assert rel < (0.02 if bits == 8 else 1e-4), rel
+    xb = x.to(torch.bfloat16)
+    yb = ext.int4_q8_linear(xb, packed, scales, group, bits)
+    assert yb.dtype == torch.bfloat16
+    assert torch.equal(yb, ext.int4_q8_linear(xb.float(), packed, scales, group, bits).bfloat16())
+
+
+def test_int4_q8_rejects_bad_shapes(ext) -> None:
+    q, sz, _ = _int4_case(32, 64, 32)
+    packed, scales = pack_int4_q8(q, sz)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ext.int4_q8_linear(torch.randn(1, 64), packed, scales, 16)
+    with pytest.raises(RuntimeError, match=r"\[N / 16, K / 4, 32\]"):
+        ext.int4_q8_linear(torch.randn(1, 128), packed, scales, 32)
+    with pytest.raises(RuntimeError, match="scales"):
+        ext.int4_q8_linear(torch.randn(1, 64), packed, scales[:1], 32)
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        ext.int4_q8_linear(torch.randn(1, 64).double(), packed, scales, 32)
+    with pytest.raises(RuntimeError, match="8 or 16 bits"):
+        ext.int4_q8_linear(torch.randn(1, 64), packed, scales, 32, 4)
+    assert not q8_layout_fits(40, 64, 32) and not q8_layout_fits(32, 64, 16)
+    assert q8_layout_fits(32, 64, 32)
+
+
+def _int8_case(n: int, k: int, seed: int = 0):
+    w = torch.randint(-127, 128, (n, k), generator=_gen(seed), dtype=torch.int8)
+    scales = (torch.rand(n, generator=_gen(seed + 1)) * 0.01 + 0.001).to(torch.bfloat16)
+    return w, scales
+
+
+@pytest.mark.parametrize("k", [16, 77, 576, 4100])  # a tail past 16s; past the int32 flush
+def test_int8_q16_matches_its_definition(ext, k: int) -> None:
+    n = 37  # not a multiple of the 4 weight rows per pass
+    w, scales = _int8_case(n, k)
+    x = torch.randn(9, k, generator=_gen(3)) * 4
+    xq, d = _quantize_blocks(x, k, 32767)
+    ref = (xq.double() @ w.double().t()) * d.double() * scales.double()
+    exact = (x.double() @ w.double().t()) * scales.double()
+    full = ext.int8_q16_linear(x, w, scales)
+    assert full.dtype == torch.float32 and full.shape == (9, n)
+    for rows in [1, 2, 3, 9]:
+        assert torch.equal(ext.int8_q16_linear(x[:rows], w, scales), full[:rows]), rows
+    assert ((full.double() - ref).abs() <= ref.abs() * 1e-6 + 1e-9).all()
+    err = ((full.double() - exact).abs().max() / exact.abs().max()).item()
+    assert err < 1e-4, err  # int16 activations: far finer than bf16's 2^-8
+
+
+def test_int8_q16_extreme_weights_do_not_overflow(ext) -> None:
+    """Every weight -128 and every activation at the int16 limit, over 8,192 inputs."""
+    k = 8192
+    w = torch.full((4, k), -128, dtype=torch.int8)
+    x = torch.full((1, k), 3.0)
+    y = ext.int8_q16_linear(x, w, torch.ones(4))
+    assert torch.allclose(y.double(), torch.full((1, 4), -128.0 * 3.0 * k, dtype=torch.float64),
+                          rtol=1e-6)
+
+
+def test_int8_q16_rejects_bad_input(ext) -> None:
+    w, scales = _int8_case(8, 32)
+    with pytest.raises(RuntimeError, match="inputs"):
+        ext.int8_q16_linear(torch.randn(1, 16), w, scales)
+    with pytest.raises(RuntimeError, match="scales for"):
+        ext.int8_q16_linear(torch.randn(1, 32), w, scales[:3])
+    with pytest.raises(RuntimeError, match="int8"):
+        ext.int8_q16_linear(torch.randn(1, 32), w.float(), scales)
+
+
+@pytest.fixture
+def int_activations(monkeypatch):
+    if cpu_kernels() is None:
+        pytest.skip("tokenmill's C++ extension cannot be built here")
+
+    def set_flag(on: bool) -> None:
+        monkeypatch.setattr(qlinear, "USE_INT_ACTIVATIONS", on)
+    return set_flag
+
+
+def test_modules_take_the_integer_kernels(int_activations) -> None:
+    """Layers compute on integer activations at every row count below the dense path (one row
+    included), and on the fp32 kernels with the switch off; both near the float product."""
+    w = torch.randn(96, 128, generator=_gen(1)) * 0.05
+    x = torch.randn(5, 128, generator=_gen(2))
+    int4 = Int4WeightOnlyLinear.from_weight(w, None, 32)
+    int8 = Int8WeightOnlyLinear.from_weight(w, None)
+    for module in (int4, int8):
+        ref = x @ module.dequantize().t()
+        int_activations(True)
+        assert module.int_activations() and module.own_min_rows == 1
+        on = module(x)
+        int_activations(False)
+        assert not module.int_activations()
+        off = module(x)
+        assert not torch.equal(on, off)  # two different kernels ran
+        for y in (on, off):
+            assert ((y - ref).norm() / ref.norm()).item() < 0.02
+        int_activations(True)
+        assert torch.equal(module(x[:1]), on[:1])  # one row takes the same kernel
+    tiles = int4.q8_tiles()
+    assert tiles is not None and int4.q8_tiles() is tiles  # packed once

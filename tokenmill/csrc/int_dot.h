@@ -1,0 +1,476 @@
+// Weight-only matmuls on integer activations for the CPU: the activations of each row are
+// quantized once per call, and the products run as integer dot products (vpmaddubsw /
+// vpmaddwd), several times as many per instruction as the fp32 FMAs of quant_gemm.h.
+//   - int4_q8_linear: int4 weights times int8 activations, what llama.cpp computes for
+//     Q4_1 x Q8_1, in a weight layout of tokenmill's own;
+//   - int8_q16_linear: int8 weights (the plain [N, K] layout) times int16 activations, one scale
+//     a row: the output head, whose logits must stay as close to fp32 as the fp32 kernel's.
+//
+// ---- int4 x int8 -----------------------------------------------------------------------
+//
+// The fp32 kernels of quant_gemm.h widen every nibble to a float and spend one FMA lane on it:
+// on an AVX2 CPU a single-row decode step then runs at ~5 GB/s of weights, a third of what the
+// memory delivers. Here each row of x is first quantized to int8 in blocks of 32 inputs (one
+// fp32 scale a block, absmax / 127, as llama.cpp's Q8 blocks), and one vpmaddubsw multiplies 32
+// nibbles by 32 activations at a time into 16-bit pair sums.
+//
+// Weight layout ("q8 tiles", packed by tokenmill.quant.packing.pack_int4_q8): outputs in tiles
+// of 16, inputs in steps of 4. Tile t, step s is 32 bytes; byte 4 * j + i holds input 4 s + i
+// of output 16 t + j in its low nibble and of output 16 t + 8 + j in its high nibble (j < 8,
+// i < 4). One 32-byte load thus gives two registers of [8 outputs][4 inputs] bytes, which
+// vpmaddubsw against the 4 activations broadcast turns into 16-bit sums of input pairs, and
+// vpmaddwd against ones into one 32-bit sum per output. Scales: bf16 [tiles][groups][2][16],
+// the tile's 16 scales then its 16 zeros, w = (q - 8) * scale + zero as in quant_gemm.h.
+//
+// Per output and group of inputs: y += scale * dot + (zero - 8 scale) * xsum, dot the sum over
+// the group's 32-blocks of (integer dot) * (block's activation scale) in block order, xsum the
+// sum of the dequantized activations. Integer sums are exact and the float steps run in a fixed
+// order per row, so a row's result does not depend on the other rows of the call.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TOKENMILL_Q8_AVX2 1
+#endif
+
+namespace tokenmill {
+namespace intdot {
+
+constexpr int64_t kTileN = 16;  // outputs per weight tile
+constexpr int64_t kBlock = 32;  // inputs per activation block (one int8 scale)
+constexpr int64_t kTileBytesPerInput = kTileN / 2;
+constexpr int64_t kQ8PrefetchTiles = 2;  // how far ahead the weights are fetched, in tiles
+
+inline float bf16_to_f(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// Activations quantized per block of 32 inputs to Q: int8 (levels 127: the product runs on
+// vpmaddubsw) or int16 (levels 32767: vpmaddwd, twice the instructions, 256x finer steps).
+template <typename Q>
+struct ActLevels;
+template <>
+struct ActLevels<int8_t> { static constexpr float kMax = 127.f; };
+template <>
+struct ActLevels<int16_t> { static constexpr float kMax = 32767.f; };
+
+// Where input k of a row is stored: int16 rows keep each 4 inputs as (0, 2, 1, 3), so that
+// one 32-bit broadcast gives the pair (k0, k2) and the next (k1, k3) (see tile_rows).
+template <typename Q>
+inline int64_t act_slot(int64_t k) {
+  if constexpr (sizeof(Q) == 1) {
+    return k;
+  } else {
+    constexpr int64_t kSlot[4] = {0, 2, 1, 3};
+    return (k & ~int64_t{3}) | kSlot[k & 3];
+  }
+}
+
+// Rows of x quantized per block of 32: q [M][K] (in act_slot order), d (scale) [M][K / 32],
+// and per group of `group` inputs the sum of the dequantized activations, gsum [M][K / group].
+template <typename Q>
+struct QuantizedRows {
+  std::vector<Q> q;
+  std::vector<float> d;
+  std::vector<float> gsum;
+};
+
+template <typename Q>
+inline QuantizedRows<Q> quantize_rows(const float* x, int64_t M, int64_t K, int64_t group) {
+  constexpr float kMax = ActLevels<Q>::kMax;
+  const int64_t nb = K / kBlock, bpg = group / kBlock, groups = K / group;
+  QuantizedRows<Q> out;
+  out.q.resize(M * K);
+  out.d.resize(M * nb);
+  out.gsum.resize(M * groups);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    std::vector<int32_t> bsum(nb);
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* xr = x + m * K;
+      Q* qr = out.q.data() + m * K;
+      for (int64_t b = 0; b < nb; ++b) {
+        const float* xb = xr + b * kBlock;
+        float amax = 0.f;
+        for (int64_t k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
+        const float inv = amax > 0.f ? kMax / amax : 0.f;
+        int32_t sum = 0;
+        for (int64_t k = 0; k < kBlock; ++k) {
+          const int32_t v = static_cast<int32_t>(std::nearbyint(xb[k] * inv));
+          qr[act_slot<Q>(b * kBlock + k)] = static_cast<Q>(v);
+          sum += v;
+        }
+        out.d[m * nb + b] = amax / kMax;
+        bsum[b] = sum;
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        float s = 0.f;
+        for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+          s = std::fma(static_cast<float>(bsum[b]), out.d[m * nb + b], s);
+        }
+        out.gsum[m * groups + g] = s;
+      }
+    }
+  });
+  return out;
+}
+
+#ifdef TOKENMILL_Q8_AVX2
+// The integer dots of one 32-block for R rows: ia[r][0] outputs 0-7, ia[r][1] outputs 8-15,
+// as 32-bit sums. wb: the block's 8 steps of 32 bytes; xb: row 0's block, rows K apart.
+template <int R, typename Q>
+inline void block_dots(const uint8_t* wb, const Q* xb, int64_t K, __m256i (*ia)[2]) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  if constexpr (sizeof(Q) == 1) {
+    __m256i a16[R][2];
+    for (auto& row : a16) for (auto& v : row) v = _mm256_setzero_si256();
+    for (int s = 0; s < kBlock / 4; ++s) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * s));
+      const __m256i lo = _mm256_and_si256(v, low4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xb + r * K + 4 * s, sizeof(four));
+        const __m256i xv = _mm256_set1_epi32(four);
+        // |pair| <= 2 * 15 * 127: eight steps stay inside int16
+        a16[r][0] = _mm256_add_epi16(a16[r][0], _mm256_maddubs_epi16(lo, xv));
+        a16[r][1] = _mm256_add_epi16(a16[r][1], _mm256_maddubs_epi16(hi, xv));
+      }
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < R; ++r) {
+      for (int h = 0; h < 2; ++h) ia[r][h] = _mm256_madd_epi16(a16[r][h], ones);
+    }
+  } else {
+    // Each 16-bit word of a step holds inputs (k0, k1) or (k2, k3) of output j (low nibbles)
+    // and 8 + j (high): four shifts and masks give [8 outputs][(k0, k2) or (k1, k3)] words.
+    const __m256i low4w = _mm256_set1_epi16(0x000F);
+    for (int r = 0; r < R; ++r) ia[r][0] = ia[r][1] = _mm256_setzero_si256();
+    for (int s = 0; s < kBlock / 4; ++s) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * s));
+      const __m256i q02_lo = _mm256_and_si256(v, low4w);
+      const __m256i q02_hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4w);
+      const __m256i q13_lo = _mm256_and_si256(_mm256_srli_epi16(v, 8), low4w);
+      const __m256i q13_hi = _mm256_srli_epi16(v, 12);
+      for (int r = 0; r < R; ++r) {
+        int32_t x02, x13;
+        std::memcpy(&x02, xb + r * K + 4 * s, sizeof(x02));
+        std::memcpy(&x13, xb + r * K + 4 * s + 2, sizeof(x13));
+        const __m256i a = _mm256_set1_epi32(x02), c = _mm256_set1_epi32(x13);
+        // |lane| <= 8 steps * 4 * 15 * 32767: far inside int32
+        ia[r][0] = _mm256_add_epi32(ia[r][0], _mm256_add_epi32(_mm256_madd_epi16(q02_lo, a),
+                                                               _mm256_madd_epi16(q13_lo, c)));
+        ia[r][1] = _mm256_add_epi32(ia[r][1], _mm256_add_epi32(_mm256_madd_epi16(q02_hi, a),
+                                                               _mm256_madd_epi16(q13_hi, c)));
+      }
+    }
+  }
+  (void)low4;
+}
+#endif
+
+// One tile (16 outputs) for R rows of quantized x: y [R][16] = those rows times the tile.
+// w: the tile's K * 8 bytes; sz: its [groups][2][16] bf16 scales and zeros.
+template <int R, typename Q>
+inline void tile_rows(const uint8_t* w, const uint16_t* sz, const Q* xq, const float* xd,
+                      const float* xg, int64_t K, int64_t group, float* y) {
+  const int64_t nb = K / kBlock, bpg = group / kBlock, groups = K / group;
+  const int64_t prefetch = kQ8PrefetchTiles * K * kTileBytesPerInput;
+  float acc[R][kTileN];
+  for (auto& row : acc) for (float& v : row) v = 0.f;
+  for (int64_t g = 0; g < groups; ++g) {
+    float dot[R][kTileN];
+#ifdef TOKENMILL_Q8_AVX2
+    __m256 fd[R][2];
+    for (auto& row : fd) for (auto& v : row) v = _mm256_setzero_ps();
+    for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+      const uint8_t* wb = w + b * kBlock * kTileBytesPerInput;
+      // The next tiles ahead of the hardware prefetcher (as in int8_q16_dots below).
+      for (int64_t line = 0; line < kBlock * kTileBytesPerInput; line += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(wb + prefetch + line), _MM_HINT_T0);
+      }
+      __m256i ia[R][2];
+      block_dots<R, Q>(wb, xq + b * kBlock, K, ia);
+      for (int r = 0; r < R; ++r) {
+        const __m256 d = _mm256_set1_ps(xd[r * nb + b]);
+        for (int h = 0; h < 2; ++h) {
+          fd[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][h]), d, fd[r][h]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(dot[r], fd[r][0]);
+      _mm256_storeu_ps(dot[r] + 8, fd[r][1]);
+    }
+#else
+    for (auto& row : dot) for (float& v : row) v = 0.f;
+    for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+      const uint8_t* wb = w + b * kBlock * kTileBytesPerInput;
+      for (int r = 0; r < R; ++r) {
+        int32_t idot[kTileN] = {};
+        for (int s = 0; s < kBlock / 4; ++s) {
+          for (int j = 0; j < 8; ++j) {
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t byte = wb[32 * s + 4 * j + i];
+              const int32_t xv = xq[r * K + act_slot<Q>(b * kBlock + 4 * s + i)];
+              idot[j] += (byte & 15) * xv;
+              idot[8 + j] += (byte >> 4) * xv;
+            }
+          }
+        }
+        for (int64_t n = 0; n < kTileN; ++n) {
+          dot[r][n] = std::fma(static_cast<float>(idot[n]), xd[r * nb + b], dot[r][n]);
+        }
+      }
+    }
+#endif
+    const uint16_t* sg = sz + g * 2 * kTileN;
+    for (int64_t n = 0; n < kTileN; ++n) {
+      const float scale = bf16_to_f(sg[n]);
+      const float z8 = std::fma(-8.f, scale, bf16_to_f(sg[kTileN + n]));
+      for (int r = 0; r < R; ++r) {
+        acc[r][n] = std::fma(scale, dot[r][n], std::fma(z8, xg[r * groups + g], acc[r][n]));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) std::memcpy(y + r * kTileN, acc[r], sizeof(acc[r]));
+}
+
+// Rows per pass over a tile: the tile's unpacked nibbles serve this many rows at once.
+constexpr int64_t kRowsPerPass = 4;
+
+template <typename Q>
+inline void int4_tiles(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       int64_t group_size, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * kTileN;
+  const int64_t groups = K / group_size, nb = K / kBlock;
+  const bool out_bf16 = y.scalar_type() == at::kBFloat16;
+  const QuantizedRows<Q> xq = quantize_rows<Q>(x.data_ptr<float>(), M, K, group_size);
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    float out[kRowsPerPass * kTileN];
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* wt = wp + t * K * kTileBytesPerInput;
+      const uint16_t* st = sp + t * groups * 2 * kTileN;
+      for (int64_t m = 0; m < M; m += kRowsPerPass) {
+        const int64_t r = std::min(kRowsPerPass, M - m);
+        const Q* q = xq.q.data() + m * K;
+        const float* d = xq.d.data() + m * nb;
+        const float* gs = xq.gsum.data() + m * groups;
+        switch (r) {
+          case 4: tile_rows<4, Q>(wt, st, q, d, gs, K, group_size, out); break;
+          case 3: tile_rows<3, Q>(wt, st, q, d, gs, K, group_size, out); break;
+          case 2: tile_rows<2, Q>(wt, st, q, d, gs, K, group_size, out); break;
+          default: tile_rows<1, Q>(wt, st, q, d, gs, K, group_size, out); break;
+        }
+        for (int64_t i = 0; i < r; ++i) {
+          const float* src = out + i * kTileN;
+          if (out_bf16) {
+            c10::BFloat16* dst = y.data_ptr<c10::BFloat16>() + (m + i) * N + t * kTileN;
+            for (int64_t j = 0; j < kTileN; ++j) dst[j] = c10::BFloat16(src[j]);
+          } else {
+            std::memcpy(y.data_ptr<float>() + (m + i) * N + t * kTileN, src,
+                        kTileN * sizeof(float));
+          }
+        }
+      }
+    }
+  });
+}
+
+// y = x W^T for W in q8 tiles (see the top of this file); x fp32 or bf16 [M, K], y likewise;
+// the activations quantized to `act_bits` (8 or 16) per block of 32.
+inline at::Tensor int4_q8_linear(const at::Tensor& x_in, const at::Tensor& packed,
+                                 const at::Tensor& scales, int64_t group_size,
+                                 int64_t act_bits) {
+  RECORD_FUNCTION("tokenmill::int4_q8_linear", std::vector<c10::IValue>());
+  TORCH_CHECK(x_in.dim() == 2 && x_in.device().is_cpu(),
+              "int4_q8_linear: x must be [M, K] on CPU");
+  const int64_t M = x_in.size(0), K = x_in.size(1);
+  TORCH_CHECK(act_bits == 8 || act_bits == 16,
+              "int4_q8_linear: activations are 8 or 16 bits, not ", act_bits);
+  TORCH_CHECK(group_size > 0 && group_size % kBlock == 0 && K % group_size == 0,
+              "int4_q8_linear: group size ", group_size, " must be a multiple of ", kBlock,
+              " dividing the ", K, " inputs");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(1) == K / 4 && packed.size(2) == 32,
+              "int4_q8_linear: packed weight must be contiguous uint8 [N / 16, K / 4, 32]");
+  const int64_t tiles = packed.size(0), N = tiles * kTileN, groups = K / group_size;
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() &&
+                  scales.numel() == tiles * groups * 2 * kTileN,
+              "int4_q8_linear: scales must be contiguous bf16 [N / 16, groups, 2, 16]");
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat,
+              "int4_q8_linear: x must be fp32 or bf16");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({M, N}, x_in.options());
+  if (M == 0) return y;
+  if (act_bits == 8) {
+    int4_tiles<int8_t>(x, packed, scales, group_size, y);
+  } else {
+    int4_tiles<int16_t>(x, packed, scales, group_size, y);
+  }
+  return y;
+}
+
+// ---- int8 x int16 ----------------------------------------------------------------------
+// x quantized per row to int16 (scale absmax / 32767: relative steps of 3e-5, finer than the
+// bf16 the other int kernels round to); w int8 [N, K] with a scale per output. One vpmaddwd
+// multiplies 16 weights (sign-extended to 16 bits) by 16 activations into 8 32-bit pair sums.
+// A lane gains at most 2 * 128 * 32767 per 16 inputs, so lanes are flushed to int64 every
+// kQ16Flush inputs; the integer dot is exact, then y = dot * (x scale * w scale) rounded once.
+
+constexpr int64_t kQ16Flush = 2048;  // 128 steps of 16: < 2^31 per lane
+constexpr int64_t kQ16PrefetchRows = 16;  // how far ahead, in weight rows
+
+struct Int16Rows {
+  std::vector<int16_t> q;  // [M][Kp], K padded with zeros to a multiple of 16
+  std::vector<double> d;   // [M]
+  int64_t Kp = 0;
+};
+
+inline Int16Rows quantize_rows_int16(const float* x, int64_t M, int64_t K) {
+  Int16Rows out;
+  out.Kp = (K + 15) / 16 * 16;
+  out.q.assign(M * out.Kp, 0);
+  out.d.resize(M);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
+    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    int16_t* qr = out.q.data() + m * out.Kp;
+    for (int64_t k = 0; k < K; ++k) qr[k] = static_cast<int16_t>(std::nearbyint(xr[k] * inv));
+    out.d[m] = static_cast<double>(amax) / 32767.0;
+  }
+  return out;
+}
+
+// dots[r][c] = x row r . w row c for R rows and C weight rows (exact, int64).
+template <int R, int C>
+inline void int8_q16_dots(const int16_t* xq, int64_t Kp, const int8_t* w, int64_t K,
+                          int64_t ldw, int64_t (*dots)[C]) {
+  for (int r = 0; r < R; ++r) for (int c = 0; c < C; ++c) dots[r][c] = 0;
+  const int64_t K16 = K - K % 16;
+#ifdef TOKENMILL_Q8_AVX2
+  for (int64_t k0 = 0; k0 < K16; k0 += kQ16Flush) {
+    const int64_t k1 = std::min(K16, k0 + kQ16Flush);
+    __m256i acc[R][C];
+    for (auto& row : acc) for (auto& v : row) v = _mm256_setzero_si256();
+    for (int64_t k = k0; k < k1; k += 16) {
+      // The weight rows are read once, C at a time: fetch ahead of the hardware prefetcher,
+      // which does not keep up with C interleaved streams (~4 GB/s a core without this).
+      _mm_prefetch(reinterpret_cast<const char*>(w + kQ16PrefetchRows * ldw + k * C),
+                   _MM_HINT_T0);
+      __m256i wv[C];
+      for (int c = 0; c < C; ++c) {
+        wv[c] = _mm256_cvtepi8_epi16(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c * ldw + k)));
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * Kp + k));
+        for (int c = 0; c < C; ++c) {
+          acc[r][c] = _mm256_add_epi32(acc[r][c], _mm256_madd_epi16(wv[c], xv));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < C; ++c) {
+        alignas(32) int32_t lanes[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc[r][c]);
+        for (int32_t l : lanes) dots[r][c] += l;
+      }
+    }
+  }
+#else
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) {
+      for (int64_t k = 0; k < K16; ++k) {
+        dots[r][c] += static_cast<int64_t>(w[c * ldw + k]) * xq[r * Kp + k];
+      }
+    }
+  }
+#endif
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) {
+      for (int64_t k = K16; k < K; ++k) {
+        dots[r][c] += static_cast<int64_t>(w[c * ldw + k]) * xq[r * Kp + k];
+      }
+    }
+  }
+}
+
+// y = x (w * scales[:, None])^T for int8 w [N, K], x fp32 or bf16 [M, K]; y in x's dtype.
+inline at::Tensor int8_q16_linear(const at::Tensor& x_in, const at::Tensor& weight,
+                                  const at::Tensor& scales_in) {
+  RECORD_FUNCTION("tokenmill::int8_q16_linear", std::vector<c10::IValue>());
+  TORCH_CHECK(x_in.dim() == 2 && x_in.device().is_cpu(),
+              "int8_q16_linear: x must be [M, K] on CPU");
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.is_contiguous(),
+              "int8_q16_linear: weight must be contiguous int8 [N, K]");
+  const int64_t M = x_in.size(0), K = x_in.size(1), N = weight.size(0);
+  TORCH_CHECK(weight.size(1) == K, "int8_q16_linear: weight has ", weight.size(1),
+              " inputs, x has ", K);
+  TORCH_CHECK(scales_in.numel() == N, "int8_q16_linear: ", scales_in.numel(), " scales for ",
+              N, " outputs");
+  const bool out_bf16 = x_in.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(out_bf16 || x_in.scalar_type() == at::kFloat,
+              "int8_q16_linear: x must be fp32 or bf16");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const at::Tensor scales = scales_in.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({M, N}, x_in.options().dtype(at::kFloat));
+  if (M > 0) {
+    const Int16Rows xq = quantize_rows_int16(x.data_ptr<float>(), M, K);
+    const int8_t* wp = weight.data_ptr<int8_t>();
+    const float* sp = scales.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    constexpr int64_t kCols = 4;  // weight rows per pass
+    at::parallel_for(0, (N + kCols - 1) / kCols, 16, [&](int64_t c0, int64_t c1) {
+      for (int64_t n = c0 * kCols; n < std::min(N, c1 * kCols); n += kCols) {
+        const int64_t cols = std::min(kCols, N - n);
+        for (int64_t m = 0; m < M;) {
+          const int64_t rows = std::min<int64_t>(2, M - m);
+          int64_t dots[2][kCols];
+          const int16_t* xr = xq.q.data() + m * xq.Kp;
+          const int8_t* wr = wp + n * K;
+          if (cols == kCols && rows == 2) {
+            int8_q16_dots<2, kCols>(xr, xq.Kp, wr, K, K, dots);
+          } else if (cols == kCols) {
+            int8_q16_dots<1, kCols>(xr, xq.Kp, wr, K, K, dots);
+          } else {
+            for (int64_t r = 0; r < rows; ++r) {
+              for (int64_t c = 0; c < cols; ++c) {
+                int64_t one[1][1];
+                int8_q16_dots<1, 1>(xr + r * xq.Kp, xq.Kp, wr + c * K, K, K, one);
+                dots[r][c] = one[0][0];
+              }
+            }
+          }
+          for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t c = 0; c < cols; ++c) {
+              yp[(m + r) * N + n + c] = static_cast<float>(
+                  static_cast<double>(dots[r][c]) * xq.d[m + r] * static_cast<double>(sp[n + c]));
+            }
+          }
+          m += rows;
+        }
+      }
+    });
+  }
+  return out_bf16 ? y.to(at::kBFloat16) : y;
+}
+
+}  // namespace intdot
+}  // namespace tokenmill
