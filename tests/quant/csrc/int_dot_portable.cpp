@@ -1,0 +1,10 @@
+// tokenmill/csrc/int_dot.h built without AVX2 (its portable loops), for
+// tests/quant/test_int_dot_portable.py to compare with the vectorized build bit for bit.
+#include <torch/extension.h>
+
+#include "int_dot.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int4_q8_linear", &tokenmill::intdot::int4_q8_linear);
+  m.def("int8_q16_linear", &tokenmill::intdot::int8_q16_linear);
+}
