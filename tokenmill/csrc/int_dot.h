@@ -88,8 +88,13 @@ struct QuantizedRows {
   std::vector<float> gsum;
 };
 
-template <typename Q>
-inline QuantizedRows<Q> quantize_rows(const float* x, int64_t M, int64_t K, int64_t group) {
+inline float act_to_f(float v) { return v; }
+inline float act_to_f(c10::BFloat16 v) { return static_cast<float>(v); }
+
+// X: fp32 or bf16 rows, read as they are (no widened copy: a decode step's calls are small
+// enough for an extra ATen op to show).
+template <typename Q, typename X>
+inline QuantizedRows<Q> quantize_rows(const X* x, int64_t M, int64_t K, int64_t group) {
   constexpr float kMax = ActLevels<Q>::kMax;
   const int64_t nb = K / kBlock, bpg = group / kBlock, groups = K / group;
   QuantizedRows<Q> out;
@@ -99,10 +104,10 @@ inline QuantizedRows<Q> quantize_rows(const float* x, int64_t M, int64_t K, int6
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     std::vector<int32_t> bsum(nb);
     for (int64_t m = m0; m < m1; ++m) {
-      const float* xr = x + m * K;
       Q* qr = out.q.data() + m * K;
       for (int64_t b = 0; b < nb; ++b) {
-        const float* xb = xr + b * kBlock;
+        float xb[kBlock];
+        for (int64_t k = 0; k < kBlock; ++k) xb[k] = act_to_f(x[m * K + b * kBlock + k]);
         float amax = 0.f;
         for (int64_t k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
         const float inv = amax > 0.f ? kMax / amax : 0.f;
@@ -257,7 +262,10 @@ inline void int4_tiles(const at::Tensor& x, const at::Tensor& packed, const at::
   const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * kTileN;
   const int64_t groups = K / group_size, nb = K / kBlock;
   const bool out_bf16 = y.scalar_type() == at::kBFloat16;
-  const QuantizedRows<Q> xq = quantize_rows<Q>(x.data_ptr<float>(), M, K, group_size);
+  const QuantizedRows<Q> xq =
+      x.scalar_type() == at::kBFloat16
+          ? quantize_rows<Q>(x.data_ptr<c10::BFloat16>(), M, K, group_size)
+          : quantize_rows<Q>(x.data_ptr<float>(), M, K, group_size);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
@@ -314,7 +322,7 @@ inline at::Tensor int4_q8_linear(const at::Tensor& x_in, const at::Tensor& packe
               "int4_q8_linear: scales must be contiguous bf16 [N / 16, groups, 2, 16]");
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat,
               "int4_q8_linear: x must be fp32 or bf16");
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const at::Tensor x = x_in.contiguous();
   at::Tensor y = at::empty({M, N}, x_in.options());
   if (M == 0) return y;
   if (act_bits == 8) {
@@ -341,18 +349,21 @@ struct Int16Rows {
   int64_t Kp = 0;
 };
 
-inline Int16Rows quantize_rows_int16(const float* x, int64_t M, int64_t K) {
+template <typename X>
+inline Int16Rows quantize_rows_int16(const X* x, int64_t M, int64_t K) {
   Int16Rows out;
   out.Kp = (K + 15) / 16 * 16;
   out.q.assign(M * out.Kp, 0);
   out.d.resize(M);
   for (int64_t m = 0; m < M; ++m) {
-    const float* xr = x + m * K;
+    const X* xr = x + m * K;
     float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(act_to_f(xr[k])));
     const float inv = amax > 0.f ? 32767.f / amax : 0.f;
     int16_t* qr = out.q.data() + m * out.Kp;
-    for (int64_t k = 0; k < K; ++k) qr[k] = static_cast<int16_t>(std::nearbyint(xr[k] * inv));
+    for (int64_t k = 0; k < K; ++k) {
+      qr[k] = static_cast<int16_t>(std::nearbyint(act_to_f(xr[k]) * inv));
+    }
     out.d[m] = static_cast<double>(amax) / 32767.0;
   }
   return out;
@@ -428,14 +439,24 @@ inline at::Tensor int8_q16_linear(const at::Tensor& x_in, const at::Tensor& weig
   const bool out_bf16 = x_in.scalar_type() == at::kBFloat16;
   TORCH_CHECK(out_bf16 || x_in.scalar_type() == at::kFloat,
               "int8_q16_linear: x must be fp32 or bf16");
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  const at::Tensor scales = scales_in.to(at::kFloat).contiguous();
-  at::Tensor y = at::empty({M, N}, x_in.options().dtype(at::kFloat));
+  TORCH_CHECK(scales_in.scalar_type() == at::kBFloat16 || scales_in.scalar_type() == at::kFloat,
+              "int8_q16_linear: scales must be fp32 or bf16");
+  // Read in place, no widened copies: a decode step's calls are small enough for an extra
+  // ATen op to show.
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor scales = scales_in.contiguous();
+  at::Tensor y = at::empty({M, N}, x_in.options());
   if (M > 0) {
-    const Int16Rows xq = quantize_rows_int16(x.data_ptr<float>(), M, K);
+    const Int16Rows xq = out_bf16 ? quantize_rows_int16(x.data_ptr<c10::BFloat16>(), M, K)
+                                  : quantize_rows_int16(x.data_ptr<float>(), M, K);
     const int8_t* wp = weight.data_ptr<int8_t>();
-    const float* sp = scales.data_ptr<float>();
-    float* yp = y.data_ptr<float>();
+    const bool bf16_scales = scales.scalar_type() == at::kBFloat16;
+    const void* sraw = scales.data_ptr();
+    auto scale_at = [&](int64_t n) -> double {
+      return bf16_scales ? static_cast<double>(static_cast<const c10::BFloat16*>(sraw)[n])
+                         : static_cast<double>(static_cast<const float*>(sraw)[n]);
+    };
+    void* yraw = y.data_ptr();
     constexpr int64_t kCols = 4;  // weight rows per pass
     at::parallel_for(0, (N + kCols - 1) / kCols, 16, [&](int64_t c0, int64_t c1) {
       for (int64_t n = c0 * kCols; n < std::min(N, c1 * kCols); n += kCols) {
@@ -460,8 +481,13 @@ inline at::Tensor int8_q16_linear(const at::Tensor& x_in, const at::Tensor& weig
           }
           for (int64_t r = 0; r < rows; ++r) {
             for (int64_t c = 0; c < cols; ++c) {
-              yp[(m + r) * N + n + c] = static_cast<float>(
-                  static_cast<double>(dots[r][c]) * xq.d[m + r] * static_cast<double>(sp[n + c]));
+              const float v = static_cast<float>(static_cast<double>(dots[r][c]) * xq.d[m + r] *
+                                                 scale_at(n + c));
+              if (out_bf16) {
+                static_cast<c10::BFloat16*>(yraw)[(m + r) * N + n + c] = c10::BFloat16(v);
+              } else {
+                static_cast<float*>(yraw)[(m + r) * N + n + c] = v;
+              }
             }
           }
           m += rows;
@@ -469,7 +495,7 @@ inline at::Tensor int8_q16_linear(const at::Tensor& x_in, const at::Tensor& weig
       }
     });
   }
-  return out_bf16 ? y.to(at::kBFloat16) : y;
+  return y;
 }
 
 }  // namespace intdot
