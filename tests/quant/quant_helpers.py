@@ -67,3 +67,20 @@ def pack_int4_by_hand(q: torch.Tensor, block_n: int) -> torch.Tensor:
             low, high = rows[0::2], rows[1::2]
         out.append((low | (high << 4)).t().reshape(-1))  # [K][width/2]
     return torch.cat(out).view(n, k // 2)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def int4_case(n: int, k: int, group: int, seed: int = 0
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random nibbles ``[N, K]``, bf16 scales and zeros ``[K / g, N, 2]`` and the fp32 weight
+    they encode (``w = (q - 8) * scale + zero``)."""
+    q = torch.randint(0, 16, (n, k), generator=gen(seed), dtype=torch.uint8)
+    scale = torch.rand(k // group, n, generator=gen(seed + 1)) * 0.02 + 0.001
+    zero = torch.randn(k // group, n, generator=gen(seed + 2)) * 0.01
+    sz = torch.stack([scale, zero], dim=-1).to(torch.bfloat16)
+    s = sz[..., 0].float().t().repeat_interleave(group, dim=1)  # [N, K]
+    z = sz[..., 1].float().t().repeat_interleave(group, dim=1)
+    return q, sz, (q.float() - 8.0) * s + z

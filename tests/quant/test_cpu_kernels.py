@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quant_helpers import pack_int4_by_hand
+from quant_helpers import gen, int4_case, pack_int4_by_hand
 
 from tokenmill.csrc import load_extension
 from tokenmill.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear
@@ -23,29 +23,13 @@ def ext():
     return load_extension()
 
 
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _int4_case(n: int, k: int, group: int, seed: int = 0):
-    """Nibbles, bf16 scales and zeros ``[K / g, N, 2]`` and the fp32 weight they encode."""
-    q = torch.randint(0, 16, (n, k), generator=_gen(seed), dtype=torch.uint8)
-    scale = (torch.rand(k // group, n, generator=_gen(seed + 1)) * 0.02 + 0.001)
-    zero = torch.randn(k // group, n, generator=_gen(seed + 2)) * 0.01
-    sz = torch.stack([scale, zero], dim=-1).to(torch.bfloat16)
-    s = sz[..., 0].float().t().repeat_interleave(group, dim=1)  # [N, K]
-    z = sz[..., 1].float().t().repeat_interleave(group, dim=1)
-    w = (q.float() - 8.0) * s + z
-    return q, sz, w
-
-
 @pytest.mark.parametrize("block_n", INT4_BLOCK_NS)
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_matches_fp32_reference_in_each_layout(ext, block_n: int, group: int) -> None:
     n, k = 2 * block_n, 256
-    q, sz, w = _int4_case(n, k, group)
+    q, sz, w = int4_case(n, k, group)
     packed = pack_int4_by_hand(q, block_n)
-    x = torch.randn(40, k, generator=_gen(7))
+    x = torch.randn(40, k, generator=gen(7))
     ref = x.double() @ w.double().t()
     for rows in ROWS:
         y = ext.int4_linear(x[:rows], packed, sz, group, block_n)
@@ -62,9 +46,9 @@ def test_int4_matches_fp32_reference_in_each_layout(ext, block_n: int, group: in
 
 @pytest.mark.parametrize("block_n", INT4_BLOCK_NS)
 def test_int4_rows_keep_their_bits_at_every_row_count(ext, block_n: int) -> None:
-    q, sz, _ = _int4_case(3 * block_n, 192, 32, seed=3)
+    q, sz, _ = int4_case(3 * block_n, 192, 32, seed=3)
     packed = pack_int4_by_hand(q, block_n)
-    x = torch.randn(64, 192, generator=_gen(11))
+    x = torch.randn(64, 192, generator=gen(11))
     full = ext.int4_linear(x, packed, sz, 32, block_n)
     for rows in [*ROWS, 63]:
         assert torch.equal(ext.int4_linear(x[:rows], packed, sz, 32, block_n), full[:rows])
@@ -73,9 +57,9 @@ def test_int4_rows_keep_their_bits_at_every_row_count(ext, block_n: int) -> None
 
 
 def test_int4_agrees_with_pytorchs_kernel_on_its_own_packing(ext) -> None:
-    w = torch.randn(960, 576, generator=_gen(5)) * 0.05
+    w = torch.randn(960, 576, generator=gen(5)) * 0.05
     module = Int4WeightOnlyLinear.from_weight(w, None, 32)
-    x = torch.randn(33, 576, generator=_gen(6)).to(torch.bfloat16)
+    x = torch.randn(33, 576, generator=gen(6)).to(torch.bfloat16)
     ours = ext.int4_linear(x, module.weight, module.scales_and_zeros, 32, int4_block_n())
     theirs = torch.ops.aten._weight_int4pack_mm_for_cpu(x, module.weight, 32,
                                                         module.scales_and_zeros)
@@ -86,9 +70,9 @@ def test_int4_agrees_with_pytorchs_kernel_on_its_own_packing(ext) -> None:
 @pytest.mark.parametrize(("n", "k"), [(48, 64), (50, 77), (16, 8), (1, 3), (200, 1536)])
 def test_int8_matches_fp32_reference(ext, n: int, k: int) -> None:
     # Output counts that end in a partial tile of 16 and of 4, inputs past a multiple of 8.
-    w = torch.randint(-127, 128, (n, k), generator=_gen(n), dtype=torch.int8)
-    scales = (torch.rand(n, generator=_gen(k)) * 0.01 + 1e-4).to(torch.bfloat16)
-    x = torch.randn(40, k, generator=_gen(3))
+    w = torch.randint(-127, 128, (n, k), generator=gen(n), dtype=torch.int8)
+    scales = (torch.rand(n, generator=gen(k)) * 0.01 + 1e-4).to(torch.bfloat16)
+    x = torch.randn(40, k, generator=gen(3))
     ref = x.double() @ (w.double() * scales.double()[:, None]).t()
     full = ext.int8_linear(x, w, scales)
     for rows in ROWS:
@@ -103,7 +87,7 @@ def test_int8_matches_fp32_reference(ext, n: int, k: int) -> None:
 
 
 def test_no_rows_and_bad_arguments(ext) -> None:
-    q, sz, _ = _int4_case(32, 64, 32)
+    q, sz, _ = int4_case(32, 64, 32)
     packed = pack_int4_by_hand(q, 32)
     assert ext.int4_linear(torch.empty(0, 64), packed, sz, 32, 32).shape == (0, 32)
     w8 = torch.zeros(16, 64, dtype=torch.int8)
@@ -123,8 +107,8 @@ def test_no_rows_and_bad_arguments(ext) -> None:
 def test_modules_compute_with_them_and_fall_back_without(monkeypatch) -> None:
     """The int modules' CPU path is these kernels; with them off, PyTorch's, within bf16."""
     assert cpu_kernels() is not None
-    w = torch.randn(96, 64, generator=_gen(2)) * 0.05
-    x = torch.randn(9, 64, generator=_gen(4))
+    w = torch.randn(96, 64, generator=gen(2)) * 0.05
+    x = torch.randn(9, 64, generator=gen(4))
     for module in (Int4WeightOnlyLinear.from_weight(w, None, 32),
                    Int8WeightOnlyLinear.from_weight(w, None)):
         module.dense_min_rows = 10**9
@@ -142,11 +126,11 @@ def test_heads_compute_fp32_logits(ext, method: str, rows: int) -> None:
     exact as the weights allow: bf16 logits are 0.125 apart around 20 and tie greedy choices."""
     from tokenmill.quant.model import wrap_head
 
-    w = torch.randn(512, 128, generator=_gen(7)) * 0.5
+    w = torch.randn(512, 128, generator=gen(7)) * 0.5
     linear = (Int8WeightOnlyLinear.from_weight(w, None) if method == "int8"
               else Int4WeightOnlyLinear.from_weight(w, None, group_size=32))
     head = wrap_head(linear, tied=False, dtype=torch.float32)
-    x = torch.randn(rows, 128, generator=_gen(8)) * 4
+    x = torch.randn(rows, 128, generator=gen(8)) * 4
     y = head(x)
     ref = x.double() @ linear.dequantize().double().T
     assert y.dtype == torch.float32

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from quant_helpers import gen, int4_case
 
 from tokenmill.csrc import load_extension
 from tokenmill.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear
@@ -21,21 +22,6 @@ ROWS = [1, 2, 3, 4, 5, 9, 40]
 @pytest.fixture(scope="module")
 def ext():
     return load_extension()
-
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _int4_case(n: int, k: int, group: int, seed: int = 0):
-    """Nibbles [N, K], bf16 (scale, zero) [K / g, N, 2] and the fp32 weight they encode."""
-    q = torch.randint(0, 16, (n, k), generator=_gen(seed), dtype=torch.uint8)
-    scale = torch.rand(k // group, n, generator=_gen(seed + 1)) * 0.02 + 0.001
-    zero = torch.randn(k // group, n, generator=_gen(seed + 2)) * 0.01
-    sz = torch.stack([scale, zero], dim=-1).to(torch.bfloat16)
-    s = sz[..., 0].float().t().repeat_interleave(group, dim=1)
-    z = sz[..., 1].float().t().repeat_interleave(group, dim=1)
-    return q, sz, (q.float() - 8.0) * s + z
 
 
 def _quantize_blocks(x: torch.Tensor, block: int, levels: int):
@@ -74,7 +60,7 @@ def test_q8_packing_layout() -> None:
     """Byte 4 j + i of tile t, step s: input 4 s + i of output 16 t + j (low nibble) and of
     output 16 t + 8 + j (high nibble); scales [tiles, groups, 2, 16]."""
     n, k, group = 48, 64, 32
-    q, sz, _ = _int4_case(n, k, group)
+    q, sz, _ = int4_case(n, k, group)
     packed, scales = pack_int4_q8(q, sz)
     assert packed.shape == (n // 16, k // 4, 32) and packed.dtype == torch.uint8
     assert scales.shape == (n // 16, k // group, 2, 16) and scales.dtype == torch.bfloat16
@@ -91,9 +77,9 @@ def test_q8_packing_layout() -> None:
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_q8_matches_its_definition(ext, group: int, bits: int) -> None:
     n, k = 64, 256
-    q, sz, w = _int4_case(n, k, group)
+    q, sz, w = int4_case(n, k, group)
     packed, scales = pack_int4_q8(q, sz)
-    x = torch.randn(40, k, generator=_gen(7))
+    x = torch.randn(40, k, generator=gen(7))
     x[3, :32] = 0.0  # an all-zero block: scale 0, no division by zero
     ref = _int4_q8_reference(x, q, sz, group, bits)
     exact = x.double() @ w.double().t()
@@ -115,7 +101,7 @@ def test_int4_q8_matches_its_definition(ext, group: int, bits: int) -> None:
 
 
 def test_int4_q8_rejects_bad_shapes(ext) -> None:
-    q, sz, _ = _int4_case(32, 64, 32)
+    q, sz, _ = int4_case(32, 64, 32)
     packed, scales = pack_int4_q8(q, sz)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         ext.int4_q8_linear(torch.randn(1, 64), packed, scales, 16)
@@ -132,8 +118,8 @@ def test_int4_q8_rejects_bad_shapes(ext) -> None:
 
 
 def _int8_case(n: int, k: int, seed: int = 0):
-    w = torch.randint(-127, 128, (n, k), generator=_gen(seed), dtype=torch.int8)
-    scales = (torch.rand(n, generator=_gen(seed + 1)) * 0.01 + 0.001).to(torch.bfloat16)
+    w = torch.randint(-127, 128, (n, k), generator=gen(seed), dtype=torch.int8)
+    scales = (torch.rand(n, generator=gen(seed + 1)) * 0.01 + 0.001).to(torch.bfloat16)
     return w, scales
 
 
@@ -141,7 +127,7 @@ def _int8_case(n: int, k: int, seed: int = 0):
 def test_int8_q16_matches_its_definition(ext, k: int) -> None:
     n = 37  # not a multiple of the 4 weight rows per pass
     w, scales = _int8_case(n, k)
-    x = torch.randn(9, k, generator=_gen(3)) * 4
+    x = torch.randn(9, k, generator=gen(3)) * 4
     xq, d = _quantize_blocks(x, k, 32767)
     ref = (xq.double() @ w.double().t()) * d.double() * scales.double()
     exact = (x.double() @ w.double().t()) * scales.double()
@@ -187,8 +173,8 @@ def int_activations(monkeypatch):
 def test_modules_take_the_integer_kernels(int_activations) -> None:
     """Layers compute on integer activations at every row count below the dense path (one row
     included), and on the fp32 kernels with the switch off; both near the float product."""
-    w = torch.randn(96, 128, generator=_gen(1)) * 0.05
-    x = torch.randn(5, 128, generator=_gen(2))
+    w = torch.randn(96, 128, generator=gen(1)) * 0.05
+    x = torch.randn(5, 128, generator=gen(2))
     int4 = Int4WeightOnlyLinear.from_weight(w, None, 32)
     int8 = Int8WeightOnlyLinear.from_weight(w, None)
     for module in (int4, int8):

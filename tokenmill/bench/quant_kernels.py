@@ -3,8 +3,11 @@ layer can take, at decode (1 row) and prefill (32-512 rows) sizes.
 
     python -m tokenmill.bench.quant_kernels --threads 2 --result-file out.json
 
-The "kernel" columns are tokenmill's own int kernels (``tokenmill/csrc/quant_gemm.h``), the
-"PyTorch kernel" ones ``_weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``.
+The "kernel" columns are tokenmill's own int kernels as the layers run them by default: on
+int16 activations (``tokenmill/csrc/int_dot.h``); "int8-act" the int4 kernel on int8
+activations (``TOKENMILL_INT4_ACT_BITS=8``), "fp32-act" the fp32 kernels
+(``tokenmill/csrc/quant_gemm.h``, ``TOKENMILL_INT_ACTIVATIONS=0``), "PyTorch kernel"
+``_weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``.
 Each cell is the fastest of many calls (the minimum is the least disturbed by other work on
 the machine) in microseconds, activations fp32 in and out as the model has them. This is
 where ``INT8_DENSE_MIN_ROWS`` / ``INT4_DENSE_MIN_ROWS`` in ``tokenmill.quant.linear`` come from.
@@ -57,24 +60,34 @@ def _variants(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tenso
             return module(x)
         return run
 
-    def pytorchs(module: Int8WeightOnlyLinear | Int4WeightOnlyLinear
+    def switched(module: Int8WeightOnlyLinear | Int4WeightOnlyLinear, *, cpu_kernels: bool = True,
+                 int_activations: bool = True, int4_bits: int = 16
                  ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The module's int kernel at every row count, with tokenmill.quant.linear's switches
+        set as given for the call (PyTorch's kernel: cpu_kernels False)."""
         def run(x: torch.Tensor) -> torch.Tensor:
             module.dense_min_rows = NEVER
-            qlinear.USE_CPU_KERNELS = False
+            saved = (qlinear.USE_CPU_KERNELS, qlinear.USE_INT_ACTIVATIONS, qlinear.INT4_ACT_BITS)
+            qlinear.USE_CPU_KERNELS = cpu_kernels
+            qlinear.USE_INT_ACTIVATIONS = int_activations
+            qlinear.INT4_ACT_BITS = int4_bits
             try:
                 return module(x)
             finally:
-                qlinear.USE_CPU_KERNELS = True
+                (qlinear.USE_CPU_KERNELS, qlinear.USE_INT_ACTIVATIONS,
+                 qlinear.INT4_ACT_BITS) = saved
         return run
 
     return {
         "fp32": lambda x: F.linear(x, w),
         "bf16": lambda x: F.linear(x.bfloat16(), w_bf16).float(),
-        "int8 kernel": path(int8, NEVER), "int8 dense": path(int8, ALWAYS),
-        "int4 g32 kernel": path(int4_32, NEVER), "int4 g32 dense": path(int4_32, ALWAYS),
-        "int4 g64 kernel": path(int4_64, NEVER),
-        "int8 PyTorch kernel": pytorchs(int8), "int4 g32 PyTorch kernel": pytorchs(int4_32),
+        "int8 kernel": switched(int8), "int8 fp32-act kernel": switched(int8, int_activations=False),
+        "int8 PyTorch kernel": switched(int8, cpu_kernels=False), "int8 dense": path(int8, ALWAYS),
+        "int4 g32 kernel": switched(int4_32),
+        "int4 g32 int8-act kernel": switched(int4_32, int4_bits=8),
+        "int4 g32 fp32-act kernel": switched(int4_32, int_activations=False),
+        "int4 g32 PyTorch kernel": switched(int4_32, cpu_kernels=False),
+        "int4 g32 dense": path(int4_32, ALWAYS), "int4 g64 kernel": switched(int4_64),
     }
 
 

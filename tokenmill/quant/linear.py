@@ -45,6 +45,7 @@ from tokenmill.quant.packing import (
     quantize_int8,
     scale_rows_absmax,
     unpack_int4,
+    unpack_int4_blocks,
     unpack_int4_rows,
 )
 from tokenmill.utils import triton_module
@@ -327,7 +328,8 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         if not (USE_INT_ACTIVATIONS and self.weight.device.type == "cpu" and self._q8_fits):
             return None
         if self._q8 is None:
-            self._q8 = pack_int4_q8(self.nibbles(), self.scales_and_zeros)
+            q = unpack_int4_blocks(self.weight, self.out_features, self.in_features)
+            self._q8 = pack_int4_q8(q, self.scales_and_zeros)
         return self._q8
 
     def cpu_block_n(self) -> int:

@@ -177,6 +177,15 @@ def q8_layout_fits(n: int, k: int, group_size: int) -> bool:
     return n % Q8_TILE_N == 0 and group_size % Q8_BLOCK == 0 and k % group_size == 0
 
 
+def unpack_int4_blocks(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """All nibbles ``[N, K]`` (uint8) of a weight packed by :func:`pack_int4` in whole blocks
+    of :func:`int4_block_n` rows: views and two nibble ops, one byte a weight of temporaries
+    (:func:`unpack_int4` serves any row count with 8-byte gather indices)."""
+    block_n = _known_block_n()
+    blocks = packed.view(n // block_n, k, block_n // 2)
+    return torch.cat([blocks & 15, blocks >> 4], dim=-1).permute(0, 2, 1).reshape(n, k)
+
+
 def pack_int4_q8(q: torch.Tensor, scales_and_zeros: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Nibbles ``q`` uint8 ``[N, K]`` and bf16 ``[K // g, N, 2]`` (scale, zero) in the layout

@@ -22,6 +22,7 @@ from tokenmill.csrc import load_extension
 from tokenmill.models import layers
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.quant.model import float_matmul_layers, pin_row_kernels
+from tokenmill.quant.packing import release_freed_memory
 
 logger = logging.getLogger(__name__)
 # The torch.profiler range of one fused decode step (benchmarks/step_profile.py reads it).
@@ -194,6 +195,8 @@ class FusedDecoder:
             for p in parts:
                 if p.max_rows is not None:
                     self.batch_limit = min(self.batch_limit, p.max_rows)
+        # int4 layers have just packed their q8 tiles: hand the temporaries back to the OS.
+        release_freed_memory()
         return stack
 
     def supports(self, input_ids: torch.Tensor, attn_meta: AttentionMetadata) -> bool:
