@@ -71,7 +71,7 @@ USE_CPU_KERNELS = os.environ.get("TOKENMILL_CPU_INT_KERNELS", "1").strip() not i
 # each), int8 layers with int16 activations (one scale a row). The steps are ~1/32767 of the
 # block's largest value, far finer than the bf16 rounding every quantized layer's input gets
 # anyway, and the products run on integer dot instructions: ~2.5-4x the fp32 kernels at one
-# row on an AVX2 EPYC (benchmarks/results/quant-kernels-cpu.md).
+# row on an AVX2 EPYC (benchmarks/results/quant-kernels-avx2-cpu.md).
 # $TOKENMILL_INT_ACTIVATIONS=0 keeps the fp32 kernels (bf16 activations widened exactly).
 # $TOKENMILL_INT4_ACT_BITS=8 gives int4 layers int8 activations instead, as llama.cpp does
 # (Q4_1 x Q8_1): ~25% faster again, +0.4% perplexity on the embedded model.
@@ -117,9 +117,11 @@ MISSING_CUDA_KERNELS: set[type[nn.Module]] = set()
 class _WeightOnlyLinear(nn.Module):
     """What the int8 and int4 modules share: shapes, bias, the row-count dispatch."""
 
-    # One row is memory- and decode-bound, and PyTorch's kernels were as fast or faster there
-    # in the model on an AVX2 EPYC (int4 ~15%, the int8 head ~30%); from two rows on,
-    # decoding the weights once for all rows wins (benchmarks/results/quant-kernels-cpu.md).
+    # With the fp32 kernels (USE_INT_ACTIVATIONS off): one row is memory- and decode-bound,
+    # and PyTorch's kernels were as fast or faster there in the model on an AVX2 EPYC (int4
+    # ~15%, the int8 head ~30%); from two rows on, decoding the weights once for all rows wins
+    # (benchmarks/results/quant-kernels-avx2-cpu.md). The integer-activation kernels win from
+    # one row (own_min_rows).
     OWN_MIN_ROWS = 2
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None,
