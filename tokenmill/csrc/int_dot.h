@@ -1,26 +1,29 @@
 // Weight-only matmuls on integer activations for the CPU: the activations of each row are
 // quantized once per call, and the products run as integer dot products (vpmaddubsw /
 // vpmaddwd), several times as many per instruction as the fp32 FMAs of quant_gemm.h.
-//   - int4_q8_linear: int4 weights times int8 activations, what llama.cpp computes for
-//     Q4_1 x Q8_1, in a weight layout of tokenmill's own;
+//   - int4_q8_linear: int4 weights in a layout of tokenmill's own ("q8 tiles") times int16
+//     activations (the default: vpmaddwd) or int8 ones (vpmaddubsw, what llama.cpp computes
+//     for Q4_1 x Q8_1), quantized per block of 32 inputs;
 //   - int8_q16_linear: int8 weights (the plain [N, K] layout) times int16 activations, one scale
 //     a row: the output head, whose logits must stay as close to fp32 as the fp32 kernel's.
 //
-// ---- int4 x int8 -----------------------------------------------------------------------
+// ---- int4 x int8 / int16 ---------------------------------------------------------------
 //
 // The fp32 kernels of quant_gemm.h widen every nibble to a float and spend one FMA lane on it:
 // on an AVX2 CPU a single-row decode step then runs at ~5 GB/s of weights, a third of what the
-// memory delivers. Here each row of x is first quantized to int8 in blocks of 32 inputs (one
-// fp32 scale a block, absmax / 127, as llama.cpp's Q8 blocks), and one vpmaddubsw multiplies 32
-// nibbles by 32 activations at a time into 16-bit pair sums.
+// memory delivers. Here each row of x is first quantized in blocks of 32 inputs (one fp32 scale
+// a block, absmax / 32767 or / 127), and the nibbles are multiplied by the activations 16
+// (vpmaddwd) or 32 (vpmaddubsw) at a time into integer pair sums.
 //
 // Weight layout ("q8 tiles", packed by tokenmill.quant.packing.pack_int4_q8): outputs in tiles
 // of 16, inputs in steps of 4. Tile t, step s is 32 bytes; byte 4 * j + i holds input 4 s + i
 // of output 16 t + j in its low nibble and of output 16 t + 8 + j in its high nibble (j < 8,
-// i < 4). One 32-byte load thus gives two registers of [8 outputs][4 inputs] bytes, which
-// vpmaddubsw against the 4 activations broadcast turns into 16-bit sums of input pairs, and
-// vpmaddwd against ones into one 32-bit sum per output. Scales: bf16 [tiles][groups][2][16],
-// the tile's 16 scales then its 16 zeros, w = (q - 8) * scale + zero as in quant_gemm.h.
+// i < 4). For int8 activations one 32-byte load gives two registers of [8 outputs][4 inputs]
+// bytes, which vpmaddubsw against the 4 activations broadcast turns into 16-bit sums of input
+// pairs, and vpmaddwd against ones into one 32-bit sum per output; for int16 ones, shifts and
+// masks of the same load give four registers of [8 outputs][2 inputs] words (see block_dots).
+// Scales: bf16 [tiles][groups][2][16], the tile's 16 scales then its 16 zeros,
+// w = (q - 8) * scale + zero as in quant_gemm.h.
 //
 // Per output and group of inputs: y += scale * dot + (zero - 8 scale) * xsum, dot the sum over
 // the group's 32-blocks of (integer dot) * (block's activation scale) in block order, xsum the
