@@ -327,7 +327,7 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         first use and kept beside the PyTorch packing (which the dense path decodes); None
         where that kernel does not apply (``USE_INT_ACTIVATIONS`` off, a GPU, a shape it cannot tile,
         an unknown packing)."""
-        if not (USE_INT_ACTIVATIONS and self.weight.device.type == "cpu" and self._q8_fits):
+        if not (self._q8_fits and super().int_activations()):
             return None
         if self._q8 is None:
             q = unpack_int4_blocks(self.weight, self.out_features, self.in_features)
