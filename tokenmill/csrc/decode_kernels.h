@@ -4,7 +4,6 @@
 // at the same points as the eager PyTorch code in tokenmill/models/layers.py, so both agree.
 #pragma once
 
-#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -13,6 +12,8 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "thread_pool.h"
 
 namespace tokenmill {
 
@@ -59,7 +60,7 @@ void for_rows(int64_t rows, int64_t row_elems, F&& f, int64_t min_elems = 16384)
   if (rows <= grain) {
     f(0, rows);
   } else {
-    at::parallel_for(0, rows, grain, f);
+    tmpool::parallel_for(0, rows, grain, f);
   }
 }
 

@@ -4,12 +4,15 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "decode_kernels.h"
 #include "int_dot.h"
 #include "paged_attention.h"
 #include "quant_gemm.h"
+#include "thread_pool.h"
 #include "token_bitmask.h"
 
 namespace tokenmill {
@@ -303,6 +306,25 @@ class DecoderStack {
 
 }  // namespace tokenmill
 
+namespace tokenmill {
+
+// out[i] = i, filled by tmpool::parallel_for in chunks of at least `grain`; the chunk holding
+// index `throw_at` throws instead. For the pool's tests (tests/ops/test_thread_pool.py).
+at::Tensor parallel_iota(int64_t n, int64_t grain, int64_t throw_at) {
+  TORCH_CHECK(n >= 0, "parallel_iota: n must be >= 0, got ", n);
+  at::Tensor out = at::full({n}, -1, at::kLong);
+  int64_t* o = out.data_ptr<int64_t>();
+  tmpool::parallel_for(0, n, grain, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      TORCH_CHECK(i != throw_at, "parallel_iota: index ", i, " throws, as asked");
+      o[i] = i;
+    }
+  });
+  return out;
+}
+
+}  // namespace tokenmill
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<tokenmill::DecoderStack>(m, "DecoderStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, double, at::Tensor, at::Tensor,
@@ -329,6 +351,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x (W * scales[:, None])^T for int8 W [N, K], x fp32 or bf16",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("scales"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("parallel_iota", &tokenmill::parallel_iota,
+        "out[i] = i filled by the extension's thread pool (throws at index throw_at)",
+        pybind11::arg("n"), pybind11::arg("grain") = 1, pybind11::arg("throw_at") = -1,
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("pool_stats", [] {
+    const auto& s = tokenmill::tmpool::Pool::get().stats();
+    return std::map<std::string, int64_t>{{"calls", s.calls.load()},
+                                          {"caught_spinning", s.caught_spinning.load()},
+                                          {"woken", s.woken.load()},
+                                          {"backed_off", s.backed_off.load()}};
+  }, "how the thread pool's workers waited for its calls (counts since the pool started)");
   m.def("apply_token_bitmask", &tokenmill::apply_token_bitmask,
         "logits[r][t] = -inf for each r in rows and each token t that bitmask[r] forbids",
         pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -31,7 +31,6 @@
 // order per row, so a row's result does not depend on the other rows of the call.
 #pragma once
 
-#include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <torch/extension.h>
 
@@ -45,6 +44,8 @@
 #include <immintrin.h>
 #define TOKENMILL_Q8_AVX2 1
 #endif
+
+#include "thread_pool.h"
 
 namespace tokenmill {
 namespace intdot {
@@ -104,7 +105,7 @@ inline QuantizedRows<Q> quantize_rows(const X* x, int64_t M, int64_t K, int64_t 
   out.q.resize(M * K);
   out.d.resize(M * nb);
   out.gsum.resize(M * groups);
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+  tmpool::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     std::vector<int32_t> bsum(nb);
     for (int64_t m = m0; m < m1; ++m) {
       Q* qr = out.q.data() + m * K;
@@ -271,7 +272,7 @@ inline void int4_tiles(const at::Tensor& x, const at::Tensor& packed, const at::
           : quantize_rows<Q>(x.data_ptr<float>(), M, K, group_size);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+  tmpool::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     float out[kRowsPerPass * kTileN];
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* wt = wp + t * K * kTileBytesPerInput;
@@ -461,7 +462,7 @@ inline at::Tensor int8_q16_linear(const at::Tensor& x_in, const at::Tensor& weig
     };
     void* yraw = y.data_ptr();
     constexpr int64_t kCols = 4;  // weight rows per pass
-    at::parallel_for(0, (N + kCols - 1) / kCols, 16, [&](int64_t c0, int64_t c1) {
+    tmpool::parallel_for(0, (N + kCols - 1) / kCols, 16, [&](int64_t c0, int64_t c1) {
       for (int64_t n = c0 * kCols; n < std::min(N, c1 * kCols); n += kCols) {
         const int64_t cols = std::min(kCols, N - n);
         for (int64_t m = 0; m < M;) {

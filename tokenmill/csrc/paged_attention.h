@@ -10,7 +10,6 @@
 // same way. Head sizes that are not a multiple of 16 take a plain scalar loop.
 #pragma once
 
-#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -25,6 +24,7 @@
 #include <vector>
 
 #include "decode_kernels.h"
+#include "thread_pool.h"
 
 namespace tokenmill {
 namespace vec16 {
@@ -407,7 +407,7 @@ void paged_decode_attention(const Q* q, int64_t q_stride, const PagedView<C>& kv
   const int64_t work_per_item = std::max<int64_t>(1, 2 * G * max_len * D);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / work_per_item);
   const GroupKernel<Q, C, O> kernel = vector_kernel<Q, C, O>(D);
-  at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
+  tmpool::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
     AttentionScratch scratch;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / Hkv, g = i % Hkv;

@@ -13,7 +13,6 @@
 // batch-invariance `--deterministic` relies on). fp32 throughout: x in bf16 is widened exactly.
 #pragma once
 
-#include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <torch/extension.h>
 
@@ -27,6 +26,8 @@
 #include <immintrin.h>
 #define TOKENMILL_QGEMM_AVX2 1
 #endif
+
+#include "thread_pool.h"
 
 namespace tokenmill {
 namespace qgemm {
@@ -269,7 +270,7 @@ inline at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed,
   const int64_t groups = K / group_size;
   std::vector<float> xsum(M * groups);
   group_sums(xp, M, K, group_size, xsum.data());
-  at::parallel_for(0, N / bn, 1, [&](int64_t b0, int64_t b1) {
+  tmpool::parallel_for(0, N / bn, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> tile(group_size * bn), acc(M * bn);
     std::vector<float> s(groups * bn), z8(groups * bn);
     for (int64_t b = b0; b < b1; ++b) {
@@ -493,7 +494,7 @@ inline at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& weight,
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t num_tiles = (N + kInt8Rows - 1) / kInt8Rows;
-  at::parallel_for(0, num_tiles, 1, [&](int64_t t0, int64_t t1) {
+  tmpool::parallel_for(0, num_tiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> tile(M <= 2 ? 0 : kInt8Rows * K);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t r0 = t * kInt8Rows, rows = std::min(kInt8Rows, N - r0);

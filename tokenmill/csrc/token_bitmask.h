@@ -5,12 +5,13 @@
 // allows nothing is a plain fill, and rows are spread over the ATen threads.
 #pragma once
 
-#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+
+#include "thread_pool.h"
 
 namespace tokenmill {
 
@@ -34,7 +35,7 @@ inline void apply_token_bitmask(at::Tensor logits, const at::Tensor& bitmask,
   float* out = logits.data_ptr<float>();
   const uint32_t* mask = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  tmpool::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       float* l = out + row_ids[i] * vocab;
       const uint32_t* m = mask + row_ids[i] * words;

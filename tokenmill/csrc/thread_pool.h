@@ -1,0 +1,298 @@
+// The extension's own worker threads: tmpool::parallel_for is what every kernel here calls
+// instead of at::parallel_for.
+//
+// Why not OpenMP's team: a decode step makes a few hundred short parallel calls (each matmul,
+// attention, norm), a few to a few tens of microseconds apart. OpenMP's idle threads either
+// spin at every barrier, which collapses on a machine whose cores are shared (a spinning thread
+// holds the core that a preempted one needs; see tokenmill.utils.default_thread_policy), or
+// sleep, and then every call pays a wake-up (measured: a quarter of a batch-1 step on a
+// 2-core AMD EPYC). These workers do both, by the situation:
+//   - after a call, a worker spins for the next one for at most `TOKENMILL_SPIN_US`
+//     microseconds (default 200, 0: never), then sleeps on a condition variable;
+//   - a worker does not spin while the machine is busy: when more threads are runnable than
+//     this process has cores (the kernel's count, read every 2 ms), it sleeps at once for the
+//     next 20 ms, so on a shared machine the pool behaves as a sleeping one;
+//   - the range is cut into a few chunks per thread, taken first come first served from one
+//     atomic ticket, and the caller takes chunks too: a worker that wakes late or is
+//     preempted costs its share of the work, not a stall of the whole call.
+// Every chunk is computed by the kernel's own loop over its indices, so a result never depends
+// on which thread computed it or how the range was cut (the batch invariance of
+// `--deterministic` holds).
+//
+// One call at a time runs on the workers; a call made while another thread's call is running,
+// or from inside a chunk, runs on the calling thread alone. The pool is rebuilt in a child
+// process after fork (its threads do not survive it).
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <sched.h>
+#include <unistd.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define TOKENMILL_POOL_PAUSE() _mm_pause()
+#else
+#define TOKENMILL_POOL_PAUSE() std::this_thread::yield()
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace tokenmill {
+namespace tmpool {
+
+using ChunkFn = void (*)(void* ctx, int64_t begin, int64_t end);
+
+// Chunks per thread: enough that a late or preempted thread's share is small, few enough that
+// each chunk stays a long contiguous run of the kernel's loop.
+constexpr int64_t kChunksPerThread = 4;
+// A worker that saw the machine busy does not spin for this long afterwards.
+constexpr int64_t kBackoffNs = 20'000'000;
+// How often a worker reads the machine's count of runnable threads.
+constexpr int64_t kLoadCheckNs = 2'000'000;
+// The caller spins this long for the last chunks, then yields its core between checks.
+constexpr int64_t kCallerSpinNs = 50'000;
+
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+inline int64_t spin_ns_from_env() {
+  const char* v = std::getenv("TOKENMILL_SPIN_US");
+  if (v == nullptr || *v == '\0') return 200'000;
+  char* end = nullptr;
+  const long long us = std::strtoll(v, &end, 10);
+  return (end == v || us < 0) ? 200'000 : static_cast<int64_t>(us) * 1000;
+}
+
+// True on the pool's workers, and on a caller while it computes chunks: a parallel_for from
+// there runs inline.
+inline thread_local bool t_in_pool = false;
+
+class Pool {
+ public:
+  static Pool& get() { return *instance(); }
+
+  // How the workers waited since the pool started: calls caught while spinning, calls that
+  // found them asleep, and waits that skipped the spin because the worker had been preempted.
+  struct Stats {
+    std::atomic<int64_t> calls{0}, caught_spinning{0}, woken{0}, backed_off{0};
+  };
+  const Stats& stats() const { return stats_; }
+
+  // f(ctx, b, e) over [begin, end) cut into chunks of at least `grain` indices.
+  void run(int64_t begin, int64_t end, int64_t grain, ChunkFn fn, void* ctx) {
+    const int64_t n = end - begin;
+    if (n <= 0) return;
+    grain = std::max<int64_t>(1, grain);
+    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+    if (threads == 1 || n <= grain || t_in_pool) {
+      fn(ctx, begin, end);
+      return;
+    }
+    std::unique_lock<std::mutex> running(run_mu_, std::try_to_lock);
+    if (!running.owns_lock()) {  // another thread's call holds the workers
+      fn(ctx, begin, end);
+      return;
+    }
+    const int64_t wanted = std::min<int64_t>((n + grain - 1) / grain, threads * kChunksPerThread);
+    const int64_t chunk = (n + wanted - 1) / wanted;
+    const int64_t chunks = (n + chunk - 1) / chunk;
+    ensure_workers(threads - 1);
+    stats_.calls.fetch_add(1, std::memory_order_relaxed);
+
+    const uint64_t epoch = ((ticket_.load(std::memory_order_relaxed) >> 32) + 1) & 0xffffffffu;
+    Job& job = jobs_[epoch & 1];
+    job.fn.store(fn, std::memory_order_relaxed);
+    job.ctx.store(ctx, std::memory_order_relaxed);
+    job.begin.store(begin, std::memory_order_relaxed);
+    job.end.store(end, std::memory_order_relaxed);
+    job.chunk.store(chunk, std::memory_order_relaxed);
+    job.chunks.store(chunks, std::memory_order_relaxed);
+    job.workers.store(threads - 1, std::memory_order_relaxed);
+    job.done.store(0, std::memory_order_relaxed);
+    error_ = nullptr;
+    ticket_.store(epoch << 32, std::memory_order_release);
+    {
+      std::lock_guard<std::mutex> lock(sleep_mu_);
+      if (sleepers_ > 0) wake_.notify_all();
+    }
+
+    t_in_pool = true;
+    work(epoch);
+    t_in_pool = false;
+    const int64_t start = now_ns();
+    while (job.done.load(std::memory_order_acquire) < chunks) {
+      if (now_ns() - start < kCallerSpinNs) {
+        TOKENMILL_POOL_PAUSE();
+      } else {
+        std::this_thread::yield();  // a preempted worker may be waiting for this core
+      }
+    }
+    std::exception_ptr error;
+    {
+      std::lock_guard<std::mutex> lock(error_mu_);
+      std::swap(error, error_);
+    }
+    running.unlock();
+    if (error) std::rethrow_exception(error);
+  }
+
+ private:
+  struct Job {
+    std::atomic<ChunkFn> fn{nullptr};
+    std::atomic<void*> ctx{nullptr};
+    std::atomic<int64_t> begin{0}, end{0}, chunk{1}, chunks{0}, workers{0}, done{0};
+  };
+
+  // The pool of this process: a new one in a fork's child (the parent's threads are gone
+  // there, and its locks may be held by them). Never destroyed: workers may outlive main().
+  static Pool*& instance() {
+    static Pool* pool = [] {
+      pthread_atfork(nullptr, nullptr, [] { instance() = new Pool(); });
+      return new Pool();
+    }();
+    return pool;
+  }
+
+  Pool() : spin_ns_(spin_ns_from_env()), cores_(usable_cores()) {}
+
+  void ensure_workers(int64_t count) {
+    while (num_workers_ < count) {
+      const int64_t id = num_workers_++;
+      std::thread([this, id] { worker_main(id); }).detach();
+    }
+  }
+
+  // Take and compute chunks of `epoch` until none is left (or a newer call has started).
+  void work(uint64_t epoch) {
+    Job& job = jobs_[epoch & 1];
+    while (true) {
+      uint64_t t = ticket_.load(std::memory_order_acquire);
+      // The slot is rewritten only for epoch + 2, after epoch + 1 began: while the ticket
+      // still names `epoch`, its fields are this call's.
+      if ((t >> 32) != epoch) return;
+      const int64_t i = static_cast<int64_t>(t & 0xffffffffu);
+      if (i >= job.chunks.load(std::memory_order_relaxed)) return;
+      if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) continue;
+      const int64_t b = job.begin.load(std::memory_order_relaxed) +
+                        i * job.chunk.load(std::memory_order_relaxed);
+      const int64_t e = std::min(job.end.load(std::memory_order_relaxed),
+                                 b + job.chunk.load(std::memory_order_relaxed));
+      try {
+        job.fn.load(std::memory_order_relaxed)(job.ctx.load(std::memory_order_relaxed), b, e);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(error_mu_);
+        if (!error_) error_ = std::current_exception();
+      }
+      job.done.fetch_add(1, std::memory_order_release);
+    }
+  }
+
+  // Whether the machine looks busy: more threads runnable right now (the kernel's count in
+  // /proc/loadavg, which includes this worker and the caller) than the cores this process
+  // may use. Checked at most every kLoadCheckNs; a busy reading stops spinning for kBackoffNs.
+  bool busy(int64_t now, int64_t& last_check, int64_t& quiet_after) {
+    if (now - last_check >= kLoadCheckNs) {
+      last_check = now;
+      const int64_t running = runnable_threads();
+      if (running > 0 && running > cores_) quiet_after = now + kBackoffNs;
+    }
+    return now < quiet_after;
+  }
+
+  // The "running" half of /proc/loadavg's fourth field (e.g. "2/75"), or -1 where unreadable.
+  static int64_t runnable_threads() {
+    const int fd = ::open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    char buf[128];
+    const ssize_t got = ::read(fd, buf, sizeof(buf) - 1);
+    ::close(fd);
+    if (got <= 0) return -1;
+    buf[got] = '\0';
+    const char* p = buf;
+    for (int field = 0; field < 3 && p != nullptr; ++field) {
+      p = std::strchr(p, ' ');
+      if (p != nullptr) ++p;
+    }
+    return p == nullptr ? -1 : std::strtoll(p, nullptr, 10);
+  }
+
+  static int64_t usable_cores() {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+    return std::max<int64_t>(1, std::thread::hardware_concurrency());
+  }
+
+  void worker_main(int64_t id) {
+    t_in_pool = true;
+    uint64_t seen = ticket_.load(std::memory_order_acquire) >> 32;
+    int64_t last_check = 0, quiet_after = 0;
+    while (true) {
+      const int64_t idle_from = now_ns();
+      bool fresh = false;
+      if (spin_ns_ > 0 && busy(idle_from, last_check, quiet_after)) {
+        stats_.backed_off.fetch_add(1, std::memory_order_relaxed);
+      } else if (spin_ns_ > 0) {
+        int spins = 0;
+        while (!(fresh = (ticket_.load(std::memory_order_acquire) >> 32) != seen)) {
+          TOKENMILL_POOL_PAUSE();
+          if (++spins % 64 == 0 && now_ns() - idle_from > spin_ns_) break;
+        }
+      }
+      if (fresh) {
+        stats_.caught_spinning.fetch_add(1, std::memory_order_relaxed);
+      } else {
+        stats_.woken.fetch_add(1, std::memory_order_relaxed);
+        std::unique_lock<std::mutex> lock(sleep_mu_);
+        ++sleepers_;
+        wake_.wait(lock, [&] { return (ticket_.load(std::memory_order_acquire) >> 32) != seen; });
+        --sleepers_;
+      }
+      seen = ticket_.load(std::memory_order_acquire) >> 32;
+      // Workers beyond the call's thread count (the count was lowered) sit this one out.
+      if (id < jobs_[seen & 1].workers.load(std::memory_order_relaxed)) work(seen);
+    }
+  }
+
+  const int64_t spin_ns_;
+  const int64_t cores_;
+  Stats stats_;
+  std::atomic<uint64_t> ticket_{0};  // epoch << 32 | the next chunk to take
+  Job jobs_[2];  // by epoch parity
+  std::mutex run_mu_;  // held by the caller whose call the workers run
+  std::mutex sleep_mu_;
+  std::condition_variable wake_;
+  int64_t sleepers_ = 0;  // guarded by sleep_mu_
+  int64_t num_workers_ = 0;  // guarded by run_mu_
+  std::mutex error_mu_;
+  std::exception_ptr error_;  // guarded by error_mu_
+};
+
+template <typename F>
+void trampoline(void* ctx, int64_t begin, int64_t end) {
+  (*static_cast<F*>(ctx))(begin, end);
+}
+
+// As at::parallel_for: f(b, e) over chunks of [begin, end), each at least `grain` long.
+template <typename F>
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  Pool::get().run(begin, end, grain, &trampoline<const F>, const_cast<void*>(
+                                                                static_cast<const void*>(&f)));
+}
+
+}  // namespace tmpool
+}  // namespace tokenmill
