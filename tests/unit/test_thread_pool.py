@@ -83,8 +83,9 @@ def test_calls_from_several_threads_at_once(ext, two_threads):
 
 def test_kernel_results_do_not_depend_on_threads_or_spinning(tmp_path):
     # The int4 kernel over the pool: the same bits with one thread, two threads spinning, two
-    # threads never spinning (TOKENMILL_SPIN_US=0); each in its own process, as the variable
-    # is read when the pool starts.
+    # threads never spinning (TOKENMILL_SPIN_US=0), and on OpenMP's threads instead
+    # (TOKENMILL_THREAD_POOL=0); each in its own process, as the pool reads its variables
+    # when it starts.
     script = tmp_path / "run.py"
     script.write_text(
         "import sys, torch\n"
@@ -97,14 +98,15 @@ def test_kernel_results_do_not_depend_on_threads_or_spinning(tmp_path):
         "y = load_extension().int4_q8_linear(x, packed, scales, 32, 16)\n"
         "torch.save(y, sys.argv[2])\n")
     results = []
-    for i, (threads, spin) in enumerate([("1", "200"), ("2", "200"), ("2", "0")]):
+    variants = [("1", "200", "1"), ("2", "200", "1"), ("2", "0", "1"), ("2", "200", "0")]
+    for i, (threads, spin, pool) in enumerate(variants):
         out = tmp_path / f"y{i}.pt"
-        env = {**os.environ, "TOKENMILL_SPIN_US": spin}
+        env = {**os.environ, "TOKENMILL_SPIN_US": spin, "TOKENMILL_THREAD_POOL": pool}
         subprocess.run([sys.executable, str(script), threads, str(out)], env=env, check=True,
                        timeout=600)
         results.append(torch.load(out))
-    assert torch.equal(results[0], results[1])
-    assert torch.equal(results[0], results[2])
+    for other in results[1:]:
+        assert torch.equal(results[0], other)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")

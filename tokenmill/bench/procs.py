@@ -82,13 +82,14 @@ def start_server(cmd: list[str], port: int,
 
 
 def run_json_job(cmd: list[str], result_file: str | None = None,
-                 timeout: float = JOB_TIMEOUT_S) -> dict[str, Any]:
+                 timeout: float = JOB_TIMEOUT_S,
+                 extra_env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run a measuring command; its JSON comes from ``result_file`` or stdout's last line.
 
     Its stderr (progress, logs) passes through to ours; a failure raises RuntimeError with the
-    tail of its output.
+    tail of its output. ``extra_env`` is added to our environment for it.
     """
-    env = {**os.environ, "TQDM_DISABLE": "1"}
+    env = {**os.environ, **(extra_env or {}), "TQDM_DISABLE": "1"}
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, timeout=timeout,
                           env=env, stdin=subprocess.DEVNULL)
     if proc.returncode != 0:

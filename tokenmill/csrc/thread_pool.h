@@ -70,6 +70,13 @@ inline int64_t now_ns() {
       .count();
 }
 
+// TOKENMILL_THREAD_POOL=0 sends every call to at::parallel_for (OpenMP) instead: the way back
+// if these workers misbehave somewhere, and the baseline of benchmarks/thread_pool_ab.py.
+inline bool pool_enabled_from_env() {
+  const char* v = std::getenv("TOKENMILL_THREAD_POOL");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
 inline int64_t spin_ns_from_env() {
   const char* v = std::getenv("TOKENMILL_SPIN_US");
   if (v == nullptr || *v == '\0') return 200'000;
@@ -101,6 +108,10 @@ class Pool {
     const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
     if (threads == 1 || n <= grain || t_in_pool) {
       fn(ctx, begin, end);
+      return;
+    }
+    if (!enabled_) {
+      at::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) { fn(ctx, b, e); });
       return;
     }
     std::unique_lock<std::mutex> running(run_mu_, std::try_to_lock);
@@ -168,7 +179,8 @@ class Pool {
     return pool;
   }
 
-  Pool() : spin_ns_(spin_ns_from_env()), cores_(usable_cores()) {}
+  Pool()
+      : enabled_(pool_enabled_from_env()), spin_ns_(spin_ns_from_env()), cores_(usable_cores()) {}
 
   void ensure_workers(int64_t count) {
     while (num_workers_ < count) {
@@ -268,6 +280,7 @@ class Pool {
     }
   }
 
+  const bool enabled_;
   const int64_t spin_ns_;
   const int64_t cores_;
   Stats stats_;
