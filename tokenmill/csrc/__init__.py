@@ -2,8 +2,9 @@
 
 One extension holds every hand-written CPU kernel: the fused decoder layer stack
 (``fused_decode.cpp``, driven by ``tokenmill.runner.fused_decode``), the weight-only int4 / int8
-matmuls (``quant_gemm.h``, called by ``tokenmill.quant.linear``) and the grammar bitmask
-(``token_bitmask.h``). It is compiled once with ``torch.utils.cpp_extension.load`` (about a
+matmuls (``quant_gemm.h``, ``int_dot.h``, called by ``tokenmill.quant.linear``) and the grammar
+bitmask (``token_bitmask.h``), all of them parallel on the extension's own worker threads
+(``thread_pool.h``). It is compiled once with ``torch.utils.cpp_extension.load`` (about a
 minute; ``scripts/install.sh`` does it at install time) and cached on disk.
 """
 
@@ -76,7 +77,8 @@ def load_extension() -> ModuleType:
         sources=[str(_CSRC / "fused_decode.cpp")],
         extra_include_paths=[str(_CSRC)],
         # Built on the machine that runs it, so tuning for its CPU is safe. OpenMP makes
-        # at::parallel_for (the attention's threads) parallel inside the extension too.
+        # at::parallel_for parallel inside the extension too (the kernels' threads with
+        # TOKENMILL_THREAD_POOL=0, see thread_pool.h).
         extra_cflags=["-O3", "-march=native", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
         verbose=False,

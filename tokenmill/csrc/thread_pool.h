@@ -5,8 +5,9 @@
 // attention, norm), a few to a few tens of microseconds apart. OpenMP's idle threads either
 // spin at every barrier, which collapses on a machine whose cores are shared (a spinning thread
 // holds the core that a preempted one needs; see tokenmill.utils.default_thread_policy), or
-// sleep, and then every call pays a wake-up (measured: a quarter of a batch-1 step on a
-// 2-core AMD EPYC). These workers do both, by the situation:
+// sleep, and then every call pays a wake-up (on a 2-core AMD EPYC, single-stream decode ran
+// 15% faster on these workers: benchmarks/thread_pool_ab.py). These workers do both, by the
+// situation:
 //   - after a call, a worker spins for the next one for at most `TOKENMILL_SPIN_US`
 //     microseconds (default 200, 0: never), then sleeps on a condition variable;
 //   - a worker does not spin while the machine is busy: when more threads are runnable than
@@ -21,7 +22,8 @@
 //
 // One call at a time runs on the workers; a call made while another thread's call is running,
 // or from inside a chunk, runs on the calling thread alone. The pool is rebuilt in a child
-// process after fork (its threads do not survive it).
+// process after fork (its threads do not survive it). TOKENMILL_THREAD_POOL=0: OpenMP's
+// threads (at::parallel_for) instead.
 #pragma once
 
 #include <ATen/Parallel.h>
