@@ -95,8 +95,9 @@ class Pool {
  public:
   static Pool& get() { return *instance(); }
 
-  // How the workers waited since the pool started: calls caught while spinning, calls that
-  // found them asleep, and waits that skipped the spin because the worker had been preempted.
+  // How the workers waited since the pool started: the calls run on the workers, waits that
+  // ended while spinning, waits that ended asleep, and waits that skipped the spin because the
+  // machine looked busy.
   struct Stats {
     std::atomic<int64_t> calls{0}, caught_spinning{0}, woken{0}, backed_off{0};
   };
@@ -137,7 +138,6 @@ class Pool {
     job.chunks.store(chunks, std::memory_order_relaxed);
     job.workers.store(threads - 1, std::memory_order_relaxed);
     job.done.store(0, std::memory_order_relaxed);
-    error_ = nullptr;
     ticket_.store(epoch << 32, std::memory_order_release);
     {
       std::lock_guard<std::mutex> lock(sleep_mu_);
