@@ -46,3 +46,12 @@ def test_contention_policies_parse() -> None:
             parse_policy(bad)
     env = policy_env({"GOMP_SPINCOUNT": "1"})
     assert env["GOMP_SPINCOUNT"] == "1" and "OMP_WAIT_POLICY" not in env
+
+
+def test_contention_policies_drop_inherited_pool_settings(monkeypatch) -> None:
+    monkeypatch.setenv("TOKENMILL_SPIN_US", "0")
+    monkeypatch.setenv("TOKENMILL_THREAD_POOL", "0")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    env = policy_env({})
+    assert not {"TOKENMILL_SPIN_US", "TOKENMILL_THREAD_POOL", "OMP_WAIT_POLICY"} & set(env)
+    assert policy_env({"TOKENMILL_SPIN_US": "50"})["TOKENMILL_SPIN_US"] == "50"

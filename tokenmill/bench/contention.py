@@ -24,6 +24,7 @@ from typing import Any
 
 from tokenmill.bench.procs import ServerProcess, free_port, run_json_job, start_server
 from tokenmill.bench.report import hardware, now_iso, write_json
+from tokenmill.utils import THREAD_POLICY_VARS
 
 # The policies compared by default: tokenmill's default (what `tokenmill` sets when the user
 # set neither variable), and libgomp's own default (spin 300,000 times at every barrier).
@@ -44,11 +45,15 @@ def parse_policy(text: str) -> tuple[str, dict[str, str]]:
     return name, env
 
 
+# What chooses how idle threads wait: OpenMP's variables and the C++ kernels' own pool's
+# (tokenmill/csrc/thread_pool.h).
+POLICY_VARS = (*THREAD_POLICY_VARS, "TOKENMILL_SPIN_US", "TOKENMILL_THREAD_POOL")
+
+
 def policy_env(env: dict[str, str]) -> dict[str, str]:
     """The environment of a measured process: ours without any thread-policy variable, plus the
     policy's own."""
-    base = {k: v for k, v in os.environ.items()
-            if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")}
+    base = {k: v for k, v in os.environ.items() if k not in POLICY_VARS}
     return {**base, **env, "TQDM_DISABLE": "1"}
 
 
