@@ -124,37 +124,13 @@ class Pool {
     }
     const int64_t wanted = std::min<int64_t>((n + grain - 1) / grain, threads * kChunksPerThread);
     const int64_t chunk = (n + wanted - 1) / wanted;
-    const int64_t chunks = (n + chunk - 1) / chunk;
     ensure_workers(threads - 1);
     stats_.calls.fetch_add(1, std::memory_order_relaxed);
-
-    const uint64_t epoch = ((ticket_.load(std::memory_order_relaxed) >> 32) + 1) & 0xffffffffu;
-    Job& job = jobs_[epoch & 1];
-    job.fn.store(fn, std::memory_order_relaxed);
-    job.ctx.store(ctx, std::memory_order_relaxed);
-    job.begin.store(begin, std::memory_order_relaxed);
-    job.end.store(end, std::memory_order_relaxed);
-    job.chunk.store(chunk, std::memory_order_relaxed);
-    job.chunks.store(chunks, std::memory_order_relaxed);
-    job.workers.store(threads - 1, std::memory_order_relaxed);
-    job.done.store(0, std::memory_order_relaxed);
-    ticket_.store(epoch << 32, std::memory_order_release);
-    {
-      std::lock_guard<std::mutex> lock(sleep_mu_);
-      if (sleepers_ > 0) wake_.notify_all();
-    }
-
+    const uint64_t epoch = publish(begin, end, chunk, threads - 1, fn, ctx);
     t_in_pool = true;
     work(epoch);
     t_in_pool = false;
-    const int64_t start = now_ns();
-    while (job.done.load(std::memory_order_acquire) < chunks) {
-      if (now_ns() - start < kCallerSpinNs) {
-        TOKENMILL_POOL_PAUSE();
-      } else {
-        std::this_thread::yield();  // a preempted worker may be waiting for this core
-      }
-    }
+    wait_done(jobs_[epoch & 1], (n + chunk - 1) / chunk);
     std::exception_ptr error;
     {
       std::lock_guard<std::mutex> lock(error_mu_);
@@ -170,6 +146,37 @@ class Pool {
     std::atomic<void*> ctx{nullptr};
     std::atomic<int64_t> begin{0}, end{0}, chunk{1}, chunks{0}, workers{0}, done{0};
   };
+
+  // Write the next epoch's job, open its ticket and wake sleeping workers; returns the epoch.
+  uint64_t publish(int64_t begin, int64_t end, int64_t chunk, int64_t workers, ChunkFn fn,
+                   void* ctx) {
+    const uint64_t epoch = ((ticket_.load(std::memory_order_relaxed) >> 32) + 1) & 0xffffffffu;
+    Job& job = jobs_[epoch & 1];
+    job.fn.store(fn, std::memory_order_relaxed);
+    job.ctx.store(ctx, std::memory_order_relaxed);
+    job.begin.store(begin, std::memory_order_relaxed);
+    job.end.store(end, std::memory_order_relaxed);
+    job.chunk.store(chunk, std::memory_order_relaxed);
+    job.chunks.store((end - begin + chunk - 1) / chunk, std::memory_order_relaxed);
+    job.workers.store(workers, std::memory_order_relaxed);
+    job.done.store(0, std::memory_order_relaxed);
+    ticket_.store(epoch << 32, std::memory_order_release);
+    std::lock_guard<std::mutex> lock(sleep_mu_);
+    if (sleepers_ > 0) wake_.notify_all();
+    return epoch;
+  }
+
+  // The caller, its own chunks done, waits for the workers' last ones.
+  static void wait_done(const Job& job, int64_t chunks) {
+    const int64_t start = now_ns();
+    while (job.done.load(std::memory_order_acquire) < chunks) {
+      if (now_ns() - start < kCallerSpinNs) {
+        TOKENMILL_POOL_PAUSE();
+      } else {
+        std::this_thread::yield();  // a preempted worker may be waiting for this core
+      }
+    }
+  }
 
   // The pool of this process: a new one in a fork's child (the parent's threads are gone
   // there, and its locks may be held by them). Never destroyed: workers may outlive main().
