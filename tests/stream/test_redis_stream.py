@@ -31,10 +31,13 @@ def test_consumer_killed_and_restarted_loses_nothing(redis_server, small_llm):
     texts = REVIEWS * 2  # 24 records
     ids = _add_records(client, texts)
 
-    first = _consumer(redis_server, "worker-1")
+    # Up to 8 records in flight, and the kill only once some are read but unanswered: with 3,
+    # a fast engine could answer and acknowledge all it held just before the kill (seen once).
+    first = _consumer(redis_server, "worker-1", "--max-in-flight", "8")
     deadline = time.monotonic() + 120
-    while client.xlen(OUT) < 3 and first.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
+    while ((client.xlen(OUT) < 3 or client.xpending(IN, GROUP)["pending"] == 0)
+           and first.poll() is None and time.monotonic() < deadline):
+        time.sleep(0.01)
     if first.poll() is not None:
         pytest.fail(f"the consumer ended before it could be killed:\n{first.stderr.read()}")
     os.kill(first.pid, signal.SIGKILL)
