@@ -56,12 +56,9 @@ inline float exp_poly(float x) {
 // of a batch-32 step is worth two threads, that of a single sequence is not.
 template <typename F>
 void for_rows(int64_t rows, int64_t row_elems, F&& f, int64_t min_elems = 16384) {
-  const int64_t grain = std::max<int64_t>(1, min_elems / std::max<int64_t>(1, row_elems));
-  if (rows <= grain) {
-    f(0, rows);
-  } else {
-    tmpool::parallel_for(0, rows, grain, f);
-  }
+  // A range within one grain runs inline, on the calling thread (tmpool::parallel_for).
+  tmpool::parallel_for(0, rows, std::max<int64_t>(1, min_elems / std::max<int64_t>(1, row_elems)),
+                       f);
 }
 
 // RMSNorm of `rows` rows of `n` (T: the activation dtype, whose rounding the math follows; O: the

@@ -229,8 +229,7 @@ class Pool {
   bool busy(int64_t now, int64_t& last_check, int64_t& quiet_after) {
     if (now - last_check >= kLoadCheckNs) {
       last_check = now;
-      const int64_t running = runnable_threads();
-      if (running > 0 && running > cores_) quiet_after = now + kBackoffNs;
+      if (runnable_threads() > cores_) quiet_after = now + kBackoffNs;  // -1: unreadable
     }
     return now < quiet_after;
   }
