@@ -125,11 +125,16 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Continuous-batching limits of one engine step."""
+    """Continuous-batching limits of one engine step.
+
+    ``prefill_first``: prompts that fit in one step go before the decodes (see
+    ``tokenmill.core.scheduler``); off, every step carries the running decodes first.
+    """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     enable_chunked_prefill: bool = True
+    prefill_first: bool = True
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)

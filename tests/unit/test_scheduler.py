@@ -16,9 +16,10 @@ EOS = 2
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
                    budget: int = 64, max_model_len: int = 256,
-                   prefix_caching: bool = False) -> Scheduler:
+                   prefix_caching: bool = False, prefill_first: bool = True) -> Scheduler:
     """Prefix caching off unless asked: most tests here reuse one token pattern for prompts."""
-    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                          prefill_first=prefill_first)
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
     return Scheduler(cfg, kv, max_model_len)
 
@@ -188,6 +189,106 @@ def test_eos_unless_ignored() -> None:
     ignoring.append_output_token(EOS)
     assert ignoring.check_stop() is None
     assert sched.has_unfinished() is False
+
+
+def step(sched: Scheduler) -> SchedulerOutput:
+    out = sched.schedule()
+    sched.update(out, fake_run(sched, out))
+    return out
+
+
+def start_decoding(sched: Scheduler, rid: str, prompt_len: int = 4, max_tokens: int = 20) -> None:
+    sched.add_request(make_request(rid, prompt_len, max_tokens=max_tokens))
+    assert step(sched).num_scheduled_tokens == {rid: prompt_len}
+
+
+def test_prefill_first_holds_decodes_while_prompts_fill_the_step() -> None:
+    sched = make_scheduler(budget=16)
+    start_decoding(sched, "a")
+    for rid in ("b", "c", "d"):
+        sched.add_request(make_request(rid, 8))
+    # Two prompts fill the budget: "a" waits one step instead of sharing two with prompts.
+    assert step(sched).num_scheduled_tokens == {"b": 8, "c": 8}
+    # The last prompt leaves room: the decodes take it, oldest first.
+    assert step(sched).num_scheduled_tokens == {"d": 8, "a": 1, "b": 1, "c": 1}
+    assert step(sched).num_scheduled_tokens == {"a": 1, "b": 1, "c": 1, "d": 1}
+
+
+def test_decodes_first_without_prefill_first() -> None:
+    sched = make_scheduler(budget=16, prefill_first=False)
+    start_decoding(sched, "a")
+    for rid in ("b", "c", "d"):
+        sched.add_request(make_request(rid, 8))
+    assert step(sched).num_scheduled_tokens == {"a": 1, "b": 8, "c": 7}
+    assert step(sched).num_scheduled_tokens == {"a": 1, "b": 1, "c": 1, "d": 8}
+
+
+def test_prompt_longer_than_the_budget_is_chunked_beside_the_decodes() -> None:
+    sched = make_scheduler(budget=16)
+    start_decoding(sched, "a")
+    sched.add_request(make_request("long", 40))
+    chunks = [step(sched).num_scheduled_tokens for _ in range(3)]
+    assert chunks == [{"a": 1, "long": 15}] * 2 + [{"a": 1, "long": 10}]
+    # A short prompt arriving meanwhile goes first, and the long one's chunk after the decodes.
+    sched2 = make_scheduler(budget=16)
+    start_decoding(sched2, "a")
+    sched2.add_request(make_request("long", 40))
+    sched2.add_request(make_request("short", 6))
+    assert step(sched2).num_scheduled_tokens == {"short": 6, "a": 1, "long": 9}
+
+
+def test_prefill_first_continues_a_chunked_short_prompt_before_decodes() -> None:
+    sched = make_scheduler(budget=16)
+    start_decoding(sched, "a")
+    sched.add_request(make_request("b", 12))
+    sched.add_request(make_request("c", 12))
+    assert step(sched).num_scheduled_tokens == {"b": 12, "c": 4}
+    # "c" is behind by 8 prompt tokens, which fit in a step: they go before "a" and "b".
+    assert step(sched).num_scheduled_tokens == {"c": 8, "a": 1, "b": 1}
+
+
+def test_prefill_first_does_not_hold_decodes_when_nothing_can_be_admitted() -> None:
+    sched = make_scheduler(budget=16, max_num_seqs=2)
+    sched.add_request(make_request("a", 4))
+    sched.add_request(make_request("b", 4))
+    step(sched)
+    sched.add_request(make_request("c", 8))
+    # No room for "c" (max_num_seqs): the decodes run, nothing hangs.
+    assert step(sched).num_scheduled_tokens == {"a": 1, "b": 1}
+    assert len(run_to_end(sched)) == 3
+
+
+def test_decode_needing_a_block_never_preempts_a_request_scheduled_this_step() -> None:
+    # 6 usable blocks of 4 tokens. "a"'s 4-token prompt holds 1; "b"'s 20-token prompt takes
+    # the other 5 in the prefill-first part of the step; "a"'s first decode needs a block
+    # too: the newest request not scheduled yet is "a" itself, so "a" is preempted, not "b",
+    # which this step already computes.
+    sched = make_scheduler(num_blocks=7, block_size=4, budget=64)
+    sched.add_request(make_request("a", 4, max_tokens=8))
+    step(sched)
+    assert sched.kv.pool.num_free_blocks == 5
+    sched.add_request(make_request("b", 20, max_tokens=4))
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"b": 20}
+    assert out.preempted_request_ids == {"a"}
+    first = {o.request_id: o.new_token_ids for o in sched.update(out, fake_run(sched, out))}
+    assert first == {"b": [100]}
+    outputs = run_to_end(sched)
+    # "a" resumes from its prompt and its first token, and goes on where it was.
+    assert outputs == {"a": [100 + i for i in range(1, 8)], "b": [101, 102, 103]}
+    assert sched.kv.pool.num_free_blocks == sched.kv.pool.num_usable_blocks
+
+
+@pytest.mark.parametrize("prefill_first", [True, False])
+def test_both_policies_finish_every_request_with_the_same_tokens(prefill_first: bool) -> None:
+    sched = make_scheduler(num_blocks=24, block_size=4, budget=16, max_num_seqs=6,
+                           prefill_first=prefill_first)
+    lengths = [3, 17, 8, 40, 5, 12, 9, 30, 2, 16]
+    for i, n in enumerate(lengths):
+        sched.add_request(make_request(f"r{i}", n, max_tokens=6 + i % 4))
+    outputs = run_to_end(sched)
+    assert outputs == {f"r{i}": [100 + k for k in range(6 + i % 4)] for i in range(len(lengths))}
+    assert sched.kv.pool.num_free_blocks == sched.kv.pool.num_usable_blocks
 
 
 def test_block_pool_reference_counts() -> None:

@@ -1,10 +1,19 @@
 """Continuous batching under a token budget, with chunked prefill and preemption by recompute.
 
-There is no prefill or decode phase: each step grants every running request, oldest first,
-the tokens it is behind by (a prompt chunk, or one token to decode), then admits waiting
-requests while the budget, ``max_num_seqs`` and the KV blocks allow. When a running request
-needs a block and none is free, the newest running request is preempted: its blocks are freed
-and it waits to be recomputed from its prompt and the tokens it had generated.
+Each step grants every running request, oldest first, the tokens it is behind by (a prompt
+chunk, or one token to decode), then admits waiting requests while the budget,
+``max_num_seqs`` and the KV blocks allow. With ``prefill_first`` (the default), prompts that
+fit in one step's budget go before the decodes: running requests still in such a prompt, then
+waiting requests with such a prompt, take the budget first, and the decodes (and chunks of
+longer prompts) share what is left. A burst of arrivals is then prefilled in a few steps while
+the streams already decoding wait once, instead of every decode step of the burst carrying a
+prompt chunk (many slow inter-token gaps); a prompt longer than the budget is chunked beside
+the decodes, so it never holds them for its whole length. Without ``prefill_first`` every step
+carries the decodes first.
+
+When a running request needs a block and none is free, the newest running request not yet
+scheduled this step is preempted: its blocks are freed and it waits to be recomputed from its
+prompt and the tokens it had generated.
 
 A request admitted starts from the longest prefix of its tokens found in the prefix cache; a
 sample of an n > 1 request (``Request.fork_of``) waits until the first sample's prompt is
@@ -133,26 +142,12 @@ class Scheduler:
         self._finished_ids, self._preempted_ids = set(), set()
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
-
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            allocation, drafts = self._allocate_drafts(request, num_new, budget)
-            if allocation is None:
-                allocation = self._allocate_or_preempt(request, num_new)
-            if allocation is None:
-                break  # request itself was preempted; it was the last running one
-            out.kv_copies.extend(allocation.copies)
-            out.cached_requests.append(self._cached_request_data(request, allocation))
-            if drafts:
-                out.scheduled_spec_decode_tokens[request.request_id] = drafts
-                num_new += len(drafts)
-            scheduled.append((request, num_new))
-            budget -= num_new
-            i += 1
-
-        # After a preemption the cache is full: admitting more would only preempt again.
+        if self.config.prefill_first:
+            budget = self._schedule_running(out, scheduled, budget, short_prompts_only=True)
+            # After a preemption the cache is full: admitting more would only preempt again.
+            if not self._preempted_ids:
+                budget = self._admit_waiting(out, scheduled, budget, short_prompts_only=True)
+        budget = self._schedule_running(out, scheduled, budget)
         if not self._preempted_ids:
             budget = self._admit_waiting(out, scheduled, budget)
 
@@ -166,6 +161,41 @@ class Scheduler:
         out.preempted_request_ids |= self._preempted_ids
         self._preempted_ids = set()
         return out
+
+    def _is_short_prompt(self, request: Request) -> bool:
+        """Whether a request is still computing its prompt (or, resumed after a preemption,
+        its prompt and earlier outputs) and what is left fits in one step's budget."""
+        left = request.num_tokens - request.num_computed_tokens
+        in_prompt = left > 1 or request.num_computed_tokens < request.num_prompt_tokens
+        return in_prompt and left <= self.config.max_num_batched_tokens
+
+    def _schedule_running(self, out: SchedulerOutput, scheduled: list[tuple[Request, int]],
+                          budget: int, short_prompts_only: bool = False) -> int:
+        """Grant running requests not yet scheduled this step, oldest first, the tokens they
+        are behind by (only those in a short prompt if ``short_prompts_only``)."""
+        taken = {request.request_id for request, _ in scheduled}
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            i += 1
+            if request.request_id in taken or (
+                    short_prompts_only and not self._is_short_prompt(request)):
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            allocation, drafts = self._allocate_drafts(request, num_new, budget)
+            if allocation is None:
+                allocation = self._allocate_or_preempt(request, num_new, taken)
+            if allocation is None:
+                break  # request itself was preempted: only scheduled requests come after it
+            out.kv_copies.extend(allocation.copies)
+            out.cached_requests.append(self._cached_request_data(request, allocation))
+            if drafts:
+                out.scheduled_spec_decode_tokens[request.request_id] = drafts
+                num_new += len(drafts)
+            scheduled.append((request, num_new))
+            taken.add(request.request_id)
+            budget -= num_new
+        return budget
 
     def _cached_request_data(self, request: Request,
                              allocation: SlotAllocation) -> CachedRequestData:
@@ -200,27 +230,34 @@ class Scheduler:
             room = request.max_total_tokens - request.num_tokens - 1
             request.spec_token_ids = token_ids[:max(room, 0)]
 
-    def _allocate_or_preempt(self, request: Request, num_new: int) -> SlotAllocation | None:
+    def _allocate_or_preempt(self, request: Request, num_new: int,
+                             scheduled_ids: set[str]) -> SlotAllocation | None:
         """Slots for ``num_new`` more tokens of a running request, preempting the newest
-        running requests until they fit. None if ``request`` itself had to be preempted."""
+        running requests not scheduled this step until they fit. None if ``request`` itself
+        had to be preempted."""
         while True:
             allocation = self.kv.allocate_slots(
                 request.request_id, request.num_computed_tokens + num_new,
                 request.num_computed_tokens)
             if allocation is not None:
                 return allocation
-            victim = self.running.pop()
+            victim = next(r for r in reversed(self.running)
+                          if r is request or r.request_id not in scheduled_ids)
+            self.running.remove(victim)
             self._preempt(victim)
             if victim is request:
                 return None
 
     def _admit_waiting(self, out: SchedulerOutput, scheduled: list[tuple[Request, int]],
-                       budget: int) -> int:
+                       budget: int, short_prompts_only: bool = False) -> int:
+        """Start waiting requests in arrival order (only those whose prompt fits in a step's
+        budget if ``short_prompts_only``) until one cannot start."""
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[i]
             source = self._prompt_source(request)
-            if source is PromptSource.WAIT_FOR_LEADER:
+            if source is PromptSource.WAIT_FOR_LEADER or (
+                    short_prompts_only and request.num_tokens > self.config.max_num_batched_tokens):
                 i += 1
                 continue
             if source is PromptSource.SHARE_LEADER:

@@ -73,6 +73,11 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
     g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs, help="sequences in one engine step at most (the running batch)")
     g.add_argument("--max-num-batched-tokens", type=int,
                    default=SchedulerConfig.max_num_batched_tokens, help="tokens in one engine step at most (chunked prefill's budget)")
+    g.add_argument("--prefill-first", action=argparse.BooleanOptionalAction,
+                   default=SchedulerConfig.prefill_first,
+                   help="prompts that fit in one step go before the running decodes, which "
+                        "take the budget left (a burst of arrivals holds the streams once, "
+                        "not at every step); --no-prefill-first: decodes first in every step")
     g.add_argument("--seed", type=int, default=ModelConfig.seed, help="random seed")
     g.add_argument("--deterministic", action="store_true", default=EngineConfig.deterministic,
                    help="batch-invariant greedy decoding on the CPU: a request's tokens do not "
@@ -148,7 +153,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           enable_prefix_caching=args.enable_prefix_caching,
                           kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens),
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  prefill_first=args.prefill_first),
         device=DeviceConfig(device=args.device, num_threads=args.threads,
                             enforce_eager=args.enforce_eager,
                             cuda_graph_max_batch_size=args.cuda_graph_max_batch_size),
