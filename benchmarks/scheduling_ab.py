@@ -7,8 +7,8 @@ multi-stream workload, with llama.cpp's `llama-server` (``-np`` = streams) as th
         --result-file benchmarks/results/scheduling-ab-cpu.json
 
 Each round starts every variant's server anew and runs the load generator at each level (the
-same random 128-token prompts, 128 output tokens, 2 requests per stream); the variants
-alternate round by round, and the table gives each one's median over the rounds.
+same random 128-token prompts, 128 output tokens, 2 requests per stream); the order of the
+variants is reversed every other round, and the table gives each one's median over the rounds.
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as folder:
         wl = prepare_workloads(cfg, folder)
         for r in range(args.rounds):
-            for name in names:
+            # ABBA: every other round runs the variants in reverse order.
+            for name in (names if r % 2 == 0 else names[::-1]):
                 print(f"round {r + 1}: {name}", file=sys.stderr)
                 if name == "llama-server":
                     result = sweep_llama_server(cfg, wl)

@@ -26,6 +26,12 @@ _CSRC = Path(__file__).resolve().parent
 _SOURCE_SUFFIXES = (".cpp", ".h")
 
 
+# -fno-trapping-math lets GCC vectorize loops with clamps and float-to-int conversions
+# (exp_poly: SiLU, softmax; the activation quantizer): no result changes, only which FP
+# exceptions may be raised.
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
+
+
 def _cpu_flags() -> str:
     """The CPU's feature flags (Linux), or the machine name elsewhere."""
     try:
@@ -65,7 +71,8 @@ def load_extension() -> ModuleType:
     # by name alone: the name carries a hash of every source in csrc (an edited header is a
     # new extension), of the checkout's path (two checkouts do not rebuild each other's copy)
     # and of the CPU's features (-march=native code from another machine could crash here).
-    digest = hashlib.sha256(str(_CSRC).encode() + _cpu_flags().encode())
+    digest = hashlib.sha256(str(_CSRC).encode() + _cpu_flags().encode()
+                            + " ".join(_CFLAGS).encode())
     for path in sorted(p for p in _CSRC.iterdir() if p.suffix in _SOURCE_SUFFIXES):
         digest.update(path.name.encode() + path.read_bytes())
     name = f"tokenmill_fused_decode_{digest.hexdigest()[:12]}"
@@ -79,7 +86,7 @@ def load_extension() -> ModuleType:
         # Built on the machine that runs it, so tuning for its CPU is safe. OpenMP makes
         # at::parallel_for parallel inside the extension too (the kernels' threads with
         # TOKENMILL_THREAD_POOL=0, see thread_pool.h).
-        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        extra_cflags=_CFLAGS,
         extra_ldflags=["-fopenmp"],
         verbose=False,
     )

@@ -18,15 +18,32 @@
 namespace tokenmill {
 
 inline float to_f(float x) { return x; }
-inline float to_f(c10::BFloat16 x) { return static_cast<float>(x); }
+// bf16 -> fp32: the 16 bits become the top half of the float (exact).
+inline float to_f(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
 inline float to_f(c10::Half x) { return static_cast<float>(x); }
 
 template <typename T>
 inline T from_f(float x) { return static_cast<T>(x); }
 
+// fp32 -> bf16 rounded to nearest even, NaN to 0x7FC0: the bits of c10::BFloat16(x), without
+// its branch, so that the loops around it vectorize (the glue of a batch-32 step ran scalar).
+template <>
+inline c10::BFloat16 from_f<c10::BFloat16>(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return c10::BFloat16(static_cast<uint16_t>(x != x ? 0x7FC0u : rounded),
+                       c10::BFloat16::from_bits());
+}
+
 // Round to T's precision and back: where eager PyTorch stores an intermediate in T.
 template <typename T>
-inline float round_to(float x) { return static_cast<float>(static_cast<T>(x)); }
+inline float round_to(float x) { return to_f(from_f<T>(x)); }
 
 template <>
 inline float round_to<float>(float x) { return x; }
