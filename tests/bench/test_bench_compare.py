@@ -217,3 +217,20 @@ def test_an_untied_embedding_is_not_read_per_token(tmp_path) -> None:
     untied = tmp_path / "untied.gguf"
     write_gguf(untied, "llama", {**tensors, "output.weight": (f32, Q.F32)}, **kw)
     assert decode_weight_bytes(str(untied)) == (32 + 64) * 32 * 4
+
+
+def test_every_level_sends_its_own_prompts(monkeypatch) -> None:
+    """A server kept up across the levels must not find a level's prompts in its prefix cache
+    from the level before."""
+    cfg = compare.CompareConfig(model="m.gguf", threads=2, peers_python="py", levels=[1, 4, 16])
+    serve = [f"prompt {i}" for i in range(sum(compare.level_requests(cfg, c) for c in cfg.levels))]
+    wl = compare.Workloads("lat.jsonl", "batch.jsonl", serve)  # type: ignore[arg-type]
+    sent: dict[int, list] = {}
+    monkeypatch.setattr(compare, "server_model", lambda url, headers: "m")
+    monkeypatch.setattr(compare, "benchmark",
+                        lambda spec, percentiles: sent.setdefault(spec.max_concurrency,
+                                                                  spec.requests) and {})
+    for c in cfg.levels:
+        compare.load_level("http://x", c, cfg, wl, min_tokens=False)
+    assert [len(sent[c]) for c in cfg.levels] == [4, 8, 32]
+    assert sum(sent.values(), []) == serve  # consecutive slices, none shared

@@ -94,7 +94,9 @@ def prepare_workloads(cfg: CompareConfig, folder: str) -> Workloads:
                                      cfg.latency_input_len, cfg.output_len, cfg.seed))
     batch = as_ids(random_requests(codec, cfg.batch_size, cfg.serve_input_len, cfg.output_len,
                                    cfg.seed + 1))
-    serve = random_requests(codec, max(4, cfg.prompts_per_stream * max(cfg.levels)),
+    # Every level its own prompts: a server kept up across the levels (tokenmill's) must not
+    # find the next level's prompts in its prefix cache (llama-server restarts per level).
+    serve = random_requests(codec, sum(level_requests(cfg, c) for c in cfg.levels),
                             cfg.serve_input_len, cfg.output_len, cfg.seed + 2)
     wl = Workloads(os.path.join(folder, "latency.jsonl"), os.path.join(folder, "batch.jsonl"),
                    serve)
@@ -125,12 +127,18 @@ def sweep(cmd: list[str], port: int, cfg: CompareConfig, wl: Workloads,
         server.stop()
 
 
+def level_requests(cfg: CompareConfig, streams: int) -> int:
+    """How many requests the level of ``streams`` concurrent streams sends."""
+    return max(4, cfg.prompts_per_stream * streams)
+
+
 def load_level(url: str, streams: int, cfg: CompareConfig, wl: Workloads,
                min_tokens: bool) -> dict[str, Any]:
-    """The load generator at one concurrency level."""
-    n = max(4, cfg.prompts_per_stream * streams)
+    """The load generator at one concurrency level, on that level's own prompts."""
+    n = level_requests(cfg, streams)
+    start = sum(level_requests(cfg, c) for c in cfg.levels[:cfg.levels.index(streams)])
     print(f"  {streams} concurrent streams, {n} requests", file=sys.stderr)
-    spec = LoadSpec(base_url=url, model=server_model(url, {}), requests=wl.serve[:n],
+    spec = LoadSpec(base_url=url, model=server_model(url, {}), requests=wl.serve[start:start + n],
                     max_concurrency=streams, seed=cfg.seed, min_tokens=min_tokens)
     return compact(benchmark(spec, percentiles=(90.0, 99.0)))
 
