@@ -3,8 +3,9 @@
 // The cache may be stored narrower than the queries (fp16 under fp32 activations):
 // its values widen exactly on load.
 //
-// The work is one (sequence, KV head) pair at a time: G = Hq / Hkv query heads share the pair's
-// keys and values, which stay in L2 while each head reads them. Scores are dot products of 16-wide
+// The work is one (sequence, query head) at a time, reading its KV head's rows where they lie
+// and widening them as they are loaded: no per-step copy, and enough items to keep every thread
+// busy at batch 1. Scores are dot products of 16-wide
 // vectors (GCC vector extensions: AVX-512 where the CPU has it, narrower registers elsewhere),
 // four keys per horizontal reduction; softmax and the weighted sum of values are vectorized the
 // same way. Head sizes that are not a multiple of 16 take a plain scalar loop.
@@ -230,13 +231,10 @@ struct PagedView {
   }
 };
 
-// Per-thread buffers of the attention: one (sequence, KV head) pair's scores and row offsets.
+// Per-thread buffers of the attention: one (sequence, head)'s scores and cache row offsets.
 struct AttentionScratch {
   std::vector<float> scores;
   std::vector<int64_t> rows;
-  // A narrower cache's keys and values widened to fp32, and their rows' offsets in them.
-  std::vector<float> k, v;
-  std::vector<int64_t> dense_rows;
 };
 
 // softmax in place over scores[0, L), returning the sum of the exponentials.
@@ -262,160 +260,128 @@ inline float softmax_unnormalized(float* s, int64_t L) {
   return total;
 }
 
-// Query heads g*G .. g*G+G-1 of sequence b against its L tokens, whose key and value rows
-// (fp32) start at kbase + rows[t] and vbase + rows[t]; head size 16 * ND (Q: the queries'
-// dtype, O: the output's).
-template <typename Q, typename O, int ND>
-void attend_rows(const Q* q, int64_t q_stride, const float* kbase, const float* vbase,
-                 const int64_t* rows, int64_t L, int64_t b, int64_t g, int64_t G, float scale,
-                 O* out, int64_t out_stride, std::vector<float>& scores) {
-  using namespace vec16;
-  constexpr int64_t D = 16 * ND;
-  scores.resize(static_cast<size_t>(L));
-  float* s = scores.data();
-  for (int64_t j = 0; j < G; ++j) {
-    const Q* qh = q + b * q_stride + (g * G + j) * D;
-    acc16 qv[ND];
-    for (int c = 0; c < ND; ++c) qv[c] = load_acc(qh + 16 * c) * scale;
-    int64_t t = 0;
-    for (; t + 4 <= L; t += 4) {
-      const float* k0 = kbase + rows[t];
-      const float* k1 = kbase + rows[t + 1];
-      const float* k2 = kbase + rows[t + 2];
-      const float* k3 = kbase + rows[t + 3];
-      acc16 a0 = qv[0] * load_acc(k0), a1 = qv[0] * load_acc(k1);
-      acc16 a2 = qv[0] * load_acc(k2), a3 = qv[0] * load_acc(k3);
-      for (int c = 1; c < ND; ++c) {
-        a0 += qv[c] * load_acc(k0 + 16 * c);
-        a1 += qv[c] * load_acc(k1 + 16 * c);
-        a2 += qv[c] * load_acc(k2 + 16 * c);
-        a3 += qv[c] * load_acc(k3 + 16 * c);
-      }
-      hsum4(a0, a1, a2, a3, s + t);
-    }
-    for (; t < L; ++t) {
-      const float* k0 = kbase + rows[t];
-      acc16 a0 = qv[0] * load_acc(k0);
-      for (int c = 1; c < ND; ++c) a0 += qv[c] * load_acc(k0 + 16 * c);
-      s[t] = hsum(a0);
-    }
-    const float inv = 1.f / softmax_unnormalized(s, L);
-    acc16 acc[ND] = {};
-    for (t = 0; t < L; ++t) {
-      const float* v0 = vbase + rows[t];
-      const float p = s[t];
-      for (int c = 0; c < ND; ++c) acc[c] += p * load_acc(v0 + 16 * c);
-    }
-    O* o = out + b * out_stride + (g * G + j) * D;
-    for (int c = 0; c < ND; ++c) {
-      const acc16 r = acc[c] * inv;
-      for (int i = 0; i < 16; ++i) o[16 * c + i] = from_f<O>(lane(r, i));
-    }
-  }
-}
-
-// Query heads g*G .. g*G+G-1 of sequence b against its L cached tokens, head size 16 * ND
-// (Q: the queries' dtype, C: the cache's, O: the output's). A narrower cache is widened to
-// fp32 once per (sequence, KV head) into the scratch, not once per query head of the group:
-// the same values (widening is exact), so the same bits.
+// Query head h of sequence b against its L cached tokens, head size 16 * ND (Q: the queries'
+// dtype, C: the cache's, O: the output's). Keys and values are read straight from the cache
+// rows, widened to fp32 as they are loaded (exact: fp16 and bf16 are subsets of fp32), so one
+// head's work needs no copy of its KV head's rows and the G heads of a group are independent
+// items (at batch 1 the 9 heads of SmolLM2 keep two threads busy; its 3 KV heads would not).
 template <typename Q, typename C, typename O, int ND>
-void attend_group_vec(const Q* q, int64_t q_stride, const PagedView<C>& kv, int64_t b, int64_t g,
-                      int64_t G, int64_t Hkv, float scale, O* out, int64_t out_stride,
-                      AttentionScratch& scratch) {
+void attend_head_vec(const Q* q, int64_t q_stride, const PagedView<C>& kv, int64_t b, int64_t h,
+                     int64_t G, int64_t Hkv, float scale, O* out, int64_t out_stride,
+                     AttentionScratch& scratch) {
   using namespace vec16;
   constexpr int64_t D = 16 * ND;
   const int64_t L = kv.seq_lens[b];
-  kv.row_offsets(kv.tables + b * kv.table_stride, L, g, Hkv, D, scratch.rows);
-  if constexpr (std::is_same_v<C, float>) {
-    attend_rows<Q, O, ND>(q, q_stride, kv.k, kv.v, scratch.rows.data(), L, b, g, G, scale, out,
-                          out_stride, scratch.scores);
-  } else {
-    const int64_t* rows = scratch.rows.data();
-    scratch.k.resize(static_cast<size_t>(L * D));
-    scratch.v.resize(static_cast<size_t>(L * D));
-    scratch.dense_rows.resize(static_cast<size_t>(L));
-    float* kf = scratch.k.data();
-    float* vf = scratch.v.data();
-    for (int64_t t = 0; t < L; ++t) {
-      for (int c = 0; c < ND; ++c) {
-        store_acc(kf + t * D + 16 * c, load_acc(kv.k + rows[t] + 16 * c));
-        store_acc(vf + t * D + 16 * c, load_acc(kv.v + rows[t] + 16 * c));
-      }
-      scratch.dense_rows[static_cast<size_t>(t)] = t * D;
+  kv.row_offsets(kv.tables + b * kv.table_stride, L, h / G, Hkv, D, scratch.rows);
+  const int64_t* rows = scratch.rows.data();
+  scratch.scores.resize(static_cast<size_t>(L));
+  float* s = scratch.scores.data();
+  const Q* qh = q + b * q_stride + h * D;
+  acc16 qv[ND];
+  for (int c = 0; c < ND; ++c) qv[c] = load_acc(qh + 16 * c) * scale;
+  int64_t t = 0;
+  for (; t + 4 <= L; t += 4) {
+    const C* k0 = kv.k + rows[t];
+    const C* k1 = kv.k + rows[t + 1];
+    const C* k2 = kv.k + rows[t + 2];
+    const C* k3 = kv.k + rows[t + 3];
+    acc16 a0 = qv[0] * load_acc(k0), a1 = qv[0] * load_acc(k1);
+    acc16 a2 = qv[0] * load_acc(k2), a3 = qv[0] * load_acc(k3);
+    for (int c = 1; c < ND; ++c) {
+      a0 += qv[c] * load_acc(k0 + 16 * c);
+      a1 += qv[c] * load_acc(k1 + 16 * c);
+      a2 += qv[c] * load_acc(k2 + 16 * c);
+      a3 += qv[c] * load_acc(k3 + 16 * c);
     }
-    attend_rows<Q, O, ND>(q, q_stride, kf, vf, scratch.dense_rows.data(), L, b, g, G, scale, out,
-                          out_stride, scratch.scores);
+    hsum4(a0, a1, a2, a3, s + t);
+  }
+  for (; t < L; ++t) {
+    const C* k0 = kv.k + rows[t];
+    acc16 a0 = qv[0] * load_acc(k0);
+    for (int c = 1; c < ND; ++c) a0 += qv[c] * load_acc(k0 + 16 * c);
+    s[t] = hsum(a0);
+  }
+  const float inv = 1.f / softmax_unnormalized(s, L);
+  acc16 acc[ND] = {};
+  for (t = 0; t < L; ++t) {
+    const C* v0 = kv.v + rows[t];
+    const float p = s[t];
+    for (int c = 0; c < ND; ++c) acc[c] += p * load_acc(v0 + 16 * c);
+  }
+  O* o = out + b * out_stride + h * D;
+  for (int c = 0; c < ND; ++c) {
+    const acc16 r = acc[c] * inv;
+    for (int i = 0; i < 16; ++i) o[16 * c + i] = from_f<O>(lane(r, i));
   }
 }
 
 // The same for any head size, one scalar loop per dot product.
 template <typename Q, typename C, typename O>
-void attend_group_scalar(const Q* q, int64_t q_stride, const PagedView<C>& kv, int64_t b,
-                         int64_t g, int64_t G, int64_t Hkv, int64_t D, float scale, O* out,
-                         int64_t out_stride, AttentionScratch& scratch) {
+void attend_head_scalar(const Q* q, int64_t q_stride, const PagedView<C>& kv, int64_t b,
+                        int64_t h, int64_t G, int64_t Hkv, int64_t D, float scale, O* out,
+                        int64_t out_stride, AttentionScratch& scratch) {
   const int64_t L = kv.seq_lens[b];
-  kv.row_offsets(kv.tables + b * kv.table_stride, L, g, Hkv, D, scratch.rows);
+  kv.row_offsets(kv.tables + b * kv.table_stride, L, h / G, Hkv, D, scratch.rows);
   const int64_t* rows = scratch.rows.data();
   scratch.scores.resize(static_cast<size_t>(L));
   float* s = scratch.scores.data();
-  std::vector<float> qf(D), acc(D);
-  for (int64_t j = 0; j < G; ++j) {
-    const Q* qh = q + b * q_stride + (g * G + j) * D;
-    for (int64_t d = 0; d < D; ++d) qf[d] = to_f(qh[d]) * scale;
-    for (int64_t t = 0; t < L; ++t) {
-      const C* krow = kv.k + rows[t];
-      float dot = 0.f;
-      for (int64_t d = 0; d < D; ++d) dot += qf[d] * to_f(krow[d]);
-      s[t] = dot;
-    }
-    const float inv = 1.f / softmax_unnormalized(s, L);
-    std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t t = 0; t < L; ++t) {
-      const C* vrow = kv.v + rows[t];
-      for (int64_t d = 0; d < D; ++d) acc[d] += s[t] * to_f(vrow[d]);
-    }
-    O* o = out + b * out_stride + (g * G + j) * D;
-    for (int64_t d = 0; d < D; ++d) o[d] = from_f<O>(acc[d] * inv);
+  std::vector<float> qf(D), acc(D, 0.f);
+  const Q* qh = q + b * q_stride + h * D;
+  for (int64_t d = 0; d < D; ++d) qf[d] = to_f(qh[d]) * scale;
+  for (int64_t t = 0; t < L; ++t) {
+    const C* krow = kv.k + rows[t];
+    float dot = 0.f;
+    for (int64_t d = 0; d < D; ++d) dot += qf[d] * to_f(krow[d]);
+    s[t] = dot;
   }
+  const float inv = 1.f / softmax_unnormalized(s, L);
+  for (int64_t t = 0; t < L; ++t) {
+    const C* vrow = kv.v + rows[t];
+    for (int64_t d = 0; d < D; ++d) acc[d] += s[t] * to_f(vrow[d]);
+  }
+  O* o = out + b * out_stride + h * D;
+  for (int64_t d = 0; d < D; ++d) o[d] = from_f<O>(acc[d] * inv);
 }
 
 template <typename Q, typename C, typename O>
-using GroupKernel = void (*)(const Q*, int64_t, const PagedView<C>&, int64_t, int64_t, int64_t,
-                             int64_t, float, O*, int64_t, AttentionScratch&);
+using HeadKernel = void (*)(const Q*, int64_t, const PagedView<C>&, int64_t, int64_t, int64_t,
+                            int64_t, float, O*, int64_t, AttentionScratch&);
 
 // The vectorized kernel for head size D, or nullptr where only the scalar one applies.
 template <typename Q, typename C, typename O>
-GroupKernel<Q, C, O> vector_kernel(int64_t D) {
+HeadKernel<Q, C, O> vector_kernel(int64_t D) {
   switch (D) {
-    case 32: return &attend_group_vec<Q, C, O, 2>;
-    case 64: return &attend_group_vec<Q, C, O, 4>;
-    case 96: return &attend_group_vec<Q, C, O, 6>;
-    case 128: return &attend_group_vec<Q, C, O, 8>;
-    case 256: return &attend_group_vec<Q, C, O, 16>;
+    case 32: return &attend_head_vec<Q, C, O, 2>;
+    case 64: return &attend_head_vec<Q, C, O, 4>;
+    case 96: return &attend_head_vec<Q, C, O, 6>;
+    case 128: return &attend_head_vec<Q, C, O, 8>;
+    case 256: return &attend_head_vec<Q, C, O, 16>;
     default: return nullptr;
   }
 }
 
-// Decode attention of every (sequence, KV head) pair: q [B, q_stride] with the Hq heads first,
-// out [B, Hq * D] (stored as O: bf16 when it feeds a quantized matmul). Threads only when the
-// contexts are long enough to pay for waking them.
+// Decode attention of every (sequence, query head): q [B, q_stride] with the Hq heads first,
+// out [B, Hq * D] (stored as O: bf16 when it feeds a quantized matmul). The heads of a
+// sequence are neighbours in the item order, so a KV head's rows, read from memory by the
+// first of its G query heads, are in cache for the others. Threads only when the contexts are
+// long enough to pay for waking them.
 template <typename Q, typename C, typename O>
 void paged_decode_attention(const Q* q, int64_t q_stride, const PagedView<C>& kv, int64_t B,
                             int64_t Hq, int64_t Hkv, int64_t D, float scale, O* out,
                             int64_t max_len) {
   const int64_t G = Hq / Hkv;
-  const int64_t work_per_item = std::max<int64_t>(1, 2 * G * max_len * D);
+  const int64_t work_per_item = std::max<int64_t>(1, 2 * max_len * D);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / work_per_item);
-  const GroupKernel<Q, C, O> kernel = vector_kernel<Q, C, O>(D);
-  tmpool::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
+  const HeadKernel<Q, C, O> kernel = vector_kernel<Q, C, O>(D);
+  tmpool::parallel_for(0, B * Hq, grain, [&](int64_t begin, int64_t end) {
     AttentionScratch scratch;
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / Hkv, g = i % Hkv;
+      const int64_t b = i / Hq, h = i % Hq;
       if (kernel != nullptr) {
-        kernel(q, q_stride, kv, b, g, G, Hkv, scale, out, Hq * D, scratch);
+        kernel(q, q_stride, kv, b, h, G, Hkv, scale, out, Hq * D, scratch);
       } else {
-        attend_group_scalar<Q, C, O>(q, q_stride, kv, b, g, G, Hkv, D, scale, out, Hq * D,
-                                     scratch);
+        attend_head_scalar<Q, C, O>(q, q_stride, kv, b, h, G, Hkv, D, scale, out, Hq * D,
+                                    scratch);
       }
     }
   });
