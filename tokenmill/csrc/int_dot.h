@@ -45,6 +45,7 @@
 #define TOKENMILL_Q8_AVX2 1
 #endif
 
+#include "decode_kernels.h"
 #include "thread_pool.h"
 
 namespace tokenmill {
@@ -92,9 +93,6 @@ struct QuantizedRows {
   std::vector<float> gsum;
 };
 
-inline float act_to_f(float v) { return v; }
-inline float act_to_f(c10::BFloat16 v) { return static_cast<float>(v); }
-
 // X: fp32 or bf16 rows, read as they are (no widened copy: a decode step's calls are small
 // enough for an extra ATen op to show).
 template <typename Q, typename X>
@@ -111,7 +109,7 @@ inline QuantizedRows<Q> quantize_rows(const X* x, int64_t M, int64_t K, int64_t 
       Q* qr = out.q.data() + m * K;
       for (int64_t b = 0; b < nb; ++b) {
         float xb[kBlock];
-        for (int64_t k = 0; k < kBlock; ++k) xb[k] = act_to_f(x[m * K + b * kBlock + k]);
+        for (int64_t k = 0; k < kBlock; ++k) xb[k] = to_f(x[m * K + b * kBlock + k]);
         float amax = 0.f;
         for (int64_t k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
         const float inv = amax > 0.f ? kMax / amax : 0.f;
@@ -292,7 +290,7 @@ inline void int4_tiles(const at::Tensor& x, const at::Tensor& packed, const at::
           const float* src = out + i * kTileN;
           if (out_bf16) {
             c10::BFloat16* dst = y.data_ptr<c10::BFloat16>() + (m + i) * N + t * kTileN;
-            for (int64_t j = 0; j < kTileN; ++j) dst[j] = c10::BFloat16(src[j]);
+            for (int64_t j = 0; j < kTileN; ++j) dst[j] = from_f<c10::BFloat16>(src[j]);
           } else {
             std::memcpy(y.data_ptr<float>() + (m + i) * N + t * kTileN, src,
                         kTileN * sizeof(float));
@@ -362,11 +360,11 @@ inline Int16Rows quantize_rows_int16(const X* x, int64_t M, int64_t K) {
   for (int64_t m = 0; m < M; ++m) {
     const X* xr = x + m * K;
     float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(act_to_f(xr[k])));
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(to_f(xr[k])));
     const float inv = amax > 0.f ? 32767.f / amax : 0.f;
     int16_t* qr = out.q.data() + m * out.Kp;
     for (int64_t k = 0; k < K; ++k) {
-      qr[k] = static_cast<int16_t>(std::nearbyint(act_to_f(xr[k]) * inv));
+      qr[k] = static_cast<int16_t>(std::nearbyint(to_f(xr[k]) * inv));
     }
     out.d[m] = static_cast<double>(amax) / 32767.0;
   }
@@ -488,7 +486,7 @@ inline at::Tensor int8_q16_linear(const at::Tensor& x_in, const at::Tensor& weig
               const float v = static_cast<float>(static_cast<double>(dots[r][c]) * xq.d[m + r] *
                                                  scale_at(n + c));
               if (out_bf16) {
-                static_cast<c10::BFloat16*>(yraw)[(m + r) * N + n + c] = c10::BFloat16(v);
+                static_cast<c10::BFloat16*>(yraw)[(m + r) * N + n + c] = from_f<c10::BFloat16>(v);
               } else {
                 static_cast<float*>(yraw)[(m + r) * N + n + c] = v;
               }

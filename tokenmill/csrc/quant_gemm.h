@@ -27,6 +27,7 @@
 #define TOKENMILL_QGEMM_AVX2 1
 #endif
 
+#include "decode_kernels.h"
 #include "thread_pool.h"
 
 namespace tokenmill {
@@ -307,7 +308,7 @@ inline at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed,
         const float* a = acc.data() + m * bn;
         if (out_bf16) {
           c10::BFloat16* out = y.data_ptr<c10::BFloat16>() + m * N + b * bn;
-          for (int64_t j = 0; j < bn; ++j) out[j] = c10::BFloat16(a[j]);
+          for (int64_t j = 0; j < bn; ++j) out[j] = from_f<c10::BFloat16>(a[j]);
         } else {
           std::memcpy(y.data_ptr<float>() + m * N + b * bn, a, bn * sizeof(float));
         }
