@@ -147,11 +147,14 @@ class DeviceConfig:
 
     On CUDA, decode-only steps of up to ``cuda_graph_max_batch_size`` sequences (default: the
     scheduler's ``max_num_seqs``) replay CUDA graphs captured at start-up for a ladder of batch
-    sizes; ``enforce_eager`` turns them off.
+    sizes; ``enforce_eager`` turns them off. On the CPU, ``kernel_spin_us`` is how long the C++
+    kernels' worker threads spin for the next call before sleeping (None: 200 us, or
+    ``TOKENMILL_SPIN_US``; 0: never; see tokenmill/csrc/thread_pool.h).
     """
 
     device: str = "auto"
     num_threads: int | None = None
+    kernel_spin_us: int | None = None
     enforce_eager: bool = False
     cuda_graph_max_batch_size: int | None = None
 
@@ -160,6 +163,9 @@ class DeviceConfig:
             raise ValueError(f"device must be one of {DEVICES} or 'cuda:N', got {self.device!r}")
         _positive("num_threads", self.num_threads)
         _positive("cuda_graph_max_batch_size", self.cuda_graph_max_batch_size)
+        spin = self.kernel_spin_us
+        if spin is not None and (isinstance(spin, bool) or not isinstance(spin, int) or spin < 0):
+            raise ValueError(f"kernel_spin_us must be an integer >= 0, got {spin!r}")
 
 
 @dataclass(frozen=True)

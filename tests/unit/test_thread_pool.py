@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -129,4 +130,77 @@ def test_stats_count_calls(ext, two_threads):
     # Other threads of the test session may hold the workers for some of them (those run
     # inline and are not counted).
     assert after["calls"] > before["calls"]
-    assert set(after) == {"calls", "caught_spinning", "woken", "backed_off"}
+    assert set(after) == {"calls", "caught_spinning", "woken", "backed_off", "spin_us"}
+
+
+def test_spin_time_is_an_option(ext, two_threads):
+    from tokenmill.csrc import set_kernel_spin_us
+
+    default = ext.pool_stats()["spin_us"]
+    try:
+        set_kernel_spin_us(0)
+        assert ext.pool_stats()["spin_us"] == 0
+        ext.parallel_iota(10_000, 1)
+        time.sleep(0.01)  # a worker still spinning from before sees the change at its next wait
+        before = ext.pool_stats()
+        for _ in range(50):
+            assert torch.equal(ext.parallel_iota(10_000, 1), torch.arange(10_000))
+        after = ext.pool_stats()
+        assert after["caught_spinning"] == before["caught_spinning"]  # never spinning
+        set_kernel_spin_us(None)  # leaves the setting as it is
+        assert ext.pool_stats()["spin_us"] == 0
+        with pytest.raises(ValueError, match="kernel_spin_us must be >= 0"):
+            set_kernel_spin_us(-1)
+        with pytest.raises(RuntimeError, match="must be >= 0 us"):
+            ext.set_pool_spin_us(-5)
+    finally:
+        set_kernel_spin_us(default)
+    assert ext.pool_stats()["spin_us"] == default
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity")
+def test_workers_stop_spinning_on_a_contended_core(tmp_path):
+    # Two threads on one core: a spinning worker takes the time slice the caller needs, and the
+    # kernel keeps one of them waiting for the CPU. The worker sees that and sleeps instead.
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import os, time, torch\n"
+        "os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})\n"
+        "from tokenmill.csrc import load_extension\n"
+        "torch.set_num_threads(2)\n"
+        "ext = load_extension()\n"
+        "for _ in range(400):\n"
+        "    assert torch.equal(ext.parallel_iota(20_000, 1), torch.arange(20_000))\n"
+        "    time.sleep(0.0005)\n"
+        "print(ext.pool_stats()['backed_off'])\n")
+    env = {**os.environ, "TOKENMILL_SPIN_US": "200", "TOKENMILL_THREAD_POOL": "1"}
+    out = subprocess.run([sys.executable, str(script)], env=env, check=True, timeout=600,
+                         capture_output=True, text=True)
+    assert int(out.stdout.split()[-1]) > 0
+
+
+def test_engine_option_reaches_the_pool(ext):
+    import argparse
+
+    from tokenmill.config import DeviceConfig
+    from tokenmill.csrc import set_kernel_spin_us
+    from tokenmill.engine.args import add_engine_args, engine_config_from_args
+    from tokenmill.runner.platform import Platform
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = engine_config_from_args(parser.parse_args(["--kernel-spin-us", "150"]))
+    assert config.device.kernel_spin_us == 150
+    assert engine_config_from_args(parser.parse_args([])).device.kernel_spin_us is None
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="kernel_spin_us"):
+            DeviceConfig(kernel_spin_us=bad)
+    default = ext.pool_stats()["spin_us"]
+    try:
+        # What the executor does when it loads the model (executor/base.py, worker.py).
+        Platform(torch.device("cpu")).set_kernel_spin_us(config.device.kernel_spin_us)
+        assert ext.pool_stats()["spin_us"] == 150
+        Platform(torch.device("cpu")).set_kernel_spin_us(None)
+        assert ext.pool_stats()["spin_us"] == 150
+    finally:
+        set_kernel_spin_us(default)

@@ -61,9 +61,36 @@ def _remove_stale_lock(path: str) -> None:
             os.remove(path)
 
 
+# The workers' spin time asked for by the engine (--kernel-spin-us), applied when the extension
+# loads; None: the pool's own default (200 us, or TOKENMILL_SPIN_US).
+_kernel_spin_us: int | None = None
+
+
+def set_kernel_spin_us(us: int | None) -> None:
+    """How long the extension's workers spin for the next parallel call before they sleep
+    (0: never spin; None: leave the default). Applies at once if the extension is loaded,
+    else when it loads."""
+    global _kernel_spin_us
+    if us is None:
+        return
+    if us < 0:
+        raise ValueError(f"kernel_spin_us must be >= 0, got {us}")
+    _kernel_spin_us = us
+    ext = extension_if_loaded()
+    if ext is not None:
+        ext.set_pool_spin_us(us)
+
+
 @functools.cache
 def load_extension() -> ModuleType:
     """Compile (first time, ~1 minute) or load the cached C++ extension."""
+    module = _build_or_load()
+    if _kernel_spin_us is not None:
+        module.set_pool_spin_us(_kernel_spin_us)
+    return module
+
+
+def _build_or_load() -> ModuleType:
     import torch  # noqa: F401  (cpp_extension needs torch imported)
     from torch.utils import cpp_extension
 

@@ -356,12 +356,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("n"), pybind11::arg("grain") = 1, pybind11::arg("throw_at") = -1,
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("pool_stats", [] {
-    const auto& s = tokenmill::tmpool::Pool::get().stats();
+    const auto& pool = tokenmill::tmpool::Pool::get();
+    const auto& s = pool.stats();
     return std::map<std::string, int64_t>{{"calls", s.calls.load()},
                                           {"caught_spinning", s.caught_spinning.load()},
                                           {"woken", s.woken.load()},
-                                          {"backed_off", s.backed_off.load()}};
-  }, "how the thread pool's workers waited for its calls (counts since the pool started)");
+                                          {"backed_off", s.backed_off.load()},
+                                          {"spin_us", pool.spin_ns() / 1000}};
+  }, "how the thread pool's workers waited for its calls (counts since the pool started), "
+     "and their spin time");
+  m.def("set_pool_spin_us", [](int64_t us) {
+    TORCH_CHECK(us >= 0, "set_pool_spin_us: the spin time must be >= 0 us, got ", us);
+    tokenmill::tmpool::Pool::get().set_spin_ns(us * 1000);
+  }, "how long the thread pool's workers spin for the next call before they sleep (0: never)",
+        pybind11::arg("us"));
   m.def("apply_token_bitmask", &tokenmill::apply_token_bitmask,
         "logits[r][t] = -inf for each r in rows and each token t that bitmask[r] forbids",
         pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -8,11 +8,16 @@
 // sleep, and then every call pays a wake-up (on a 2-core AMD EPYC, single-stream decode ran
 // 15% faster on these workers: benchmarks/thread_pool_ab.py). These workers do both, by the
 // situation:
-//   - after a call, a worker spins for the next one for at most `TOKENMILL_SPIN_US`
-//     microseconds (default 200, 0: never), then sleeps on a condition variable;
-//   - a worker does not spin while the machine is busy: when more threads are runnable than
-//     this process has cores (the kernel's count, read every 2 ms), it sleeps at once for the
-//     next 20 ms, so on a shared machine the pool behaves as a sleeping one;
+//   - after a call, a worker spins for the next one for at most the spin time (default 200
+//     microseconds, 0: never; the engine's --kernel-spin-us, set_spin_us() below, or
+//     `TOKENMILL_SPIN_US` before the pool starts), then sleeps on a condition variable;
+//   - a worker does not spin while its core is contended: when the kernel kept it waiting
+//     for a CPU for more than 1/8 of the last 2 ms (its own run-queue delay, from
+//     /proc/thread-self/schedstat: another process, or more of this process's threads than
+//     cores), it sleeps at once for the next 20 ms, so on a shared machine the pool behaves as
+//     a sleeping one. Its own delay sees what a container's CPU limits and cpuset do, where the
+//     machine-wide count of runnable threads (/proc/loadavg, the fallback where schedstat is
+//     missing) counts other containers' threads too;
 //   - the range is cut into a few chunks per thread, taken first come first served from one
 //     atomic ticket, and the caller takes chunks too: a worker that wakes late or is
 //     preempted costs its share of the work, not a stall of the whole call.
@@ -59,10 +64,13 @@ using ChunkFn = void (*)(void* ctx, int64_t begin, int64_t end);
 // Chunks per thread: enough that a late or preempted thread's share is small, few enough that
 // each chunk stays a long contiguous run of the kernel's loop.
 constexpr int64_t kChunksPerThread = 4;
-// A worker that saw the machine busy does not spin for this long afterwards.
+// A worker that saw its core contended does not spin for this long afterwards.
 constexpr int64_t kBackoffNs = 20'000'000;
-// How often a worker reads the machine's count of runnable threads.
+// How often a worker checks whether its core is contended.
 constexpr int64_t kLoadCheckNs = 2'000'000;
+// Contended: the worker waited for a CPU for more than this share of the time since its last
+// check (1 / kContendedShare).
+constexpr int64_t kContendedShare = 8;
 // The caller spins this long for the last chunks, then yields its core between checks.
 constexpr int64_t kCallerSpinNs = 50'000;
 
@@ -102,6 +110,13 @@ class Pool {
     std::atomic<int64_t> calls{0}, caught_spinning{0}, woken{0}, backed_off{0};
   };
   const Stats& stats() const { return stats_; }
+
+  // How long a worker spins for the next call before it sleeps (0: never); takes effect at
+  // each worker's next wait.
+  void set_spin_ns(int64_t ns) {
+    spin_ns_.store(std::max<int64_t>(0, ns), std::memory_order_relaxed);
+  }
+  int64_t spin_ns() const { return spin_ns_.load(std::memory_order_relaxed); }
 
   // f(ctx, b, e) over [begin, end) cut into chunks of at least `grain` indices.
   void run(int64_t begin, int64_t end, int64_t grain, ChunkFn fn, void* ctx) {
@@ -223,15 +238,46 @@ class Pool {
     }
   }
 
-  // Whether the machine looks busy: more threads runnable right now (the kernel's count in
-  // /proc/loadavg, which includes this worker and the caller) than the cores this process
-  // may use. Checked at most every kLoadCheckNs; a busy reading stops spinning for kBackoffNs.
-  bool busy(int64_t now, int64_t& last_check, int64_t& quiet_after) {
-    if (now - last_check >= kLoadCheckNs) {
-      last_check = now;
-      if (runnable_threads() > cores_) quiet_after = now + kBackoffNs;  // -1: unreadable
+  // What a worker remembers between its contention checks.
+  struct LoadWatch {
+    int64_t last_check = 0;  // steady clock, ns
+    int64_t last_delay = -1;  // its run-queue delay then (ns), -1: not read yet
+    int64_t quiet_after = 0;  // no spinning before this time
+  };
+
+  // Whether this worker's core looks contended (see the top of this file). Checked at most
+  // every kLoadCheckNs; a contended reading stops spinning for kBackoffNs.
+  bool busy(int64_t now, LoadWatch& w) {
+    if (now - w.last_check < kLoadCheckNs) return now < w.quiet_after;
+    const int64_t since = now - w.last_check;
+    w.last_check = now;
+    const int64_t delay = own_run_delay_ns();
+    bool contended;
+    if (delay >= 0) {
+      contended = w.last_delay >= 0 && (delay - w.last_delay) * kContendedShare > since;
+      w.last_delay = delay;
+    } else {
+      contended = runnable_threads() > cores_;  // -1 (unreadable) is never contended
     }
-    return now < quiet_after;
+    if (contended) w.quiet_after = now + kBackoffNs;
+    return now < w.quiet_after;
+  }
+
+  // The calling thread's time spent runnable but waiting for a CPU, in ns (the second field
+  // of /proc/thread-self/schedstat), or -1 where the kernel does not keep it.
+  static int64_t own_run_delay_ns() {
+    const int fd = ::open("/proc/thread-self/schedstat", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    char buf[128];
+    const ssize_t got = ::read(fd, buf, sizeof(buf) - 1);
+    ::close(fd);
+    if (got <= 0) return -1;
+    buf[got] = '\0';
+    const char* p = std::strchr(buf, ' ');
+    if (p == nullptr) return -1;
+    char* end = nullptr;
+    const long long v = std::strtoll(p + 1, &end, 10);
+    return end == p + 1 ? -1 : static_cast<int64_t>(v);
   }
 
   // The "running" half of /proc/loadavg's fourth field (e.g. "2/75"), or -1 where unreadable.
@@ -260,17 +306,18 @@ class Pool {
   void worker_main(int64_t id) {
     t_in_pool = true;
     uint64_t seen = ticket_.load(std::memory_order_acquire) >> 32;
-    int64_t last_check = 0, quiet_after = 0;
+    LoadWatch watch;
     while (true) {
       const int64_t idle_from = now_ns();
+      const int64_t spin_ns = spin_ns_.load(std::memory_order_relaxed);
       bool fresh = false;
-      if (spin_ns_ > 0 && busy(idle_from, last_check, quiet_after)) {
+      if (spin_ns > 0 && busy(idle_from, watch)) {
         stats_.backed_off.fetch_add(1, std::memory_order_relaxed);
-      } else if (spin_ns_ > 0) {
+      } else if (spin_ns > 0) {
         int spins = 0;
         while (!(fresh = (ticket_.load(std::memory_order_acquire) >> 32) != seen)) {
           TOKENMILL_POOL_PAUSE();
-          if (++spins % 64 == 0 && now_ns() - idle_from > spin_ns_) break;
+          if (++spins % 64 == 0 && now_ns() - idle_from > spin_ns) break;
         }
       }
       if (fresh) {
@@ -289,7 +336,7 @@ class Pool {
   }
 
   const bool enabled_;
-  const int64_t spin_ns_;
+  std::atomic<int64_t> spin_ns_;
   const int64_t cores_;
   Stats stats_;
   std::atomic<uint64_t> ticket_{0};  // epoch << 32 | the next chunk to take

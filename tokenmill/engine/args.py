@@ -66,6 +66,12 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
     g.add_argument("--device", default=DeviceConfig.device, help="cpu, cuda or cuda:N (default: cuda when there is one, else cpu)")
     g.add_argument("--threads", type=int, default=DeviceConfig.num_threads,
                    help="CPU threads per process (default: all cores, shared among the ranks)")
+    g.add_argument("--kernel-spin-us", type=int, default=DeviceConfig.kernel_spin_us,
+                   metavar="US",
+                   help="CPU: how long the C++ kernels' worker threads spin for the next call "
+                        "before they sleep (default 200; 0: never spin, for a machine shared "
+                        "with busy neighbours); they stop spinning by themselves while their "
+                        "core is contended")
     g.add_argument("--tensor-parallel-size", "-tp", type=int,
                    default=ParallelConfig.tensor_parallel_size, metavar="N",
                    help="shard the model over N GPUs (or N CPU processes)")
@@ -156,6 +162,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   prefill_first=args.prefill_first),
         device=DeviceConfig(device=args.device, num_threads=args.threads,
+                            kernel_spin_us=args.kernel_spin_us,
                             enforce_eager=args.enforce_eager,
                             cuda_graph_max_batch_size=args.cuda_graph_max_batch_size),
         speculative=SpeculativeConfig.from_options(

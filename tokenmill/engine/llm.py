@@ -64,6 +64,7 @@ class LLM:
         seed: int = 0,
         device: str = "auto",
         num_threads: int | None = None,
+        kernel_spin_us: int | None = None,
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         kv_cache_memory_bytes: int | None = None,
@@ -105,6 +106,7 @@ class LLM:
                                       enable_chunked_prefill=enable_chunked_prefill,
                                       prefill_first=prefill_first),
             device=DeviceConfig(device=device, num_threads=num_threads,
+                                kernel_spin_us=kernel_spin_us,
                                 enforce_eager=enforce_eager,
                                 cuda_graph_max_batch_size=cuda_graph_max_batch_size),
             speculative=SpeculativeConfig.from_options(

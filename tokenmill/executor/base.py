@@ -64,6 +64,7 @@ class Executor(ABC):
         """Load this process's model (or take ``loaded``, already in memory) and build its
         runner; returns the model as loaded."""
         self.platform.set_num_threads(self.num_threads)
+        self.platform.set_kernel_spin_us(self.config.device.kernel_spin_us)
         loaded, self._runner = load_runner(self.config, self.platform, loaded)
         return loaded
 

@@ -99,6 +99,7 @@ def _serve(args: WorkerArgs, store: dist.Store, timeout: timedelta) -> None:
     if platform.is_cuda:
         torch.cuda.set_device(platform.device)
     platform.set_num_threads(args.num_threads)
+    platform.set_kernel_spin_us(config.device.kernel_spin_us)
     store.set(stage_key("joined", args.rank), "1")
     init_distributed(args.rank, config.parallel.tensor_parallel_size,
                      dist.PrefixStore(DIST_PREFIX, store), platform.device, timeout)

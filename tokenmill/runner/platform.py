@@ -121,6 +121,14 @@ class Platform:
                 num_threads = os.cpu_count() or 1
         torch.set_num_threads(num_threads)
 
+    def set_kernel_spin_us(self, us: int | None) -> None:
+        """How long the C++ kernels' workers spin between calls (CPU only; None: default)."""
+        if self.is_cuda or us is None:
+            return
+        from tokenmill.csrc import set_kernel_spin_us
+
+        set_kernel_spin_us(us)
+
     def synchronize(self) -> None:
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
