@@ -265,24 +265,15 @@ class Pool {
 
   // The calling thread's time spent runnable but waiting for a CPU, in ns (the second field
   // of /proc/thread-self/schedstat), or -1 where the kernel does not keep it.
-  static int64_t own_run_delay_ns() {
-    const int fd = ::open("/proc/thread-self/schedstat", O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return -1;
-    char buf[128];
-    const ssize_t got = ::read(fd, buf, sizeof(buf) - 1);
-    ::close(fd);
-    if (got <= 0) return -1;
-    buf[got] = '\0';
-    const char* p = std::strchr(buf, ' ');
-    if (p == nullptr) return -1;
-    char* end = nullptr;
-    const long long v = std::strtoll(p + 1, &end, 10);
-    return end == p + 1 ? -1 : static_cast<int64_t>(v);
-  }
+  static int64_t own_run_delay_ns() { return int_field("/proc/thread-self/schedstat", 1); }
 
   // The "running" half of /proc/loadavg's fourth field (e.g. "2/75"), or -1 where unreadable.
-  static int64_t runnable_threads() {
-    const int fd = ::open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
+  static int64_t runnable_threads() { return int_field("/proc/loadavg", 3); }
+
+  // The integer that starts space-separated field `index` (from 0) of a one-line file under
+  // /proc, or -1 where the file or the field is missing.
+  static int64_t int_field(const char* path, int index) {
+    const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return -1;
     char buf[128];
     const ssize_t got = ::read(fd, buf, sizeof(buf) - 1);
@@ -290,11 +281,14 @@ class Pool {
     if (got <= 0) return -1;
     buf[got] = '\0';
     const char* p = buf;
-    for (int field = 0; field < 3 && p != nullptr; ++field) {
+    for (int field = 0; field < index && p != nullptr; ++field) {
       p = std::strchr(p, ' ');
       if (p != nullptr) ++p;
     }
-    return p == nullptr ? -1 : std::strtoll(p, nullptr, 10);
+    if (p == nullptr) return -1;
+    char* end = nullptr;
+    const long long v = std::strtoll(p, &end, 10);
+    return end == p ? -1 : static_cast<int64_t>(v);
   }
 
   static int64_t usable_cores() {
