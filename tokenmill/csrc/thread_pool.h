@@ -243,12 +243,23 @@ class Pool {
     int64_t last_check = 0;  // steady clock, ns
     int64_t last_delay = -1;  // its run-queue delay then (ns), -1: not read yet
     int64_t quiet_after = 0;  // no spinning before this time
+    bool rebase = false;  // a back-off ended: take a new baseline before judging again
   };
 
   // Whether this worker's core looks contended (see the top of this file). Checked at most
-  // every kLoadCheckNs; a contended reading stops spinning for kBackoffNs.
+  // every kLoadCheckNs; a contended reading stops spinning for kBackoffNs. While it backs off
+  // the worker sleeps and is woken for every call, and the kernel counts each wake-up's
+  // latency as run-queue delay too: the window after a back-off starts afresh, or those
+  // wake-ups alone would keep it backing off on a quiet machine.
   bool busy(int64_t now, LoadWatch& w) {
-    if (now - w.last_check < kLoadCheckNs) return now < w.quiet_after;
+    if (now < w.quiet_after) return true;
+    if (w.rebase) {
+      w.rebase = false;
+      w.last_check = now;
+      w.last_delay = own_run_delay_ns();
+      return false;
+    }
+    if (now - w.last_check < kLoadCheckNs) return false;
     const int64_t since = now - w.last_check;
     w.last_check = now;
     const int64_t delay = own_run_delay_ns();
@@ -259,8 +270,11 @@ class Pool {
     } else {
       contended = runnable_threads() > cores_;  // -1 (unreadable) is never contended
     }
-    if (contended) w.quiet_after = now + kBackoffNs;
-    return now < w.quiet_after;
+    if (contended) {
+      w.quiet_after = now + kBackoffNs;
+      w.rebase = true;
+    }
+    return contended;
   }
 
   // The calling thread's time spent runnable but waiting for a CPU, in ns (the second field
