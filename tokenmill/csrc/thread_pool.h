@@ -9,7 +9,7 @@
 // 15% faster on these workers: benchmarks/thread_pool_ab.py). These workers do both, by the
 // situation:
 //   - after a call, a worker spins for the next one for at most the spin time (default 200
-//     microseconds, 0: never; the engine's --kernel-spin-us, set_spin_us() below, or
+//     microseconds, 0: never; the engine's --kernel-spin-us, Pool::set_spin_ns below, or
 //     `TOKENMILL_SPIN_US` before the pool starts), then sleeps on a condition variable;
 //   - a worker does not spin while its core is contended: when the kernel kept it waiting
 //     for a CPU for more than 1/8 of the last 2 ms (its own run-queue delay, from
