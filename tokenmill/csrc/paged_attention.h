@@ -21,7 +21,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #include "decode_kernels.h"
@@ -33,8 +32,6 @@ namespace vec16 {
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
-
-inline f32x16 splat(float x) { return f32x16{} + x; }
 
 inline f32x16 load(const float* p) {
   f32x16 v;
