@@ -153,6 +153,9 @@ def test_spin_time_is_an_option(ext, two_threads):
             set_kernel_spin_us(-1)
         with pytest.raises(RuntimeError, match="must be >= 0 us"):
             ext.set_pool_spin_us(-5)
+        # The refused values changed nothing, and the pool still serves calls.
+        assert ext.pool_stats()["spin_us"] == 0
+        assert torch.equal(ext.parallel_iota(10_000, 1), torch.arange(10_000))
     finally:
         set_kernel_spin_us(default)
     assert ext.pool_stats()["spin_us"] == default
