@@ -29,6 +29,28 @@ def test_parity_with_sentence_transformers(embed_llm: LLM, st_model: Any) -> Non
         assert math.isclose(math.sqrt(sum(x * x for x in out.embedding)), 1.0, rel_tol=1e-5)
 
 
+def test_bf16_matmuls_keep_parity(minilm_path: str, st_model: Any,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """all-MiniLM-L6-v2 with its projections in bf16 (the "auto" dtype on CPUs that multiply
+    bf16 natively; made to pick it here, so it runs on every CPU) against sentence-transformers
+    in fp32. A subset of the parity sentences: where bf16 is not native it is emulated, slowly."""
+    import tokenmill.model_loader as loader
+    from tokenmill.models.layers import Bf16MatmulLinear
+
+    monkeypatch.setattr(loader, "dense_dtype", lambda _device_type: torch.bfloat16)
+    texts = list(PARITY_SENTENCES[::8])
+    llm = LLM(minilm_path, task="embed")
+    try:
+        model = llm.engine.core.executor.runner.model
+        assert any(isinstance(m, Bf16MatmulLinear) for m in model.modules())
+        outs = llm.embed(texts)
+    finally:
+        llm.close()
+    refs = st_model.encode(texts, convert_to_tensor=True, batch_size=32)
+    sims = [_cos(o.embedding, r) for o, r in zip(outs, refs, strict=True)]
+    assert min(sims) >= 0.999, min(sims)
+
+
 def test_mixed_batch_equals_one_at_a_time(embed_llm: LLM) -> None:
     texts = ["short", "a medium length sentence about nothing much",
              " ".join(["long"] * 120), "short", "another one, of medium length too"]

@@ -23,6 +23,7 @@ from tokenmill.models.pooler import PoolerConfig
 from tokenmill.models.registry import create_model
 from tokenmill.presets import get_preset
 from tokenmill.quant import quantize_model
+from tokenmill.quant.packing import dense_dtype
 from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,18 @@ def resolve_pooler(config: ModelConfig, arch: ArchConfig,
 # int8 per channel (see tokenmill.model_loader.gguf_quantized).
 _GGUF_INT4 = frozenset({"Q4_0", "Q4_1"})
 _GGUF_INT8 = frozenset({"Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"})
+
+
+def encoder_bf16_matmuls(config: ModelConfig, model: nn.Module, dtype: torch.dtype,
+                         device: torch.device, method: str) -> bool:
+    """Whether an encoder's projections should run in bf16 around its fp32 model
+    (``use_bf16_matmuls``): with dtype "auto" on a CPU that multiplies bf16 natively
+    (AVX512-BF16 or AMX), for an unquantized model. There bf16 matmuls run ~4x fp32's rate,
+    and all-MiniLM-L6-v2's embeddings stay within 1e-4 cosine of fp32
+    (benchmarks/results/embed-cpu.json). ``dtype="float32"`` keeps every product in fp32."""
+    return (config.dtype == "auto" and dtype == torch.float32 and device.type == "cpu"
+            and method == "none" and hasattr(model, "use_bf16_matmuls")
+            and dense_dtype("cpu") == torch.bfloat16)
 
 
 def resolve_quantization(requested: str, gguf: GGUFModel | None, device: torch.device) -> str:
@@ -135,8 +148,11 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) ->
         model.load_weights((name, t.to(device=device, dtype=dtype)) for name, t in weights())
     if method != "none":
         logger.info(quantize_model(model, method).describe())
+    bf16_matmuls = encoder_bf16_matmuls(config, model, dtype, torch.device(device), method)
+    if bf16_matmuls:
+        model.use_bf16_matmuls()  # type: ignore[operator]
     model.eval()
-    logger.info("loaded %s (%s, %s) in %.1f s", path, arch.architecture, dtype,
-                time.perf_counter() - started)
+    logger.info("loaded %s (%s, %s%s) in %.1f s", path, arch.architecture, dtype,
+                ", bf16 matmuls" if bf16_matmuls else "", time.perf_counter() - started)
     return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, path=path,
                        quantization=method, pooler=pooler, max_seq_length=max_seq_length)

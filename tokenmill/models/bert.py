@@ -4,7 +4,8 @@ Word + absolute position + token-type embeddings and a LayerNorm, then post-LN l
 self-attention and a GELU MLP. The batch is flat: the step's sequences back to back with no
 padding, each attending to all of its own tokens and to nothing else (one attention call per
 group of equal-length sequences, sorted together). There is no KV cache: a sequence is computed whole in one
-step. Query, key and value are one fused matmul.
+step. Query, key and value are one fused matmul. On CPUs that multiply bf16 natively the
+projections can run in bf16 around an fp32 model (:meth:`BertModel.use_bf16_matmuls`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import nn
 
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.models.config import ArchConfig
-from tokenmill.models.layers import Embedding, Linear
+from tokenmill.models.layers import Bf16MatmulLinear, Embedding, Linear
 
 # Checkpoint names inside one layer -> (our module, row block of the fused qkv or None).
 _LAYER_NAMES: dict[str, tuple[str, int | None]] = {
@@ -34,6 +35,12 @@ _LAYER_NAMES: dict[str, tuple[str, int | None]] = {
 # Checkpoint tensors that embeddings do not use: BERT's [CLS] pooler (sentence-transformers
 # pools the token states itself) and a cached position-id range.
 _UNUSED = ("pooler.dense.weight", "pooler.dense.bias", "embeddings.position_ids")
+# Under use_bf16_matmuls, the dtype each projection gives: fp32 where the residual stream or the
+# attention takes it, bf16 into the GELU (whose output is the next bf16 matmul's input). Putting
+# the attention in bf16 too was ~6% faster and moved the worst parity sentence from 0.99993 to
+# 0.99992 (all-MiniLM-L6-v2 against sentence-transformers in fp32, 2,313 sentences).
+_BF16_MATMUL_OUTPUTS = {"qkv": torch.float32, "attn_out": torch.float32, "inter": torch.bfloat16,
+                        "out": torch.float32}
 # Task heads of BertFor* checkpoints (masked LM, next sentence), beside the "bert." encoder.
 _HEAD_PREFIXES = ("cls.",)
 
@@ -169,6 +176,17 @@ class BertModel(nn.Module):
         if permuted:
             x = torch.empty_like(x).index_copy_(0, rows, x)
         return x
+
+    def use_bf16_matmuls(self) -> None:
+        """Run every layer's four projections in bf16 (:class:`Bf16MatmulLinear`), keeping
+        the embeddings, residuals, LayerNorms and attention in fp32 (the GELU takes and gives
+        bf16: its output is rounded to bf16 for the next matmul anyway). Call after the
+        weights are loaded, on an fp32 model."""
+        for layer in self.layers:
+            for name, out_dtype in _BF16_MATMUL_OUTPUTS.items():
+                module = getattr(layer, name)
+                if not isinstance(module, Bf16MatmulLinear):
+                    setattr(layer, name, Bf16MatmulLinear(module, out_dtype))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face tensors (bare BertModel names, or "bert."-prefixed ones beside

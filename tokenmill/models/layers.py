@@ -28,6 +28,37 @@ class Linear(nn.Linear):
         pass
 
 
+class Bf16MatmulLinear(nn.Module):
+    """A linear layer whose product runs in bf16 while everything around it stays fp32.
+
+    The input is rounded to bf16 for the matmul (oneDNN's AVX512-BF16 / AMX kernels, ~4x the
+    fp32 GEMM rate on CPUs that have them), the product comes back in fp32 and the fp32 bias
+    is added there. Only the matmul's operands lose precision: residuals, norms, softmax and
+    pooling keep fp32, which is what keeps an encoder's embeddings within 1e-4 cosine of the
+    fp32 reference (full bf16 does not: benchmarks/results/embed-cpu.json).
+    """
+
+    def __init__(self, linear: nn.Linear, out_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.out_dtype = out_dtype
+        self.weight = nn.Parameter(linear.weight.detach().to(torch.bfloat16), requires_grad=False)
+        self.bias = (None if linear.bias is None
+                     else nn.Parameter(linear.bias.detach().to(out_dtype), requires_grad=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(torch.bfloat16)
+        if self.out_dtype == torch.bfloat16:
+            return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight).to(self.out_dtype)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, matmul=bfloat16")
+
+
 class Embedding(nn.Embedding):
     """``nn.Embedding`` that skips the random init, for the same reason as :class:`Linear`."""
 
