@@ -285,7 +285,9 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         # blocks of rows make it a handful of views.
         block_n = int4_block_n()
         self._can_decode = block_n is not None and out_features % block_n == 0
-        self._q8_fits = (self._can_decode and weight.dtype == torch.uint8
+        # The q8 tiles are unpacked from it once, whole blocks or not (PyTorch packs rows in
+        # blocks of 64 on AVX-512 CPUs: a 96-row layer still takes the integer kernel).
+        self._q8_fits = (block_n is not None and weight.dtype == torch.uint8
                          and q8_layout_fits(out_features, in_features, group_size))
         self._q8: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -330,7 +332,8 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         if not (self._q8_fits and super().int_activations()):
             return None
         if self._q8 is None:
-            q = unpack_int4_blocks(self.weight, self.out_features, self.in_features)
+            unpack = unpack_int4_blocks if self._can_decode else unpack_int4
+            q = unpack(self.weight, self.out_features, self.in_features)
             self._q8 = pack_int4_q8(q, self.scales_and_zeros)
         return self._q8
 
