@@ -108,6 +108,9 @@ def process_age_s() -> float | None:
 # Environment variables that choose how OpenMP's idle threads wait; a user who set any of them
 # keeps their choice.
 THREAD_POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+# Set beside OMP_WAIT_POLICY when default_thread_policy chose it (not the user): see
+# foreign_environ.
+_DEFAULTED_MARK = "TOKENMILL_DEFAULTED_OMP_WAIT_POLICY"
 
 
 def default_thread_policy() -> None:
@@ -126,3 +129,18 @@ def default_thread_policy() -> None:
     if "torch" in sys.modules or any(v in os.environ for v in THREAD_POLICY_VARS):
         return
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    os.environ[_DEFAULTED_MARK] = "1"
+
+
+def foreign_environ() -> dict[str, str]:
+    """This process's environment for a child that is not tokenmill (a benchmark's peer): without
+    the OpenMP wait policy that :func:`default_thread_policy` chose, so the child runs with its
+    own defaults, as its users run it. A policy the user set stays. (llama.cpp's OpenMP build
+    under the passive policy decoded ~3x slower on a quiet 2-core machine; tokenmill's own
+    children set the policy again when they import tokenmill.)"""
+    import os
+
+    env = dict(os.environ)
+    if env.pop(_DEFAULTED_MARK, None) is not None:
+        env.pop("OMP_WAIT_POLICY", None)
+    return env

@@ -125,6 +125,10 @@ def test_a_broken_perplexity_module_breaks_only_itself(monkeypatch) -> None:
 
 def test_llama_server_runs_with_one_slot_per_stream(monkeypatch) -> None:
     started: list[list[str]] = []
+    envs: list[dict[str, str] | None] = []
+    # As the tokenmill CLI leaves it: the passive policy chosen by tokenmill, not the user.
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("TOKENMILL_DEFAULTED_OMP_WAIT_POLICY", "1")
 
     class FakeServer:
         base_url = "http://x"
@@ -135,8 +139,9 @@ def test_llama_server_runs_with_one_slot_per_stream(monkeypatch) -> None:
         def stop(self) -> int:
             return 0
 
-    def fake_start(cmd: list[str], port: int) -> FakeServer:
+    def fake_start(cmd: list[str], port: int, env: dict[str, str] | None = None) -> FakeServer:
         started.append(cmd)
+        envs.append(env)
         return FakeServer()
 
     monkeypatch.setattr(compare, "start_server", fake_start)
@@ -149,6 +154,8 @@ def test_llama_server_runs_with_one_slot_per_stream(monkeypatch) -> None:
     # Each slot holds one request's 256 tokens (whole KV blocks), as tokenmill's cache does.
     assert [cmd[cmd.index("--ctx-size") + 1] for cmd in started] == ["256", "1024", "8192"]
     assert set(out["levels"]) == {"1", "4", "32"} and out["peak_rss_mib"] == 103.0
+    # llama-server runs with its own OpenMP default, not tokenmill's passive policy.
+    assert all(env is not None and "OMP_WAIT_POLICY" not in env for env in envs)
     result = copy.deepcopy(RESULT)
     result["systems"]["llama.cpp"]["serve"] = out
     assert "with -np = streams" in markdown_report(result)
@@ -234,3 +241,18 @@ def test_every_level_sends_its_own_prompts(monkeypatch) -> None:
         compare.load_level("http://x", c, cfg, wl, min_tokens=False)
     assert [len(sent[c]) for c in cfg.levels] == [4, 8, 32]
     assert sum(sent.values(), []) == serve  # consecutive slices, none shared
+
+
+def test_peers_get_their_own_openmp_policy(monkeypatch) -> None:
+    """tokenmill chooses the passive OpenMP policy for itself; a peer started by a benchmark
+    runs with its own default, unless the user set a policy, which every process keeps."""
+    from tokenmill.utils import foreign_environ
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("TOKENMILL_DEFAULTED_OMP_WAIT_POLICY", "1")
+    monkeypatch.setenv("SOMETHING_ELSE", "kept")
+    env = foreign_environ()
+    assert "OMP_WAIT_POLICY" not in env and "TOKENMILL_DEFAULTED_OMP_WAIT_POLICY" not in env
+    assert env["SOMETHING_ELSE"] == "kept"
+    monkeypatch.delenv("TOKENMILL_DEFAULTED_OMP_WAIT_POLICY")  # the user's own choice
+    assert foreign_environ()["OMP_WAIT_POLICY"] == "PASSIVE"

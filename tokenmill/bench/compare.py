@@ -36,7 +36,7 @@ from tokenmill.bench.procs import free_port, run_json_job, start_server
 from tokenmill.bench.report import hardware, now_iso, write_json
 from tokenmill.bench.serve import LoadSpec, benchmark, quiet_http_logs, server_model
 from tokenmill.core.kv_cache import blocks_for_tokens
-from tokenmill.utils import cdiv
+from tokenmill.utils import cdiv, foreign_environ
 
 SYSTEMS = ("tokenmill", "llama.cpp", "transformers")
 PEERS_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers.py")
@@ -115,9 +115,9 @@ def compact(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def sweep(cmd: list[str], port: int, cfg: CompareConfig, wl: Workloads,
-          min_tokens: bool = False) -> dict[str, Any]:
+          min_tokens: bool = False, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Start a server, run the load generator at every concurrency level, stop it."""
-    server = start_server(cmd, port)
+    server = start_server(cmd, port, env=env)
     try:
         levels = {str(c): load_level(server.base_url, c, cfg, wl, min_tokens)
                   for c in cfg.levels}
@@ -157,7 +157,7 @@ def sweep_llama_server(cfg: CompareConfig, wl: Workloads) -> dict[str, Any]:
                str(port), "--threads", str(cfg.threads), "--threads-batch", str(cfg.threads),
                "--parallel", str(c), "--ctx-size", str(c * per_slot), "--cont-batching",
                "--no-webui"]
-        server = start_server(cmd, port)
+        server = start_server(cmd, port, env=foreign_environ())
         try:
             # llama-server honours ignore_eos, so outputs have the asked length.
             levels[str(c)] = load_level(server.base_url, c, cfg, wl, min_tokens=False)
@@ -208,7 +208,8 @@ def run_llama(cfg: CompareConfig, wl: Workloads, folder: str) -> dict[str, Any]:
     print("llama.cpp: single stream", file=sys.stderr)
     out = {"latency": run_json_job([py, PEERS_SCRIPT, "llama-latency", "--model", cfg.model,
                                     "--threads", t, "--workload", wl.latency_path,
-                                    "--num-warmups", str(cfg.num_warmups)])}
+                                    "--num-warmups", str(cfg.num_warmups)],
+                                   base_env=foreign_environ())}
     out["version"] = out["latency"].get("version")
     if cfg.llama_server is not None:
         print("llama.cpp: HTTP server (llama-server, -np = streams)", file=sys.stderr)
@@ -222,7 +223,7 @@ def run_llama(cfg: CompareConfig, wl: Workloads, folder: str) -> dict[str, Any]:
            "--port", str(port), "--n_threads", t, "--n_threads_batch", t,
            "--n_ctx", str(MAX_MODEL_LEN), "--interrupt_requests", "False"]
     # It has no ignore_eos (nor usage in streams: its chunks, one token each, are counted).
-    out["serve"] = sweep(cmd, port, cfg, wl, min_tokens=True)
+    out["serve"] = sweep(cmd, port, cfg, wl, min_tokens=True, env=foreign_environ())
     return out
 
 
@@ -231,9 +232,11 @@ def run_transformers(cfg: CompareConfig, wl: Workloads, folder: str) -> dict[str
     base = [cfg.peers_python, PEERS_SCRIPT, "--model", cfg.model, "--threads", str(cfg.threads),
             "--num-warmups", str(cfg.num_warmups)]
     print("transformers: single stream", file=sys.stderr)
-    out = {"latency": run_json_job([*base, "hf-latency", "--workload", wl.latency_path])}
+    env = foreign_environ()
+    out = {"latency": run_json_job([*base, "hf-latency", "--workload", wl.latency_path],
+                                   base_env=env)}
     print(f"transformers: batch of {cfg.batch_size}", file=sys.stderr)
-    out["batch"] = run_json_job([*base, "hf-batch", "--workload", wl.batch_path])
+    out["batch"] = run_json_job([*base, "hf-batch", "--workload", wl.batch_path], base_env=env)
     out["version"] = out["latency"].get("version")
     return out
 
@@ -287,7 +290,10 @@ def run_compare(cfg: CompareConfig) -> dict[str, Any]:
                 results[system] = {"error": str(e)}
     return {"date": now_iso(), "hardware": hardware(), "config": asdict(cfg),
             "peer_versions": versions, "roofline": limit, "load_average_before": load_before,
-            "load_average_after": os.getloadavg(), "systems": results}
+            "load_average_after": os.getloadavg(), "systems": results,
+            # The peers' OpenMP wait policy: their own default (None) unless the user set one.
+            "peer_omp_wait_policy": foreign_environ().get("OMP_WAIT_POLICY"),
+            "tokenmill_omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
 
 
 def _tokenmill_version() -> str:

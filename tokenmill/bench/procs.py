@@ -59,13 +59,15 @@ class ServerProcess:
             return self.proc.wait()
 
 
-def start_server(cmd: list[str], port: int,
-                 timeout: float = SERVER_START_TIMEOUT_S) -> ServerProcess:
-    """Start ``cmd`` (which must listen on ``port``) and wait until /v1/models answers 200."""
+def start_server(cmd: list[str], port: int, timeout: float = SERVER_START_TIMEOUT_S,
+                 env: dict[str, str] | None = None) -> ServerProcess:
+    """Start ``cmd`` (which must listen on ``port``) and wait until /v1/models answers 200.
+    ``env``: its environment (default: ours)."""
     import httpx
 
     log = tempfile.NamedTemporaryFile("w", prefix="bench-server-", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=env)
     server = ServerProcess(proc, port, log.name)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -83,13 +85,15 @@ def start_server(cmd: list[str], port: int,
 
 def run_json_job(cmd: list[str], result_file: str | None = None,
                  timeout: float = JOB_TIMEOUT_S,
-                 extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+                 extra_env: dict[str, str] | None = None,
+                 base_env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run a measuring command; its JSON comes from ``result_file`` or stdout's last line.
 
     Its stderr (progress, logs) passes through to ours; a failure raises RuntimeError with the
-    tail of its output. ``extra_env`` is added to our environment for it.
+    tail of its output. Its environment is ``base_env`` (default: ours) with ``extra_env``.
     """
-    env = {**os.environ, **(extra_env or {}), "TQDM_DISABLE": "1"}
+    env = {**(os.environ if base_env is None else base_env), **(extra_env or {}),
+           "TQDM_DISABLE": "1"}
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, timeout=timeout,
                           env=env, stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
