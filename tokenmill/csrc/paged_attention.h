@@ -344,6 +344,89 @@ void attend_head_vec(const Q* q, int64_t q_stride, const PagedView<C>& kv, int64
   }
 }
 
+// The query heads h0 .. h0 + P - 1 of sequence b, which share one KV head, together: each key
+// and value row is loaded and widened once for the P heads instead of once per head. Per head
+// the arithmetic is attend_head_vec's, in the same order (four keys per horizontal sum, the
+// same tail, the same softmax and weighted sum): the same bits. P is bounded by the registers
+// the queries and the accumulators take (see group_heads_per_pass).
+template <typename Q, typename C, typename O, int ND, int P>
+void attend_heads_vec(const Q* q, int64_t q_stride, const PagedView<C>& kv, int64_t b, int64_t h0,
+                      int64_t G, int64_t Hkv, float scale, O* out, int64_t out_stride,
+                      AttentionScratch& scratch) {
+  using namespace vec16;
+  constexpr int64_t D = 16 * ND;
+  const int64_t L = kv.seq_lens[b];
+  kv.row_offsets(kv.tables + b * kv.table_stride, L, h0 / G, Hkv, D, scratch.rows);
+  const int64_t* rows = scratch.rows.data();
+  scratch.scores.resize(static_cast<size_t>(P * L));
+  float* s = scratch.scores.data();  // head p's scores at s + p * L
+  acc16 qv[P][ND];
+  for (int p = 0; p < P; ++p) {
+    const Q* qh = q + b * q_stride + (h0 + p) * D;
+    for (int c = 0; c < ND; ++c) qv[p][c] = load_acc(qh + 16 * c) * scale;
+  }
+  int64_t t = 0;
+  for (; t + 4 <= L; t += 4) {
+    if (t + kAttnPrefetch + 4 <= L) {
+      for (int i = 0; i < 4; ++i) prefetch_row(kv.k + rows[t + kAttnPrefetch + i], D);
+    }
+    const C* k0 = kv.k + rows[t];
+    const C* k1 = kv.k + rows[t + 1];
+    const C* k2 = kv.k + rows[t + 2];
+    const C* k3 = kv.k + rows[t + 3];
+    acc16 a[P][4];
+    {
+      const acc16 x0 = load_acc(k0), x1 = load_acc(k1), x2 = load_acc(k2), x3 = load_acc(k3);
+      for (int p = 0; p < P; ++p) {
+        a[p][0] = qv[p][0] * x0;
+        a[p][1] = qv[p][0] * x1;
+        a[p][2] = qv[p][0] * x2;
+        a[p][3] = qv[p][0] * x3;
+      }
+    }
+    for (int c = 1; c < ND; ++c) {
+      const acc16 x0 = load_acc(k0 + 16 * c), x1 = load_acc(k1 + 16 * c);
+      const acc16 x2 = load_acc(k2 + 16 * c), x3 = load_acc(k3 + 16 * c);
+      for (int p = 0; p < P; ++p) {
+        a[p][0] += qv[p][c] * x0;
+        a[p][1] += qv[p][c] * x1;
+        a[p][2] += qv[p][c] * x2;
+        a[p][3] += qv[p][c] * x3;
+      }
+    }
+    for (int p = 0; p < P; ++p) hsum4(a[p][0], a[p][1], a[p][2], a[p][3], s + p * L + t);
+  }
+  for (; t < L; ++t) {
+    const C* k0 = kv.k + rows[t];
+    acc16 a0[P];
+    const acc16 x = load_acc(k0);
+    for (int p = 0; p < P; ++p) a0[p] = qv[p][0] * x;
+    for (int c = 1; c < ND; ++c) {
+      const acc16 xc = load_acc(k0 + 16 * c);
+      for (int p = 0; p < P; ++p) a0[p] += qv[p][c] * xc;
+    }
+    for (int p = 0; p < P; ++p) s[p * L + t] = hsum(a0[p]);
+  }
+  float inv[P];
+  for (int p = 0; p < P; ++p) inv[p] = 1.f / softmax_unnormalized(s + p * L, L);
+  acc16 acc[P][ND] = {};
+  for (t = 0; t < L; ++t) {
+    if (t + kAttnPrefetch < L) prefetch_row(kv.v + rows[t + kAttnPrefetch], D);
+    const C* v0 = kv.v + rows[t];
+    for (int c = 0; c < ND; ++c) {
+      const acc16 x = load_acc(v0 + 16 * c);
+      for (int p = 0; p < P; ++p) acc[p][c] += s[p * L + t] * x;
+    }
+  }
+  for (int p = 0; p < P; ++p) {
+    O* o = out + b * out_stride + (h0 + p) * D;
+    for (int c = 0; c < ND; ++c) {
+      const acc16 r = acc[p][c] * inv[p];
+      for (int i = 0; i < 16; ++i) o[16 * c + i] = from_f<O>(lane(r, i));
+    }
+  }
+}
+
 // The same for any head size, one scalar loop per dot product.
 template <typename Q, typename C, typename O>
 void attend_head_scalar(const Q* q, int64_t q_stride, const PagedView<C>& kv, int64_t b,
@@ -389,6 +472,60 @@ HeadKernel<Q, C, O> vector_kernel(int64_t D) {
   }
 }
 
+#if defined(__AVX512F__)
+// Query heads per pass of attend_heads_vec for head size 16 * ND: the P * ND query vectors and
+// the 4 * P score accumulators in 32 registers (D = 64: 3 heads, D = 128: 2).
+constexpr int group_heads_per_pass(int ND) { return ND + 4 > 24 ? 1 : 24 / (ND + 4); }
+
+// One pass of `count` (<= P) query heads from h0 through attend_heads_vec.
+template <typename Q, typename C, typename O, int ND, int P>
+void attend_heads_pass(const Q* q, int64_t q_stride, const PagedView<C>& kv, int64_t b,
+                       int64_t h0, int64_t count, int64_t G, int64_t Hkv, float scale, O* out,
+                       int64_t out_stride, AttentionScratch& scratch) {
+  if constexpr (P > 1) {
+    if (count < P) {
+      attend_heads_pass<Q, C, O, ND, P - 1>(q, q_stride, kv, b, h0, count, G, Hkv, scale, out,
+                                            out_stride, scratch);
+      return;
+    }
+  }
+  attend_heads_vec<Q, C, O, ND, P>(q, q_stride, kv, b, h0, G, Hkv, scale, out, out_stride,
+                                   scratch);
+}
+
+// The G query heads of KV head g of sequence b, in passes of up to P heads.
+template <typename Q, typename C, typename O, int ND>
+void attend_group(const Q* q, int64_t q_stride, const PagedView<C>& kv, int64_t b, int64_t g,
+                  int64_t G, int64_t Hkv, float scale, O* out, int64_t out_stride,
+                  AttentionScratch& scratch) {
+  constexpr int P = group_heads_per_pass(ND);
+  for (int64_t h = g * G; h < (g + 1) * G; h += P) {
+    attend_heads_pass<Q, C, O, ND, P>(q, q_stride, kv, b, h, std::min<int64_t>(P, (g + 1) * G - h),
+                                      G, Hkv, scale, out, out_stride, scratch);
+  }
+}
+
+template <typename Q, typename C, typename O>
+using GroupKernel = HeadKernel<Q, C, O>;  // the same signature, g in place of h
+
+// The grouped kernel for head size D, or nullptr.
+template <typename Q, typename C, typename O>
+GroupKernel<Q, C, O> group_kernel(int64_t D) {
+  switch (D) {
+    case 32: return &attend_group<Q, C, O, 2>;
+    case 64: return &attend_group<Q, C, O, 4>;
+    case 96: return &attend_group<Q, C, O, 6>;
+    case 128: return &attend_group<Q, C, O, 8>;
+    default: return nullptr;
+  }
+}
+#endif
+
+// Items per thread from which a step's attention goes by KV head (the G query heads of one
+// together, each row loaded once) instead of by query head (more, smaller items: at batch 1
+// a model's few KV heads would leave threads idle).
+constexpr int64_t kGroupItemsPerThread = 4;
+
 // Decode attention of every (sequence, query head): q [B, q_stride] with the Hq heads first,
 // out [B, Hq * D] (stored as O: bf16 when it feeds a quantized matmul). The heads of a
 // sequence are neighbours in the item order, so a KV head's rows, read from memory by the
@@ -399,6 +536,21 @@ void paged_decode_attention(const Q* q, int64_t q_stride, const PagedView<C>& kv
                             int64_t Hq, int64_t Hkv, int64_t D, float scale, O* out,
                             int64_t max_len) {
   const int64_t G = Hq / Hkv;
+#if defined(__AVX512F__)
+  const GroupKernel<Q, C, O> grouped = group_kernel<Q, C, O>(D);
+  if (G > 1 && grouped != nullptr &&
+      B * Hkv >= kGroupItemsPerThread * std::max<int64_t>(1, at::get_num_threads())) {
+    const int64_t work_per_item = std::max<int64_t>(1, 2 * max_len * D * G);
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / work_per_item);
+    tmpool::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
+      AttentionScratch scratch;
+      for (int64_t i = begin; i < end; ++i) {
+        grouped(q, q_stride, kv, i / Hkv, i % Hkv, G, Hkv, scale, out, Hq * D, scratch);
+      }
+    });
+    return;
+  }
+#endif
   const int64_t work_per_item = std::max<int64_t>(1, 2 * max_len * D);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / work_per_item);
   const HeadKernel<Q, C, O> kernel = vector_kernel<Q, C, O>(D);
