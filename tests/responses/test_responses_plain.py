@@ -129,7 +129,12 @@ def test_function_call_and_its_output(client: openai.OpenAI, server: Server) -> 
                "output": json.dumps({"temperature_c": 21, "sky": "clear"})}]
     r2 = _create(client, server, input=answer, tools=[WEATHER], tool_choice="none",
                  max_output_tokens=24)
-    assert r2.status == "completed" and r2.output[0].type == "message" and r2.output_text
+    # A message answers the function's output. Whether the small model ends it within 24 tokens
+    # depends on the kernels its prefill takes (the CPU's, and the row count, which a prefix
+    # cached by an earlier test changes): a cut-off answer is fine, said as such.
+    assert r2.output[0].type == "message" and r2.output_text
+    assert r2.status == "completed" or (
+        r2.status == "incomplete" and r2.incomplete_details.reason == "max_output_tokens")
     # The same turn through previous_response_id: only the output is sent back.
     r3 = _create(client, server, previous_response_id=r.id, tools=[WEATHER],
                  tool_choice="none", max_output_tokens=24,

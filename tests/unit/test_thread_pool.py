@@ -163,8 +163,10 @@ def test_spin_time_is_an_option(ext, two_threads):
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity")
 def test_workers_stop_spinning_on_a_contended_core(tmp_path):
-    # Two threads on one core: a spinning worker takes the time slice the caller needs, and the
-    # kernel keeps one of them waiting for the CPU. The worker sees that and sleeps instead.
+    # Two threads on one core: a spinning worker takes the time slice the caller needs for its
+    # own work between calls (0.5 ms of it, busy), and the kernel keeps one of them waiting
+    # for the CPU. The worker sees that and sleeps instead. (A caller that sleeps between calls
+    # leaves the core to the spinning worker: no contention, and on Linux 6.18 no back-off.)
     script = tmp_path / "run.py"
     script.write_text(
         "import os, time, torch\n"
@@ -172,9 +174,11 @@ def test_workers_stop_spinning_on_a_contended_core(tmp_path):
         "from tokenmill.csrc import load_extension\n"
         "torch.set_num_threads(2)\n"
         "ext = load_extension()\n"
-        "for _ in range(400):\n"
+        "for _ in range(1000):\n"
         "    assert torch.equal(ext.parallel_iota(20_000, 1), torch.arange(20_000))\n"
-        "    time.sleep(0.0005)\n"
+        "    end = time.perf_counter() + 0.0005\n"
+        "    while time.perf_counter() < end:\n"
+        "        pass\n"
         "print(ext.pool_stats()['backed_off'])\n")
     env = {**os.environ, "TOKENMILL_SPIN_US": "200", "TOKENMILL_THREAD_POOL": "1"}
     out = subprocess.run([sys.executable, str(script)], env=env, check=True, timeout=600,

@@ -285,70 +285,11 @@ inline void prefetch_row(const C* row, int64_t D) {
   }
 }
 
-// Query head h of sequence b against its L cached tokens, head size 16 * ND (Q: the queries'
-// dtype, C: the cache's, O: the output's). Keys and values are read straight from the cache
-// rows, widened to fp32 as they are loaded (exact: fp16 and bf16 are subsets of fp32), so one
-// head's work needs no copy of its KV head's rows and the G heads of a group are independent
-// items (at batch 1 the 9 heads of SmolLM2 keep two threads busy; its 3 KV heads would not).
-template <typename Q, typename C, typename O, int ND>
-void attend_head_vec(const Q* q, int64_t q_stride, const PagedView<C>& kv, int64_t b, int64_t h,
-                     int64_t G, int64_t Hkv, float scale, O* out, int64_t out_stride,
-                     AttentionScratch& scratch) {
-  using namespace vec16;
-  constexpr int64_t D = 16 * ND;
-  const int64_t L = kv.seq_lens[b];
-  kv.row_offsets(kv.tables + b * kv.table_stride, L, h / G, Hkv, D, scratch.rows);
-  const int64_t* rows = scratch.rows.data();
-  scratch.scores.resize(static_cast<size_t>(L));
-  float* s = scratch.scores.data();
-  const Q* qh = q + b * q_stride + h * D;
-  acc16 qv[ND];
-  for (int c = 0; c < ND; ++c) qv[c] = load_acc(qh + 16 * c) * scale;
-  int64_t t = 0;
-  for (; t + 4 <= L; t += 4) {
-    if (t + kAttnPrefetch + 4 <= L) {
-      for (int i = 0; i < 4; ++i) prefetch_row(kv.k + rows[t + kAttnPrefetch + i], D);
-    }
-    const C* k0 = kv.k + rows[t];
-    const C* k1 = kv.k + rows[t + 1];
-    const C* k2 = kv.k + rows[t + 2];
-    const C* k3 = kv.k + rows[t + 3];
-    acc16 a0 = qv[0] * load_acc(k0), a1 = qv[0] * load_acc(k1);
-    acc16 a2 = qv[0] * load_acc(k2), a3 = qv[0] * load_acc(k3);
-    for (int c = 1; c < ND; ++c) {
-      a0 += qv[c] * load_acc(k0 + 16 * c);
-      a1 += qv[c] * load_acc(k1 + 16 * c);
-      a2 += qv[c] * load_acc(k2 + 16 * c);
-      a3 += qv[c] * load_acc(k3 + 16 * c);
-    }
-    hsum4(a0, a1, a2, a3, s + t);
-  }
-  for (; t < L; ++t) {
-    const C* k0 = kv.k + rows[t];
-    acc16 a0 = qv[0] * load_acc(k0);
-    for (int c = 1; c < ND; ++c) a0 += qv[c] * load_acc(k0 + 16 * c);
-    s[t] = hsum(a0);
-  }
-  const float inv = 1.f / softmax_unnormalized(s, L);
-  acc16 acc[ND] = {};
-  for (t = 0; t < L; ++t) {
-    if (t + kAttnPrefetch < L) prefetch_row(kv.v + rows[t + kAttnPrefetch], D);
-    const C* v0 = kv.v + rows[t];
-    const float p = s[t];
-    for (int c = 0; c < ND; ++c) acc[c] += p * load_acc(v0 + 16 * c);
-  }
-  O* o = out + b * out_stride + h * D;
-  for (int c = 0; c < ND; ++c) {
-    const acc16 r = acc[c] * inv;
-    for (int i = 0; i < 16; ++i) o[16 * c + i] = from_f<O>(lane(r, i));
-  }
-}
-
 // The query heads h0 .. h0 + P - 1 of sequence b, which share one KV head, together: each key
-// and value row is loaded and widened once for the P heads instead of once per head. Per head
-// the arithmetic is attend_head_vec's, in the same order (four keys per horizontal sum, the
-// same tail, the same softmax and weighted sum): the same bits. P is bounded by the registers
-// the queries and the accumulators take (see group_heads_per_pass).
+// and value row is loaded and widened once for the P heads. Per head the arithmetic is the
+// same whatever P (four keys per horizontal sum, the same tail, the same softmax and weighted
+// sum, in the same order): the same bits grouped or alone (P = 1, attend_head_vec). P is
+// bounded by the registers the queries and the accumulators take (see group_heads_per_pass).
 template <typename Q, typename C, typename O, int ND, int P>
 void attend_heads_vec(const Q* q, int64_t q_stride, const PagedView<C>& kv, int64_t b, int64_t h0,
                       int64_t G, int64_t Hkv, float scale, O* out, int64_t out_stride,
@@ -425,6 +366,20 @@ void attend_heads_vec(const Q* q, int64_t q_stride, const PagedView<C>& kv, int6
       for (int i = 0; i < 16; ++i) o[16 * c + i] = from_f<O>(lane(r, i));
     }
   }
+}
+
+// Query head h of sequence b against its L cached tokens, head size 16 * ND (Q: the queries'
+// dtype, C: the cache's, O: the output's): attend_heads_vec for one head. Keys and values are
+// read straight from the cache rows, widened to fp32 as they are loaded (exact: fp16 and bf16
+// are subsets of fp32), so one head's work needs no copy of its KV head's rows and the G heads
+// of a group are independent items (at batch 1 the 9 heads of SmolLM2 keep two threads busy;
+// its 3 KV heads would not).
+template <typename Q, typename C, typename O, int ND>
+void attend_head_vec(const Q* q, int64_t q_stride, const PagedView<C>& kv, int64_t b, int64_t h,
+                     int64_t G, int64_t Hkv, float scale, O* out, int64_t out_stride,
+                     AttentionScratch& scratch) {
+  attend_heads_vec<Q, C, O, ND, 1>(q, q_stride, kv, b, h, G, Hkv, scale, out, out_stride,
+                                   scratch);
 }
 
 // The same for any head size, one scalar loop per dot product.
