@@ -14,6 +14,7 @@ from tokenmill.quant import (
     QuantizedMatrix,
     quantize_weight,
 )
+from tokenmill.quant import linear as qlinear
 from tokenmill.quant.model import pin_row_kernels
 from tokenmill.quant.packing import (
     INT4_BLOCK_NS,
@@ -204,3 +205,22 @@ def test_pinned_kernels_compute_a_row_alike_at_every_batch_size(method: str) -> 
     for rows in (4, 5, 97, 300):
         picked = list(range(0, rows, 7))
         assert torch.equal(module(x[:rows])[picked], alone[:len(picked)]), rows
+
+
+@pytest.mark.parametrize(("dense", "amx", "int4_rows", "int8_rows"), [
+    (torch.bfloat16, True, qlinear.INT4_DENSE_MIN_ROWS, qlinear.INT8_DENSE_MIN_ROWS),
+    (torch.bfloat16, False, qlinear.INT4_SLOW_DENSE_MIN_ROWS, qlinear.INT8_SLOW_DENSE_MIN_ROWS),
+    (torch.float32, False, qlinear.INT4_SLOW_DENSE_MIN_ROWS, qlinear.INT8_SLOW_DENSE_MIN_ROWS),
+])
+def test_dense_threshold_follows_the_cpu(monkeypatch: pytest.MonkeyPatch, dense: torch.dtype,
+                                         amx: bool, int4_rows: int, int8_rows: int) -> None:
+    """The int kernels keep more rows where the dense matmul is slow: fp32 (no native bf16) or
+    bf16 without AMX; large weights (the head) keep their own thresholds."""
+    if qlinear.cpu_kernels() is None:
+        pytest.skip("tokenmill's C++ extension cannot be built here")
+    monkeypatch.setattr(qlinear, "dense_dtype", lambda _device_type: dense)
+    monkeypatch.setattr(qlinear, "cpu_has_amx", lambda: amx)
+    assert qlinear.default_dense_min_rows("int4", 576 * 576, "cpu") == int4_rows
+    assert qlinear.default_dense_min_rows("int8", 576 * 576, "cpu") == int8_rows
+    assert (qlinear.default_dense_min_rows("int4", 49152 * 576, "cpu")
+            == qlinear.INT4_LARGE_DENSE_MIN_ROWS)

@@ -33,6 +33,7 @@ from tokenmill.quant.packing import (
     KERNEL_DTYPE,
     QUANTIZE_ROWS,
     Int4Groups,
+    cpu_has_amx,
     dense_dtype,
     dequantize_int4_t,
     dequantize_int8,
@@ -81,28 +82,32 @@ INT4_ACT_BITS = int(os.environ.get("TOKENMILL_INT4_ACT_BITS", "16"))
 if INT4_ACT_BITS not in (8, 16):
     raise ValueError(f"TOKENMILL_INT4_ACT_BITS must be 8 or 16, got {INT4_ACT_BITS}")
 
-# Rows from which the dense bf16 path wins, measured on SmolLM2-135M's shapes (see
-# benchmarks/results/quant-kernels-cpu.md). Dequantizing a weight that does not fit in cache
+# Rows from which the dense bf16 path wins where AMX runs it, measured on SmolLM2-135M's shapes
+# (see benchmarks/results/quant-kernels-cpu.md). Dequantizing a weight that does not fit in cache
 # (the 576 x 49152 head) costs several times more per element, which moves the crossover.
 INT8_DENSE_MIN_ROWS = 48
 INT4_DENSE_MIN_ROWS = 96
 LARGE_WEIGHT_NUMEL = 1 << 23
 INT8_LARGE_DENSE_MIN_ROWS = 256
 INT4_LARGE_DENSE_MIN_ROWS = 512
-# Where the dense path is fp32 (CPUs without native bf16, see dense_dtype) it costs ~4x more
-# per row, and tokenmill's own int kernels (from 2 rows) beat it up to a few hundred rows:
-# measured on an AVX2 EPYC, benchmarks/results/quant-kernels-cpu.md. (Large weights keep
-# their thresholds above.)
-INT8_FP32_DENSE_MIN_ROWS = 96
-INT4_FP32_DENSE_MIN_ROWS = 384
+# Where the dense path is slower, tokenmill's own int kernels (from 2 rows) beat it up to a few
+# hundred rows: where it is fp32 (CPUs without native bf16, see dense_dtype; ~4x the cost per
+# row, measured on an AVX2 EPYC, benchmarks/results/quant-kernels-cpu.md), and where it is bf16
+# on AVX512-BF16 without AMX (a Zen 5: the int4 kernel won up to ~300-500 rows by shape, int8 up
+# to ~100; benchmarks/results/quant-kernels-zen5-cpu.md). (Large weights keep their thresholds
+# above.)
+INT8_SLOW_DENSE_MIN_ROWS = 96
+INT4_SLOW_DENSE_MIN_ROWS = 384
 
 
 def default_dense_min_rows(method: str, numel: int, device_type: str) -> int:
     """Rows from which an ``int8`` / ``int4`` layer of ``numel`` weights computes dense."""
     if numel > LARGE_WEIGHT_NUMEL:
         return INT8_LARGE_DENSE_MIN_ROWS if method == "int8" else INT4_LARGE_DENSE_MIN_ROWS
-    if dense_dtype(device_type) == torch.float32 and cpu_kernels() is not None:
-        return INT8_FP32_DENSE_MIN_ROWS if method == "int8" else INT4_FP32_DENSE_MIN_ROWS
+    slow_dense = dense_dtype(device_type) == torch.float32 or (
+        device_type == "cpu" and not cpu_has_amx())
+    if slow_dense and cpu_kernels() is not None:
+        return INT8_SLOW_DENSE_MIN_ROWS if method == "int8" else INT4_SLOW_DENSE_MIN_ROWS
     return INT8_DENSE_MIN_ROWS if method == "int8" else INT4_DENSE_MIN_ROWS
 
 # A dense_min_rows no step reaches: the module runs its int kernel at every row count.
