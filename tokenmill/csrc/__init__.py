@@ -32,8 +32,9 @@ _SOURCE_SUFFIXES = (".cpp", ".h")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
 
 
-def _cpu_flags() -> str:
-    """The CPU's feature flags (Linux), or the machine name elsewhere."""
+def cpu_flags() -> str:
+    """The CPU's feature flags (Linux: /proc/cpuinfo's flags line), or the machine name
+    elsewhere."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
@@ -98,7 +99,7 @@ def _build_or_load() -> ModuleType:
     # by name alone: the name carries a hash of every source in csrc (an edited header is a
     # new extension), of the checkout's path (two checkouts do not rebuild each other's copy)
     # and of the CPU's features (-march=native code from another machine could crash here).
-    digest = hashlib.sha256(str(_CSRC).encode() + _cpu_flags().encode()
+    digest = hashlib.sha256(str(_CSRC).encode() + cpu_flags().encode()
                             + " ".join(_CFLAGS).encode())
     for path in sorted(p for p in _CSRC.iterdir() if p.suffix in _SOURCE_SUFFIXES):
         digest.update(path.name.encode() + path.read_bytes())

@@ -460,6 +460,11 @@ void attend_group(const Q* q, int64_t q_stride, const PagedView<C>& kv, int64_t 
   }
 }
 
+// Items per thread from which a step's attention goes by KV head (the G query heads of one
+// together, each row loaded once) instead of by query head (more, smaller items: at batch 1
+// a model's few KV heads would leave threads idle).
+constexpr int64_t kGroupItemsPerThread = 4;
+
 template <typename Q, typename C, typename O>
 using GroupKernel = HeadKernel<Q, C, O>;  // the same signature, g in place of h
 
@@ -475,11 +480,6 @@ GroupKernel<Q, C, O> group_kernel(int64_t D) {
   }
 }
 #endif
-
-// Items per thread from which a step's attention goes by KV head (the G query heads of one
-// together, each row loaded once) instead of by query head (more, smaller items: at batch 1
-// a model's few KV heads would leave threads idle).
-constexpr int64_t kGroupItemsPerThread = 4;
 
 // Decode attention of every (sequence, query head): q [B, q_stride] with the Hq heads first,
 // out [B, Hq * D] (stored as O: bf16 when it feeds a quantized matmul). The heads of a

@@ -81,7 +81,7 @@ def encoder_bf16_matmuls(config: ModelConfig, model: nn.Module, dtype: torch.dty
     (``use_bf16_matmuls``): with dtype "auto" on a CPU that multiplies bf16 natively
     (AVX512-BF16 or AMX), for an unquantized model. There bf16 matmuls run ~4x fp32's rate,
     and all-MiniLM-L6-v2's embeddings stay within 1e-4 cosine of fp32
-    (benchmarks/results/embed-cpu.json). ``dtype="float32"`` keeps every product in fp32."""
+    (benchmarks/results/embed-avx512bf16-cpu.json). ``dtype="float32"`` keeps every product in fp32."""
     return (config.dtype == "auto" and dtype == torch.float32 and device.type == "cpu"
             and method == "none" and hasattr(model, "use_bf16_matmuls")
             and dense_dtype("cpu") == torch.bfloat16)

@@ -35,7 +35,7 @@ class Bf16MatmulLinear(nn.Module):
     fp32 GEMM rate on CPUs that have them), the product comes back in fp32 and the fp32 bias
     is added there. Only the matmul's operands lose precision: residuals, norms, softmax and
     pooling keep fp32, which is what keeps an encoder's embeddings within 1e-4 cosine of the
-    fp32 reference (full bf16 does not: benchmarks/results/embed-cpu.json).
+    fp32 reference (full bf16 does not: benchmarks/results/embed-avx512bf16-cpu.json).
     """
 
     def __init__(self, linear: nn.Linear, out_dtype: torch.dtype = torch.float32) -> None:

@@ -42,14 +42,9 @@ def dense_dtype(device_type: str) -> torch.dtype:
 def cpu_has_amx() -> bool:
     """Whether this CPU has AMX tiles for bf16 (Sapphire Rapids and later), where oneDNN's bf16
     matmuls run several times faster than on AVX512-BF16 alone (Linux: /proc/cpuinfo)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return "amx_bf16" in line.split()
-    except OSError:
-        pass
-    return False
+    from tokenmill.csrc import cpu_flags
+
+    return "amx_bf16" in cpu_flags().split()
 
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
