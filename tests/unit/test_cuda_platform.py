@@ -83,11 +83,12 @@ def test_gpu_memory_utilization_too_small_names_the_option(
         Platform(torch.device("cuda")).kv_cache_budget(0.2, fake.profile)
 
 
-def test_cpu_platform_has_no_gpu_budget_and_uses_the_torch_backend() -> None:
+def test_cpu_platform_has_no_gpu_budget_and_uses_the_cpu_backend() -> None:
     cpu = Platform(torch.device("cpu"))
     with pytest.raises(ValueError, match="CUDA devices only"):
         cpu.kv_cache_budget(0.9, lambda: None)
-    assert cpu.attention_backend().name == "torch"
+    # The extension builds in the test environment: prefill goes through its kernel.
+    assert cpu.attention_backend().name == "cpu"
 
 
 def test_cuda_platform_picks_the_triton_backend() -> None:

@@ -63,6 +63,7 @@ class _PrefillSeq:
     start: int  # first row in q
     end: int  # one past its last row
     seq_len: int
+    index: int  # the sequence's row in the block tables
     # Block ids holding its context; None when the chunk is the whole context, so the new k/v
     # can be attended directly without reading them back from the cache.
     blocks: torch.Tensor | None
@@ -77,6 +78,9 @@ class _StepPlan:
     num_tokens: int
     decode: _DecodePlan | None
     prefill: list[_PrefillSeq]
+    # (start, length, context, block-table row) of each prefill chunk, flat: the argument of
+    # the CPU backend's kernel, made on its first layer's call.
+    prefill_chunks: list[int] | None = None
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -110,19 +114,23 @@ class TorchAttentionBackend(AttentionBackend):
         decode = plan.decode
         if decode is not None and decode.rows is None:
             return _decode(q, kv_cache, decode, scale)
-        if decode is None and len(plan.prefill) == 1:
-            return _prefill_one(q, k, v, kv_cache, plan.prefill[0], scale).reshape(
-                num_tokens, num_heads * head_dim)
-
         out = q.new_empty(num_tokens, num_heads * head_dim)
         if decode is not None:
             assert decode.rows is not None
             out.index_copy_(0, decode.rows, _decode(q.index_select(0, decode.rows), kv_cache,
                                                     decode, scale))
+        self._prefill(q, k, v, kv_cache, meta, plan, scale, out)
+        return out
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kv_cache: torch.Tensor, meta: AttentionMetadata, plan: _StepPlan, scale: float,
+                 out: torch.Tensor) -> None:
+        """Write the attention of the step's prefill chunks into their rows of ``out``
+        (``[T, Hq * D]``), one chunk at a time through SDPA."""
+        num_heads, head_dim = q.shape[1:]
         for seq in plan.prefill:
             o = _prefill_one(q, k, v, kv_cache, seq, scale)
             out[seq.start:seq.end].view(seq.end - seq.start, num_heads, head_dim).copy_(o)
-        return out
 
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan,
@@ -192,7 +200,7 @@ def _build_plan(meta: AttentionMetadata, num_tokens: int, device: torch.device) 
                 cols = torch.arange(slen, device=device)
                 rows = torch.arange(slen - qlen, slen, device=device)
                 mask = cols[None, :] <= rows[:, None]
-            prefill.append(_PrefillSeq(start, start + qlen, slen, blocks, mask))
+            prefill.append(_PrefillSeq(start, start + qlen, slen, i, blocks, mask))
         start += qlen
     return _StepPlan(num_tokens, decode, prefill)
 

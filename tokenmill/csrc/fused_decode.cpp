@@ -11,6 +11,7 @@
 #include "decode_kernels.h"
 #include "int_dot.h"
 #include "paged_attention.h"
+#include "prefill_attention.h"
 #include "quant_gemm.h"
 #include "thread_pool.h"
 #include "token_bitmask.h"
@@ -351,6 +352,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x (W * scales[:, None])^T for int8 W [N, K], x fp32 or bf16",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("scales"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("prefill_attention", &tokenmill::prefill_attention,
+        "causal attention of prefill chunks over the paged cache, written into out's rows",
+        pybind11::arg("q"), pybind11::arg("kv_cache"), pybind11::arg("block_tables"),
+        pybind11::arg("chunks"), pybind11::arg("scale"), pybind11::arg("out"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("prefill_head_size_supported", &tokenmill::prefill_head_size_supported,
+        "whether prefill_attention has a kernel for this head size", pybind11::arg("head_dim"));
   m.def("parallel_iota", &tokenmill::parallel_iota,
         "out[i] = i filled by the extension's thread pool (throws at index throw_at)",
         pybind11::arg("n"), pybind11::arg("grain") = 1, pybind11::arg("throw_at") = -1,

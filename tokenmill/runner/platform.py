@@ -99,7 +99,8 @@ class Platform:
 
     def attention_backend(self) -> AttentionBackend:
         """The attention implementation for this device: Triton kernels on CUDA (when Triton is
-        installed, as it is with CUDA builds of PyTorch), plain PyTorch elsewhere."""
+        installed, as it is with CUDA builds of PyTorch); on the CPU PyTorch's, with prefill
+        through the C++ extension's kernel where it builds."""
         if self.is_cuda:
             try:
                 from tokenmill.attention.triton_backend import TritonAttentionBackend
@@ -108,7 +109,10 @@ class Platform:
                                "PyTorch backend, without CUDA graphs", e)
             else:
                 return TritonAttentionBackend()
-        return TorchAttentionBackend()
+            return TorchAttentionBackend()
+        from tokenmill.attention.cpu_backend import cpu_attention_backend
+
+        return cpu_attention_backend()
 
     def set_num_threads(self, num_threads: int | None) -> None:
         """Use every core we may run on unless told otherwise (CPU only)."""
