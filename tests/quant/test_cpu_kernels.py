@@ -141,3 +141,33 @@ def test_heads_compute_fp32_logits(ext, method: str, rows: int) -> None:
     # The same module as a body layer (no fp32_io) rounds to bf16: far coarser.
     linear.fp32_io = False
     assert (linear(x).double() - ref).abs().max() > 1e-4 * ref.abs().max()
+
+
+@pytest.mark.parametrize("block_n", INT4_BLOCK_NS)
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_dequantize_matches_pytorch_bit_for_bit(ext, block_n: int, group: int) -> None:
+    """The dense path's C++ decoding gives the bf16 weight of PyTorch's ops (packing.py's
+    dequantize_int4_t: one rounding of (q - 8) * scale + zero), transposed."""
+    from tokenmill.quant.packing import dequantize_int4_t
+
+    n, k = 3 * block_n, 256
+    q, sz, w = int4_case(n, k, group, seed=3)
+    packed = pack_int4_by_hand(q, block_n)
+    w_t = ext.dequantize_int4_t(packed, sz, group, n, k, block_n)
+    assert w_t.dtype == torch.bfloat16 and w_t.shape == (k, n)
+    # One rounding to bf16 of the fp32 weight: within half a bf16 step of it, everywhere.
+    assert bool(((w_t.float() - w.t()).abs() <= w.t().abs() * 2 ** -8 + 1e-30).all())
+    if block_n == int4_block_n():  # PyTorch's ops read this build's layout only
+        ref = dequantize_int4_t(packed, sz, group, n, k)
+        assert torch.equal(w_t.view(torch.int16), ref.view(torch.int16))
+
+
+def test_int4_dequantize_rejects_bad_shapes(ext) -> None:
+    q, sz, _ = int4_case(64, 128, 32)
+    packed = pack_int4_by_hand(q, 64)
+    with pytest.raises(RuntimeError, match="whole blocks of block_n"):
+        ext.dequantize_int4_t(packed, sz, 32, 64, 128, 48)
+    with pytest.raises(RuntimeError, match="N \\* K / 2 bytes"):
+        ext.dequantize_int4_t(packed[:-1], sz, 32, 64, 128, 64)
+    with pytest.raises(RuntimeError, match="scales_and_zeros must be"):
+        ext.dequantize_int4_t(packed, sz.float(), 32, 64, 128, 64)

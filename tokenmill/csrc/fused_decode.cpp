@@ -339,6 +339,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("scales_and_zeros"),
         pybind11::arg("group_size"), pybind11::arg("block_n"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("dequantize_int4_t", &tokenmill::qgemm::dequantize_int4_t,
+        "the transposed bf16 weight [K, N] of an int4 weight in PyTorch's CPU packing",
+        pybind11::arg("packed"), pybind11::arg("scales_and_zeros"), pybind11::arg("group_size"),
+        pybind11::arg("n"), pybind11::arg("k"), pybind11::arg("block_n"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int4_q8_linear", &tokenmill::intdot::int4_q8_linear,
         "x W^T for int4 W in q8 tiles (int_dot.h), x quantized to act_bits per block of 32",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("scales"),

@@ -512,5 +512,59 @@ inline at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& weight,
   return out_bf16 ? y.to(at::kBFloat16) : y;
 }
 
+// The whole weight, transposed and dequantized: w_t[k][n] = (q - 8) * scale + zero in bf16,
+// rounded once from one fp32 fma, for one dense bf16 matmul (prefill: many rows). One pass over
+// the packed bytes in place of the ~8 ATen ops (and their temporaries) it takes in PyTorch;
+// parallel over k on OpenMP, as it runs between PyTorch's own ops.
+inline at::Tensor dequantize_int4_t(const at::Tensor& packed, const at::Tensor& scales_and_zeros,
+                                    int64_t group_size, int64_t N, int64_t K, int64_t block_n) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.numel() == N * K / 2,
+              "dequantize_int4_t: packed must be contiguous uint8 with N * K / 2 bytes");
+  TORCH_CHECK(block_n > 0 && block_n % 2 == 0 && N % block_n == 0,
+              "dequantize_int4_t: N must be whole blocks of block_n outputs");
+  TORCH_CHECK(group_size > 0 && K % group_size == 0,
+              "dequantize_int4_t: K must be whole groups");
+  TORCH_CHECK(scales_and_zeros.scalar_type() == at::kBFloat16 &&
+                  scales_and_zeros.is_contiguous() && scales_and_zeros.dim() == 3 &&
+                  scales_and_zeros.size(0) == K / group_size && scales_and_zeros.size(1) == N &&
+                  scales_and_zeros.size(2) == 2,
+              "dequantize_int4_t: scales_and_zeros must be contiguous bf16 [K / g, N, 2]");
+  at::Tensor out = at::empty({K, N}, packed.options().dtype(at::kBFloat16));
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  const uint16_t* sz = reinterpret_cast<const uint16_t*>(scales_and_zeros.data_ptr());
+  c10::BFloat16* dst = out.data_ptr<c10::BFloat16>();
+  const int64_t half = block_n / 2, blocks = N / block_n;
+  at::parallel_for(0, K, 16, [&](int64_t k0, int64_t k1) {
+    std::vector<float> scale(static_cast<size_t>(N)), zero(static_cast<size_t>(N));
+    int64_t group = -1;
+    for (int64_t k = k0; k < k1; ++k) {
+      if (k / group_size != group) {
+        group = k / group_size;
+        const uint16_t* row = sz + group * N * 2;
+        for (int64_t n = 0; n < N; ++n) {
+          scale[n] = bf16_bits_to_f(row[2 * n]);
+          zero[n] = bf16_bits_to_f(row[2 * n + 1]);
+        }
+      }
+      c10::BFloat16* out_row = dst + k * N;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* bytes = src + (b * K + k) * half;
+        const int64_t n0 = b * block_n;
+        for (int64_t j = 0; j < half; ++j) {
+          const float lo = static_cast<float>(static_cast<int>(bytes[j] & 15) - 8);
+          out_row[n0 + j] = from_f<c10::BFloat16>(std::fma(lo, scale[n0 + j], zero[n0 + j]));
+        }
+        for (int64_t j = 0; j < half; ++j) {
+          const float hi = static_cast<float>(static_cast<int>(bytes[j] >> 4) - 8);
+          const int64_t n = n0 + half + j;
+          out_row[n] = from_f<c10::BFloat16>(std::fma(hi, scale[n], zero[n]));
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace qgemm
 }  // namespace tokenmill

@@ -354,8 +354,13 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
     def _dense(self, xb: torch.Tensor) -> torch.Tensor:
         if not self._can_decode:
             return self._kernel(xb)
-        w_t = dequantize_int4_t(self.weight, self.scales_and_zeros, self.group_size,
-                                self.out_features, self.in_features)
+        ext = cpu_kernels() if self.weight.device.type == "cpu" else None
+        if ext is not None:  # one pass in C++, the same bits as PyTorch's ops below
+            w_t = ext.dequantize_int4_t(self.weight, self.scales_and_zeros, self.group_size,
+                                        self.out_features, self.in_features, int4_block_n())
+        else:
+            w_t = dequantize_int4_t(self.weight, self.scales_and_zeros, self.group_size,
+                                    self.out_features, self.in_features)
         dtype = dense_dtype(xb.device.type)
         return xb.to(dtype) @ w_t.to(dtype)
 
