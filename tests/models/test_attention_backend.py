@@ -70,7 +70,6 @@ def cpu_backend() -> CpuAttentionBackend:
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_backend_matches_dense_attention(make_backend: type[AttentionBackend],
                                          dtype: torch.dtype, tol: float) -> None:
-    """D = 16: the CPU backend has no prefill kernel for it and must fall back to PyTorch's."""
     gen = torch.Generator().manual_seed(0)
     cache = PagedKVCache(1, HKV, D, num_blocks=48, block_size=4, dtype=dtype,
                          backend=make_backend())
@@ -80,6 +79,17 @@ def test_backend_matches_dense_attention(make_backend: type[AttentionBackend],
         assert out.dtype == dtype
         assert out.shape == ref.shape
         assert (out.float() - ref).abs().max().item() <= tol, chunks
+
+
+def test_cpu_backend_falls_back_for_head_sizes_without_a_kernel() -> None:
+    """D = 24: the extension has no prefill kernel for it; PyTorch's path computes."""
+    assert not cpu_backend()._ext.prefill_head_size_supported(24)
+    gen = torch.Generator().manual_seed(0)
+    cache = PagedKVCache(1, HKV, 24, num_blocks=48, block_size=4, backend=cpu_backend())
+    history: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for chunks in STEPS:
+        out, ref = run_layer(cache, chunks, history, torch.float32, gen, d=24)
+        assert (out - ref).abs().max().item() <= 1e-5, chunks
 
 
 # Steps with long chunks: several key blocks of 64 and query items of 32 tokens, partial ones
@@ -92,7 +102,7 @@ LONG_STEPS = [
 ]
 
 
-@pytest.mark.parametrize("head_dim,hq,hkv", [(64, 9, 3), (32, 4, 1), (128, 4, 4)])
+@pytest.mark.parametrize("head_dim,hq,hkv", [(64, 9, 3), (32, 4, 1), (128, 4, 4), (16, 8, 2)])
 @pytest.mark.parametrize("dtype,cache_dtype,tol", [
     (torch.float32, torch.float32, 2e-5),
     (torch.float32, torch.float16, 2e-5),  # fp32 activations over the CPU's fp16 cache
@@ -130,9 +140,9 @@ def test_cpu_prefill_kernel_rejects_what_it_cannot_read() -> None:
     with pytest.raises(RuntimeError, match="outside the cache"):
         ext.prefill_attention(q, cache, torch.full((1, 4), 9, dtype=torch.int32),
                               [0, 10, 10, 0], 0.125, out)
-    with pytest.raises(RuntimeError, match="head size 16 is not supported"):
-        ext.prefill_attention(torch.zeros(10, 2, 16), torch.zeros(2, 4, 16, 1, 16), tables,
-                              [0, 10, 10, 0], 0.125, torch.zeros(10, 32))
+    with pytest.raises(RuntimeError, match="head size 24 is not supported"):
+        ext.prefill_attention(torch.zeros(10, 2, 24), torch.zeros(2, 4, 16, 1, 24), tables,
+                              [0, 10, 10, 0], 0.125, torch.zeros(10, 48))
 
 
 def test_plan_is_cached_per_step() -> None:

@@ -1,4 +1,5 @@
-"""The C++ decode stack against model.forward: hidden states, KV cache writes, greedy output."""
+"""The C++ layer stack against model.forward: hidden states, KV cache writes, greedy output, for
+decode-only steps and steps with prompt chunks."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from paged import PagedKVCache
 
 from tokenmill.runner.fused_decode import (
     ENV_FLAG,
+    KIND_FLOAT,
+    PREFILL_ENV_FLAG,
     FusedDecoder,
     UnsupportedModel,
     fused_decode_enabled,
+    fused_prefill_enabled,
     linear_parts,
 )
 
@@ -111,13 +115,15 @@ def test_refuses_unknown_linear_modules() -> None:
         linear_parts(torch.nn.Linear(4, 4).to(torch.bfloat16), torch.float32)
 
 
-def test_supports_only_decode_steps(llama: Checkpoint) -> None:
-    fused = FusedDecoder(llama.model)
+def test_supports_prefill_steps_unless_told_not_to(llama: Checkpoint) -> None:
     cache = PagedKVCache.for_arch(llama.arch, num_blocks=16)
     meta, _ = cache.step([(0, 3), (1, 1)])
-    assert not fused.supports(torch.zeros(4, dtype=torch.long), meta)
+    assert FusedDecoder(llama.model).supports(torch.zeros(4, dtype=torch.long), meta)
+    decode_only = FusedDecoder(llama.model, prefill=False)
+    assert not decode_only.supports(torch.zeros(4, dtype=torch.long), meta)
+    assert not decode_only.supports(torch.zeros(3, dtype=torch.long), meta)  # wrong row count
     meta, _ = cache.step([(0, 1), (1, 1)])
-    assert fused.supports(torch.zeros(2, dtype=torch.long), meta)
+    assert decode_only.supports(torch.zeros(2, dtype=torch.long), meta)
 
 
 def test_flag(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -129,6 +135,10 @@ def test_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_FLAG, "maybe")
     with pytest.raises(ValueError, match=ENV_FLAG):
         fused_decode_enabled()
+    monkeypatch.setenv(PREFILL_ENV_FLAG, "0")
+    assert not fused_prefill_enabled()
+    monkeypatch.delenv(PREFILL_ENV_FLAG)
+    assert fused_prefill_enabled()
 
 
 GREEDY_PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colors:",
@@ -230,7 +240,8 @@ def test_quantized_as_close_as_model_forward(checkpoint: Checkpoint, kind: str) 
     model = quantized_copy(checkpoint.model, kind)
     ref = dequantized_copy(model)
     fused = FusedDecoder(model)
-    assert fused.batch_limit < 1 << 62  # the quantized modules were taken, not refused
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert linear_parts(qkv, torch.float32).kind != KIND_FLOAT  # taken as quantized
     arch = checkpoint.arch
     cache = PagedKVCache.for_arch(arch, num_blocks=48)
     prefill(ref, cache, PROMPT_LENS, arch.vocab_size)
@@ -247,16 +258,83 @@ def test_quantized_as_close_as_model_forward(checkpoint: Checkpoint, kind: str) 
         torch.testing.assert_close(got, eager, rtol=0, atol=5e-2)
 
 
-def test_quantized_large_batches_stay_eager(llama: Checkpoint) -> None:
-    """From dense_min_rows rows on, tokenmill.quant computes differently: not fused."""
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_large_batches_take_the_dense_path(llama: Checkpoint, kind: str) -> None:
+    """From dense_min_rows rows on, tokenmill.quant dequantizes for one dense matmul: the stack
+    takes the same route, so a batch at the threshold computes as model.forward does."""
     pytest.importorskip("tokenmill.quant.linear")
-    fused = FusedDecoder(quantized_copy(llama.model, "int8"))
-    n = fused.batch_limit
+    model = quantized_copy(llama.model, kind)
+    n = 12
+    for layer in model.model.layers:
+        for mod in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                    layer.mlp.down_proj):
+            if hasattr(mod, "dense_min_rows"):
+                mod.dense_min_rows = n
+    fused = FusedDecoder(model)
     cache = PagedKVCache.for_arch(llama.arch, num_blocks=2 * n + 8)
-    meta, _ = cache.step([(i, 1) for i in range(n)])
-    assert not fused.supports(torch.zeros(n, dtype=torch.long), meta)
-    meta, _ = cache.step([(i, 1) for i in range(n - 1)])
-    assert fused.supports(torch.zeros(n - 1, dtype=torch.long), meta)
+    prefill(model, cache, tuple(3 + i for i in range(n)), llama.arch.vocab_size)
+    other = cache.clone()
+    want, got = decode_both(model, fused, cache, other, list(range(n)))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
+
+
+def prefill_both(model: torch.nn.Module, fused: FusedDecoder, eager_cache: PagedKVCache,
+                 fused_cache: PagedKVCache, chunks: list[tuple[int, int]], vocab: int,
+                 seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of ``chunks`` (sequence, new tokens) through model.forward and the stack."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (sum(n for _, n in chunks),), generator=gen)
+    meta_e, pos_e = eager_cache.step(chunks)
+    meta_f, pos_f = fused_cache.step(chunks)
+    assert fused.supports(ids, meta_f)
+    with torch.inference_mode():
+        return model(ids, pos_e, meta_e), fused.forward(ids, pos_f, meta_f)
+
+
+# Fresh prompts, a decode beside a prompt, chunks continuing a context across key blocks.
+PREFILL_STEPS = [[(0, 70), (1, 5), (2, 1)], [(0, 1), (1, 40), (2, 1), (3, 17)],
+                 [(3, 66), (0, 2)]]
+
+
+def test_prefill_steps_match_model_forward(checkpoint: Checkpoint) -> None:
+    model, arch = checkpoint.model, checkpoint.arch
+    fused = FusedDecoder(model)
+    assert fused.prefill
+    cache = PagedKVCache.for_arch(arch, num_blocks=64, block_size=16)
+    other = cache.clone()
+    for i, chunks in enumerate(PREFILL_STEPS):
+        want, got = prefill_both(model, fused, cache, other, chunks, arch.vocab_size, i)
+        assert got.shape == want.shape and got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    for c_e, c_f in zip(cache.kv_caches, other.kv_caches, strict=True):
+        torch.testing.assert_close(c_f, c_e, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_prefill_steps_as_close_as_model_forward(llama: Checkpoint, kind: str) -> None:
+    """Prompt steps cross the own-kernel and dense row thresholds (set low here) in one run."""
+    pytest.importorskip("tokenmill.quant.linear")
+    model = quantized_copy(llama.model, kind)
+    for layer in model.model.layers:
+        for mod in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                    layer.mlp.down_proj):
+            if hasattr(mod, "dense_min_rows"):
+                mod.dense_min_rows = 48
+    ref = dequantized_copy(model)
+    fused = FusedDecoder(model)
+    arch = llama.arch
+    caches = [PagedKVCache.for_arch(arch, num_blocks=64) for _ in range(3)]
+    for i, chunks in enumerate(PREFILL_STEPS):
+        gen = torch.Generator().manual_seed(i)
+        ids = torch.randint(0, arch.vocab_size, (sum(n for _, n in chunks),), generator=gen)
+        meta, pos = caches[2].step(chunks)
+        with torch.inference_mode():
+            want = ref(ids, pos, meta)
+        eager, got = prefill_both(model, fused, caches[0], caches[1], chunks, arch.vocab_size, i)
+        err_eager = (eager - want).abs().max().item()
+        err_fused = (got - want).abs().max().item()
+        assert err_fused <= 2 * err_eager + 1e-2, (chunks, err_fused, err_eager)
+        torch.testing.assert_close(got, eager, rtol=0, atol=5e-2)
 
 
 @pytest.mark.parametrize("block_size", [1, 5, 32])

@@ -4,7 +4,9 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <limits>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -41,9 +43,28 @@ struct LinearSpec {
   // their scales).
   int64_t act_bits = 0;
   at::Tensor q8_packed, q8_scales;
+  // kInt8 / kInt4: from this many rows the module dequantizes the whole weight for one dense
+  // matmul in dense_type (bf16, or fp32 where the CPU has no native bf16); for int4 the
+  // decoding reads PyTorch's packing in blocks of dense_block_n outputs (0: an unknown layout,
+  // PyTorch's kernel instead), as tokenmill.quant's modules do.
+  int64_t dense_min_rows = std::numeric_limits<int64_t>::max();
+  at::ScalarType dense_type = at::kBFloat16;
+  int64_t dense_block_n = 0;
 
   bool own_at(int64_t rows) const {
-    return kind != kFloat && own_kernel > 0 && rows >= own_min_rows;
+    return kind != kFloat && own_kernel > 0 && rows >= own_min_rows && rows < dense_min_rows;
+  }
+
+  // The module's dense path on bf16 activations xb.
+  at::Tensor dense(const at::Tensor& xb) const {
+    if (kind == kInt8) {
+      return at::linear(xb.to(dense_type), weight * scales.to(dense_type).unsqueeze(1));
+    }
+    if (dense_block_n == 0) return at::_weight_int4pack_mm_for_cpu(xb, weight, group_size, scales);
+    const int64_t N = scales.size(1), K = scales.size(0) * group_size;
+    const at::Tensor w_t = qgemm::dequantize_int4_t(weight, scales, group_size, N, K,
+                                                    dense_block_n);
+    return at::mm(xb.to(dense_type), w_t.to(dense_type));
   }
 
   // y = x W^T (+ bias). Quantized kinds (ours and PyTorch's kernels) take and return bf16, as tokenmill.quant's modules
@@ -54,6 +75,11 @@ struct LinearSpec {
       return bias.defined() ? at::linear(x, weight, bias) : at::linear(x, weight);
     }
     const at::Tensor xb = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
+    if (x.size(0) >= dense_min_rows) {
+      at::Tensor y = dense(xb);
+      if (bias.defined()) y = y + bias;
+      return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+    }
     if (own_at(x.size(0))) {  // bf16 in and out, as PyTorch's kernels below
       at::Tensor y;
       if (kind == kInt8) {
@@ -100,7 +126,7 @@ class DecoderStack {
   // norms: input, post-attention, q, k (q/k as empty tensors when absent); linears in the order
   // qkv, o, gate_up, down, each as (kind, [weight, bias-or-empty, scales-or-empty, q8 packed
   // weight-or-empty, q8 scales-or-empty], group size, [own kernel, own min rows, activation
-  // bits]: see LinearSpec).
+  // bits, dense min rows, dense in bf16, dense block width]: see LinearSpec).
   void add_layer(std::vector<at::Tensor> norms, std::vector<int64_t> kinds,
                  std::vector<std::vector<at::Tensor>> tensors, std::vector<int64_t> group_sizes,
                  std::vector<std::vector<int64_t>> own_kernels) {
@@ -128,11 +154,15 @@ class DecoderStack {
         specs[i]->q8_scales = tensors[i][4];
       }
       specs[i]->group_size = group_sizes[i];
-      TORCH_CHECK(own_kernels[i].size() == 3,
-                  "own kernel is [block width, min rows, activation bits]");
+      TORCH_CHECK(own_kernels[i].size() == 6,
+                  "row dispatch is [own kernel's block width, its min rows, activation bits, "
+                  "dense min rows, dense in bf16, dense block width]");
       specs[i]->own_kernel = own_kernels[i][0];
       specs[i]->own_min_rows = own_kernels[i][1];
       specs[i]->act_bits = own_kernels[i][2];
+      specs[i]->dense_min_rows = own_kernels[i][3];
+      specs[i]->dense_type = own_kernels[i][4] ? at::kBFloat16 : at::kFloat;
+      specs[i]->dense_block_n = own_kernels[i][5];
       TORCH_CHECK(specs[i]->act_bits == 0 || kinds[i] == kInt8 || specs[i]->q8_packed.defined(),
                   "int4 on integer activations needs the weight in q8 tiles");
     }
@@ -142,13 +172,20 @@ class DecoderStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-  // hidden [B, H] embeddings of the new tokens -> final-normed hidden states [B, H].
+  // hidden [T, H] embeddings of the new tokens -> final-normed hidden states [T, H]. A
+  // decode-only step (one token per sequence, token b of sequence b) has no `chunks`; any
+  // other step gives each sequence's (first row, query length, context length, block-table
+  // row), four numbers a sequence, and its attention is prefill_attention.h's.
   at::Tensor forward(const at::Tensor& hidden, const at::Tensor& positions,
                      const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
                      const at::Tensor& seq_lens, const at::Tensor& block_tables,
-                     int64_t max_seq_len) const {
-    check_step(hidden, positions, kv_caches, slot_mapping, seq_lens, block_tables);
+                     int64_t max_seq_len, const std::vector<int64_t>& chunks) const {
+    check_step(hidden, positions, kv_caches, slot_mapping, seq_lens, block_tables, chunks);
     at::NoGradGuard no_grad;
+    // Steps with prefill spend most of their time in PyTorch's dense matmuls, on OpenMP's
+    // threads: the glue goes there too rather than wake (and spin) the pool's workers between.
+    std::optional<tmpool::RouteToOpenMP> openmp;
+    if (!chunks.empty()) openmp.emplace();
     // Our own buffer: the residual adds below write into it in place.
     at::Tensor h = hidden.contiguous().clone();
     at::Tensor out;
@@ -160,9 +197,9 @@ class DecoderStack {
     auto with_cache = [&](auto x_tag) {
       using X = decltype(x_tag);
       out = fp16_cache ? run<float, X, c10::Half>(h, positions, kv_caches, slot_mapping, seq_lens,
-                                                  block_tables, max_seq_len)
+                                                  block_tables, max_seq_len, chunks)
                        : run<float, X, float>(h, positions, kv_caches, slot_mapping, seq_lens,
-                                              block_tables, max_seq_len);
+                                              block_tables, max_seq_len, chunks);
     };
     AT_DISPATCH_SWITCH(h.scalar_type(), "tokenmill_fused_decode",
       AT_DISPATCH_CASE(at::kFloat, [&] {
@@ -174,7 +211,7 @@ class DecoderStack {
       })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
         out = run<c10::BFloat16, c10::BFloat16, c10::BFloat16>(
-            h, positions, kv_caches, slot_mapping, seq_lens, block_tables, max_seq_len);
+            h, positions, kv_caches, slot_mapping, seq_lens, block_tables, max_seq_len, chunks);
       }));
     return out;
   }
@@ -182,14 +219,18 @@ class DecoderStack {
  private:
   void check_step(const at::Tensor& hidden, const at::Tensor& positions,
                   const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
-                  const at::Tensor& seq_lens, const at::Tensor& block_tables) const {
-    const int64_t B = hidden.size(0);
-    TORCH_CHECK(hidden.dim() == 2 && hidden.device().is_cpu(), "hidden must be [B, H] on CPU");
-    TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == B);
-    TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == B);
-    TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.numel() == B);
+                  const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                  const std::vector<int64_t>& chunks) const {
+    const int64_t T = hidden.size(0);
+    // Sequences: one per token in a decode-only step, one per chunk otherwise.
+    const int64_t num_seqs = chunks.empty() ? T : static_cast<int64_t>(chunks.size() / 4);
+    TORCH_CHECK(hidden.dim() == 2 && hidden.device().is_cpu(), "hidden must be [T, H] on CPU");
+    TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == T);
+    TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T);
+    TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.numel() == num_seqs);
     TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
-                block_tables.size(0) == B);
+                block_tables.size(0) == num_seqs && block_tables.is_contiguous());
+    TORCH_CHECK(chunks.size() % 4 == 0, "chunks are (first row, query length, context, row)");
     TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == num_layers(), "one cache per layer");
     TORCH_CHECK(!kv_caches.empty(), "no KV caches");
     const at::ScalarType cache_type = kv_caches.front().scalar_type();
@@ -213,8 +254,9 @@ class DecoderStack {
   template <typename T, typename X, typename C>
   at::Tensor run(at::Tensor h, const at::Tensor& positions, const std::vector<at::Tensor>& kv,
                  const at::Tensor& slot_mapping, const at::Tensor& seq_lens,
-                 const at::Tensor& block_tables, int64_t max_seq_len) const {
-    const int64_t B = h.size(0), H = h.size(1);
+                 const at::Tensor& block_tables, int64_t max_seq_len,
+                 const std::vector<int64_t>& chunk_args) const {
+    const int64_t B = h.size(0), H = h.size(1);  // B: the step's tokens
     const auto pos = positions.contiguous();
     const auto slots = slot_mapping.contiguous();
     const auto lens = seq_lens.contiguous();
@@ -224,6 +266,8 @@ class DecoderStack {
     at::Tensor q = at::empty({B, hq_ * d_}, h.options());
     at::Tensor attn = at::empty({B, hq_ * d_}, x_opts);
     at::Tensor act = at::empty({B, inter_}, x_opts);
+    const std::vector<PrefillChunk> chunks =
+        prefill_chunks(chunk_args, B, tables, kv.front().size(1), kv.front().size(2));
     for (size_t li = 0; li < layers_.size(); ++li) {
       const LayerWeights& w = layers_[li];
       rms_norm_rows<T, X>(h.data_ptr<T>(), w.input_norm.data_ptr<T>(), x.data_ptr<X>(), B, H,
@@ -235,9 +279,14 @@ class DecoderStack {
       const C* cache = kv[li].data_ptr<C>();
       PagedView<C> view{cache, cache + slots_per_side, lens.data_ptr<int32_t>(),
                         tables.data_ptr<int32_t>(), tables.size(1), block_size};
-      paged_decode_attention<T, C, X>(q.data_ptr<T>(), hq_ * d_, view, B, hq_, hkv_, d_,
-                                      1.f / std::sqrt(static_cast<float>(d_)),
-                                      attn.data_ptr<X>(), max_seq_len);
+      const float scale = 1.f / std::sqrt(static_cast<float>(d_));
+      if (chunks.empty()) {
+        paged_decode_attention<T, C, X>(q.data_ptr<T>(), hq_ * d_, view, B, hq_, hkv_, d_, scale,
+                                        attn.data_ptr<X>(), max_seq_len);
+      } else {
+        paged_prefill_attention<T, C, X>(q.data_ptr<T>(), hq_ * d_, view, chunks, hq_, hkv_, d_,
+                                         scale, attn.data_ptr<X>(), hq_ * d_);
+      }
       at::Tensor o = w.o(attn).contiguous();
       add_rows<T, X>(h.data_ptr<T>(), o.data_ptr<X>(), B, H);
       rms_norm_rows<T, X>(h.data_ptr<T>(), w.post_norm.data_ptr<T>(), x.data_ptr<X>(), B, H,

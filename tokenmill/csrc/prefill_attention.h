@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "decode_kernels.h"
@@ -239,6 +240,7 @@ using PrefillItemFn = void (*)(const Q*, int64_t, const PrefillChunk&, int64_t, 
 template <typename Q, typename O>
 PrefillItemFn<Q, O> prefill_kernel(int64_t D) {
   switch (D) {
+    case 16: return &prefill_item<Q, O, 1>;
     case 32: return &prefill_item<Q, O, 2>;
     case 64: return &prefill_item<Q, O, 4>;
     case 128: return &prefill_item<Q, O, 8>;
@@ -246,7 +248,9 @@ PrefillItemFn<Q, O> prefill_kernel(int64_t D) {
   }
 }
 
-inline bool prefill_head_size_supported(int64_t D) { return D == 32 || D == 64 || D == 128; }
+inline bool prefill_head_size_supported(int64_t D) {
+  return D == 16 || D == 32 || D == 64 || D == 128;
+}
 
 // Causal attention of every chunk: q [T, q_stride] (query head h of token t at t * q_stride +
 // h * D), the cache's keys and values of each chunk's context (the chunk's own already
@@ -302,6 +306,33 @@ void paged_prefill_attention(const Q* q, int64_t q_stride, const PagedView<C>& c
   });
 }
 
+// The chunks of a step from their flat (q_begin, query_len, seq_len, block-table row)
+// numbers, each checked against the step's T rows, the block tables and the cache's blocks.
+inline std::vector<PrefillChunk> prefill_chunks(const std::vector<int64_t>& flat, int64_t T,
+                                                const at::Tensor& block_tables,
+                                                int64_t num_blocks, int64_t block_size) {
+  TORCH_CHECK(flat.size() % 4 == 0, "prefill attention: chunks are (q_begin, L, S, row)");
+  std::vector<PrefillChunk> list;
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t table_stride = block_tables.size(1);
+  for (size_t i = 0; i < flat.size(); i += 4) {
+    const int64_t q_begin = flat[i], L = flat[i + 1], S = flat[i + 2], row = flat[i + 3];
+    TORCH_CHECK(L >= 1 && L <= S && q_begin >= 0 && q_begin + L <= T,
+                "prefill attention: chunk ", i / 4, " has rows [", q_begin, ", ", q_begin + L,
+                ") of ", T, " and context ", S);
+    TORCH_CHECK(row >= 0 && row < block_tables.size(0) &&
+                    (S + block_size - 1) / block_size <= table_stride,
+                "prefill attention: chunk ", i / 4, "'s block table row is out of range");
+    const int32_t* table = tables + row * table_stride;
+    for (int64_t b = 0; b < (S + block_size - 1) / block_size; ++b) {
+      TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "prefill attention: block ", table[b],
+                  " is outside the cache");
+    }
+    list.push_back({q_begin, L, S, table});
+  }
+  return list;
+}
+
 // The Python entry: q [T, Hq, D] (last dim contiguous), the layer's cache [2, blocks,
 // block_size, Hkv, D], block_tables [num_seqs, max_blocks] int32, and per chunk (q_begin,
 // query_len, seq_len, block-table row) -> out [T, Hq * D] in q's dtype; rows of tokens in no
@@ -318,30 +349,13 @@ inline void prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache,
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
                   block_tables.is_contiguous(),
               "prefill attention: block_tables must be contiguous int32 [num_seqs, blocks]");
-  TORCH_CHECK(chunks.size() % 4 == 0, "prefill attention: chunks are (q_begin, L, S, row)");
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = kv_cache.size(3);
   const int64_t block_size = kv_cache.size(2), num_blocks = kv_cache.size(1);
   TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == Hq * D &&
                   out.is_contiguous() && out.scalar_type() == q.scalar_type(),
               "prefill attention: out must be contiguous [T, Hq * D] in q's dtype");
-  std::vector<PrefillChunk> list;
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int64_t table_stride = block_tables.size(1);
-  for (size_t i = 0; i < chunks.size(); i += 4) {
-    const int64_t q_begin = chunks[i], L = chunks[i + 1], S = chunks[i + 2], row = chunks[i + 3];
-    TORCH_CHECK(L >= 1 && L <= S && q_begin >= 0 && q_begin + L <= T,
-                "prefill attention: chunk ", i / 4, " has rows [", q_begin, ", ", q_begin + L,
-                ") of ", T, " and context ", S);
-    TORCH_CHECK(row >= 0 && row < block_tables.size(0) &&
-                    (S + block_size - 1) / block_size <= table_stride,
-                "prefill attention: chunk ", i / 4, "'s block table row is out of range");
-    const int32_t* table = tables + row * table_stride;
-    for (int64_t b = 0; b < (S + block_size - 1) / block_size; ++b) {
-      TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "prefill attention: block ", table[b],
-                  " is outside the cache");
-    }
-    list.push_back({q_begin, L, S, table});
-  }
+  const std::vector<PrefillChunk> list =
+      prefill_chunks(chunks, T, block_tables, num_blocks, block_size);
   const float s = static_cast<float>(scale);
   auto run = [&](auto q_tag, auto c_tag) {
     using Q = decltype(q_tag);

@@ -99,6 +99,22 @@ inline int64_t spin_ns_from_env() {
 // there runs inline.
 inline thread_local bool t_in_pool = false;
 
+// True while this thread's calls go to OpenMP's team instead (RouteToOpenMP): in steps whose
+// heavy work is PyTorch's own parallel ops (prefill's dense matmuls), so that the pool's
+// workers do not spin for the next call while OpenMP's threads need the cores.
+inline thread_local bool t_route_to_openmp = false;
+
+class RouteToOpenMP {
+ public:
+  RouteToOpenMP() : saved_(t_route_to_openmp) { t_route_to_openmp = true; }
+  ~RouteToOpenMP() { t_route_to_openmp = saved_; }
+  RouteToOpenMP(const RouteToOpenMP&) = delete;
+  RouteToOpenMP& operator=(const RouteToOpenMP&) = delete;
+
+ private:
+  bool saved_;
+};
+
 class Pool {
  public:
   static Pool& get() { return *instance(); }
@@ -128,7 +144,7 @@ class Pool {
       fn(ctx, begin, end);
       return;
     }
-    if (!enabled_) {
+    if (!enabled_ || t_route_to_openmp) {
       at::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) { fn(ctx, b, e); });
       return;
     }

@@ -342,6 +342,11 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
             self._q8 = pack_int4_q8(q, self.scales_and_zeros)
         return self._q8
 
+    def dense_block_n(self) -> int:
+        """The block width in which the dense path decodes this weight's packing; 0 where it
+        cannot and PyTorch's int4 kernel computes every row count instead."""
+        return int4_block_n() or 0 if self._can_decode else 0
+
     def cpu_block_n(self) -> int:
         """The output-block width of this weight's packing that tokenmill's own int4 kernel
         reads, or 0 where it cannot (an unknown layout, a partial last block, a GPU)."""

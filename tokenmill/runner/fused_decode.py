@@ -1,11 +1,13 @@
-"""Decode-only steps through the C++ layer stack in ``tokenmill/csrc``.
+"""Model steps through the C++ layer stack in ``tokenmill/csrc``.
 
 On the CPU a decode step of a small model is dominated by Python dispatch of the ~30 non-matmul
 ops per layer, not by arithmetic. :class:`FusedDecoder` runs the whole layer stack in one call
 to a C++ extension (built once with ``torch.utils.cpp_extension.load`` and cached on disk) that
 issues the matmuls as ATen calls and does the glue in hand-written loops. It covers what
-``LlamaForCausalLM.forward`` does for steps where every sequence adds exactly one token; the
-runner keeps ``model.forward`` for everything else.
+``LlamaForCausalLM.forward`` does for decode-only steps, and for steps with prompt chunks
+(prefill, mixed with decodes or not; each layer's glue then runs on OpenMP's threads beside
+PyTorch's dense matmuls, and attention is the CPU backend's prefill kernel); the runner keeps
+``model.forward`` for models and steps the stack does not cover.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from tokenmill.csrc import load_extension
 from tokenmill.models import layers
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.quant.model import float_matmul_layers, pin_row_kernels
-from tokenmill.quant.packing import release_freed_memory
+from tokenmill.quant.packing import dense_dtype, release_freed_memory
 
 logger = logging.getLogger(__name__)
 # The torch.profiler range of one fused decode step (benchmarks/step_profile.py reads it).
@@ -31,6 +33,8 @@ PROFILE_RANGE = "tokenmill::fused_decode_stack"
 # "1" forces the fused path on, "0" off; unset means DEFAULT_ENABLED. Read only here.
 ENV_FLAG = "TOKENMILL_FUSED_DECODE"
 DEFAULT_ENABLED = True
+# The same for steps with prefill chunks (when the fused path is on at all).
+PREFILL_ENV_FLAG = "TOKENMILL_FUSED_PREFILL"
 
 # Linear kinds, as in fused_decode.cpp.
 KIND_FLOAT, KIND_INT8, KIND_INT4 = 0, 1, 2
@@ -48,18 +52,28 @@ class UnsupportedModel(ValueError):
     """The model has a part the fused stack does not reproduce exactly."""
 
 
-def fused_decode_enabled(explicit: bool | None = None) -> bool:
-    """Whether to use the fused path: ``explicit`` if given, else $TOKENMILL_FUSED_DECODE."""
+def _flag(name: str, explicit: bool | None) -> bool:
     if explicit is not None:
         return explicit
-    value = os.environ.get(ENV_FLAG, "").strip().lower()
+    value = os.environ.get(name, "").strip().lower()
     if value in ("", "auto"):
         return DEFAULT_ENABLED
     if value in ("1", "true", "on", "yes"):
         return True
     if value in ("0", "false", "off", "no"):
         return False
-    raise ValueError(f"{ENV_FLAG} must be 0 or 1, got {value!r}")
+    raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+
+
+def fused_decode_enabled(explicit: bool | None = None) -> bool:
+    """Whether to use the fused path: ``explicit`` if given, else $TOKENMILL_FUSED_DECODE."""
+    return _flag(ENV_FLAG, explicit)
+
+
+def fused_prefill_enabled(explicit: bool | None = None) -> bool:
+    """Whether the fused path takes steps with prefill chunks too: ``explicit`` if given, else
+    $TOKENMILL_FUSED_PREFILL."""
+    return _flag(PREFILL_ENV_FLAG, explicit)
 
 
 @dataclass(frozen=True)
@@ -75,14 +89,22 @@ class LinearParts:
     # block width), 0 where with PyTorch's: the C++ side must take the same one.
     own_kernel: int = 0
     own_min_rows: int = 1  # rows from which it does
-    # Batch from which the module's own forward takes another route (tokenmill.quant's dense
-    # bf16 matmul) that the C++ side does not repeat; None for no such limit.
-    max_rows: int | None = None
+    # Rows from which the module dequantizes for one dense matmul, in bf16 (else fp32), for
+    # int4 decoding PyTorch's packing in blocks of dense_block_n outputs (0: PyTorch's kernel
+    # instead, as the module does where it cannot decode): the C++ side takes the same route.
+    dense_min_rows: int = 1 << 62
+    dense_bf16: bool = True
+    dense_block_n: int = 0
     # > 0: the own kernel runs on integer activations of this many bits (see
     # _WeightOnlyLinear.activation_bits); for int4 it reads the weight in q8 tiles
     # (Int4WeightOnlyLinear.q8_tiles).
     act_bits: int = 0
     q8_tiles: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def row_dispatch(self) -> list[int]:
+        """The C++ LinearSpec's row-count routing, in add_layer's order."""
+        return [self.own_kernel, self.own_min_rows, self.act_bits, self.dense_min_rows,
+                int(self.dense_bf16), self.dense_block_n]
 
     def tensors(self) -> list[torch.Tensor]:
         empty = torch.empty(0)
@@ -111,15 +133,20 @@ def _quant_parts(module: nn.Module) -> LinearParts | None:
         return None
     int8_cls = getattr(qlinear, "Int8WeightOnlyLinear", None)
     int4_cls = getattr(qlinear, "Int4WeightOnlyLinear", None)
+    if type(module) not in (int8_cls, int4_cls):
+        return None
     own = qlinear.cpu_kernels() is not None
+    dense = {"dense_min_rows": int(module.dense_min_rows),
+             "dense_bf16": dense_dtype("cpu") == torch.bfloat16}
     if int8_cls is not None and type(module) is int8_cls:
-        return LinearParts(KIND_INT8, module.weight, module.bias, module.scales,
-                           max_rows=int(module.dense_min_rows), own_kernel=int(own),
+        return LinearParts(KIND_INT8, module.weight, module.bias, module.scales, **dense,
+                           own_kernel=int(own),
                            own_min_rows=int(module.own_min_rows),
                            act_bits=module.activation_bits() if own else 0)
     if int4_cls is not None and type(module) is int4_cls:
         return LinearParts(KIND_INT4, module.weight, module.bias, module.scales_and_zeros,
-                           int(module.group_size), max_rows=int(module.dense_min_rows),
+                           int(module.group_size), **dense,
+                           dense_block_n=module.dense_block_n(),
                            own_kernel=module.cpu_block_n() if own else 0,
                            own_min_rows=int(module.own_min_rows),
                            act_bits=module.activation_bits() if own else 0,
@@ -150,13 +177,14 @@ def _check_structure(model: nn.Module) -> None:
 
 
 class FusedDecoder:
-    """``model.forward`` for decode-only steps, in one C++ call.
+    """``model.forward`` in one C++ call: decode-only steps, and (``prefill``) any other step
+    of whole or chunked prompts, decodes beside them or not.
 
     Holds references to the model's own parameter tensors, so in-place weight updates are seen;
     replacing modules (e.g. quantizing) after construction needs a new FusedDecoder.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, prefill: bool | None = None) -> None:
         _check_structure(model)
         dtype = model.model.norm.weight.dtype
         if dtype not in _SUPPORTED_DTYPES:
@@ -165,20 +193,21 @@ class FusedDecoder:
             raise UnsupportedModel("the fused decode stack runs on the CPU only")
         self.model = model
         self.dtype = dtype
-        # Largest batch + 1 the fused stack computes exactly like model.forward.
-        self.batch_limit = 1 << 62
-        self.stack = self._build_stack(model, dtype)
-
-    def _build_stack(self, model: nn.Module, dtype: torch.dtype) -> object:
-        c = model.config
         ext = load_extension()
-        rotary = model.rotary
+        self.stack = self._build_stack(model, dtype, ext)
+        # Steps with prefill chunks too: where the extension has a prefill kernel for the
+        # head size (else those steps run model.forward).
+        self.prefill = (fused_prefill_enabled(prefill)
+                        and ext.prefill_head_size_supported(model.config.head_dim))
+
+    def _build_stack(self, model: nn.Module, dtype: torch.dtype, ext: object) -> object:
+        c = model.config
         stack = ext.DecoderStack(c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                                  c.intermediate_size, float(model.model.norm.eps),
                                  model.model.norm.weight,
                                  # model.to(bf16) rounds the tables too; float() is exact then.
-                                 rotary.cos_half.float().contiguous(),
-                                 rotary.sin_half.float().contiguous())
+                                 model.rotary.cos_half.float().contiguous(),
+                                 model.rotary.sin_half.float().contiguous())
         empty = torch.empty(0)
         for layer in model.model.layers:
             attn = layer.self_attn
@@ -190,32 +219,38 @@ class FusedDecoder:
             parts = [linear_parts(m, dtype) for m in
                      (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
             stack.add_layer(norms, [p.kind for p in parts], [p.tensors() for p in parts],
-                            [p.group_size for p in parts],
-                            [[p.own_kernel, p.own_min_rows, p.act_bits] for p in parts])
-            for p in parts:
-                if p.max_rows is not None:
-                    self.batch_limit = min(self.batch_limit, p.max_rows)
+                            [p.group_size for p in parts], [p.row_dispatch() for p in parts])
         # int4 layers have just packed their q8 tiles: hand the temporaries back to the OS.
         release_freed_memory()
         return stack
 
     def supports(self, input_ids: torch.Tensor, attn_meta: AttentionMetadata) -> bool:
-        """Whether this step is one the fused stack computes: decode-only, on our caches."""
-        return (0 < attn_meta.num_seqs < self.batch_limit and attn_meta.decode_only
-                and input_ids.shape[0] == attn_meta.num_seqs
+        """Whether the fused stack computes this step: decode-only ones, and with ``prefill``
+        any other, on caches it reads."""
+        if not (attn_meta.num_seqs > 0 and input_ids.shape[0] == sum(attn_meta.query_lens_cpu)
                 and all(fused_cache_dtype_ok(c.dtype, self.dtype) and c.is_contiguous()
-                        for c in attn_meta.kv_caches))
+                        for c in attn_meta.kv_caches)):
+            return False
+        return attn_meta.decode_only or self.prefill
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_meta: AttentionMetadata) -> torch.Tensor:
-        """Final-normed hidden states ``[B, hidden]``, as ``model.forward`` returns them."""
+        """Final-normed hidden states ``[T, hidden]``, as ``model.forward`` returns them."""
         hidden = self.model.model.embed_tokens(input_ids)
+        chunks: list[int] = []
+        if not attn_meta.decode_only:
+            start = 0
+            for i, (n, total) in enumerate(zip(attn_meta.query_lens_cpu, attn_meta.seq_lens_cpu,
+                                               strict=True)):
+                chunks += (start, n, total, i)
+                start += n
         # A named range for torch.profiler: the stack's own C++ work (attention, norms, rotary)
         # is no ATen op and would otherwise show as time outside every op.
         with torch.profiler.record_function(PROFILE_RANGE):
             return self.stack.forward(hidden, positions, attn_meta.kv_caches,
                                       attn_meta.slot_mapping, attn_meta.seq_lens,
-                                      attn_meta.block_tables, attn_meta.max_seq_len)
+                                      attn_meta.block_tables.contiguous(), attn_meta.max_seq_len,
+                                      chunks)
 
 
 def make_fused_decoder(model: nn.Module, device: torch.device,
