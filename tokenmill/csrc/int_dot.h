@@ -106,6 +106,43 @@ struct QuantizedRows {
   std::vector<float> gsum;
 };
 
+#if defined(__AVX512F__)
+// 16 inputs as fp32 lanes.
+inline __m512 load16_ps(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16_ps(const c10::BFloat16* x) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+// One block of 32 inputs of quantize_rows (below) in two registers: the same scale, the same
+// levels (round to nearest even, as nearbyint) and the same act_slot order, so the same bits.
+// Returns the block's integer sum; writes the quantized block to q and its scale to d.
+template <typename Q, typename X>
+inline int32_t quantize_block_avx512(const X* x, float k_max, Q* q, float* d) {
+  __m512 lo = load16_ps(x), hi = load16_ps(x + 16);
+  if constexpr (sizeof(Q) == 2) {  // act_slot's (0, 2, 1, 3) within each 4, its own inverse
+    const __m512i perm = _mm512_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+    lo = _mm512_permutexvar_ps(perm, lo);
+    hi = _mm512_permutexvar_ps(perm, hi);
+  }
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+  const float inv = amax > 0.f ? k_max / amax : 0.f;
+  const __m512 vinv = _mm512_set1_ps(inv);
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512i qlo = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(lo, vinv), kRound));
+  const __m512i qhi = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(hi, vinv), kRound));
+  if constexpr (sizeof(Q) == 2) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm512_cvtepi32_epi16(qlo));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), _mm512_cvtepi32_epi16(qhi));
+  } else {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qhi));
+  }
+  *d = amax / k_max;
+  return _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+}
+#endif
+
 // X: fp32 or bf16 rows, read as they are (no widened copy: a decode step's calls are small
 // enough for an extra ATen op to show).
 template <typename Q, typename X>
@@ -121,6 +158,13 @@ inline QuantizedRows<Q> quantize_rows(const X* x, int64_t M, int64_t K, int64_t 
     for (int64_t m = m0; m < m1; ++m) {
       Q* qr = out.q.data() + m * K;
       for (int64_t b = 0; b < nb; ++b) {
+#if defined(__AVX512F__)
+        if constexpr (kBlock == 32) {
+          bsum[b] = quantize_block_avx512<Q>(x + m * K + b * kBlock, kMax, qr + b * kBlock,
+                                             &out.d[m * nb + b]);
+          continue;
+        }
+#endif
         float xb[kBlock];
         for (int64_t k = 0; k < kBlock; ++k) xb[k] = to_f(x[m * K + b * kBlock + k]);
         float amax = 0.f;
