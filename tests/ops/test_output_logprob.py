@@ -35,6 +35,46 @@ def test_the_sampler_gives_chosen_logprobs_unless_told_not_to() -> None:
     assert Sampler(chosen_logprobs=False)(logits, meta).chosen_logprobs is None
 
 
+def test_greedy_kernel_matches_argmax_and_logsumexp() -> None:
+    """The C++ greedy step (one pass per row) against torch.argmax and logprobs_of: ties take
+    the first index, masked (-inf) entries weigh nothing, a NaN wins, odd vocab sizes."""
+    from tokenmill.csrc import load_extension
+
+    ext = load_extension()
+    gen = torch.Generator().manual_seed(0)
+    for rows, vocab in [(1, 49152), (5, 1000), (33, 17), (2, 1)]:
+        logits = torch.randn(rows, vocab, generator=gen) * 5
+        if vocab > 10:
+            logits[0, 3] = logits[0, 7] = logits[0].max() + 1  # a tie
+            logits[-1, ::2] = float("-inf")
+        ids, lps = ext.greedy_with_logprobs(logits)
+        assert torch.equal(ids, logits.argmax(-1))
+        torch.testing.assert_close(lps, logprobs_of(logits, ids), rtol=1e-5, atol=1e-5)
+    nan = torch.tensor([[0.0, float("nan"), 1.0], [float("-inf")] * 3])
+    ids, lps = ext.greedy_with_logprobs(nan)
+    assert ids.tolist() == nan.argmax(-1).tolist()
+    assert torch.isnan(lps).all()
+    with pytest.raises(RuntimeError, match="contiguous 2-D float32"):
+        ext.greedy_with_logprobs(torch.zeros(4, 4, dtype=torch.float64))
+
+
+def test_the_sampler_takes_the_greedy_kernel_only_without_processors() -> None:
+    """Penalties change the argmax but not the raw logprob: PyTorch's path must run then."""
+    from tokenmill.csrc import load_extension
+
+    load_extension()
+    logits = torch.zeros(1, 10)
+    logits[0, 4] = 1.0
+    plain_meta = SamplingMetadata.build([SamplingParams(temperature=0.0)], [[1]], [[]], [None],
+                                        [[]])
+    assert Sampler()(logits, plain_meta).sampled_token_ids.tolist() == [4]
+    biased = SamplingMetadata.build([SamplingParams(temperature=0.0, logit_bias={2: 5.0})],
+                                    [[1]], [[]], [None], [[]])
+    out = Sampler()(logits, biased)
+    assert out.sampled_token_ids.tolist() == [2]
+    torch.testing.assert_close(out.chosen_logprobs, logprobs_of(logits, out.sampled_token_ids))
+
+
 @pytest.fixture(scope="module")
 def plain() -> LLM:
     return LLM(**COMMON)  # type: ignore[arg-type]

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "decode_kernels.h"
+#include "greedy_sample.h"
 #include "int_dot.h"
 #include "paged_attention.h"
 #include "prefill_attention.h"
@@ -432,6 +433,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     tokenmill::tmpool::Pool::get().set_spin_ns(us * 1000);
   }, "how long the thread pool's workers spin for the next call before they sleep (0: never)",
         pybind11::arg("us"));
+  m.def("greedy_with_logprobs", &tokenmill::greedy_with_logprobs,
+        "per row of float32 logits: argmax and its logprob (logit - logsumexp)",
+        pybind11::arg("logits"), pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("apply_token_bitmask", &tokenmill::apply_token_bitmask,
         "logits[r][t] = -inf for each r in rows and each token t that bitmask[r] forbids",
         pybind11::call_guard<pybind11::gil_scoped_release>());

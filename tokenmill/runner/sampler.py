@@ -278,6 +278,11 @@ class Sampler:
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = apply_logits_processors(logits, meta)
+        if (meta.all_greedy and raw_logprobs is None and self.chosen_logprobs
+                and logits is raw and (fast := _greedy_kernel(logits)) is not None):
+            # The common decode step: argmax and its logprob in one pass.
+            ids, chosen = fast
+            return SamplerOutput(sampled_token_ids=ids, chosen_logprobs=chosen)
 
         greedy_ids = None if meta.all_random else logits.argmax(dim=-1)
         if meta.all_greedy:
@@ -296,6 +301,17 @@ class Sampler:
         elif self.chosen_logprobs:
             out.chosen_logprobs = logprobs_of(raw, sampled)
         return out
+
+
+def _greedy_kernel(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """argmax and its logprob per row by the C++ extension, when loaded and the logits are a
+    contiguous CPU float32 matrix; None otherwise (PyTorch's ops then)."""
+    if logits.device.type != "cpu" or logits.dim() != 2 or not logits.is_contiguous():
+        return None
+    ext = extension_if_loaded()
+    if ext is None or not hasattr(ext, "greedy_with_logprobs"):
+        return None
+    return ext.greedy_with_logprobs(logits)
 
 
 def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
