@@ -69,16 +69,6 @@ constexpr int64_t kBlock = 32;  // inputs per activation block (one int8 scale)
 constexpr int64_t kTileBytesPerInput = kTileN / 2;
 constexpr int64_t kQ8PrefetchTiles = 2;  // how far ahead the weights are fetched, in tiles
 
-#if defined(__AVX512VNNI__)
-// acc += the word-pair dot products of a and b (vpdpwssd), accumulated in acc's own register:
-// with the intrinsic GCC 12 copied accumulators between registers around each one and spilled
-// some of a 4 x 4 tile (the head's kernel ran ~40% register moves). The same instruction, so
-// the same bits.
-inline void dpwssd_in_place(__m512i& acc, __m512i a, __m512i b) {
-  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
-}
-#endif
-
 inline float bf16_to_f(uint16_t b) {
   const uint32_t u = static_cast<uint32_t>(b) << 16;
   float f;
@@ -401,10 +391,8 @@ inline void tile_pair_rows(const uint8_t* w0, const uint8_t* w1, const uint16_t*
           const __m512i a = _mm512_set1_epi32(x02), c = _mm512_set1_epi32(x13);
 #ifdef __AVX512VNNI__
           if constexpr (R >= kVnniMinRows) {
-            dpwssd_in_place(ia[r][0], q02_lo, a);
-            dpwssd_in_place(ia[r][0], q13_lo, c);
-            dpwssd_in_place(ia[r][1], q02_hi, a);
-            dpwssd_in_place(ia[r][1], q13_hi, c);
+            ia[r][0] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(ia[r][0], q02_lo, a), q13_lo, c);
+            ia[r][1] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(ia[r][1], q02_hi, a), q13_hi, c);
             continue;
           }
 #endif
@@ -620,7 +608,7 @@ inline void int8_q16_dots(const int16_t* xq, int64_t Kp, const int8_t* w, int64_
           const __m512i xv = _mm512_loadu_si512(xq + r * Kp + k);
           for (int c = 0; c < C; ++c) {
 #ifdef __AVX512VNNI__
-            dpwssd_in_place(acc[r][c], wv[c], xv);
+            acc[r][c] = _mm512_dpwssd_epi32(acc[r][c], wv[c], xv);
 #else
             acc[r][c] = _mm512_add_epi32(acc[r][c], _mm512_madd_epi16(wv[c], xv));
 #endif
