@@ -62,6 +62,4 @@ def cpu_attention_backend() -> TorchAttentionBackend:
     from tokenmill.csrc import extension_or_none
 
     ext = extension_or_none()
-    if ext is None or not hasattr(ext, "prefill_attention"):
-        return TorchAttentionBackend()
-    return CpuAttentionBackend(ext)
+    return TorchAttentionBackend() if ext is None else CpuAttentionBackend(ext)

@@ -76,31 +76,27 @@ struct LinearSpec {
       return bias.defined() ? at::linear(x, weight, bias) : at::linear(x, weight);
     }
     const at::Tensor xb = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
-    if (x.size(0) >= dense_min_rows) {
-      at::Tensor y = dense(xb);
-      if (bias.defined()) y = y + bias;
-      return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
-    }
-    if (own_at(x.size(0))) {  // bf16 in and out, as PyTorch's kernels below
-      at::Tensor y;
-      if (kind == kInt8) {
-        y = act_bits ? intdot::int8_q16_linear(xb, weight, scales)
-                     : qgemm::int8_linear(xb, weight, scales);
-      } else {
-        y = act_bits ? intdot::int4_q8_linear(xb, q8_packed, q8_scales, group_size, act_bits)
-                     : qgemm::int4_linear(xb, weight, scales, group_size, own_kernel);
-      }
-      if (bias.defined()) y = y + bias;
-      return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
-    }
-    at::Tensor y;
-    if (kind == kInt8) {
-      y = at::_weight_int8pack_mm(xb, weight, scales);
-    } else {
-      y = at::_weight_int4pack_mm_for_cpu(xb, weight, group_size, scales);
-    }
+    at::Tensor y = quantized(xb);
     if (bias.defined()) y = y + bias;
     return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+  }
+
+ private:
+  // xb W^T in bf16 by the route the module takes at xb's row count: its dense matmul, ours,
+  // or PyTorch's weight-only kernel.
+  at::Tensor quantized(const at::Tensor& xb) const {
+    const int64_t rows = xb.size(0);
+    if (rows >= dense_min_rows) return dense(xb);
+    if (own_at(rows)) {
+      if (kind == kInt8) {
+        return act_bits ? intdot::int8_q16_linear(xb, weight, scales)
+                        : qgemm::int8_linear(xb, weight, scales);
+      }
+      return act_bits ? intdot::int4_q8_linear(xb, q8_packed, q8_scales, group_size, act_bits)
+                      : qgemm::int4_linear(xb, weight, scales, group_size, own_kernel);
+    }
+    if (kind == kInt8) return at::_weight_int8pack_mm(xb, weight, scales);
+    return at::_weight_int4pack_mm_for_cpu(xb, weight, group_size, scales);
   }
 };
 

@@ -309,9 +309,7 @@ def _greedy_kernel(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | 
     if logits.device.type != "cpu" or logits.dim() != 2 or not logits.is_contiguous():
         return None
     ext = extension_if_loaded()
-    if ext is None or not hasattr(ext, "greedy_with_logprobs"):
-        return None
-    return ext.greedy_with_logprobs(logits)
+    return None if ext is None else ext.greedy_with_logprobs(logits)
 
 
 def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
