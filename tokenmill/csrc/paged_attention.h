@@ -223,6 +223,13 @@ struct PagedView {
   int64_t table_stride;
   int64_t block_size;
 
+  // The offset (elements from the cache's start) of the key and value row of token t of a
+  // sequence with block table ``table``, for KV head g.
+  int64_t row_offset(const int32_t* table, int64_t t, int64_t g, int64_t Hkv, int64_t D) const {
+    return ((static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * Hkv +
+            g) * D;
+  }
+
   // The offsets (elements from the cache's start) of the key and value rows of tokens
   // [0, L) of a sequence with block table ``table``, for KV head g, into ``rows``: once per
   // (sequence, KV head) and block by block, so the per-token loops below do no division.

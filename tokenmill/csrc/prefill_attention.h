@@ -55,7 +55,6 @@ struct GatheredKV {
 template <typename C>
 void gather_kv(const PagedView<C>& cache, const PrefillChunk& c, int64_t g, int64_t Hkv,
                int64_t D, int64_t t0, int64_t t1, GatheredKV& out) {
-  const int64_t token_stride = Hkv * D;
   float* kt = out.kt.data();
   float* v = out.v.data();
   for (int64_t b0 = t0; b0 < t1; b0 += 16) {
@@ -63,8 +62,7 @@ void gather_kv(const PagedView<C>& cache, const PrefillChunk& c, int64_t g, int6
     const C* k_rows[16];
     for (int64_t i = 0; i < n; ++i) {
       const int64_t t = b0 + i;
-      const int64_t row = (static_cast<int64_t>(c.table[t / cache.block_size]) *
-                               cache.block_size + t % cache.block_size) * token_stride + g * D;
+      const int64_t row = cache.row_offset(c.table, t, g, Hkv, D);
       k_rows[i] = cache.k + row;
       const C* v_row = cache.v + row;
       for (int64_t d = 0; d < D; ++d) v[t * D + d] = to_f(v_row[d]);
