@@ -14,7 +14,7 @@ from tokenmill.csrc import load_extension
 from tokenmill.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from tokenmill.quant import linear as qlinear
 from tokenmill.quant.linear import cpu_kernels
-from tokenmill.quant.packing import pack_int4_q8, q8_layout_fits
+from tokenmill.quant.packing import pack_int4_q8, pack_int8_q16_tiles, q8_layout_fits
 
 ROWS = [1, 2, 3, 4, 5, 9, 40]
 
@@ -164,6 +164,81 @@ def test_int8_q16_rejects_bad_input(ext) -> None:
         ext.int8_q16_linear(torch.randn(1, 32), w, scales[:3])
     with pytest.raises(RuntimeError, match="int8"):
         ext.int8_q16_linear(torch.randn(1, 32), w.float(), scales)
+
+
+def test_int8_q16_tiles_packing_layout() -> None:
+    """Unit u, pair p, byte 32 t + 2 j + i: input 2 p + i of output 32 u + 16 t + j; outputs
+    padded to whole units and inputs to whole pairs with zeros."""
+    n, k = 37, 9
+    w = torch.randint(-128, 128, (n, k), generator=gen(5), dtype=torch.int8)
+    tiles = pack_int8_q16_tiles(w)
+    assert tiles.shape == (2, 5, 64) and tiles.dtype == torch.int8
+    for u in range(2):
+        for p in range(5):
+            for t in range(2):
+                for j in range(16):
+                    for i in range(2):
+                        row, col = 32 * u + 16 * t + j, 2 * p + i
+                        want = int(w[row, col]) if row < n and col < k else 0
+                        assert int(tiles[u, p, 32 * t + 2 * j + i]) == want
+
+
+@pytest.mark.parametrize("n,k", [(37, 77), (64, 576), (100, 4100), (5, 2)])
+def test_int8_q16_tiles_same_bits_as_rows(ext, n: int, k: int) -> None:
+    """The output-tiled kernel gives int8_q16_linear's bits at every row count (one pass, several
+    passes of 8 rows, a block of 32 rows and past it), for fp32 and bf16 activations and
+    scales; k = 4100 crosses the int32 flush (512 inputs) and the L1 slabs (256)."""
+    w, scales = _int8_case(n, k, seed=7)
+    tiles = pack_int8_q16_tiles(w)
+    x = torch.randn(41, k, generator=gen(8)) * 3
+    for xs, ss in [(x, scales), (x.bfloat16(), scales), (x, scales.float())]:
+        for rows in [1, 3, 4, 8, 13, 32, 41]:
+            want = ext.int8_q16_linear(xs[:rows], w, ss)
+            got = ext.int8_q16_tiles_linear(xs[:rows], tiles, ss, n)
+            assert got.dtype == xs.dtype and torch.equal(got, want), (rows, xs.dtype, ss.dtype)
+
+
+def test_int8_q16_tiles_extreme_weights_do_not_overflow(ext) -> None:
+    """Every weight -128 and every activation at the int16 limit, over 8,192 inputs (16
+    flushes of the int32 lanes)."""
+    k = 8192
+    w = torch.full((4, k), -128, dtype=torch.int8)
+    x = torch.full((5, k), 3.0)
+    y = ext.int8_q16_tiles_linear(x, pack_int8_q16_tiles(w), torch.ones(4), 4)
+    assert torch.allclose(y.double(), torch.full((5, 4), -128.0 * 3.0 * k, dtype=torch.float64),
+                          rtol=1e-6)
+
+
+def test_int8_q16_tiles_rejects_bad_input(ext) -> None:
+    w, scales = _int8_case(8, 32)
+    tiles = pack_int8_q16_tiles(w)
+    with pytest.raises(RuntimeError, match="tiles must be"):
+        ext.int8_q16_tiles_linear(torch.randn(1, 34), tiles, scales, 8)  # 17 pairs, not 16
+    with pytest.raises(RuntimeError, match="tiles must be"):
+        ext.int8_q16_tiles_linear(torch.randn(1, 32), tiles, scales, 40)  # two units' outputs
+    with pytest.raises(RuntimeError, match="scales for"):
+        ext.int8_q16_tiles_linear(torch.randn(1, 32), tiles, scales[:3], 8)
+    with pytest.raises(RuntimeError, match="out_features"):
+        ext.int8_q16_tiles_linear(torch.randn(1, 32), tiles, scales, 0)
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        ext.int8_q16_tiles_linear(torch.randn(1, 32).double(), tiles, scales, 8)
+
+
+def test_int8_head_takes_the_tiles_from_a_few_rows(monkeypatch) -> None:
+    """An int8 head (row_tiles) packs its tiles on the first call of INT8_TILES_MIN_ROWS rows
+    and gives the bits of the row kernel; other int8 layers never pack them."""
+    if cpu_kernels() is None:
+        pytest.skip("tokenmill's C++ extension cannot be built here")
+    monkeypatch.setattr(qlinear, "USE_INT_ACTIVATIONS", True)
+    w = torch.randn(96, 128, generator=gen(11)) * 0.05
+    head = Int8WeightOnlyLinear.from_weight(w, None)
+    layer = Int8WeightOnlyLinear.from_weight(w, None)
+    head.row_tiles = head.fp32_io = layer.fp32_io = True
+    x = torch.randn(9, 128, generator=gen(12))
+    few = qlinear.INT8_TILES_MIN_ROWS - 1
+    assert torch.equal(head(x[:few]), layer(x[:few])) and head._tiles is None
+    assert torch.equal(head(x), layer(x))
+    assert head._tiles is not None and layer._tiles is None
 
 
 @pytest.fixture

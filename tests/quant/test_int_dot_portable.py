@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tokenmill.csrc import load_extension
-from tokenmill.quant.packing import pack_int4_q8
+from tokenmill.quant.packing import pack_int4_q8, pack_int8_q16_tiles
 
 CSRC = Path(__file__).resolve().parents[2] / "tokenmill" / "csrc"
 HERE = Path(__file__).resolve().parent / "csrc"
@@ -63,3 +63,15 @@ def test_int8_same_bits(builds) -> None:
     scales = torch.rand(21, generator=gen).bfloat16()
     x = torch.randn(3, 2100, generator=gen)
     assert torch.equal(fast.int8_q16_linear(x, w, scales), portable.int8_q16_linear(x, w, scales))
+
+
+def test_int8_tiles_same_bits(builds) -> None:
+    fast, portable = builds
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randint(-128, 128, (45, 1030), generator=gen, dtype=torch.int8)
+    scales = torch.rand(45, generator=gen).bfloat16()
+    tiles = pack_int8_q16_tiles(w)
+    x = torch.randn(11, 1030, generator=gen)
+    a = fast.int8_q16_tiles_linear(x, tiles, scales, 45)
+    assert torch.equal(a, portable.int8_q16_tiles_linear(x, tiles, scales, 45))
+    assert torch.equal(a, fast.int8_q16_linear(x, w, scales))

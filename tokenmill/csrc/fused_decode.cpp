@@ -399,6 +399,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x (W * scales[:, None])^T for int8 W [N, K], x quantized to int16 per row (int_dot.h)",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("scales"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("int8_q16_tiles_linear", &tokenmill::intdot::int8_q16_tiles_linear,
+        "y = x (w * scales)^T for int8 w in output tiles (pack_int8_q16_tiles), int16 "
+        "activations: int8_q16_linear's bits, faster from a few rows",
+        pybind11::arg("x"), pybind11::arg("tiles"), pybind11::arg("scales"),
+        pybind11::arg("out_features"), pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int8_linear", &tokenmill::qgemm::int8_linear,
         "x (W * scales[:, None])^T for int8 W [N, K], x fp32 or bf16",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("scales"),

@@ -756,5 +756,185 @@ inline at::Tensor int8_q16_linear(const at::Tensor& x_in, const at::Tensor& weig
   return y;
 }
 
+// ---- int8 x int16, output tiles -----------------------------------------------------------
+// The same products as int8_q16_linear (exact integer dots, then dot * x scale * w scale
+// rounded once: the same bits), on the weight repacked so that outputs run along the register
+// lanes: tile t (outputs 16 t .. 16 t + 15), input pair p is 32 bytes, byte 2 j + i holding
+// input 2 p + i of output 16 t + j (pack_int8_q16_tiles). One load, widened to 16-bit words,
+// is [16 outputs][2 inputs]; vpdpwssd against a row's pair of activations broadcast adds both
+// products into each output's lane. Rows share each widened load and no lane sums are left to
+// reduce across the register: several times the work per instruction of int8_q16_dots when a
+// call has many rows (an output head in a batch of sequences).
+// A lane gains at most 2 * 128 * 32767 per pair: 256 pairs stay inside int32, then the lanes
+// are added into int64 totals.
+
+constexpr int64_t kQ16TileN = 16;   // outputs per tile
+constexpr int64_t kQ16TilesPerUnit = 2;  // tiles a work item computes together
+constexpr int64_t kQ16TileRows = 8;  // activation rows per pass over a unit
+constexpr int64_t kQ16TilePairsPerFlush = 256;
+// Rows whose dots a unit keeps at once, and input pairs per slab (32 rows x 128 pairs of
+// activations, 16 KB, and the unit's 8 KB of them: inside L1 together).
+constexpr int64_t kQ16BlockRows = 32;
+constexpr int64_t kQ16SlabPairs = 128;
+constexpr int64_t kQ16PrefetchBytes = 4096;  // how far ahead a unit's weights are fetched
+
+// Padded sizes of the tiled layout: outputs to whole units, inputs to whole pairs.
+inline int64_t q16_tiles_padded_n(int64_t n) {
+  const int64_t unit = kQ16TileN * kQ16TilesPerUnit;
+  return (n + unit - 1) / unit * unit;
+}
+
+// dots[r][j] += the products of input pairs [pair_begin, pair_end) for R rows and the unit's
+// 32 outputs (two tiles), exact in int64. w: the unit's first tile of `pairs` pairs; its second
+// follows. xq: row 0's int16 activations, rows Kp apart, zero past K.
+template <int R>
+inline void q16_unit_dots(const int16_t* xq, int64_t Kp, const int8_t* w, int64_t pairs,
+                          int64_t pair_begin, int64_t pair_end,
+                          int64_t (*dots)[kQ16TilesPerUnit * kQ16TileN]) {
+  (void)pairs;
+#if defined(TOKENMILL_Q8_AVX512) && defined(__AVX512VNNI__)
+  constexpr int64_t kUnitBytesPerPair = kQ16TilesPerUnit * 2 * kQ16TileN;
+  // With few rows, U accumulators per output take turns over the pairs: independent chains
+  // of vpdpwssd, or one row's call would wait on each one's latency.
+  constexpr int U = R >= 4 ? 1 : (R >= 2 ? 2 : 4);
+  for (int64_t p0 = pair_begin; p0 < pair_end; p0 += kQ16TilePairsPerFlush) {
+    const int64_t p1 = std::min(pair_end, p0 + kQ16TilePairsPerFlush);
+    __m512i acc[U][R][kQ16TilesPerUnit];
+    for (auto& turn : acc) for (auto& row : turn) for (auto& v : row) v = _mm512_setzero_si512();
+    int64_t p = p0;
+    auto step = [&](int u, int64_t q) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + q * kUnitBytesPerPair + kQ16PrefetchBytes),
+                   _MM_HINT_T0);
+      __m512i wv[kQ16TilesPerUnit];
+      for (int64_t t = 0; t < kQ16TilesPerUnit; ++t) {
+        const int8_t* src = w + (q * kQ16TilesPerUnit + t) * 2 * kQ16TileN;
+        wv[t] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, xq + r * Kp + 2 * q, sizeof(pair));
+        const __m512i xv = _mm512_set1_epi32(pair);
+        for (int64_t t = 0; t < kQ16TilesPerUnit; ++t) {
+          acc[u][r][t] = _mm512_dpwssd_epi32(acc[u][r][t], wv[t], xv);
+        }
+      }
+    };
+    for (; p + U <= p1; p += U) {
+      for (int u = 0; u < U; ++u) step(u, p + u);
+    }
+    for (; p < p1; ++p) step(0, p);
+    for (int r = 0; r < R; ++r) {
+      for (int64_t t = 0; t < kQ16TilesPerUnit; ++t) {
+        int64_t* d = dots[r] + t * kQ16TileN;
+        for (int u = 0; u < U; ++u) {  // each turn's lanes inside int32: widened, then added
+          const __m512i lo = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(acc[u][r][t]));
+          const __m512i hi = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(acc[u][r][t], 1));
+          _mm512_storeu_si512(d, _mm512_add_epi64(_mm512_loadu_si512(d), lo));
+          _mm512_storeu_si512(d + 8, _mm512_add_epi64(_mm512_loadu_si512(d + 8), hi));
+        }
+      }
+    }
+  }
+#else
+  for (int r = 0; r < R; ++r) {
+    for (int64_t t = 0; t < kQ16TilesPerUnit; ++t) {
+      for (int64_t p = pair_begin; p < pair_end; ++p) {
+        const int8_t* src = w + (p * kQ16TilesPerUnit + t) * 2 * kQ16TileN;
+        for (int64_t j = 0; j < kQ16TileN; ++j) {
+          dots[r][t * kQ16TileN + j] +=
+              static_cast<int64_t>(src[2 * j]) * xq[r * Kp + 2 * p] +
+              static_cast<int64_t>(src[2 * j + 1]) * xq[r * Kp + 2 * p + 1];
+        }
+      }
+    }
+  }
+#endif
+}
+
+// y = x (w * scales[:, None])^T as int8_q16_linear, for w in output tiles: tiles int8
+// [Np / 16, K2, 32] (Np the outputs padded by q16_tiles_padded_n, K2 = ceil(K / 2) input
+// pairs), `out_features` of its outputs real; x fp32 or bf16 [M, K], y likewise [M, N].
+inline at::Tensor int8_q16_tiles_linear(const at::Tensor& x_in, const at::Tensor& tiles,
+                                        const at::Tensor& scales_in, int64_t out_features) {
+  RECORD_FUNCTION("tokenmill::int8_q16_tiles_linear", std::vector<c10::IValue>());
+  TORCH_CHECK(x_in.dim() == 2 && x_in.device().is_cpu(),
+              "int8_q16_tiles_linear: x must be [M, K] on CPU");
+  const int64_t M = x_in.size(0), K = x_in.size(1), N = out_features, pairs = (K + 1) / 2;
+  TORCH_CHECK(N > 0, "int8_q16_tiles_linear: out_features must be > 0, got ", N);
+  TORCH_CHECK(tiles.scalar_type() == at::kChar && tiles.is_contiguous() && tiles.dim() == 3 &&
+                  tiles.size(0) * kQ16TilesPerUnit * kQ16TileN == q16_tiles_padded_n(N) &&
+                  tiles.size(1) == pairs && tiles.size(2) == kQ16TilesPerUnit * 2 * kQ16TileN,
+              "int8_q16_tiles_linear: tiles must be contiguous int8 [",
+              q16_tiles_padded_n(N) / (kQ16TilesPerUnit * kQ16TileN), ", ", pairs, ", ",
+              kQ16TilesPerUnit * 2 * kQ16TileN, "] for ", N, " outputs of ", K, " inputs");
+  TORCH_CHECK(scales_in.numel() == N, "int8_q16_tiles_linear: ", scales_in.numel(),
+              " scales for ", N, " outputs");
+  const bool out_bf16 = x_in.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(out_bf16 || x_in.scalar_type() == at::kFloat,
+              "int8_q16_tiles_linear: x must be fp32 or bf16");
+  TORCH_CHECK(scales_in.scalar_type() == at::kBFloat16 || scales_in.scalar_type() == at::kFloat,
+              "int8_q16_tiles_linear: scales must be fp32 or bf16");
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor scales = scales_in.contiguous();
+  at::Tensor y = at::empty({M, N}, x_in.options());
+  if (M == 0) return y;
+  // Rows padded to an even count of inputs (the last pair's second input 0).
+  const Int16Rows xq = out_bf16 ? quantize_rows_int16(x.data_ptr<c10::BFloat16>(), M, K)
+                                : quantize_rows_int16(x.data_ptr<float>(), M, K);
+  const int8_t* wp = tiles.data_ptr<int8_t>();
+  const bool bf16_scales = scales.scalar_type() == at::kBFloat16;
+  const void* sraw = scales.data_ptr();
+  void* yraw = y.data_ptr();
+  constexpr int64_t kUnitN = kQ16TilesPerUnit * kQ16TileN;
+  const int64_t units = tiles.size(0);
+  const int64_t unit_bytes = kQ16TilesPerUnit * pairs * 2 * kQ16TileN;
+  tmpool::parallel_for(0, units, 8, [&](int64_t u0, int64_t u1) {
+    int64_t dots[kQ16BlockRows][kUnitN];
+    for (int64_t u = u0; u < u1; ++u) {
+      const int8_t* wu = wp + u * unit_bytes;
+      const int64_t n0 = u * kUnitN, cols = std::min(kUnitN, N - n0);
+      for (int64_t m0 = 0; m0 < M; m0 += kQ16BlockRows) {
+        const int64_t block = std::min(kQ16BlockRows, M - m0);
+        std::memset(dots, 0, sizeof(dots));
+        // A slab of inputs at a time for every row of the block: its weights and activations
+        // stay in L1 while the passes of kQ16TileRows rows read them.
+        for (int64_t p0 = 0; p0 < pairs; p0 += kQ16SlabPairs) {
+          const int64_t p1 = std::min(pairs, p0 + kQ16SlabPairs);
+          for (int64_t m = 0; m < block; m += kQ16TileRows) {
+            const int16_t* xr = xq.q.data() + (m0 + m) * xq.Kp;
+            int64_t(*d)[kUnitN] = dots + m;
+            switch (std::min(kQ16TileRows, block - m)) {
+              case 8: q16_unit_dots<8>(xr, xq.Kp, wu, pairs, p0, p1, d); break;
+              case 7: q16_unit_dots<7>(xr, xq.Kp, wu, pairs, p0, p1, d); break;
+              case 6: q16_unit_dots<6>(xr, xq.Kp, wu, pairs, p0, p1, d); break;
+              case 5: q16_unit_dots<5>(xr, xq.Kp, wu, pairs, p0, p1, d); break;
+              case 4: q16_unit_dots<4>(xr, xq.Kp, wu, pairs, p0, p1, d); break;
+              case 3: q16_unit_dots<3>(xr, xq.Kp, wu, pairs, p0, p1, d); break;
+              case 2: q16_unit_dots<2>(xr, xq.Kp, wu, pairs, p0, p1, d); break;
+              default: q16_unit_dots<1>(xr, xq.Kp, wu, pairs, p0, p1, d); break;
+            }
+          }
+        }
+        for (int64_t r = 0; r < block; ++r) {
+          const int64_t m = m0 + r;
+          for (int64_t c = 0; c < cols; ++c) {
+            const int64_t n = n0 + c;
+            const double scale =
+                bf16_scales ? static_cast<double>(static_cast<const c10::BFloat16*>(sraw)[n])
+                            : static_cast<double>(static_cast<const float*>(sraw)[n]);
+            const float v = static_cast<float>(static_cast<double>(dots[r][c]) * xq.d[m] * scale);
+            if (out_bf16) {
+              static_cast<c10::BFloat16*>(yraw)[m * N + n] = from_f<c10::BFloat16>(v);
+            } else {
+              static_cast<float*>(yraw)[m * N + n] = v;
+            }
+          }
+        }
+      }
+    }
+  });
+  return y;
+}
+
 }  // namespace intdot
 }  // namespace tokenmill

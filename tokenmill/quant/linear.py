@@ -41,6 +41,7 @@ from tokenmill.quant.packing import (
     int4_scales_and_zeros,
     pack_int4,
     pack_int4_q8,
+    pack_int8_q16_tiles,
     q8_layout_fits,
     quantize_int4,
     quantize_int8,
@@ -97,6 +98,10 @@ INT4_LARGE_DENSE_MIN_ROWS = 512
 # to ~100; benchmarks/results/quant-kernels-zen5-cpu.md). (Large weights keep their thresholds
 # above.)
 INT8_SLOW_DENSE_MIN_ROWS = 96
+# Rows from which an int8 output head takes the output-tiled kernel (int8_q16_tiles_linear,
+# the same bits): on a Zen 5 the 576 x 49152 head at 32 rows 5.6 -> 3.8 ms, at 4 rows 1.0 ->
+# 0.7 ms, at 1-2 rows (reading the weight from memory) alike (benchmarks/head_tiles.py).
+INT8_TILES_MIN_ROWS = 4
 INT4_SLOW_DENSE_MIN_ROWS = 384
 
 
@@ -239,6 +244,11 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
         super().__init__(in_features, out_features, bias, dense_min_rows)
         self.register_buffer("weight", weight)
         self.register_buffer("scales", scales)
+        # Output heads (wrap_head) also keep the weight in output tiles
+        # (pack_int8_q16_tiles), packed on the first call of INT8_TILES_MIN_ROWS rows or more:
+        # a head computes one row per sequence of a batch.
+        self.row_tiles = False
+        self._tiles: torch.Tensor | None = None
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Int8WeightOnlyLinear:
@@ -251,8 +261,17 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
 
     def _own_kernel(self, ext: ModuleType, x: torch.Tensor) -> torch.Tensor:
         if self.int_activations():
+            if self.row_tiles and x.shape[0] >= INT8_TILES_MIN_ROWS:
+                return ext.int8_q16_tiles_linear(x, self.q16_tiles(), self.scales,
+                                                 self.out_features)
             return ext.int8_q16_linear(x, self.weight, self.scales)
         return ext.int8_linear(x, self.weight, self.scales)
+
+    def q16_tiles(self) -> torch.Tensor:
+        """The weight in output tiles (``pack_int8_q16_tiles``), packed on first use."""
+        if self._tiles is None:
+            self._tiles = pack_int8_q16_tiles(self.weight)
+        return self._tiles
 
     def _dense(self, xb: torch.Tensor) -> torch.Tensor:
         dtype = dense_dtype(xb.device.type)

@@ -212,8 +212,11 @@ def wrap_head(linear: QuantizedLinear, tied: bool, dtype: torch.dtype) -> nn.Mod
     """The module that replaces the head (or, tied, the embedding table) around ``linear``.
 
     On the CPU the head computes fp32 logits from fp32 hidden states (``fp32_io``): bf16
-    logits are 0.125 apart around 20, coarse enough to tie a greedy choice."""
+    logits are 0.125 apart around 20, coarse enough to tie a greedy choice. An int8 head also
+    computes batches of rows on its weight in output tiles (``row_tiles``)."""
     linear.fp32_io = dtype == torch.float32
+    if isinstance(linear, Int8WeightOnlyLinear):
+        linear.row_tiles = True
     return QuantizedEmbedding(linear, dtype) if tied else QuantizedHead(linear, dtype)
 
 

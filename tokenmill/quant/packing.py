@@ -134,6 +134,25 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
     return q * scales.to(dtype).unsqueeze(1)
 
 
+# Output tiles of int8_q16_tiles_linear (tokenmill/csrc/int_dot.h): 16 outputs a tile, two
+# tiles a unit, inputs in pairs.
+Q16_TILE_N = 16
+Q16_UNIT_N = 2 * Q16_TILE_N
+
+
+def pack_int8_q16_tiles(q: torch.Tensor) -> torch.Tensor:
+    """int8 ``[N, K]`` as ``[units, K2, 64]`` (``N`` padded with zero rows to a multiple of 32,
+    ``K`` with a zero column to an even count, ``K2 = K / 2`` pairs): in unit ``u``, pair ``p``,
+    byte ``32 t + 2 j + i`` holds input ``2 p + i`` of output ``32 u + 16 t + j``."""
+    n, k = q.shape
+    n_pad, k_pad = -(-n // Q16_UNIT_N) * Q16_UNIT_N, k + k % 2
+    padded = torch.zeros(n_pad, k_pad, dtype=torch.int8, device=q.device)
+    padded[:n, :k] = q
+    units = padded.view(n_pad // Q16_UNIT_N, 2, Q16_TILE_N, k_pad // 2, 2)
+    return units.permute(0, 3, 1, 2, 4).contiguous().view(n_pad // Q16_UNIT_N, k_pad // 2,
+                                                          2 * Q16_UNIT_N)
+
+
 # ---------------------------------------------------------------------------------- int4
 
 

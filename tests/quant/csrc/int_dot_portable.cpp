@@ -7,4 +7,5 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_q8_linear", &tokenmill::intdot::int4_q8_linear);
   m.def("int8_q16_linear", &tokenmill::intdot::int8_q16_linear);
+  m.def("int8_q16_tiles_linear", &tokenmill::intdot::int8_q16_tiles_linear);
 }
