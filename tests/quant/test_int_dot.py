@@ -273,3 +273,37 @@ def test_modules_take_the_integer_kernels(int_activations) -> None:
         assert torch.equal(module(x[:1]), on[:1])  # one row takes the same kernel
     tiles = int4.q8_tiles()
     assert tiles is not None and int4.q8_tiles() is tiles  # packed once
+
+
+def test_int4_decode_steps_take_their_own_activation_bits(int_activations) -> None:
+    """int4 layers compute on INT4_ACT_BITS activations in prompt steps and on
+    decode_act_bits (int8 by default) inside decode_only_step; pin_row_kernels (the
+    deterministic engine) makes both the prompt's."""
+    from tokenmill.quant.model import pin_row_kernels
+
+    int_activations(True)
+    ext = cpu_kernels()
+    w = torch.randn(96, 128, generator=gen(21)) * 0.05
+    layer = Int4WeightOnlyLinear.from_weight(w, None, 32)
+    assert layer.decode_act_bits == qlinear.INT4_DECODE_ACT_BITS
+    x = torch.randn(3, 128, generator=gen(22))
+    packed, scales = layer.q8_tiles()
+    xb = x.to(torch.bfloat16)
+
+    def kernel(bits: int) -> torch.Tensor:
+        return ext.int4_q8_linear(xb, packed, scales, 32, bits).to(x.dtype)
+
+    layer.decode_act_bits = 8
+    assert torch.equal(layer(x), kernel(qlinear.INT4_ACT_BITS))
+    with qlinear.decode_only_step():
+        assert qlinear.in_decode_only_step()
+        assert torch.equal(layer(x), kernel(8))
+        with qlinear.decode_only_step(False):  # a prompt step inside restores the prompt's
+            assert torch.equal(layer(x), kernel(qlinear.INT4_ACT_BITS))
+    assert not qlinear.in_decode_only_step()
+    assert layer.activation_bits() == qlinear.INT4_ACT_BITS
+    assert layer.activation_bits(decode_only=True) == 8
+    pin_row_kernels(torch.nn.Sequential(layer))
+    assert layer.activation_bits(decode_only=True) == qlinear.INT4_ACT_BITS
+    with qlinear.decode_only_step():
+        assert torch.equal(layer(x), kernel(qlinear.INT4_ACT_BITS))

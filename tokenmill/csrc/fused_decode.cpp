@@ -29,6 +29,21 @@ enum LinearKind : int64_t {
   kInt4 = 2,  // _weight_int4pack_mm_for_cpu(x as bf16, packed weight, group size, scales+zeros)
 };
 
+// Whether this thread runs a decode-only step of the stack (LinearSpec picks its int4
+// activation bits by it); set for the length of DecoderStack::forward.
+inline thread_local bool t_decode_only_step = false;
+
+class DecodeOnlyStep {
+ public:
+  explicit DecodeOnlyStep(bool on) : saved_(t_decode_only_step) { t_decode_only_step = on; }
+  ~DecodeOnlyStep() { t_decode_only_step = saved_; }
+  DecodeOnlyStep(const DecodeOnlyStep&) = delete;
+  DecodeOnlyStep& operator=(const DecodeOnlyStep&) = delete;
+
+ private:
+  bool saved_;
+};
+
 struct LinearSpec {
   int64_t kind = kFloat;
   at::Tensor weight;
@@ -43,6 +58,8 @@ struct LinearSpec {
   // ones: 16 for kInt8; 8 or 16 for kInt4, which reads the weight again in q8 tiles (and
   // their scales).
   int64_t act_bits = 0;
+  // The same in decode-only steps (int4: 8 by default, see tokenmill.quant.linear).
+  int64_t decode_act_bits = 0;
   at::Tensor q8_packed, q8_scales;
   // kInt8 / kInt4: from this many rows the module dequantizes the whole weight for one dense
   // matmul in dense_type (bf16, or fp32 where the CPU has no native bf16); for int4 the
@@ -55,6 +72,9 @@ struct LinearSpec {
   bool own_at(int64_t rows) const {
     return kind != kFloat && own_kernel > 0 && rows >= own_min_rows && rows < dense_min_rows;
   }
+
+  // Whether `rows` rows run on PyTorch's (OpenMP-threaded) ops rather than ours.
+  bool on_aten_at(int64_t rows) const { return !own_at(rows); }
 
   // The module's dense path on bf16 activations xb.
   at::Tensor dense(const at::Tensor& xb) const {
@@ -92,8 +112,9 @@ struct LinearSpec {
         return act_bits ? intdot::int8_q16_linear(xb, weight, scales)
                         : qgemm::int8_linear(xb, weight, scales);
       }
-      return act_bits ? intdot::int4_q8_linear(xb, q8_packed, q8_scales, group_size, act_bits)
-                      : qgemm::int4_linear(xb, weight, scales, group_size, own_kernel);
+      const int64_t bits = t_decode_only_step ? decode_act_bits : act_bits;
+      return bits ? intdot::int4_q8_linear(xb, q8_packed, q8_scales, group_size, bits)
+                  : qgemm::int4_linear(xb, weight, scales, group_size, own_kernel);
     }
     if (kind == kInt8) return at::_weight_int8pack_mm(xb, weight, scales);
     return at::_weight_int4pack_mm_for_cpu(xb, weight, group_size, scales);
@@ -151,15 +172,18 @@ class DecoderStack {
         specs[i]->q8_scales = tensors[i][4];
       }
       specs[i]->group_size = group_sizes[i];
-      TORCH_CHECK(own_kernels[i].size() == 6,
+      TORCH_CHECK(own_kernels[i].size() == 7,
                   "row dispatch is [own kernel's block width, its min rows, activation bits, "
-                  "dense min rows, dense in bf16, dense block width]");
+                  "dense min rows, dense in bf16, dense block width, decode activation bits]");
       specs[i]->own_kernel = own_kernels[i][0];
       specs[i]->own_min_rows = own_kernels[i][1];
       specs[i]->act_bits = own_kernels[i][2];
       specs[i]->dense_min_rows = own_kernels[i][3];
       specs[i]->dense_type = own_kernels[i][4] ? at::kBFloat16 : at::kFloat;
       specs[i]->dense_block_n = own_kernels[i][5];
+      specs[i]->decode_act_bits = own_kernels[i][6];
+      TORCH_CHECK((specs[i]->act_bits == 0) == (specs[i]->decode_act_bits == 0),
+                  "integer activations in prompt steps and decode steps alike, or in neither");
       TORCH_CHECK(specs[i]->act_bits == 0 || kinds[i] == kInt8 || specs[i]->q8_packed.defined(),
                   "int4 on integer activations needs the weight in q8 tiles");
     }
@@ -179,10 +203,19 @@ class DecoderStack {
                      int64_t max_seq_len, const std::vector<int64_t>& chunks) const {
     check_step(hidden, positions, kv_caches, slot_mapping, seq_lens, block_tables, chunks);
     at::NoGradGuard no_grad;
-    // Steps with prefill spend most of their time in PyTorch's dense matmuls, on OpenMP's
-    // threads: the glue goes there too rather than wake (and spin) the pool's workers between.
+    // Steps with prefill whose matmuls are PyTorch's (dense, on OpenMP's threads): the glue
+    // goes there too rather than wake (and spin) the pool's workers between. Where our
+    // kernels take every row count (int4 on int8 activations with AVX512-VNNI), the pool.
+    DecodeOnlyStep step_kind(chunks.empty());
     std::optional<tmpool::RouteToOpenMP> openmp;
-    if (!chunks.empty()) openmp.emplace();
+    if (!chunks.empty() && !layers_.empty()) {
+      const LayerWeights& w = layers_.front();
+      const int64_t rows = hidden.size(0);
+      if (w.qkv.on_aten_at(rows) || w.o.on_aten_at(rows) || w.gate_up.on_aten_at(rows) ||
+          w.down.on_aten_at(rows)) {
+        openmp.emplace();
+      }
+    }
     // Our own buffer: the residual adds below write into it in place.
     at::Tensor h = hidden.contiguous().clone();
     at::Tensor out;
@@ -404,6 +437,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "activations: int8_q16_linear's bits, faster from a few rows",
         pybind11::arg("x"), pybind11::arg("tiles"), pybind11::arg("scales"),
         pybind11::arg("out_features"), pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("int4_int8_tile_pairs", [] {
+#ifdef TOKENMILL_Q8_PAIR_INT8
+    return true;
+#else
+    return false;
+#endif
+  }, "whether int4 layers on int8 activations run two weight tiles a 512-bit register "
+     "(AVX512-VNNI): then they beat dequantizing for a dense matmul at every row count");
   m.def("int8_linear", &tokenmill::qgemm::int8_linear,
         "x (W * scales[:, None])^T for int8 W [N, K], x fp32 or bf16",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("scales"),

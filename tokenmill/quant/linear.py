@@ -21,7 +21,10 @@ scale per output channel and quantizes activations per token for ``torch._scaled
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+from collections.abc import Iterator
 from types import ModuleType
 
 import torch
@@ -69,19 +72,54 @@ def cpu_kernels() -> ModuleType | None:
 USE_CPU_KERNELS = os.environ.get("TOKENMILL_CPU_INT_KERNELS", "1").strip() not in ("0", "off",
                                                                                  "false")
 # tokenmill's CPU kernels quantize the activations and multiply in integers
-# (tokenmill/csrc/int_dot.h): int4 layers with int16 activations in blocks of 32 (one scale
-# each), int8 layers with int16 activations (one scale a row). The steps are ~1/32767 of the
-# block's largest value, far finer than the bf16 rounding every quantized layer's input gets
-# anyway, and the products run on integer dot instructions: ~2.5-4x the fp32 kernels at one
-# row on an AVX2 EPYC (benchmarks/results/quant-kernels-avx2-cpu.md).
+# (tokenmill/csrc/int_dot.h): int4 layers with int16 or int8 activations in blocks of 32 (one
+# scale each), int8 layers with int16 activations (one scale a row), and the products run on
+# integer dot instructions: ~2.5-4x the fp32 kernels at one row on an AVX2 EPYC
+# (benchmarks/results/quant-kernels-avx2-cpu.md). int16 steps are ~1/32767 of a block's
+# largest value, far finer than the bf16 rounding every quantized layer's input gets anyway.
 # $TOKENMILL_INT_ACTIVATIONS=0 keeps the fp32 kernels (bf16 activations widened exactly).
-# $TOKENMILL_INT4_ACT_BITS=8 gives int4 layers int8 activations instead, as llama.cpp does
-# (Q4_1 x Q8_1): ~25% faster again, +0.4% perplexity on the embedded model.
 USE_INT_ACTIVATIONS = os.environ.get("TOKENMILL_INT_ACTIVATIONS", "1").strip() not in (
     "0", "off", "false")
-INT4_ACT_BITS = int(os.environ.get("TOKENMILL_INT4_ACT_BITS", "16"))
-if INT4_ACT_BITS not in (8, 16):
-    raise ValueError(f"TOKENMILL_INT4_ACT_BITS must be 8 or 16, got {INT4_ACT_BITS}")
+
+
+def _act_bits_from_env(name: str, default: str) -> int:
+    bits = int(os.environ.get(name, default))
+    if bits not in (8, 16):
+        raise ValueError(f"{name} must be 8 or 16, got {bits}")
+    return bits
+
+
+# int4 layers' activation bits in steps with prompt tokens ($TOKENMILL_INT4_ACT_BITS), and in
+# decode-only steps ($TOKENMILL_INT4_DECODE_ACT_BITS). Decoding takes int8 (llama.cpp's Q4_1 x
+# Q8_1): with AVX512-VNNI the kernel then runs two weight tiles a register, and the int4
+# matmuls of a 32-sequence decode step ran 1.7x faster on a Zen 5 (a whole step 26.6 -> 22.2
+# ms). Prompts keep int16: int8 at every step measured +0.15% perplexity (14.763 vs 14.741 on
+# the 10.5k-token text) but moved the thin margins of some first tokens (0.14 nats for the
+# embedded model's "The" of "The capital of France is Paris."), and the first token of an
+# answer is the prompt step's. Under --deterministic both are the prompt's (pin_row_kernels):
+# a row's bits must not depend on the step it is in.
+INT4_ACT_BITS = _act_bits_from_env("TOKENMILL_INT4_ACT_BITS", "16")
+INT4_DECODE_ACT_BITS = _act_bits_from_env("TOKENMILL_INT4_DECODE_ACT_BITS", "8")
+
+# Whether the step running on this thread is decode-only (one new token per sequence): set by
+# the model runner around model.forward (decode_only_step); the fused C++ stack tells from its
+# own step.
+_STEP = threading.local()
+
+
+@contextlib.contextmanager
+def decode_only_step(on: bool = True) -> Iterator[None]:
+    """Within: the int4 layers compute as in a decode-only step (``on``) or a prompt step."""
+    saved = getattr(_STEP, "decode_only", False)
+    _STEP.decode_only = on
+    try:
+        yield
+    finally:
+        _STEP.decode_only = saved
+
+
+def in_decode_only_step() -> bool:
+    return getattr(_STEP, "decode_only", False)
 
 # Rows from which the dense bf16 path wins where AMX runs it, measured on SmolLM2-135M's shapes
 # (see benchmarks/results/quant-kernels-cpu.md). Dequantizing a weight that does not fit in cache
@@ -98,25 +136,35 @@ INT4_LARGE_DENSE_MIN_ROWS = 512
 # to ~100; benchmarks/results/quant-kernels-zen5-cpu.md). (Large weights keep their thresholds
 # above.)
 INT8_SLOW_DENSE_MIN_ROWS = 96
-# Rows from which an int8 output head takes the output-tiled kernel (int8_q16_tiles_linear,
-# the same bits): on a Zen 5 the 576 x 49152 head at 32 rows 5.6 -> 3.8 ms, at 4 rows 1.0 ->
-# 0.7 ms, at 1-2 rows (reading the weight from memory) alike (benchmarks/head_tiles.py).
-INT8_TILES_MIN_ROWS = 4
 INT4_SLOW_DENSE_MIN_ROWS = 384
+# ... except where prompts, too, run int4 layers on int8 activations ($TOKENMILL_INT4_ACT_BITS=8)
+# with two weight tiles a 512-bit register (AVX512-VNNI: int4_int8_tile_pairs): those beat
+# decoding the weight for a bf16 matmul at every row count (a Zen 5, the embedded model's 120
+# int4 matmuls at 512 rows: 124 ms against 181).
+# A dense_min_rows no step reaches: the module runs its int kernel at every row count.
+NEVER_DENSE = 1 << 62
+# Rows from which an int8 output head takes the output-tiled kernel (int8_q16_tiles_linear,
+# the same bits): on a Zen 5 the 576 x 49152 head at 32 rows 5.7 -> 3.8 ms, at 4 rows 0.82 ->
+# 0.66 ms, but at 1 and 2 rows slower (0.44 -> 0.55 ms, reading the weight from memory)
+# (benchmarks/head_tiles.py, benchmarks/results/head-tiles-zen5-cpu.json).
+INT8_TILES_MIN_ROWS = 4
 
 
-def default_dense_min_rows(method: str, numel: int, device_type: str) -> int:
-    """Rows from which an ``int8`` / ``int4`` layer of ``numel`` weights computes dense."""
+def default_dense_min_rows(method: str, numel: int, device_type: str,
+                           int8_tiles: bool = False) -> int:
+    """Rows from which an ``int8`` / ``int4`` layer of ``numel`` weights computes dense;
+    ``int8_tiles``: an int4 layer whose weight the int8-activation kernel can read."""
     if numel > LARGE_WEIGHT_NUMEL:
         return INT8_LARGE_DENSE_MIN_ROWS if method == "int8" else INT4_LARGE_DENSE_MIN_ROWS
     slow_dense = dense_dtype(device_type) == torch.float32 or (
         device_type == "cpu" and not cpu_has_amx())
-    if slow_dense and cpu_kernels() is not None:
+    ext = cpu_kernels() if slow_dense else None
+    if ext is not None:
+        if (method == "int4" and int8_tiles and INT4_ACT_BITS == 8 and USE_INT_ACTIVATIONS
+                and ext.int4_int8_tile_pairs()):
+            return NEVER_DENSE
         return INT8_SLOW_DENSE_MIN_ROWS if method == "int8" else INT4_SLOW_DENSE_MIN_ROWS
     return INT8_DENSE_MIN_ROWS if method == "int8" else INT4_DENSE_MIN_ROWS
-
-# A dense_min_rows no step reaches: the module runs its int kernel at every row count.
-NEVER_DENSE = 1 << 62
 
 # The module classes whose ``_kernel`` this PyTorch build lacks on CUDA, learned from the first
 # call that raised NotImplementedError. It is a fact about the build, not about one layer, so
@@ -191,8 +239,9 @@ class _WeightOnlyLinear(nn.Module):
         fp32."""
         return USE_INT_ACTIVATIONS and self.weight.device.type == "cpu"
 
-    def activation_bits(self) -> int:
-        """The bits of those integer activations; 0 where the layer has none."""
+    def activation_bits(self, decode_only: bool = False) -> int:
+        """The bits of those integer activations (in a prompt step, or a decode-only one); 0
+        where the layer has none."""
         return 16 if self.int_activations() else 0
 
     @property
@@ -298,21 +347,24 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
                  out_features: int, bias: torch.Tensor | None,
                  dense_min_rows: int | None = None) -> None:
         in_features = scales_and_zeros.shape[0] * group_size
+        # Dense decoding reads the packed layout: only where it is a known one, and whole
+        # blocks of rows make it a handful of views.
+        block_n = int4_block_n()
+        # The q8 tiles are unpacked from it once, whole blocks or not (PyTorch packs rows in
+        # blocks of 64 on AVX-512 CPUs: a 96-row layer still takes the integer kernel).
+        q8_fits = (block_n is not None and weight.dtype == torch.uint8
+                   and q8_layout_fits(out_features, in_features, group_size))
         if dense_min_rows is None:
             dense_min_rows = default_dense_min_rows("int4", out_features * in_features,
-                                                    weight.device.type)
+                                                    weight.device.type, int8_tiles=q8_fits)
         super().__init__(in_features, out_features, bias, dense_min_rows)
         self.group_size = group_size
         self.register_buffer("weight", weight)
         self.register_buffer("scales_and_zeros", scales_and_zeros)
-        # Dense decoding reads the packed layout: only where it is a known one, and whole
-        # blocks of rows make it a handful of views.
-        block_n = int4_block_n()
         self._can_decode = block_n is not None and out_features % block_n == 0
-        # The q8 tiles are unpacked from it once, whole blocks or not (PyTorch packs rows in
-        # blocks of 64 on AVX-512 CPUs: a 96-row layer still takes the integer kernel).
-        self._q8_fits = (block_n is not None and weight.dtype == torch.uint8
-                         and q8_layout_fits(out_features, in_features, group_size))
+        self._q8_fits = q8_fits
+        # Activation bits in decode-only steps (pin_row_kernels sets the prompts' bits).
+        self.decode_act_bits = INT4_DECODE_ACT_BITS
         self._q8: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
@@ -337,7 +389,8 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
     def _own_kernel(self, ext: ModuleType, x: torch.Tensor) -> torch.Tensor:
         if self.int_activations():
             packed, scales = self.q8_tiles()  # type: ignore[misc]
-            return ext.int4_q8_linear(x, packed, scales, self.group_size, INT4_ACT_BITS)
+            return ext.int4_q8_linear(x, packed, scales, self.group_size,
+                                      self.activation_bits(in_decode_only_step()))
         return ext.int4_linear(x, self.weight, self.scales_and_zeros, self.group_size,
                                self.cpu_block_n())
 
@@ -345,8 +398,11 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         # Not for fp32 heads with int8 activations: ~0.5% of noise on the logits.
         return ((not self.fp32_io or INT4_ACT_BITS == 16) and self.q8_tiles() is not None)
 
-    def activation_bits(self) -> int:
-        return INT4_ACT_BITS if self.int_activations() else 0
+    def activation_bits(self, decode_only: bool = False) -> int:
+        """The bits in a prompt step, or in a decode-only one (fp32 heads: the prompt's)."""
+        if not self.int_activations():
+            return 0
+        return self.decode_act_bits if decode_only and not self.fp32_io else INT4_ACT_BITS
 
     def q8_tiles(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The weight in the layout of the int4 x int8 kernel (``pack_int4_q8``), packed on

@@ -11,6 +11,7 @@ from torch import nn
 from tokenmill.config import QUANTIZATIONS
 from tokenmill.quant.head import QuantizedEmbedding, QuantizedHead, QuantizedLinear
 from tokenmill.quant.linear import (
+    INT4_ACT_BITS,
     NEVER_DENSE,
     Fp8Linear,
     Int4TinyGemmLinear,
@@ -260,10 +261,15 @@ def pin_row_kernels(model: nn.Module) -> int:
     """
     changed = 0
     for module in model.modules():
-        if isinstance(module, _WeightOnlyLinear) and (module.dense_min_rows != NEVER_DENSE
-                                                      or module.own_min_rows != 1):
+        if not isinstance(module, _WeightOnlyLinear):
+            continue
+        int4 = isinstance(module, Int4WeightOnlyLinear)
+        if (module.dense_min_rows != NEVER_DENSE or module.own_min_rows != 1
+                or (int4 and module.decode_act_bits != INT4_ACT_BITS)):
             module.dense_min_rows = NEVER_DENSE
-            module.own_min_rows = 1  # and one int kernel at every row count
+            module.own_min_rows = 1  # and one int kernel at every row count,
+            if int4:
+                module.decode_act_bits = INT4_ACT_BITS  # on the same activations in every step
             changed += 1
     return changed
 

@@ -23,6 +23,7 @@ from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.csrc import load_extension
 from tokenmill.models import layers
 from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.quant.linear import decode_only_step
 from tokenmill.quant.model import float_matmul_layers, pin_row_kernels
 from tokenmill.quant.packing import dense_dtype, release_freed_memory
 
@@ -95,16 +96,17 @@ class LinearParts:
     dense_min_rows: int = 1 << 62
     dense_bf16: bool = True
     dense_block_n: int = 0
-    # > 0: the own kernel runs on integer activations of this many bits (see
-    # _WeightOnlyLinear.activation_bits); for int4 it reads the weight in q8 tiles
-    # (Int4WeightOnlyLinear.q8_tiles).
+    # > 0: the own kernel runs on integer activations of this many bits, in steps with prompt
+    # tokens and in decode-only ones (see _WeightOnlyLinear.activation_bits); for int4 it
+    # reads the weight in q8 tiles (Int4WeightOnlyLinear.q8_tiles).
     act_bits: int = 0
+    decode_act_bits: int = 0
     q8_tiles: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def row_dispatch(self) -> list[int]:
         """The C++ LinearSpec's row-count routing, in add_layer's order."""
         return [self.own_kernel, self.own_min_rows, self.act_bits, self.dense_min_rows,
-                int(self.dense_bf16), self.dense_block_n]
+                int(self.dense_bf16), self.dense_block_n, self.decode_act_bits]
 
     def tensors(self) -> list[torch.Tensor]:
         empty = torch.empty(0)
@@ -142,7 +144,8 @@ def _quant_parts(module: nn.Module) -> LinearParts | None:
         return LinearParts(KIND_INT8, module.weight, module.bias, module.scales, **dense,
                            own_kernel=int(own),
                            own_min_rows=int(module.own_min_rows),
-                           act_bits=module.activation_bits() if own else 0)
+                           act_bits=module.activation_bits() if own else 0,
+                           decode_act_bits=module.activation_bits(True) if own else 0)
     if int4_cls is not None and type(module) is int4_cls:
         return LinearParts(KIND_INT4, module.weight, module.bias, module.scales_and_zeros,
                            int(module.group_size), **dense,
@@ -150,6 +153,7 @@ def _quant_parts(module: nn.Module) -> LinearParts | None:
                            own_kernel=module.cpu_block_n() if own else 0,
                            own_min_rows=int(module.own_min_rows),
                            act_bits=module.activation_bits() if own else 0,
+                           decode_act_bits=module.activation_bits(True) if own else 0,
                            q8_tiles=module.q8_tiles() if own and module.int_activations()
                            else None)
     return None
@@ -306,4 +310,5 @@ def forward_step(model: nn.Module, fused: FusedDecoder | None, input_ids: torch.
         except RuntimeError as e:
             logger.warning("fused decode failed; using model.forward from now on: %s", e)
             fused = None
-    return model(input_ids, positions, attn_meta), fused
+    with decode_only_step(attn_meta.decode_only):  # the int4 layers' activations, as fused
+        return model(input_ids, positions, attn_meta), fused
