@@ -346,111 +346,27 @@ inline void tile_rows(const uint8_t* w, const uint16_t* sz, const Q* xq, const f
 
 #if defined(TOKENMILL_Q8_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__)
 #define TOKENMILL_Q8_AVX512 1
-// Two tiles at once on 512-bit registers, for int16 activations: lanes 0-7 of a register hold
-// outputs of tile t, lanes 8-15 the same outputs of tile t + 1, so one broadcast of the
-// activations serves both tiles and each instruction does twice the work of tile_rows'. Per
-// output the integer sums and the float steps are tile_rows' own, in the same order: the same
-// bits. w0, w1 / sz0, sz1: the two tiles' weights and scales; y [R][32]: tile t's 16 outputs,
-// then tile t + 1's.
-template <int R>
+// int8 activations take the pairs where VNNI has vpdpbusd on 512-bit registers.
+#if defined(__AVX512VNNI__)
+#define TOKENMILL_Q8_PAIR_INT8 1
+#endif
+// Two tiles at once on 512-bit registers: lanes 0-7 of a register hold outputs of tile t, lanes
+// 8-15 the same outputs of tile t + 1, so one broadcast of the activations serves both tiles
+// and each instruction does twice the work of tile_rows'. int16 activations (Q = int16_t):
+// shifts and masks of each load give [8 outputs][2 inputs] words, vpdpwssd (or vpmaddwd)
+// against pairs of activations; int8 ones (TOKENMILL_Q8_PAIR_INT8): masks give [8 outputs][4
+// inputs] unsigned bytes, vpdpbusd against four signed activations, four products a lane
+// (llama.cpp's Q4_1 x Q8_1). Per output the integer sums and the float steps are tile_rows' own,
+// in the same order: the same bits. w0, w1 / sz0, sz1: the two tiles' weights and scales;
+// y [R][32]: tile t's 16 outputs, then tile t + 1's.
+template <int R, typename Q>
 inline void tile_pair_rows(const uint8_t* w0, const uint8_t* w1, const uint16_t* sz0,
-                           const uint16_t* sz1, const int16_t* xq, const float* xd,
+                           const uint16_t* sz1, const Q* xq, const float* xd,
                            const float* xg, int64_t K, int64_t group, float* y) {
   const int64_t nb = K / kBlock, bpg = group / kBlock, groups = K / group;
   const int64_t prefetch = kQ8PrefetchTiles * K * kTileBytesPerInput;
   constexpr int64_t kBlockBytes = kBlock * kTileBytesPerInput;
   const __m512i low4w = _mm512_set1_epi16(0x000F);
-  __m512 acc[R][2];
-  for (auto& row : acc) for (auto& v : row) v = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512 fd[R][2];
-    for (auto& row : fd) for (auto& v : row) v = _mm512_setzero_ps();
-    for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
-      const uint8_t* wb0 = w0 + b * kBlockBytes;
-      const uint8_t* wb1 = w1 + b * kBlockBytes;
-      for (int64_t line = 0; line < kBlockBytes; line += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(wb0 + prefetch + line), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(wb1 + prefetch + line), _MM_HINT_T0);
-      }
-      const int16_t* xb = xq + b * kBlock;
-      __m512i ia[R][2];
-      for (auto& row : ia) for (auto& v : row) v = _mm512_setzero_si512();
-      for (int s = 0; s < kBlock / 4; ++s) {
-        const __m512i v = _mm512_inserti64x4(
-            _mm512_castsi256_si512(
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb0 + 32 * s))),
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb1 + 32 * s)), 1);
-        const __m512i q02_lo = _mm512_and_si512(v, low4w);
-        const __m512i q02_hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4w);
-        const __m512i q13_lo = _mm512_and_si512(_mm512_srli_epi16(v, 8), low4w);
-        const __m512i q13_hi = _mm512_srli_epi16(v, 12);
-        for (int r = 0; r < R; ++r) {
-          int32_t x02, x13;
-          std::memcpy(&x02, xb + r * K + 4 * s, sizeof(x02));
-          std::memcpy(&x13, xb + r * K + 4 * s + 2, sizeof(x13));
-          const __m512i a = _mm512_set1_epi32(x02), c = _mm512_set1_epi32(x13);
-#ifdef __AVX512VNNI__
-          if constexpr (R >= kVnniMinRows) {
-            ia[r][0] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(ia[r][0], q02_lo, a), q13_lo, c);
-            ia[r][1] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(ia[r][1], q02_hi, a), q13_hi, c);
-            continue;
-          }
-#endif
-          ia[r][0] = _mm512_add_epi32(ia[r][0], _mm512_add_epi32(_mm512_madd_epi16(q02_lo, a),
-                                                                 _mm512_madd_epi16(q13_lo, c)));
-          ia[r][1] = _mm512_add_epi32(ia[r][1], _mm512_add_epi32(_mm512_madd_epi16(q02_hi, a),
-                                                                 _mm512_madd_epi16(q13_hi, c)));
-        }
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m512 d = _mm512_set1_ps(xd[r * nb + b]);
-        for (int h = 0; h < 2; ++h) {
-          fd[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r][h]), d, fd[r][h]);
-        }
-      }
-    }
-    // Lanes 0-7 from tile t's scales, 8-15 from tile t + 1's; bf16 -> fp32 is a shift.
-    const uint16_t* s0 = sz0 + g * 2 * kTileN;
-    const uint16_t* s1 = sz1 + g * 2 * kTileN;
-    auto widen = [](const uint16_t* lo, const uint16_t* hi) {
-      const __m256i both = _mm256_inserti128_si256(
-          _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo))),
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi)), 1);
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(both), 16));
-    };
-    for (int h = 0; h < 2; ++h) {
-      const __m512 scale = widen(s0 + 8 * h, s1 + 8 * h);
-      const __m512 zero = widen(s0 + kTileN + 8 * h, s1 + kTileN + 8 * h);
-      const __m512 z8 = _mm512_fmadd_ps(_mm512_set1_ps(-8.f), scale, zero);
-      for (int r = 0; r < R; ++r) {
-        acc[r][h] = _mm512_fmadd_ps(
-            scale, fd[r][h], _mm512_fmadd_ps(z8, _mm512_set1_ps(xg[r * groups + g]), acc[r][h]));
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    float* yr = y + r * 2 * kTileN;
-    _mm256_storeu_ps(yr, _mm512_castps512_ps256(acc[r][0]));
-    _mm256_storeu_ps(yr + 8, _mm512_castps512_ps256(acc[r][1]));
-    _mm256_storeu_ps(yr + 16, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][0]), 1)));
-    _mm256_storeu_ps(yr + 24, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][1]), 1)));
-  }
-}
-#endif
-
-#if defined(TOKENMILL_Q8_AVX512) && defined(__AVX512VNNI__)
-#define TOKENMILL_Q8_PAIR_INT8 1
-// tile_pair_rows for int8 activations: the nibbles unsigned, the activations signed, four
-// products a lane (vpdpbusd), two tiles a register as there. Per output the integer sums and
-// the float steps are tile_rows' own in the same order (block_dots' VNNI branch): the same bits
-// as tile_rows<R, int8_t>, whatever R.
-template <int R>
-inline void tile_pair_rows_q8(const uint8_t* w0, const uint8_t* w1, const uint16_t* sz0,
-                              const uint16_t* sz1, const int8_t* xq, const float* xd,
-                              const float* xg, int64_t K, int64_t group, float* y) {
-  const int64_t nb = K / kBlock, bpg = group / kBlock, groups = K / group;
-  const int64_t prefetch = kQ8PrefetchTiles * K * kTileBytesPerInput;
-  constexpr int64_t kBlockBytes = kBlock * kTileBytesPerInput;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[R][2];
   for (auto& row : acc) for (auto& v : row) v = _mm512_setzero_ps();
@@ -464,7 +380,7 @@ inline void tile_pair_rows_q8(const uint8_t* w0, const uint8_t* w1, const uint16
         _mm_prefetch(reinterpret_cast<const char*>(wb0 + prefetch + line), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(wb1 + prefetch + line), _MM_HINT_T0);
       }
-      const int8_t* xb = xq + b * kBlock;
+      const Q* xb = xq + b * kBlock;
       __m512i ia[R][2];
       for (auto& row : ia) for (auto& v : row) v = _mm512_setzero_si512();
       for (int s = 0; s < kBlock / 4; ++s) {
@@ -472,14 +388,40 @@ inline void tile_pair_rows_q8(const uint8_t* w0, const uint8_t* w1, const uint16
             _mm512_castsi256_si512(
                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb0 + 32 * s))),
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb1 + 32 * s)), 1);
-        const __m512i lo = _mm512_and_si512(v, low4);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-        for (int r = 0; r < R; ++r) {
-          int32_t four;
-          std::memcpy(&four, xb + r * K + 4 * s, sizeof(four));
-          const __m512i xv = _mm512_set1_epi32(four);
-          ia[r][0] = _mm512_dpbusd_epi32(ia[r][0], lo, xv);
-          ia[r][1] = _mm512_dpbusd_epi32(ia[r][1], hi, xv);
+        if constexpr (sizeof(Q) == 1) {
+#ifdef TOKENMILL_Q8_PAIR_INT8
+          const __m512i lo = _mm512_and_si512(v, low4);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+          for (int r = 0; r < R; ++r) {
+            int32_t four;
+            std::memcpy(&four, xb + r * K + 4 * s, sizeof(four));
+            const __m512i xv = _mm512_set1_epi32(four);
+            ia[r][0] = _mm512_dpbusd_epi32(ia[r][0], lo, xv);
+            ia[r][1] = _mm512_dpbusd_epi32(ia[r][1], hi, xv);
+          }
+#endif
+        } else {
+          const __m512i q02_lo = _mm512_and_si512(v, low4w);
+          const __m512i q02_hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4w);
+          const __m512i q13_lo = _mm512_and_si512(_mm512_srli_epi16(v, 8), low4w);
+          const __m512i q13_hi = _mm512_srli_epi16(v, 12);
+          for (int r = 0; r < R; ++r) {
+            int32_t x02, x13;
+            std::memcpy(&x02, xb + r * K + 4 * s, sizeof(x02));
+            std::memcpy(&x13, xb + r * K + 4 * s + 2, sizeof(x13));
+            const __m512i a = _mm512_set1_epi32(x02), c = _mm512_set1_epi32(x13);
+#ifdef __AVX512VNNI__
+            if constexpr (R >= kVnniMinRows) {
+              ia[r][0] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(ia[r][0], q02_lo, a), q13_lo, c);
+              ia[r][1] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(ia[r][1], q02_hi, a), q13_hi, c);
+              continue;
+            }
+#endif
+            ia[r][0] = _mm512_add_epi32(ia[r][0], _mm512_add_epi32(_mm512_madd_epi16(q02_lo, a),
+                                                                   _mm512_madd_epi16(q13_lo, c)));
+            ia[r][1] = _mm512_add_epi32(ia[r][1], _mm512_add_epi32(_mm512_madd_epi16(q02_hi, a),
+                                                                   _mm512_madd_epi16(q13_hi, c)));
+          }
         }
       }
       for (int r = 0; r < R; ++r) {
@@ -489,6 +431,7 @@ inline void tile_pair_rows_q8(const uint8_t* w0, const uint8_t* w1, const uint16
         }
       }
     }
+    // Lanes 0-7 from tile t's scales, 8-15 from tile t + 1's; bf16 -> fp32 is a shift.
     const uint16_t* s0 = sz0 + g * 2 * kTileN;
     const uint16_t* s1 = sz1 + g * 2 * kTileN;
     auto widen = [](const uint16_t* lo, const uint16_t* hi) {
@@ -554,30 +497,14 @@ inline void int4_tiles(const at::Tensor& x, const at::Tensor& packed, const at::
         const float* d = xq.d.data() + m * nb;
         const float* gs = xq.gsum.data() + m * groups;
 #ifdef TOKENMILL_Q8_AVX512
-        if constexpr (sizeof(Q) == 2) {
-          if (width == 2) {
-            const uint8_t* wt1 = wt + K * kTileBytesPerInput;
-            const uint16_t* st1 = st + groups * 2 * kTileN;
-            switch (r) {
-              case 4: tile_pair_rows<4>(wt, wt1, st, st1, q, d, gs, K, group_size, out); break;
-              case 3: tile_pair_rows<3>(wt, wt1, st, st1, q, d, gs, K, group_size, out); break;
-              case 2: tile_pair_rows<2>(wt, wt1, st, st1, q, d, gs, K, group_size, out); break;
-              default: tile_pair_rows<1>(wt, wt1, st, st1, q, d, gs, K, group_size, out); break;
-            }
-          }
-        }
-#endif
-#ifdef TOKENMILL_Q8_PAIR_INT8
-        if constexpr (sizeof(Q) == 1) {
-          if (width == 2) {
-            const uint8_t* wt1 = wt + K * kTileBytesPerInput;
-            const uint16_t* st1 = st + groups * 2 * kTileN;
-            switch (r) {
-              case 4: tile_pair_rows_q8<4>(wt, wt1, st, st1, q, d, gs, K, group_size, out); break;
-              case 3: tile_pair_rows_q8<3>(wt, wt1, st, st1, q, d, gs, K, group_size, out); break;
-              case 2: tile_pair_rows_q8<2>(wt, wt1, st, st1, q, d, gs, K, group_size, out); break;
-              default: tile_pair_rows_q8<1>(wt, wt1, st, st1, q, d, gs, K, group_size, out); break;
-            }
+        if (width == 2) {  // kUnit is 2 only where tile_pair_rows takes Q
+          const uint8_t* wt1 = wt + K * kTileBytesPerInput;
+          const uint16_t* st1 = st + groups * 2 * kTileN;
+          switch (r) {
+            case 4: tile_pair_rows<4, Q>(wt, wt1, st, st1, q, d, gs, K, group_size, out); break;
+            case 3: tile_pair_rows<3, Q>(wt, wt1, st, st1, q, d, gs, K, group_size, out); break;
+            case 2: tile_pair_rows<2, Q>(wt, wt1, st, st1, q, d, gs, K, group_size, out); break;
+            default: tile_pair_rows<1, Q>(wt, wt1, st, st1, q, d, gs, K, group_size, out); break;
           }
         }
 #endif
