@@ -693,6 +693,44 @@ inline void int8_q16_dots(const int16_t* xq, int64_t Kp, const int8_t* w, int64_
   }
 }
 
+// The activations and scales of an int8 x int16 call (`name`: the entry point, for the
+// messages) for N outputs.
+inline void check_q16_call(const char* name, const at::Tensor& x, const at::Tensor& scales,
+                           int64_t N) {
+  TORCH_CHECK(scales.numel() == N, name, ": ", scales.numel(), " scales for ", N, " outputs");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, name,
+              ": x must be fp32 or bf16");
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 || scales.scalar_type() == at::kFloat, name,
+              ": scales must be fp32 or bf16");
+}
+
+// Writes output (m, n) of an int8 x int16 call from its exact integer dot: dot * x scale * w
+// scale in double, rounded once to y's dtype (fp32 or bf16), as every such kernel does.
+struct Q16Output {
+  Q16Output(at::Tensor& y, const at::Tensor& scales, const std::vector<double>& row_scales)
+      : out_bf16(y.scalar_type() == at::kBFloat16),
+        bf16_scales(scales.scalar_type() == at::kBFloat16), scales_raw(scales.data_ptr()),
+        y_raw(y.data_ptr()), xd(row_scales.data()), N(y.size(1)) {}
+
+  void store(int64_t m, int64_t n, int64_t dot) const {
+    const double scale =
+        bf16_scales ? static_cast<double>(static_cast<const c10::BFloat16*>(scales_raw)[n])
+                    : static_cast<double>(static_cast<const float*>(scales_raw)[n]);
+    const float v = static_cast<float>(static_cast<double>(dot) * xd[m] * scale);
+    if (out_bf16) {
+      static_cast<c10::BFloat16*>(y_raw)[m * N + n] = from_f<c10::BFloat16>(v);
+    } else {
+      static_cast<float*>(y_raw)[m * N + n] = v;
+    }
+  }
+
+  bool out_bf16, bf16_scales;
+  const void* scales_raw;
+  void* y_raw;
+  const double* xd;
+  int64_t N;
+};
+
 // y = x (w * scales[:, None])^T for int8 w [N, K], x fp32 or bf16 [M, K]; y in x's dtype.
 inline at::Tensor int8_q16_linear(const at::Tensor& x_in, const at::Tensor& weight,
                                   const at::Tensor& scales_in) {
@@ -704,13 +742,8 @@ inline at::Tensor int8_q16_linear(const at::Tensor& x_in, const at::Tensor& weig
   const int64_t M = x_in.size(0), K = x_in.size(1), N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K, "int8_q16_linear: weight has ", weight.size(1),
               " inputs, x has ", K);
-  TORCH_CHECK(scales_in.numel() == N, "int8_q16_linear: ", scales_in.numel(), " scales for ",
-              N, " outputs");
+  check_q16_call("int8_q16_linear", x_in, scales_in, N);
   const bool out_bf16 = x_in.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(out_bf16 || x_in.scalar_type() == at::kFloat,
-              "int8_q16_linear: x must be fp32 or bf16");
-  TORCH_CHECK(scales_in.scalar_type() == at::kBFloat16 || scales_in.scalar_type() == at::kFloat,
-              "int8_q16_linear: scales must be fp32 or bf16");
   // Read in place, no widened copies: a decode step's calls are small enough for an extra
   // ATen op to show.
   const at::Tensor x = x_in.contiguous();
@@ -720,13 +753,7 @@ inline at::Tensor int8_q16_linear(const at::Tensor& x_in, const at::Tensor& weig
     const Int16Rows xq = out_bf16 ? quantize_rows_int16(x.data_ptr<c10::BFloat16>(), M, K)
                                   : quantize_rows_int16(x.data_ptr<float>(), M, K);
     const int8_t* wp = weight.data_ptr<int8_t>();
-    const bool bf16_scales = scales.scalar_type() == at::kBFloat16;
-    const void* sraw = scales.data_ptr();
-    auto scale_at = [&](int64_t n) -> double {
-      return bf16_scales ? static_cast<double>(static_cast<const c10::BFloat16*>(sraw)[n])
-                         : static_cast<double>(static_cast<const float*>(sraw)[n]);
-    };
-    void* yraw = y.data_ptr();
+    const Q16Output output(y, scales, xq.d);
     constexpr int64_t kCols = 4;  // weight rows per pass
     // Activation rows per pass: with 32 registers (AVX-512) four rows' accumulators fit.
 #ifdef TOKENMILL_Q8_AVX512
@@ -761,15 +788,7 @@ inline at::Tensor int8_q16_linear(const at::Tensor& x_in, const at::Tensor& weig
             }
           }
           for (int64_t r = 0; r < rows; ++r) {
-            for (int64_t c = 0; c < cols; ++c) {
-              const float v = static_cast<float>(static_cast<double>(dots[r][c]) * xq.d[m + r] *
-                                                 scale_at(n + c));
-              if (out_bf16) {
-                static_cast<c10::BFloat16*>(yraw)[(m + r) * N + n + c] = from_f<c10::BFloat16>(v);
-              } else {
-                static_cast<float*>(yraw)[(m + r) * N + n + c] = v;
-              }
-            }
+            for (int64_t c = 0; c < cols; ++c) output.store(m + r, n + c, dots[r][c]);
           }
           m += rows;
         }
@@ -808,13 +827,11 @@ inline int64_t q16_tiles_padded_n(int64_t n) {
 }
 
 // dots[r][j] += the products of input pairs [pair_begin, pair_end) for R rows and the unit's
-// 32 outputs (two tiles), exact in int64. w: the unit's first tile of `pairs` pairs; its second
-// follows. xq: row 0's int16 activations, rows Kp apart, zero past K.
+// 32 outputs (two tiles), exact in int64. w: the unit's weights, 64 bytes a pair (tile 0's 32,
+// then tile 1's). xq: row 0's int16 activations, rows Kp apart, zero past K.
 template <int R>
-inline void q16_unit_dots(const int16_t* xq, int64_t Kp, const int8_t* w, int64_t pairs,
-                          int64_t pair_begin, int64_t pair_end,
-                          int64_t (*dots)[kQ16TilesPerUnit * kQ16TileN]) {
-  (void)pairs;
+inline void q16_unit_dots(const int16_t* xq, int64_t Kp, const int8_t* w, int64_t pair_begin,
+                          int64_t pair_end, int64_t (*dots)[kQ16TilesPerUnit * kQ16TileN]) {
 #if defined(TOKENMILL_Q8_AVX512) && defined(__AVX512VNNI__)
   constexpr int64_t kUnitBytesPerPair = kQ16TilesPerUnit * 2 * kQ16TileN;
   // With few rows, U accumulators per output take turns over the pairs: independent chains
@@ -890,13 +907,8 @@ inline at::Tensor int8_q16_tiles_linear(const at::Tensor& x_in, const at::Tensor
               "int8_q16_tiles_linear: tiles must be contiguous int8 [",
               q16_tiles_padded_n(N) / (kQ16TilesPerUnit * kQ16TileN), ", ", pairs, ", ",
               kQ16TilesPerUnit * 2 * kQ16TileN, "] for ", N, " outputs of ", K, " inputs");
-  TORCH_CHECK(scales_in.numel() == N, "int8_q16_tiles_linear: ", scales_in.numel(),
-              " scales for ", N, " outputs");
+  check_q16_call("int8_q16_tiles_linear", x_in, scales_in, N);
   const bool out_bf16 = x_in.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(out_bf16 || x_in.scalar_type() == at::kFloat,
-              "int8_q16_tiles_linear: x must be fp32 or bf16");
-  TORCH_CHECK(scales_in.scalar_type() == at::kBFloat16 || scales_in.scalar_type() == at::kFloat,
-              "int8_q16_tiles_linear: scales must be fp32 or bf16");
   const at::Tensor x = x_in.contiguous();
   const at::Tensor scales = scales_in.contiguous();
   at::Tensor y = at::empty({M, N}, x_in.options());
@@ -905,9 +917,7 @@ inline at::Tensor int8_q16_tiles_linear(const at::Tensor& x_in, const at::Tensor
   const Int16Rows xq = out_bf16 ? quantize_rows_int16(x.data_ptr<c10::BFloat16>(), M, K)
                                 : quantize_rows_int16(x.data_ptr<float>(), M, K);
   const int8_t* wp = tiles.data_ptr<int8_t>();
-  const bool bf16_scales = scales.scalar_type() == at::kBFloat16;
-  const void* sraw = scales.data_ptr();
-  void* yraw = y.data_ptr();
+  const Q16Output output(y, scales, xq.d);
   constexpr int64_t kUnitN = kQ16TilesPerUnit * kQ16TileN;
   const int64_t units = tiles.size(0);
   const int64_t unit_bytes = kQ16TilesPerUnit * pairs * 2 * kQ16TileN;
@@ -927,31 +937,19 @@ inline at::Tensor int8_q16_tiles_linear(const at::Tensor& x_in, const at::Tensor
             const int16_t* xr = xq.q.data() + (m0 + m) * xq.Kp;
             int64_t(*d)[kUnitN] = dots + m;
             switch (std::min(kQ16TileRows, block - m)) {
-              case 8: q16_unit_dots<8>(xr, xq.Kp, wu, pairs, p0, p1, d); break;
-              case 7: q16_unit_dots<7>(xr, xq.Kp, wu, pairs, p0, p1, d); break;
-              case 6: q16_unit_dots<6>(xr, xq.Kp, wu, pairs, p0, p1, d); break;
-              case 5: q16_unit_dots<5>(xr, xq.Kp, wu, pairs, p0, p1, d); break;
-              case 4: q16_unit_dots<4>(xr, xq.Kp, wu, pairs, p0, p1, d); break;
-              case 3: q16_unit_dots<3>(xr, xq.Kp, wu, pairs, p0, p1, d); break;
-              case 2: q16_unit_dots<2>(xr, xq.Kp, wu, pairs, p0, p1, d); break;
-              default: q16_unit_dots<1>(xr, xq.Kp, wu, pairs, p0, p1, d); break;
+              case 8: q16_unit_dots<8>(xr, xq.Kp, wu, p0, p1, d); break;
+              case 7: q16_unit_dots<7>(xr, xq.Kp, wu, p0, p1, d); break;
+              case 6: q16_unit_dots<6>(xr, xq.Kp, wu, p0, p1, d); break;
+              case 5: q16_unit_dots<5>(xr, xq.Kp, wu, p0, p1, d); break;
+              case 4: q16_unit_dots<4>(xr, xq.Kp, wu, p0, p1, d); break;
+              case 3: q16_unit_dots<3>(xr, xq.Kp, wu, p0, p1, d); break;
+              case 2: q16_unit_dots<2>(xr, xq.Kp, wu, p0, p1, d); break;
+              default: q16_unit_dots<1>(xr, xq.Kp, wu, p0, p1, d); break;
             }
           }
         }
         for (int64_t r = 0; r < block; ++r) {
-          const int64_t m = m0 + r;
-          for (int64_t c = 0; c < cols; ++c) {
-            const int64_t n = n0 + c;
-            const double scale =
-                bf16_scales ? static_cast<double>(static_cast<const c10::BFloat16*>(sraw)[n])
-                            : static_cast<double>(static_cast<const float*>(sraw)[n]);
-            const float v = static_cast<float>(static_cast<double>(dots[r][c]) * xq.d[m] * scale);
-            if (out_bf16) {
-              static_cast<c10::BFloat16*>(yraw)[m * N + n] = from_f<c10::BFloat16>(v);
-            } else {
-              static_cast<float*>(yraw)[m * N + n] = v;
-            }
-          }
+          for (int64_t c = 0; c < cols; ++c) output.store(m0 + r, n0 + c, dots[r][c]);
         }
       }
     }
