@@ -222,6 +222,9 @@ def test_int8_q16_tiles_rejects_bad_input(ext) -> None:
         ext.int8_q16_tiles_linear(torch.randn(1, 32), tiles, scales, 0)
     with pytest.raises(RuntimeError, match="fp32 or bf16"):
         ext.int8_q16_tiles_linear(torch.randn(1, 32).double(), tiles, scales, 8)
+    x = torch.randn(5, 32, generator=gen(4))  # and the next good call computes as before
+    assert torch.equal(ext.int8_q16_tiles_linear(x, tiles, scales, 8),
+                       ext.int8_q16_linear(x, w, scales))
 
 
 def test_int8_head_takes_the_tiles_from_a_few_rows(monkeypatch) -> None:
