@@ -73,8 +73,9 @@ class ModelConfig:
             "(models are never downloaded at run time)")
 
 
-# The same names as the model's dtype; "auto" is resolved by Platform.resolve_kv_cache_dtype.
-KV_CACHE_DTYPES = DTYPES
+# The model dtype's names, and fp8 (e4m3, CUDA only; "fp8_e4m3" is the same, vLLM's two names);
+# "auto" is resolved by Platform.resolve_kv_cache_dtype.
+KV_CACHE_DTYPES = (*DTYPES, "fp8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,9 @@ class CacheConfig:
     ``kv_cache_dtype`` is how K and V are stored: "auto" keeps the model's dtype, except fp16
     for a quantized model on the CPU (its K and V come out of bf16 projections, so fp16 keeps
     them nearly exactly, in half the memory of fp32); "float32", "float16" or "bfloat16" set it
-    (narrower than the model's on the CPU only).
+    (narrower than the model's on the CPU only); "fp8" (or "fp8_e4m3") stores e4m3 on CUDA GPUs
+    of compute capability 8.9 or later, half of bf16's memory and of its reads per decode step
+    (unscaled, values beyond +-448 clamped; the attention kernels widen it to the model's dtype).
 
     On CUDA the fraction is replaced by ``gpu_memory_utilization``, vLLM's meaning: the share of
     the GPU's *total* memory this engine may use, weights and activations included; the KV

@@ -4,8 +4,12 @@ device-to-device copy bandwidth is its efficiency. Sweeps the split kernel's lau
 (partition, keys per tile, warps, pipelining stages) and checks each variant's output against
 the default's, so the next GPU session can pick settings from one run.
 
-    python benchmarks/gpu/attention_bw.py [--shapes 1x512,256x140,256x1500,64x4000]
-        [--quick] [--result-file FILE]
+    python benchmarks/gpu/attention_bw.py [--shapes 1x512,1x2000,256x140,256x1500,64x4000]
+        [--max-seq-len-bound 4096] [--quick] [--result-file FILE] [--write-tuning FILE]
+
+With ``--write-tuning`` it writes the fastest settings of small batches (<= 8 sequences) and of
+the rest as a decode tuning file, which the engine reads for this GPU model from
+``tokenmill/attention/tuned/`` (see tokenmill/attention/decode_tuning.py).
 
 Llama-3.1-8B's attention shape: 32 query heads over 8 KV heads of 128, bf16, 16-token blocks
 placed in random order (as a long-running cache has them). Without a GPU it runs at toy sizes
@@ -26,12 +30,18 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tokenmill.attention import triton_kernels as tk  # noqa: E402
+from tokenmill.attention.decode_tuning import DEFAULT_LAUNCH  # noqa: E402
 from tokenmill.bench.report import markdown_table, now_iso, write_json  # noqa: E402
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
+DEFAULT = DEFAULT_LAUNCH.kwargs()
+# Batches up to this size form the "small" class (one rule of the tuning file), the rest "large".
+SMALL_BATCH = 8
+# A variant whose output differs more than this from the default's (relative norm) is not picked.
+MAX_REL_ERR = 2e-2
 
 
-def make_case(batch: int, ctx: int, device: torch.device, dtype: torch.dtype,
+def make_case(batch: int, ctx: int, bound: int, device: torch.device, dtype: torch.dtype,
               gen: torch.Generator) -> dict[str, Any]:
     """A cache holding ``batch`` sequences of ``ctx`` tokens in shuffled blocks, and queries."""
     per_seq = -(-ctx // BLOCK)
@@ -42,7 +52,7 @@ def make_case(batch: int, ctx: int, device: torch.device, dtype: torch.dtype,
     tables = perm.view(batch, per_seq).to(torch.int32).contiguous()
     q = torch.randn(batch, HQ, D, generator=gen, device=device, dtype=torch.float32).to(dtype)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
-    return {"q": q, "cache": cache, "tables": tables, "lens": lens, "max_len": ctx,
+    return {"q": q, "cache": cache, "tables": tables, "lens": lens, "max_len": bound,
             "kv_bytes": batch * ctx * HKV * D * 2 * cache.element_size()}
 
 
@@ -67,33 +77,14 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() / (time_ms(lambda: dst.copy_(src), device) / 1000)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default=None, help="BATCHxCONTEXT,... (default by device)")
-    ap.add_argument("--quick", action="store_true", help="the default settings only")
-    ap.add_argument("--result-file", default=None)
-    a = ap.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    shapes = a.shapes or ("1x512,256x140,256x1500,64x4000" if device.type == "cuda"
-                          else "2x40,3x70")
-    cases = [tuple(int(v) for v in s.split("x")) for s in shapes.split(",")]
-    default = {"partition_size": 512, "block_n": tk._DECODE_BLOCK_N,
-               "num_warps": tk.NUM_WARPS, "num_stages": None}
-    # Every partition x tile x warps at Triton's default pipelining, then the default with
-    # each depth: 21 compiles, about a minute on a GPU for four shapes.
-    variants = [default] + ([] if a.quick else [
-        {"partition_size": p, "block_n": n, "num_warps": w, "num_stages": None}
-        for p, n, w in itertools.product((256, 512, 1024), (16, 32, 64), (4, 8))
-    ] + [dict(default, num_stages=st) for st in (1, 2, 3)])
-    if device.type != "cuda":
-        variants = variants[:3]
-    bw = copy_bandwidth(device)
+def sweep(cases: list[tuple[int, int]], variants: list[dict[str, Any]], bound: int,
+          device: torch.device, dtype: torch.dtype, bw: float) -> list[dict[str, Any]]:
+    """Time every variant on every (batch, context); each result names its case and settings."""
     gen = torch.Generator(device=device).manual_seed(0)
-    rows, results = [], []
+    results = []
     for batch, ctx in cases:
-        case = make_case(batch, ctx, device, dtype, gen)
-        ref = run(case, **default).float()
+        case = make_case(batch, ctx, max(ctx, bound), device, dtype, gen)
+        ref = run(case, **DEFAULT).float()
         for v in variants:
             try:
                 out = run(case, **v).float()
@@ -105,23 +96,107 @@ def main() -> None:
             gbs = case["kv_bytes"] / (ms / 1000) / 1e9
             results.append({"batch": batch, "context": ctx, **v, "ms": ms, "gb_s": gbs,
                             "share_of_copy": gbs * 1e9 / bw, "rel_err_vs_default": err})
-        timed = [r for r in results[-len(variants):] if "ms" in r]
-        base = timed[0]
-        best = min(timed, key=lambda r: r["ms"]) if device.type == "cuda" else base
-        rows.append([f"{batch}x{ctx}", case["kv_bytes"] / 1e9, base["ms"], base["gb_s"],
-                     best["ms"], best["gb_s"],
-                     ", ".join(f"{k}={best[k]}" for k in default)])
+    return results
+
+
+def best_variant(results: list[dict[str, Any]], shapes: set[tuple[int, int]],
+                 variants: list[dict[str, Any]]) -> tuple[dict[str, Any], float] | None:
+    """The variant with the least total time over ``shapes`` (each timed, output within
+    MAX_REL_ERR of the default's), and that total; None if none qualifies."""
+    totals = []
+    for v in variants:
+        rows = [r for r in results if (r["batch"], r["context"]) in shapes
+                and all(r[k] == v[k] for k in DEFAULT)]
+        if len(rows) == len(shapes) and all("ms" in r and r["rel_err_vs_default"] <= MAX_REL_ERR
+                                            for r in rows):
+            totals.append((sum(r["ms"] for r in rows), v))
+    if not totals:
+        return None
+    total, v = min(totals, key=lambda t: t[0])
+    return v, total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default=None, help="BATCHxCONTEXT,... (default by device)")
+    ap.add_argument("--max-seq-len-bound", type=int, default=4096,
+                    help="the grid's bound on context lengths, as a CUDA graph launches it "
+                         "(the engine's max model length)")
+    ap.add_argument("--quick", action="store_true", help="the default settings only")
+    ap.add_argument("--result-file", default=None)
+    ap.add_argument("--write-tuning", default=None, metavar="FILE",
+                    help="write the fastest settings per batch class as a decode tuning file "
+                         "(tokenmill/attention/decode_tuning.py)")
+    a = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shapes = a.shapes or ("1x512,1x2000,256x140,256x1500,64x4000" if device.type == "cuda"
+                          else "1x40,3x70")
+    cases = [tuple(int(v) for v in s.split("x")) for s in shapes.split(",")]
+    bound = a.max_seq_len_bound if device.type == "cuda" else 0
+    # Every partition x tile x warps at Triton's default pipelining: 30 compiles, then each
+    # batch class's fastest at every pipelining depth.
+    grid = [DEFAULT] + ([] if a.quick else [
+        {"partition_size": p, "block_n": n, "num_warps": w, "num_stages": None}
+        for p, n, w in itertools.product((64, 128, 256, 512, 1024), (16, 32, 64), (4, 8))
+        if (p, n, w) != (DEFAULT["partition_size"], DEFAULT["block_n"], DEFAULT["num_warps"])
+    ])
+    if device.type != "cuda":  # the interpreter: check the script, not the settings
+        grid = [DEFAULT, dict(DEFAULT, partition_size=16, block_n=16, num_warps=4)]
+    bw = copy_bandwidth(device)
+    results = sweep(cases, grid, bound, device, dtype, bw)
+    classes = {name: {c for c in cases if (c[0] <= SMALL_BATCH) == small}
+               for name, small in (("small", True), ("large", False))}
+    staged = []
+    for shapes_of in classes.values():
+        found = best_variant(results, shapes_of, grid) if shapes_of else None
+        if found and not a.quick:
+            staged += [dict(found[0], num_stages=st) for st in (1, 2, 3, 4)
+                       if dict(found[0], num_stages=st) not in grid + staged]
+    if staged:
+        results += sweep(cases, staged, bound, device, dtype, bw)
+    variants = grid + staged
+
+    rows = []
+    for batch, ctx in cases:
+        mine = [r for r in results if (r["batch"], r["context"]) == (batch, ctx) and "ms" in r]
+        base = next(r for r in mine if all(r[k] == DEFAULT[k] for k in DEFAULT))
+        best = min(mine, key=lambda r: r["ms"])
+        rows.append([f"{batch}x{ctx}", mine[0]["gb_s"] * mine[0]["ms"] / 1000, base["ms"],
+                     base["gb_s"], best["ms"], best["gb_s"],
+                     ", ".join(f"{k}={best[k]}" for k in DEFAULT)])
     print(markdown_table(["batch x context", "KV GB", "default ms", "default GB/s", "best ms",
                           "best GB/s", "best settings"], rows))
-    print(f"copy bandwidth {bw / 1e9:.0f} GB/s on "
-          f"{torch.cuda.get_device_name(0) if device.type == 'cuda' else 'cpu (interpreter)'}")
+    name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (interpreter)"
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s on {name}")
+    command = " ".join(["python", *sys.argv])
+    rules = []
+    for cls, shapes_of in classes.items():
+        found = best_variant(results, shapes_of, variants) if shapes_of else None
+        if found is None:
+            continue
+        v, total = found
+        base_total = best_variant(results, shapes_of, [DEFAULT])
+        rules.append({"max_batch": SMALL_BATCH if cls == "small" else None, **v,
+                      "shapes": sorted(f"{b}x{c}" for b, c in shapes_of),
+                      "total_ms": total,
+                      "default_total_ms": base_total[1] if base_total else None})
+        print(f"{cls} batches ({', '.join(rules[-1]['shapes'])}): "
+              + ", ".join(f"{k}={v[k]}" for k in DEFAULT)
+              + f"; {total:.3f} ms against the default's {rules[-1]['default_total_ms']:.3f}")
+    if a.write_tuning:
+        if len(rules) == 2 and rules[0]["max_batch"] is not None:
+            by_batch = rules
+        else:  # one class measured: its settings for every batch
+            by_batch = [dict(rules[-1], max_batch=None)]
+        write_json(a.write_tuning, {"device": name, "created": now_iso(), "command": command,
+                                    "torch": torch.__version__, "by_batch": by_batch})
+        print(f"wrote {a.write_tuning}")
     if a.result_file:
         write_json(a.result_file, {"created": now_iso(), "copy_bandwidth_gb_s": bw / 1e9,
-                                   "device": (torch.cuda.get_device_name(0)
-                                              if device.type == "cuda" else "cpu"),
-                                   "torch": torch.__version__,
-                                   "command": " ".join(["python", *sys.argv]),
-                                   "results": results})
+                                   "device": name, "torch": torch.__version__,
+                                   "command": command, "max_seq_len_bound": bound,
+                                   "tuning": rules, "results": results})
 
 
 if __name__ == "__main__":

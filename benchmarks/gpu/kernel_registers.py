@@ -20,6 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from tokenmill.attention import triton_kernels as tk
+from tokenmill.attention.decode_tuning import DEFAULT_LAUNCH
 from tokenmill.models import fused_ops as fo
 
 POINTERS = {"table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32",
@@ -34,7 +35,7 @@ CASES = [
     ("store_kv", tk._store_kv_kernel,
      dict(NUM_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128), 4),
     ("decode split (in use)", tk._decode_split_kernel,
-     dict(DECODE, BLOCK_N=tk._DECODE_BLOCK_N), tk.NUM_WARPS),
+     dict(DECODE, BLOCK_N=DEFAULT_LAUNCH.block_n), DEFAULT_LAUNCH.num_warps),
     ("decode split, 64 keys, 4 warps", tk._decode_split_kernel, dict(DECODE, BLOCK_N=64), 4),
     ("decode split, 32 keys, 4 warps", tk._decode_split_kernel, dict(DECODE, BLOCK_N=32), 4),
     ("decode reduce", tk._decode_reduce_kernel,

@@ -5,11 +5,16 @@
 #   python benchmarks/gpu/pack_device.py            # here, once: fills .device/
 #   phase 1, carry .device/whl .device/vocab.gguf .device/part1:  bash benchmarks/gpu/lease.sh 1
 #   phase 2, carry .device/whl .device/vocab.gguf .device/part2:  bash benchmarks/gpu/lease.sh 2
+#   one call, carry .device/whl .device/vocab.gguf:  DEADLINE=540 bash benchmarks/gpu/lease.sh tune
 #
 # Phase 1 needs only the tokenizer (dummy-weight presets): the kernel and graph tests, decode
 # and throughput on Llama-3.1-8B's shape, nano-vllm's workload. Phase 2 has the whole embedded
-# model: the engine tests, transformers side by side, the step profile, fp8. Logs and result
-# JSONs go into $OUT/phaseN.tgz after every step (so a cut-off call still returns them).
+# model: the engine tests, transformers side by side, the step profile, fp8. Phase "tune" is
+# one call on dummy-weight presets: the kernel and fp8-cache tests, the decode attention sweep,
+# which writes this GPU's tuning file (tokenmill/attention/tuned/), then decode and throughput
+# with it, bf16 and fp8 (weights and KV cache). Logs and result JSONs go into
+# $OUT/phaseN.tgz after every step (so a cut-off call still returns them). With DEADLINE
+# (seconds from the start) a step gets at most the time left, and none starts with under 30 s.
 set -u
 cd "$(dirname "$0")/../.."
 PHASE=${1:?phase 1 or 2}
@@ -22,10 +27,17 @@ GPU=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).split()[-1].
 [ "$GPU" = "hbm3" ] && GPU=h100   # "NVIDIA H100 80GB HBM3"
 
 REPO=$PWD
-pack() { tar czf "$OUTDIR/phase$PHASE.tgz" -C /tmp lease-logs -C "$REPO" "$RES"; }
+pack() {
+  tar czf "$OUTDIR/phase$PHASE.tgz" -C /tmp lease-logs -C "$REPO" "$RES" tokenmill/attention/tuned
+}
 step() {  # step NAME CAP_SECONDS COMMAND...
   local name=$1 cap=$2 t0=$SECONDS rc
   shift 2
+  if [ -n "${DEADLINE:-}" ]; then
+    local left=$((DEADLINE - SECONDS))
+    if [ "$left" -lt 30 ]; then echo "## $name: skipped, ${left} s left"; return; fi
+    [ "$cap" -gt "$left" ] && cap=$left
+  fi
   ${DRY:+echo} timeout -k 10 "$cap" "$@" > "$LOGS/$name.log" 2>&1
   rc=$?
   echo "## $name: rc=$rc in $((SECONDS - t0)) s"
@@ -46,6 +58,23 @@ if [ "$PHASE" = 1 ]; then
     --result-file "$RES/$GPU-llama-3.1-8b-throughput-bf16.json"
   step nano-vllm 90 $BENCH --suite nano-vllm --model qwen3-0.6b --max-model-len 2048 \
     --result-file "$RES/$GPU-qwen3-0.6b-nano-vllm.json"
+elif [ "$PHASE" = tune ]; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  python3 -c "import torch, triton, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__)"
+  step tests-kernels 100 python3 -m pytest -q -p no:cacheprovider -rfE \
+    tests/unit/test_triton_attention.py tests/unit/test_cuda_graphs.py \
+    tests/gpu/test_fp8_kv_cache.py tests/gpu/test_cuda_engine.py::test_quantized_linear_on_cuda
+  SLUG=$(python3 -c "import torch; from tokenmill.attention.decode_tuning import device_slug; print(device_slug(torch.cuda.get_device_name(0)))")
+  step attention-sweep 150 python3 benchmarks/gpu/attention_bw.py \
+    --result-file "$RES/$GPU-decode-attention-bw.json" \
+    --write-tuning "tokenmill/attention/tuned/$SLUG.json"
+  step throughput-bf16 170 $BENCH --suite throughput --model llama-3.1-8b --max-model-len 2048 \
+    --result-file "$RES/$GPU-llama-3.1-8b-throughput-bf16-tuned.json"
+  step decode-bf16 60 $BENCH --suite decode --model llama-3.1-8b --max-model-len 4096 \
+    --max-num-seqs 8 --result-file "$RES/$GPU-llama-3.1-8b-decode-bf16-tuned.json"
+  step throughput-fp8 150 $BENCH --suite throughput --model llama-3.1-8b --max-model-len 2048 \
+    --quantization fp8 --kv-cache-dtype fp8 \
+    --result-file "$RES/$GPU-llama-3.1-8b-throughput-fp8-kv-fp8.json"
 else
   step tests-engine 130 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu \
     -k "not quantized_linear"

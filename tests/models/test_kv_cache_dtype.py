@@ -96,9 +96,25 @@ def test_auto_resolution() -> None:
         cuda.resolve_kv_cache_dtype("float16", torch.bfloat16, quantized=False)
 
 
+def test_fp8_cache_needs_a_gpu_with_fp8(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8 (e4m3) is read by the Triton kernels only: refused on the CPU and on GPUs older
+    than compute capability 8.9, with the reason."""
+    assert CacheConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8"
+    assert CacheConfig(kv_cache_dtype="fp8_e4m3").kv_cache_dtype == "fp8_e4m3"
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8' needs a CUDA GPU"):
+        Platform(torch.device("cpu")).resolve_kv_cache_dtype("fp8", torch.float32, True)
+    cuda = Platform(torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    for name in ("fp8", "fp8_e4m3"):
+        assert cuda.resolve_kv_cache_dtype(name, torch.bfloat16, False) == torch.float8_e4m3fn
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match="compute capability 8.9 or later.*this one is 8.0"):
+        cuda.resolve_kv_cache_dtype("fp8", torch.bfloat16, False)
+
+
 def test_bad_value_is_named() -> None:
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32"):
-        CacheConfig(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32.*fp8"):
+        CacheConfig(kv_cache_dtype="int8")
 
 
 def test_cli_option() -> None:

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
 from paged import PagedKVCache  # noqa: E402
 
 from tokenmill.attention.backend import AttentionBackend, TorchAttentionBackend  # noqa: E402
+from tokenmill.attention.decode_tuning import DEFAULT_LAUNCH, parse_tuning  # noqa: E402
 from tokenmill.attention.metadata import AttentionMetadata  # noqa: E402
 from tokenmill.runner.batch import FlatBatch  # noqa: E402
 
@@ -277,6 +278,74 @@ def test_backend_padded_decode_as_in_a_cuda_graph() -> None:
     ref = dense(q[:2], cache.kv_caches[0], meta.block_tables, [1, 1], [41, 4], d ** -0.5)
     assert (out[:2] - ref.view(2, -1)).abs().max().item() <= 1e-4
     assert not out[2:].any()
+
+
+def test_fp8_cache_stores_saturated_e4m3_and_both_kernels_read_it() -> None:
+    """--kv-cache-dtype fp8: K and V are stored as e4m3 (values past +-448 clamped, never
+    NaN), and prefill and decode attend over exactly what was stored, widened to the
+    queries' dtype."""
+    gen = torch.Generator().manual_seed(7)
+    hq, hkv, d, block_size = 8, 2, 16, 4
+    backend = triton_backend.TritonAttentionBackend(decode_partition_size=16)
+    cache = new_cache(hkv, d, block_size, torch.float8_e4m3fn, backend=backend)
+    kv = cache.kv_caches[0]
+    for chunks in ([(0, 30), (1, 5)], [(0, 1), (1, 1)], [(1, 3), (0, 1)]):
+        meta = to_device(cache.step(chunks)[0])
+        n = len(meta.slot_mapping)
+        q = torch.randn(n, hq, d, generator=gen).to(DEVICE)
+        # Values fp8 holds exactly (Triton's interpreter rounds some others wrongly, e.g.
+        # -7.84 to -4 where the GPU and torch give -8; the GPU test checks the rounding).
+        k, v = ((torch.randn(n, hkv, d, generator=gen) * 3).to(torch.float8_e4m3fn)
+                .float().to(DEVICE) for _ in range(2))
+        k[0, 0, :2] = torch.tensor([1000.0, -5000.0])  # beyond fp8's range
+        out = backend.forward(q, k, v, kv, meta, d ** -0.5)
+        widened = kv.float()  # (indexing fp8 tensors directly is not supported everywhere)
+        for i, x in enumerate((k, v)):
+            stored = widened[i].view(-1, hkv, d)[meta.slot_mapping]
+            assert torch.equal(stored, x.clamp(-448, 448).to(torch.float8_e4m3fn).float())
+        assert not widened.isnan().any()
+        ref = dense(q, widened, meta.block_tables, meta.query_lens_cpu, meta.seq_lens_cpu,
+                    d ** -0.5)
+        assert out.dtype == torch.float32
+        assert (out - ref.view(n, -1)).abs().max().item() <= 1e-4, chunks
+
+
+def test_backend_decodes_with_the_tuned_launch_of_its_batch_size(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step launches the tuning's settings for its batch size (the rule is picked
+    by the number of rows, never by their lengths), and each setting computes the same
+    attention."""
+    tuning = parse_tuning({"by_batch": [
+        {"max_batch": 2, "partition_size": 16, "block_n": 16, "num_warps": 4, "num_stages": 2},
+        {"max_batch": None, "partition_size": 64, "block_n": 32}]}, "test")
+    launches: list[dict[str, object]] = []
+    real = triton_backend.decode_attention
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        launches.append({k: kwargs[k] for k in ("partition_size", "block_n", "num_warps",
+                                                "num_stages")})
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "decode_attention", spy)
+    gen = torch.Generator().manual_seed(6)
+    hq, hkv, d = 8, 2, 16
+    backend = triton_backend.TritonAttentionBackend(decode_tuning=tuning)
+    cache = new_cache(hkv, d, 4, torch.float32, backend=backend)
+    fill(cache, [40, 3, 70], gen)
+    for seqs in ([0, 1], [0, 1, 2]):
+        meta = to_device(cache.step([(s, 1) for s in seqs])[0])
+        q = torch.randn(len(seqs), hq, d, generator=gen).to(DEVICE)
+        k, v = (torch.randn(len(seqs), hkv, d, generator=gen).to(DEVICE) for _ in range(2))
+        out = backend.forward(q, k, v, cache.kv_caches[0], meta, d ** -0.5)
+        ref = dense(q, cache.kv_caches[0], meta.block_tables, meta.query_lens_cpu,
+                    meta.seq_lens_cpu, d ** -0.5)
+        assert (out - ref.view(len(seqs), -1)).abs().max().item() <= 1e-4, seqs
+    assert launches == [
+        {"partition_size": 16, "block_n": 16, "num_warps": 4, "num_stages": 2},
+        {"partition_size": 64, "block_n": 32, "num_warps": 8, "num_stages": None}]
+    # Without a tuning, a backend off the GPU launches the defaults.
+    assert (triton_backend.TritonAttentionBackend()._decode_tuning(torch.device("cpu"))
+            .for_batch(1) == DEFAULT_LAUNCH)
 
 
 @pytest.mark.gpu

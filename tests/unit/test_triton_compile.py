@@ -20,6 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tokenmill.attention import triton_kernels as tk
+from tokenmill.attention.decode_tuning import DEFAULT_LAUNCH, TUNED_DIR, load_tuning
 from tokenmill.models import fused_ops as fo
 
 POINTERS = {"table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32",
@@ -29,9 +30,10 @@ POINTERS = {"table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i3
 # the attention kernels with the warps they are launched with.
 W = {"num_warps": tk.NUM_WARPS}
 KERNELS = [
-    (tk._store_kv_kernel, dict(NUM_HEADS=8, HEAD_DIM=80, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128)),
+    (tk._store_kv_kernel, dict(NUM_HEADS=8, HEAD_DIM=80, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128,
+                               SATURATE=False)),
     (tk._decode_split_kernel, dict(NUM_HEADS=32, GROUP=4, HEAD_DIM=80, BLOCK_SIZE=16,
-                                   PARTITION=512, BLOCK_G=16, BLOCK_N=tk._DECODE_BLOCK_N,
+                                   PARTITION=512, BLOCK_G=16, BLOCK_N=DEFAULT_LAUNCH.block_n,
                                    BLOCK_D=128, DOT_PRECISION="tf32"), W),
     (tk._decode_reduce_kernel, dict(NUM_HEADS=32, HEAD_DIM=80, PARTITION=512, BLOCK_D=128)),
     (tk._prefill_kernel, dict(GROUP=4, HEAD_DIM=80, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=32,
@@ -41,13 +43,35 @@ KERNELS = [
     (fo._silu_and_mul_kernel, dict(BLOCK=1024)),
     (fo._rotary_kernel, dict(NUM_HEADS=48, HALF=64, BLOCK_H=64, BLOCK_D=64)),
 ]
-for fn, constexprs, *options in KERNELS:
+# The decode launches tuned per GPU model (tokenmill/attention/tuned/).
+for path in sorted(TUNED_DIR.glob("*.json")):
+    for _, launch in load_tuning(path).rules:
+        KERNELS.append((tk._decode_split_kernel, dict(
+            NUM_HEADS=32, GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, PARTITION=launch.partition_size,
+            BLOCK_G=16, BLOCK_N=min(launch.block_n, launch.partition_size), BLOCK_D=128,
+            DOT_PRECISION="tf32"), {"num_warps": launch.num_warps, **(
+                {} if launch.num_stages is None else {"num_stages": launch.num_stages})}))
+# An fp8 KV cache (--kv-cache-dtype fp8): stored with saturation, widened to bf16 when read.
+FP8 = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+KERNELS += [
+    (tk._store_kv_kernel, dict(NUM_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128,
+                               SATURATE=True), None, FP8),
+    (tk._decode_split_kernel, dict(NUM_HEADS=32, GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16,
+                                   PARTITION=512, BLOCK_G=16, BLOCK_N=DEFAULT_LAUNCH.block_n,
+                                   BLOCK_D=128, DOT_PRECISION="tf32"), W, FP8),
+    (tk._prefill_kernel, dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=32,
+                              BLOCK_D=128, DOT_PRECISION="tf32"), W, FP8),
+]
+for fn, constexprs, *extra in KERNELS:
+    options = extra[0] if extra else None
+    pointers = dict(POINTERS, **(extra[1] if len(extra) > 1 else {}))
     signature = {name: "constexpr" if name in constexprs
-                 else POINTERS.get(name, "*bf16") if name.endswith("_ptr")
+                 else pointers.get(name, "*bf16") if name.endswith("_ptr")
                  else "fp32" if name in ("qk_scale", "eps") else "i32" for name in fn.arg_names}
-    for arch in (80, 90):
+    # fp8 (e4m3) needs sm_89 or later: the engine refuses an fp8 cache below that.
+    for arch in (90,) if "*fp8e4nv" in pointers.values() else (80, 90):
         triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32),
-                       options=options[0] if options else None)
+                       options=options)
 """
 
 

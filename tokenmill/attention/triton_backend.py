@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.attention.backend import AttentionBackend
+from tokenmill.attention.decode_tuning import DecodeTuning, tuning_for_device
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.attention.triton_kernels import (
     decode_attention,
@@ -31,8 +32,12 @@ class TritonAttentionBackend(AttentionBackend):
     # Decode steps may be captured in CUDA graphs (tokenmill.runner.cuda_graphs).
     supports_cuda_graphs = True
 
-    def __init__(self, decode_partition_size: int = 512) -> None:
-        # Tokens per decode split: smaller gives long contexts more parallel programs.
+    def __init__(self, decode_partition_size: int | None = None,
+                 decode_tuning: DecodeTuning | None = None) -> None:
+        # The decode kernel's launch settings by batch size; None: the tuning file of the GPU
+        # the first decode step runs on (tokenmill.attention.decode_tuning), defaults without.
+        self.decode_tuning = decode_tuning
+        # Tokens per decode split, overriding the tuning's (tests).
         self.decode_partition_size = decode_partition_size
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -42,9 +47,11 @@ class TritonAttentionBackend(AttentionBackend):
         out = q.new_empty(num_tokens, num_heads, head_dim)
         if meta.decode_only:
             bound = meta.max_seq_len_bound
+            launch = self._decode_tuning(q.device).for_batch(num_tokens).kwargs()
+            if self.decode_partition_size is not None:
+                launch["partition_size"] = self.decode_partition_size
             decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale,
-                             meta.max_seq_len if bound is None else bound, out=out,
-                             partition_size=self.decode_partition_size)
+                             meta.max_seq_len if bound is None else bound, out=out, **launch)
         elif num_tokens:
             if sum(meta.query_lens_cpu) != num_tokens:
                 raise ValueError(f"query_lens_cpu sums to {sum(meta.query_lens_cpu)} "
@@ -57,3 +64,9 @@ class TritonAttentionBackend(AttentionBackend):
             prefill_attention(q, kv_cache, meta.block_tables, meta.query_start_loc,
                               meta.seq_lens, scale, meta.query_lens_cpu, out=out, tiles=tiles)
         return out.view(num_tokens, num_heads * head_dim)
+
+    def _decode_tuning(self, device: torch.device) -> DecodeTuning:
+        if self.decode_tuning is None:
+            self.decode_tuning = (tuning_for_device(torch.cuda.get_device_name(device))
+                                  if device.type == "cuda" else DecodeTuning())
+        return self.decode_tuning

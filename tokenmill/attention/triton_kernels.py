@@ -18,17 +18,21 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.attention.decode_tuning import DEFAULT_LAUNCH
 from tokenmill.utils import host_tensor
 
 _LOG2E = 1.4426950408889634
+# An fp8 KV cache (``--kv-cache-dtype fp8``): e4m3, unscaled (a scale of 1, vLLM's default
+# without calibrated scales); K and V beyond +-448 are clamped when stored.
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn,)
+FP8_MAX = tl.constexpr(448.0)
 # tl.dot needs every dimension >= 16 on GPUs: decode pads its query heads and the head dim up
 # to it, and decode partitions are at least this long.
 _MIN_DOT = 16
-# Tile sizes and warps, chosen from ptxas's register report for sm_90 at head dim 128 (no GPU
-# was at hand to time them; benchmarks/results/gpu/kernel-notes.md): decode tiles of 64 keys
-# spilled at 4 warps, 32 keys at 8 warps use 169 registers without spills; the prefill tile
-# of 64 x 32 needs 255 registers at 4 warps and 128 at 8.
-_DECODE_BLOCK_N = 32
+# Prefill tile sizes and warps, chosen from ptxas's register report for sm_90 at head dim 128
+# (benchmarks/results/gpu/kernel-notes.md): the prefill tile of 64 x 32 needs 255 registers at
+# 4 warps and 128 at 8. The decode kernel's launch settings are tuned per GPU model
+# (decode_tuning.py, benchmarks/gpu/attention_bw.py).
 _PREFILL_BLOCK_M = 64
 _PREFILL_BLOCK_N = 32
 NUM_WARPS = 8
@@ -39,8 +43,9 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cb, stride_co, stride_ch,
                      NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One program per token: copy its K and V (all heads) to its cache slot."""
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SATURATE: tl.constexpr):
+    """One program per token: copy its K and V (all heads) to its cache slot, in the cache's
+    dtype; with SATURATE (an fp8 cache) values beyond fp8's range are clamped to it."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     # A negative slot is a padding row (CUDA graphs pad the batch with -1): write nothing.
@@ -51,17 +56,28 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     mask = (h < NUM_HEADS) & (d < HEAD_DIM)
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co + h * stride_ch + d
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
-    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(k_cache_ptr + dst, _to_cache(k, k_cache_ptr, SATURATE), mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
-    tl.store(v_cache_ptr + dst, v, mask=mask)
+    tl.store(v_cache_ptr + dst, _to_cache(v, v_cache_ptr, SATURATE), mask=mask)
+
+
+@triton.jit
+def _to_cache(x, cache_ptr, SATURATE: tl.constexpr):
+    """``x`` in the cache's dtype; clamped to +-FP8_MAX first when SATURATE (fp8 has no
+    infinity: a value past its range would become NaN)."""
+    if SATURATE:
+        return tl.minimum(tl.maximum(x.to(tl.float32), -FP8_MAX), FP8_MAX).to(
+            cache_ptr.dtype.element_ty)
+    return x.to(cache_ptr.dtype.element_ty)
 
 
 @triton.jit
 def _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, n0, end, kv_head,
                   stride_cb, stride_co, stride_ch,
                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_D: tl.constexpr):
-    """K and V ``[BLOCK_N, BLOCK_D]`` of positions ``n0 .. n0+BLOCK_N-1`` (zeros from ``end``)."""
+                  BLOCK_D: tl.constexpr, COMPUTE: tl.constexpr):
+    """K and V ``[BLOCK_N, BLOCK_D]`` of positions ``n0 .. n0+BLOCK_N-1`` (zeros from ``end``),
+    in dtype COMPUTE."""
     pos = n0 + tl.arange(0, BLOCK_N)
     valid = pos < end
     block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
@@ -69,8 +85,9 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, n0, end, kv_head,
     d = tl.arange(0, BLOCK_D)
     offs = row[:, None] + d[None, :]
     mask = valid[:, None] & (d < HEAD_DIM)[None, :]
-    k = tl.load(k_cache_ptr + offs, mask=mask, other=0.0)
-    v = tl.load(v_cache_ptr + offs, mask=mask, other=0.0)
+    # An fp8 cache is widened here to the queries' dtype.
+    k = tl.load(k_cache_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
+    v = tl.load(v_cache_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
     return k, v, pos, valid
 
 
@@ -122,7 +139,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_pt
     for n0 in range(start, end, BLOCK_N):
         k, v, pos, valid = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, n0, end, kv_head,
                                          stride_cb, stride_co, stride_ch,
-                                         HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D)
+                                         HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m, denom, acc = _softmax_step(s, v, m, denom, acc, DOT_PRECISION)
@@ -218,7 +235,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, table_ptr, query_s
     for n0 in range(0, end, BLOCK_N):
         k, v, pos, valid = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, n0, end, kv_head,
                                          stride_cb, stride_co, stride_ch,
-                                         HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D)
+                                         HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m, denom, acc = _softmax_step(s, v, m, denom, acc, DOT_PRECISION)
@@ -244,14 +261,17 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim))
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        SATURATE=kv_cache.dtype in FP8_CACHE_DTYPES)
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, max_seq_len: int,
                      out: torch.Tensor | None = None,
-                     partition_size: int = 512, block_n: int = _DECODE_BLOCK_N,
-                     num_warps: int = NUM_WARPS, num_stages: int | None = None) -> torch.Tensor:
+                     partition_size: int = DEFAULT_LAUNCH.partition_size,
+                     block_n: int = DEFAULT_LAUNCH.block_n,
+                     num_warps: int = DEFAULT_LAUNCH.num_warps,
+                     num_stages: int | None = DEFAULT_LAUNCH.num_stages) -> torch.Tensor:
     """Attend one query per sequence over its paged context (flash decoding).
 
     Each sequence's context is cut into partitions of ``partition_size`` tokens, attended in

@@ -112,7 +112,8 @@ def _add_cache_args(g: argparse._ArgumentGroup) -> None:
                         "the KV cache gets the rest after a profiling step (CUDA)")
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=CacheConfig.kv_cache_dtype,
                    help="how K and V are stored (auto: the model's dtype; fp16 for a quantized "
-                        "model on the CPU)")
+                        "model on the CPU; fp8: e4m3 on CUDA GPUs of compute capability >= 8.9, "
+                        "half the memory and reads of bf16)")
     g.add_argument("--enforce-eager", action="store_true", default=DeviceConfig.enforce_eager,
                    help="no CUDA graphs: run every decode step eagerly (CUDA)")
     g.add_argument("--cuda-graph-max-batch-size", type=int,

@@ -151,7 +151,9 @@ class ModelRunner:
         src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=self.device)
         dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=self.device)
         for cache in self.kv_caches:
-            cache.index_copy_(1, dst, cache.index_select(1, src))
+            # As bytes: index_copy_ has no fp8 kernels, and a copy is the same for any dtype.
+            raw = cache.view(torch.uint8)
+            raw.index_copy_(1, dst, raw.index_select(1, src))
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, num_seqs: int) -> None:

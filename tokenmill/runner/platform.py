@@ -51,6 +51,17 @@ class Platform:
             if not self.is_cuda and quantized and dtype == torch.float32:
                 return torch.float16
             return dtype
+        if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+            if not self.is_cuda:
+                raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} needs a CUDA GPU (the "
+                                 "Triton attention kernels read it); on the CPU float16 halves "
+                                 "a float32 cache")
+            capability = torch.cuda.get_device_capability(self.device)
+            if capability < (8, 9):
+                raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} needs a GPU of compute "
+                                 f"capability 8.9 or later (fp8 e4m3); this one is "
+                                 f"{capability[0]}.{capability[1]}")
+            return torch.float8_e4m3fn
         chosen = _DTYPES[kv_cache_dtype]
         if self.is_cuda and chosen != dtype:
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} differs from the model's dtype "
