@@ -72,8 +72,11 @@ elif [ "$PHASE" = tune ]; then
     --result-file "$RES/$GPU-llama-3.1-8b-throughput-bf16-tuned.json"
   step decode-bf16 60 $BENCH --suite decode --model llama-3.1-8b --max-model-len 4096 \
     --max-num-seqs 8 --result-file "$RES/$GPU-llama-3.1-8b-decode-bf16-tuned.json"
-  step throughput-fp8 150 $BENCH --suite throughput --model llama-3.1-8b --max-model-len 2048 \
-    --quantization fp8 --kv-cache-dtype fp8 \
+  step throughput-bf16-kv-fp8 150 $BENCH --suite throughput --model llama-3.1-8b \
+    --max-model-len 2048 --kv-cache-dtype fp8 \
+    --result-file "$RES/$GPU-llama-3.1-8b-throughput-bf16-kv-fp8.json"
+  step throughput-fp8-kv-fp8 150 $BENCH --suite throughput --model llama-3.1-8b \
+    --max-model-len 2048 --quantization fp8 --kv-cache-dtype fp8 \
     --result-file "$RES/$GPU-llama-3.1-8b-throughput-fp8-kv-fp8.json"
 else
   step tests-engine 130 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu \

@@ -292,3 +292,75 @@ def test_long_stream_with_many_stops_stays_correct() -> None:
     assert matched == "the end"
     assert_never_leaks(deltas, body)
 
+
+
+# ---------------------------------------------------------------- the output processor's text
+
+
+def _run_processor(tok: Adapter, kind: Any, prompt: list[int], steps: list[list[int]],
+                   finish: str | None = "length", abort_after: int | None = None,
+                   stop: Sequence[str] = ()) -> str:
+    """The final text of one request fed ``steps`` of token ids through an OutputProcessor."""
+    from tokenmill.core.sched_output import EngineCoreOutput
+    from tokenmill.engine.output_processor import OutputKind, OutputProcessor
+    from tokenmill.sampling_params import SamplingParams
+
+    proc = OutputProcessor(tok)  # type: ignore[arg-type]
+    params = SamplingParams(max_tokens=10_000, stop=list(stop))
+    proc.add_request("r", ["r"], None, prompt, params, kind, 0.0)
+    deltas: list[str] = []
+    for i, ids in enumerate(steps):
+        last = i == len(steps) - 1
+        outs, _ = proc.process([EngineCoreOutput("r", ids, finish if last else None)])
+        if abort_after == i:
+            final = proc.abort("r")
+            assert final is not None and final.outputs[0].finish_reason == "abort"
+            return final.outputs[0].text if kind is not OutputKind.DELTA else \
+                "".join(deltas) + final.outputs[0].text
+        for out in outs:
+            deltas.append(out.outputs[0].text)
+            if kind is OutputKind.FINAL_ONLY:
+                assert out.finished, "a FINAL_ONLY request says nothing before it ends"
+    return "".join(deltas) if kind is OutputKind.DELTA else deltas[-1]
+
+
+def _cases(smollm: Adapter) -> list[tuple[Adapter, list[int], list[int]]]:
+    """(tokenizer, prompt, output ids): multibyte text, a byte tokenizer ending mid-character,
+    leading-space markers, special tokens among the output."""
+    byte = byte_tokenizer()
+    prompt = smollm.encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    cases = [(smollm, prompt, smollm.encode(t)) for t in MULTIBYTE]
+    cases.append((smollm, prompt, smollm.encode("Hi there") + [2] + smollm.encode(" again")))
+    cases.append((byte, list(b"q: "), list("abc 日本 🎉 x".encode()) + list("🎉".encode())[:2]))
+    cases.append((spm_tokenizer(), [8], [2, 1, 3, 5, 6, 7, 4, 2]))
+    return cases
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_final_only_text_detokenized_once_equals_the_streamed_text(smollm: Adapter,
+                                                                   chunks: int) -> None:
+    """FINAL_ONLY requests without stop strings detokenize at the end, in one go; their text
+    is what a streaming (DELTA) or CUMULATIVE request of the same tokens ends with."""
+    from tokenmill.engine.output_processor import OutputKind
+
+    for tok, prompt, ids in _cases(smollm):
+        steps = [ids[i:i + chunks] for i in range(0, len(ids), chunks)]
+        texts = {kind: _run_processor(tok, kind, prompt, steps) for kind in OutputKind}
+        assert len(set(texts.values())) == 1, texts
+        if len(steps) < 2:
+            continue
+        # Aborted halfway: the text of the tokens it had.
+        half = (len(steps) - 1) // 2
+        aborted = _run_processor(tok, OutputKind.FINAL_ONLY, prompt, steps, abort_after=half)
+        done = [i for s in steps[:half + 1] for i in s]
+        assert aborted == _run_processor(tok, OutputKind.CUMULATIVE, prompt, [done],
+                                         finish="abort")
+
+
+def test_final_only_with_stop_strings_still_stops_in_the_stream(smollm: Adapter) -> None:
+    from tokenmill.engine.output_processor import OutputKind
+
+    ids = smollm.encode("one two three four five")
+    steps = [[i] for i in ids]
+    for kind in OutputKind:
+        assert _run_processor(smollm, kind, [], steps, stop=[" three"]) == "one two"
