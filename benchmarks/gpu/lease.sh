@@ -59,25 +59,33 @@ if [ "$PHASE" = 1 ]; then
   step nano-vllm 90 $BENCH --suite nano-vllm --model qwen3-0.6b --max-model-len 2048 \
     --result-file "$RES/$GPU-qwen3-0.6b-nano-vllm.json"
 elif [ "$PHASE" = tune ]; then
+  # 2026-11-27's run of this phase took 565 s (tests 39, sweep 66 with do_bench, bf16
+  # throughput 153, decode 19, then the fp8-cache runs were cut at their caps). Next: the sweep
+  # timed behind a spin kernel (small batches too), bf16 and fp8 caches; decode with and
+  # without the tuning on one machine; where a step at 1,500-token contexts goes.
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -c "import torch, triton, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__)"
   step tests-kernels 100 python3 -m pytest -q -p no:cacheprovider -rfE \
     tests/unit/test_triton_attention.py tests/unit/test_cuda_graphs.py \
     tests/gpu/test_fp8_kv_cache.py tests/gpu/test_cuda_engine.py::test_quantized_linear_on_cuda
   SLUG=$(python3 -c "import torch; from tokenmill.attention.decode_tuning import device_slug; print(device_slug(torch.cuda.get_device_name(0)))")
+  TUNED=tokenmill/attention/tuned/$SLUG.json
+  [ -f "$TUNED" ] && cp "$TUNED" /tmp/tuned-before.json
   step attention-sweep 150 python3 benchmarks/gpu/attention_bw.py \
-    --result-file "$RES/$GPU-decode-attention-bw.json" \
-    --write-tuning "tokenmill/attention/tuned/$SLUG.json"
+    --result-file "$RES/$GPU-decode-attention-bw.json" --write-tuning "$TUNED"
+  step attention-sweep-fp8 120 python3 benchmarks/gpu/attention_bw.py --kv-cache-dtype fp8 \
+    --result-file "$RES/$GPU-decode-attention-bw-fp8.json"
+  echo '{"by_batch": [{"max_batch": null}]}' > /tmp/defaults.json
+  TOKENMILL_DECODE_TUNING=/tmp/defaults.json step decode-bf16-defaults 45 $BENCH --suite decode \
+    --model llama-3.1-8b --max-model-len 4096 --max-num-seqs 8 \
+    --result-file "$RES/$GPU-llama-3.1-8b-decode-bf16-defaults.json"
+  step decode-bf16 45 $BENCH --suite decode --model llama-3.1-8b --max-model-len 4096 \
+    --max-num-seqs 8 --result-file "$RES/$GPU-llama-3.1-8b-decode-bf16-tuned.json"
+  step profile-long 90 python3 benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b \
+    --batches 256 --steps 10 --prompt-tokens 1500 \
+    --result-file "$RES/$GPU-llama-3.1-8b-step-profile-1500.json"
   step throughput-bf16 170 $BENCH --suite throughput --model llama-3.1-8b --max-model-len 2048 \
     --result-file "$RES/$GPU-llama-3.1-8b-throughput-bf16-tuned.json"
-  step decode-bf16 60 $BENCH --suite decode --model llama-3.1-8b --max-model-len 4096 \
-    --max-num-seqs 8 --result-file "$RES/$GPU-llama-3.1-8b-decode-bf16-tuned.json"
-  step throughput-bf16-kv-fp8 150 $BENCH --suite throughput --model llama-3.1-8b \
-    --max-model-len 2048 --kv-cache-dtype fp8 \
-    --result-file "$RES/$GPU-llama-3.1-8b-throughput-bf16-kv-fp8.json"
-  step throughput-fp8-kv-fp8 150 $BENCH --suite throughput --model llama-3.1-8b \
-    --max-model-len 2048 --quantization fp8 --kv-cache-dtype fp8 \
-    --result-file "$RES/$GPU-llama-3.1-8b-throughput-fp8-kv-fp8.json"
 else
   step tests-engine 130 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu \
     -k "not quantized_linear"

@@ -5,7 +5,7 @@ The GPU kernels are grouped (matmuls, attention, norms/rotary/activations, sampl
 waits on the host (scheduling, input building, output processing, launch gaps).
 
     python benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b --batches 1,256 \
-        [--steps 20] [--result-file FILE]
+        [--steps 20] [--prompt-tokens 128] [--result-file FILE]
 """
 
 from __future__ import annotations
@@ -53,9 +53,10 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def run_steps(llm: LLM, batch: int, steps: int, seed: int, prof: bool) -> tuple[list[float], Any]:
+def run_steps(llm: LLM, batch: int, steps: int, seed: int, prof: bool,
+              prompt_tokens: int = PROMPT_TOKENS) -> tuple[list[float], Any]:
     engine = llm.engine
-    start_decoding(engine, batch, PROMPT_TOKENS, 2 * steps + 8, seed)
+    start_decoding(engine, batch, prompt_tokens, 2 * steps + 8, seed)
     times = []
     for _ in range(steps):
         sync()
@@ -94,6 +95,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,256")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS,
+                    help="each sequence's context before the timed steps (the throughput "
+                         "workload decodes at 1,000-2,000)")
     ap.add_argument("--quantization", default="none")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--result-file", default=None)
@@ -103,8 +107,10 @@ def main() -> None:
               max_num_seqs=max(batches), quantization=a.quantization)
     results: dict[str, Any] = {}
     for n, batch in enumerate(batches):
-        run_steps(llm, batch, 3, seed=100 + n, prof=False)  # warm-up at this batch size
-        times, p = run_steps(llm, batch, a.steps, seed=n, prof=True)
+        run_steps(llm, batch, 3, seed=100 + n, prof=False,  # warm-up at this batch size
+                  prompt_tokens=a.prompt_tokens)
+        times, p = run_steps(llm, batch, a.steps, seed=n, prof=True,
+                             prompt_tokens=a.prompt_tokens)
         step_ms = statistics.median(times) * 1000
         groups, top = kernel_groups(p, a.steps)
         busy = sum(groups.values())
@@ -119,6 +125,7 @@ def main() -> None:
         print(markdown_table(["kernel", "ms per step"], [[k[:70], ms] for k, ms in top]))
     if a.result_file:
         write_json(a.result_file, {"created": now_iso(), "model": a.model,
+                                   "prompt_tokens": a.prompt_tokens,
                                    "device": (torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"),
                                    "torch": torch.__version__,
                                    "command": " ".join(["python", *sys.argv]),
