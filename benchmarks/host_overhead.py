@@ -5,7 +5,7 @@ overlaps a running step (issue 19's profile: 1.0 ms of a 5.8 ms step at batch 1,
 forward, logits and sampling calls are timed and subtracted from the step.
 
     python benchmarks/host_overhead.py [--batches 1,64,256] [--context 1000] [--steps 20]
-        [--result-file FILE]
+        [--output-kind delta|final|cumulative] [--result-file FILE]
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 from tokenmill import LLM
 from tokenmill.bench.latency import start_decoding
 from tokenmill.bench.report import hardware, hardware_line, markdown_table, now_iso, write_json
+from tokenmill.engine.output_processor import OutputKind
 
 
 class _Timer:
@@ -34,7 +35,8 @@ class _Timer:
             self.seconds += time.perf_counter() - t
 
 
-def measure(batch: int, context: int, steps: int) -> dict[str, float]:
+def measure(batch: int, context: int, steps: int,
+            kind: OutputKind = OutputKind.DELTA) -> dict[str, float]:
     blocks = batch * (context // 16 + steps // 16 + 4) + 16
     llm = LLM(model="tiny-llama", load_format="dummy", device="cpu", max_num_seqs=batch,
               max_model_len=context + 2 * steps + 64, num_kv_blocks=blocks,
@@ -56,7 +58,7 @@ def measure(batch: int, context: int, steps: int) -> dict[str, float]:
     runner._sample = phases["sample (host part)"]
     engine.core.scheduler.update = phases["update"]
     engine.processor.process = phases["process outputs"]
-    start_decoding(engine, batch, context, steps + 8, seed=0)
+    start_decoding(engine, batch, context, steps + 8, seed=0, kind=kind)
     totals, hosts = [], []
     for t in phases.values():
         t.seconds = 0.0
@@ -81,11 +83,16 @@ def main() -> None:
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--context", type=int, default=1000)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--output-kind", choices=[k.value for k in OutputKind],
+                    default=OutputKind.DELTA.value,
+                    help="how the requests' outputs are reported: delta (streamed, the "
+                         "server's streams), final (LLM.generate, batch jobs)")
     ap.add_argument("--result-file", default=None)
     a = ap.parse_args()
+    kind = OutputKind(a.output_kind)
     results = {}
     for b in (int(x) for x in a.batches.split(",")):
-        results[str(b)] = measure(b, a.context, a.steps)
+        results[str(b)] = measure(b, a.context, a.steps, kind)
     print(markdown_table(["batch", f"step ms (context {a.context})", "host ms per step",
                           "host us per sequence"],
                          [[b, r["step_ms"], r["host_ms"], r["host_ms"] * 1000 / int(b)]
@@ -97,6 +104,7 @@ def main() -> None:
     print(hardware_line(hw))
     if a.result_file:
         write_json(a.result_file, {"created": now_iso(), "hardware": hw, "context": a.context,
+                                   "output_kind": kind.value,
                                    "steps": a.steps, "results": results})
 
 

@@ -128,10 +128,11 @@ def cmd_latency(args: argparse.Namespace) -> int:
 
 
 def start_decoding(engine: LLMEngine, batch: int, prompt_tokens: int, max_tokens: int,
-                   seed: int) -> None:
+                   seed: int, kind: OutputKind = OutputKind.DELTA) -> None:
     """Queue ``batch`` greedy requests of ``prompt_tokens`` random ids (``max_tokens`` each,
-    eos ignored) and step until every one has its first token: the engine then runs
-    decode-only steps of ``batch`` sequences, which the step profilers time."""
+    eos ignored, outputs of ``kind``: streamed by default) and step until every one has its
+    first token: the engine then runs decode-only steps of ``batch`` sequences, which the step
+    profilers time."""
     import torch
 
     from tokenmill.sampling_params import SamplingParams
@@ -141,8 +142,8 @@ def start_decoding(engine: LLMEngine, batch: int, prompt_tokens: int, max_tokens
     vocab = engine.tokenizer.vocab_size
     for i in range(batch):
         ids = torch.randint(100, vocab - 100, (prompt_tokens,), generator=gen).tolist()
-        engine.add_request(f"p{seed}-{i}", {"prompt_token_ids": ids}, params,
-                           kind=OutputKind.DELTA)
-    seen: set[str] = set()
-    while len(seen) < batch:
-        seen |= {o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids}
+        engine.add_request(f"p{seed}-{i}", {"prompt_token_ids": ids}, params, kind=kind)
+    requests = engine.core.scheduler.requests
+    mine = [f"p{seed}-{i}" for i in range(batch)]
+    while not all(requests[rid].num_output_tokens for rid in mine):
+        engine.step()
