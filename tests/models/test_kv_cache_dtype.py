@@ -112,6 +112,16 @@ def test_fp8_cache_needs_a_gpu_with_fp8(monkeypatch: pytest.MonkeyPatch) -> None
         cuda.resolve_kv_cache_dtype("fp8", torch.bfloat16, False)
 
 
+def test_fp8_cache_needs_the_triton_backend(llama: Checkpoint) -> None:
+    """Past the platform's check (a GPU without Triton would get here), the runner refuses an
+    fp8 cache its attention backend cannot read."""
+    from tokenmill.runner.model_runner import ModelRunner
+
+    with pytest.raises(ValueError, match="fp8 KV cache is read by the Triton.*backend is 'cpu'"):
+        ModelRunner(llama.model, llama.arch, Platform(torch.device("cpu")), torch.float32, 16,
+                    frozenset(), kv_dtype=torch.float8_e4m3fn)
+
+
 def test_bad_value_is_named() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32.*fp8"):
         CacheConfig(kv_cache_dtype="int8")

@@ -120,6 +120,10 @@ class ModelRunner:
         # This rank's share of the KV heads: each tensor-parallel rank caches its own heads.
         tp = getattr(model, "tp_size", 1)
         # The cache's dtype: the activations' unless told (see Platform.resolve_kv_cache_dtype).
+        if kv_dtype == torch.float8_e4m3fn and self.backend.name != "triton":
+            raise ValueError("an fp8 KV cache is read by the Triton attention kernels only; "
+                             f"this engine's attention backend is {self.backend.name!r} "
+                             "(is triton installed?)")
         self.kv_shape = KVCacheShape(arch.num_hidden_layers, block_size,
                                      arch.num_key_value_heads // tp, arch.head_dim,
                                      kv_dtype or dtype)
