@@ -73,7 +73,7 @@ def test_gpu_memory_utilization_bounds_the_engine() -> None:
 @pytest.mark.parametrize("rows", [1, 16, 300])
 def test_quantized_linear_on_cuda(method: str, rows: int) -> None:
     from tokenmill.quant import quantize_weight
-    from tokenmill.quant.linear import fp8_supported
+    from tokenmill.quant.fp8 import fp8_supported
 
     if method == "fp8" and not fp8_supported(torch.device("cuda")):
         pytest.skip("fp8 needs compute capability 8.9+")
@@ -90,7 +90,7 @@ def test_quantized_linear_on_cuda(method: str, rows: int) -> None:
 
 @pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
 def test_quantized_engine_on_cuda(method: str) -> None:
-    from tokenmill.quant.linear import fp8_supported
+    from tokenmill.quant.fp8 import fp8_supported
 
     if method == "fp8" and not fp8_supported(torch.device("cuda")):
         pytest.skip("fp8 needs compute capability 8.9+")

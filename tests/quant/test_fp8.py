@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from quant_helpers import PagedKVCache, run_step, tiny_arch, tiny_model
 
 from tokenmill.quant import quantize_model, quantize_weight
-from tokenmill.quant.linear import FP8_MAX, Fp8Linear, quantize_fp8
+from tokenmill.quant.fp8 import FP8_MAX, Fp8Linear, quantize_fp8
 from tokenmill.quant.model import count_parameters
 
 

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 from tokenmill.quant import fp8_kernels  # noqa: E402
-from tokenmill.quant.linear import FP8_MAX  # noqa: E402
+from tokenmill.quant.fp8 import FP8_MAX  # noqa: E402
 from tokenmill.quant.packing import scale_rows_absmax  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

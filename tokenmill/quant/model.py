@@ -9,16 +9,15 @@ import torch
 from torch import nn
 
 from tokenmill.config import QUANTIZATIONS
+from tokenmill.quant.fp8 import Fp8Linear, fp8_supported
 from tokenmill.quant.head import QuantizedEmbedding, QuantizedHead, QuantizedLinear
 from tokenmill.quant.linear import (
     INT4_ACT_BITS,
     NEVER_DENSE,
-    Fp8Linear,
     Int4TinyGemmLinear,
     Int4WeightOnlyLinear,
     Int8WeightOnlyLinear,
     _WeightOnlyLinear,
-    fp8_supported,
 )
 from tokenmill.quant.packing import (
     INT4_GROUP_SIZES,
