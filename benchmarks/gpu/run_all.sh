@@ -46,8 +46,11 @@ for suite in $SUITES; do
       bench --suite nano-vllm --model qwen3-0.6b --max-model-len 2048 \
         --result-file "$OUT/$GPU-qwen3-0.6b-nano-vllm.json" ;;
     attention)
-      # The decode attention kernel alone against the copy bandwidth, launch settings swept.
-      python benchmarks/gpu/attention_bw.py --result-file "$OUT/$GPU-decode-attention-bw.json" ;;
+      # The decode attention kernel alone against the copy bandwidth, launch settings swept;
+      # the fastest become this GPU model's tuning file (commit it with the results).
+      SLUG=$(python -c "import torch; from tokenmill.attention.decode_tuning import device_slug; print(device_slug(torch.cuda.get_device_name(0)))")
+      python benchmarks/gpu/attention_bw.py --result-file "$OUT/$GPU-decode-attention-bw.json" \
+        --write-tuning "tokenmill/attention/tuned/$SLUG.json" ;;
     *) echo "unknown suite $suite" >&2; exit 2 ;;
   esac
 done
