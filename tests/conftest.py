@@ -16,6 +16,12 @@ torch.manual_seed(0)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The entry points freeze their start-up heap out of garbage collection (utils.
+# freeze_startup_heap). Many tests call them inside this one process, where engines come and
+# go: frozen, an engine dropped later in a reference cycle would never be freed. Off here;
+# tests/unit/test_gc_freeze.py checks it in processes of their own.
+os.environ.setdefault("TOKENMILL_GC_FREEZE", "0")
+
 
 @pytest.fixture(scope="session")
 def smollm_path() -> str:

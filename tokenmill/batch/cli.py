@@ -8,6 +8,7 @@ import sys
 
 from tokenmill.batch import DEFAULT_MAX_IN_FLIGHT
 from tokenmill.engine.args import add_engine_args, engine_config_from_args
+from tokenmill.utils import freeze_startup_heap
 
 
 def add_batch_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -52,7 +53,9 @@ def cmd_batch(args: argparse.Namespace) -> int:
         from tokenmill.engine.llm_engine import LLMEngine
 
         check_paths(args.input, args.output)  # before the model loads
-        stats = run_batch(args.input, args.output, LLMEngine(config),
+        engine = LLMEngine(config)
+        freeze_startup_heap()
+        stats = run_batch(args.input, args.output, engine,
                           max_in_flight=args.max_in_flight, model_name=args.served_model_name,
                           progress=args.progress)
     print(stats.summary(), file=sys.stderr)

@@ -30,7 +30,7 @@ from tokenmill.server.model_registry import ModelSpec
 from tokenmill.server.monitoring import make_monitors, prompt_embedder
 from tokenmill.server.retrieval_setup import build_retrieval
 from tokenmill.server.state import EMBED, ServerState
-from tokenmill.utils import process_age_s
+from tokenmill.utils import freeze_startup_heap, process_age_s
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +164,9 @@ def run_server(models: list[tuple[str | None, EngineConfig]], config: ServerConf
         timeout_graceful_shutdown=CONNECTION_CLOSE_TIMEOUT_S, lifespan="on",
         http=GuardedH11Protocol.configured(config.header_timeout, config.max_connections))
     server = _Server(uv_config, state)
+    # Everything loaded so far lives as long as the server: out of the GC's full collections.
+    frozen = freeze_startup_heap()
+    logger.debug("froze %d start-up objects out of garbage collection", frozen)
     age = process_age_s()
     logger.info("serving %s on http://%s:%d/v1 (auth %s)%s",
                 ", ".join(f"{m.name!r} ({m.task})" for m in state.models.values()),

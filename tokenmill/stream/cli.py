@@ -16,6 +16,7 @@ from tokenmill.engine.args import (
     engine_config_from_args,
     sampling_params_from_args,
 )
+from tokenmill.utils import freeze_startup_heap
 
 
 def add_stream_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -68,6 +69,7 @@ def cmd_stream(args: argparse.Namespace) -> int:
 
         client = connect(args.redis_url)  # before the model loads: fail fast
     engine = LLMEngine(engine_config_from_args(args))
+    freeze_startup_heap()
     if args.input_stream is not None:
         from tokenmill.stream.redis_io import RedisSource
 
