@@ -40,3 +40,40 @@ def test_the_start_up_heap_leaves_the_collector_and_the_engine_still_runs() -> N
     assert on["texts"] == 2
     off = run("0")
     assert off["frozen"] == 0 and off["freeze_count"] == 0 and off["after"] > 20_000
+
+
+UNLOAD = """
+import argparse, asyncio, gc, weakref
+from tokenmill.engine.args import add_engine_args, engine_config_from_args
+from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.utils import freeze_startup_heap
+p = argparse.ArgumentParser()
+add_engine_args(p)
+config = engine_config_from_args(p.parse_args(
+    ["--model", "tiny-llama", "--load-format", "dummy", "--device", "cpu",
+     "--max-model-len", "256", "--num-kv-blocks", "64"]))
+async def serve_and_unload():
+    engine = LLMEngine(config)
+    client = AsyncLLM(engine)
+    client.start()
+    model = weakref.ref(engine.core.executor.runner.model)
+    assert freeze_startup_heap() > 0
+    await client.shutdown()
+    engine.close()
+    return model
+model = asyncio.run(serve_and_unload())
+gc.collect()
+print("freed" if model() is None else "kept")
+"""
+
+
+def test_an_engine_loaded_before_the_freeze_is_freed_when_unloaded() -> None:
+    """The admin API swaps models in a running server: an engine frozen with the start-up heap
+    must still go once it is shut down (it is freed by reference counts, which freezing leaves
+    alone; a reference cycle through it would keep it for good)."""
+    done = subprocess.run([sys.executable, "-c", UNLOAD],
+                          env=dict(os.environ, TOKENMILL_GC_FREEZE="1"), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "freed"
