@@ -225,8 +225,10 @@ def main() -> None:
                       "default_total_ms": base_total[1] if base_total else None})
         print(f"{cls} batches ({', '.join(rules[-1]['shapes'])}): "
               + ", ".join(f"{k}={v[k]}" for k in DEFAULT)
-              + f"; {total:.3f} ms against the default's {rules[-1]['default_total_ms']:.3f}")
+              + f"; {total:.3f} ms against the default's {rules[-1]['default_total_ms']}")
     if a.write_tuning:
+        if not rules:
+            raise SystemExit("no launch setting was timed on every shape: no tuning written")
         if len(rules) == 2 and rules[0]["max_batch"] is not None:
             by_batch = rules
         else:  # one class measured: its settings for every batch
