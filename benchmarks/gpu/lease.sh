@@ -73,8 +73,8 @@ elif [ "$PHASE" = tune ]; then
   [ -f "$TUNED" ] && cp "$TUNED" /tmp/tuned-before.json
   step attention-sweep 150 python3 benchmarks/gpu/attention_bw.py \
     --result-file "$RES/$GPU-decode-attention-bw.json" --write-tuning "$TUNED"
-  step attention-sweep-fp8 120 python3 benchmarks/gpu/attention_bw.py --kv-cache-dtype fp8 \
-    --result-file "$RES/$GPU-decode-attention-bw-fp8.json"
+  step attention-sweep-fp8 90 python3 benchmarks/gpu/attention_bw.py --kv-cache-dtype fp8 \
+    --shapes 256x1500,64x4000 --result-file "$RES/$GPU-decode-attention-bw-fp8.json"
   echo '{"by_batch": [{"max_batch": null}]}' > /tmp/defaults.json
   TOKENMILL_DECODE_TUNING=/tmp/defaults.json step decode-bf16-defaults 45 $BENCH --suite decode \
     --model llama-3.1-8b --max-model-len 4096 --max-num-seqs 8 \
