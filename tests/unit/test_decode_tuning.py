@@ -90,6 +90,10 @@ def test_lookup_by_device_env_file_then_defaults(tmp_path: Path,
     env = write(tmp_path / "mine.json", {"by_batch": [{"partition_size": 1024}]})
     monkeypatch.setenv(dt.ENV_FILE, str(env))
     assert dt.tuning_for_device("NVIDIA H200").for_batch(1).partition_size == 1024
+    dt.tuning_for_device.cache_clear()
+    monkeypatch.setenv(dt.ENV_FILE, str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match=r"\$TOKENMILL_DECODE_TUNING=.*missing.json: no such file"):
+        dt.tuning_for_device("NVIDIA H200")
 
 
 def test_packaged_tuning_files_parse() -> None:

@@ -126,6 +126,8 @@ def tuning_for_device(device_name: str) -> DecodeTuning:
     file for the device, else the defaults."""
     explicit = os.environ.get(ENV_FILE)
     if explicit:
+        if not os.path.isfile(explicit):
+            raise ValueError(f"${ENV_FILE}={explicit}: no such file")
         return load_tuning(explicit)
     path = TUNED_DIR / f"{device_slug(device_name)}.json"
     return load_tuning(path) if path.is_file() else DecodeTuning()
