@@ -33,10 +33,16 @@ def test_consumer_killed_and_restarted_loses_nothing(redis_server, small_llm):
 
     # Up to 8 records in flight, and the kill only once some are read but unanswered: with 3,
     # a fast engine could answer and acknowledge all it held just before the kill (seen once).
+    # The consumer is stopped (SIGSTOP) before the check, so it cannot acknowledge what it
+    # holds between the check and the kill; if it held nothing then, it goes on and we retry.
     first = _consumer(redis_server, "worker-1", "--max-in-flight", "8")
     deadline = time.monotonic() + 120
-    while ((client.xlen(OUT) < 3 or client.xpending(IN, GROUP)["pending"] == 0)
-           and first.poll() is None and time.monotonic() < deadline):
+    while first.poll() is None and time.monotonic() < deadline:
+        if client.xlen(OUT) >= 3 and client.xpending(IN, GROUP)["pending"] > 0:
+            os.kill(first.pid, signal.SIGSTOP)
+            if client.xpending(IN, GROUP)["pending"] > 0:
+                break
+            os.kill(first.pid, signal.SIGCONT)
         time.sleep(0.01)
     if first.poll() is not None:
         pytest.fail(f"the consumer ended before it could be killed:\n{first.stderr.read()}")
