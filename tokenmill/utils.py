@@ -16,15 +16,28 @@ if TYPE_CHECKING:
     import torch
 
 
+def env_flag(name: str, default: bool) -> bool:
+    """The on/off switch ``$name``: 1/true/on/yes or 0/false/off/no (any case); unset, empty or
+    "auto" is ``default``; anything else a ValueError naming the variable."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "auto"):
+        return default
+    if value in ("1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+
+
 def freeze_startup_heap() -> int:
     """Collect once, then move every object alive now into the garbage collector's permanent
     generation; returns how many. Call it where a long-running process has finished starting
     (the model, the tokenizer and the app loaded): none of that is ever garbage, yet without
     this each full collection walks all of it, and it runs in the middle of whatever step
-    allocated last: 90 ms at ~226,000 objects on the 2-core EPYC, 0.5 ms frozen
+    allocated last: 100-108 ms at ~227,000 objects at batch 256 on the 2-core EPYC, 8 ms frozen
     (benchmarks/gc_pauses.py). vLLM and SGLang freeze after loading too.
     ``TOKENMILL_GC_FREEZE=0`` turns it off (returns 0)."""
-    if os.environ.get("TOKENMILL_GC_FREEZE", "1").strip().lower() in ("0", "off", "false"):
+    if not env_flag("TOKENMILL_GC_FREEZE", True):
         return 0
     gc.collect()
     gc.freeze()

@@ -13,7 +13,6 @@ PyTorch's dense matmuls, and attention is the CPU backend's prefill kernel); the
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +25,7 @@ from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.quant.linear import decode_only_step
 from tokenmill.quant.model import float_matmul_layers, pin_row_kernels
 from tokenmill.quant.packing import dense_dtype, release_freed_memory
+from tokenmill.utils import env_flag
 
 logger = logging.getLogger(__name__)
 # The torch.profiler range of one fused decode step (benchmarks/step_profile.py reads it).
@@ -54,16 +54,7 @@ class UnsupportedModel(ValueError):
 
 
 def _flag(name: str, explicit: bool | None) -> bool:
-    if explicit is not None:
-        return explicit
-    value = os.environ.get(name, "").strip().lower()
-    if value in ("", "auto"):
-        return DEFAULT_ENABLED
-    if value in ("1", "true", "on", "yes"):
-        return True
-    if value in ("0", "false", "off", "no"):
-        return False
-    raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return explicit if explicit is not None else env_flag(name, DEFAULT_ENABLED)
 
 
 def fused_decode_enabled(explicit: bool | None = None) -> bool:
