@@ -144,27 +144,24 @@ class OutputProcessor:
             seq.last_token_time = now
             metrics.last_token_time = now
         ids = out.new_token_ids
-        if parent.kind is OutputKind.FINAL_ONLY and not seq.stop.stop_strings:
-            # No one reads the text before the end and no stop string needs it: the tokens are
-            # detokenized once, when the sequence finishes (at batch 256 this phase of the
-            # host's work went from 4.3-5.0 to 1.3 ms a step on the CPU;
-            # benchmarks/results/host-overhead-final-only-cpu.json).
-            seq.token_ids.extend(ids)
-            if seq.logprobs is not None and out.new_logprobs:
-                seq.logprobs.extend(out.new_logprobs)
-            if out.finished:
-                self._detokenize_rest(seq)
-                seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
-            return False
+        # No one reads a FINAL_ONLY request's text before the end, and without stop strings
+        # nothing else needs it: its tokens are detokenized once, when it finishes (at batch
+        # 256 this phase of the host's work went from 4.3-5.0 to 1.3 ms a step on the CPU;
+        # benchmarks/results/host-overhead-final-only-cpu.json).
+        deferred = parent.kind is OutputKind.FINAL_ONLY and not seq.stop.stop_strings
         # Several tokens in one step (speculative decoding) go through the stop strings one at
         # a time, so that the output ends at the token that completes a stop string.
         step = 1 if seq.stop.stop_strings else max(len(ids), 1)
         for i in range(0, max(len(ids), 1), step):
             final = out.finished and i + step >= len(ids)
             seq.token_ids.extend(ids[i:i + step])
-            seq.detokenized = len(seq.token_ids)
             if seq.logprobs is not None and out.new_logprobs:
                 seq.logprobs.extend(out.new_logprobs[i:i + step])
+            if deferred:
+                if final:
+                    self._detokenize_rest(seq)
+                continue
+            seq.detokenized = len(seq.token_ids)
             delta = seq.detokenizer.add_tokens(ids[i:i + step])
             if final:
                 delta += seq.detokenizer.flush()
