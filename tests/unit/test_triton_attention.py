@@ -343,9 +343,33 @@ def test_backend_decodes_with_the_tuned_launch_of_its_batch_size(
     assert launches == [
         {"partition_size": 16, "block_n": 16, "num_warps": 4, "num_stages": 2},
         {"partition_size": 64, "block_n": 32, "num_warps": 8, "num_stages": None}]
-    # Without a tuning, a backend off the GPU launches the defaults.
-    assert (triton_backend.TritonAttentionBackend()._decode_tuning(torch.device("cpu"))
-            .for_batch(1) == DEFAULT_LAUNCH)
+    # Without a tuning, a backend launches the defaults.
+    assert triton_backend.TritonAttentionBackend().decode_tuning.for_batch(1) == DEFAULT_LAUNCH
+
+
+def test_the_platform_reads_its_gpus_tuning_at_start_up(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The CUDA platform's backend carries the tuning of its GPU model; a bad tuning file is
+    an error when the engine starts, not in the middle of a decode step."""
+    from tokenmill.attention import decode_tuning
+    from tokenmill.runner.platform import Platform
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    decode_tuning.tuning_for_device.cache_clear()
+    monkeypatch.delenv(decode_tuning.ENV_FILE, raising=False)
+    try:
+        backend = Platform(torch.device("cuda")).attention_backend()
+        assert backend.name == "triton"
+        assert backend.decode_tuning == decode_tuning.load_tuning(
+            decode_tuning.TUNED_DIR / "nvidia-h200.json")
+        decode_tuning.tuning_for_device.cache_clear()
+        bad = tmp_path / "bad.json"
+        bad.write_text('{"by_batch": [{"num_warps": 3}]}')
+        monkeypatch.setenv(decode_tuning.ENV_FILE, str(bad))
+        with pytest.raises(ValueError, match="num_warps must be 1, 2, 4, 8 or 16"):
+            Platform(torch.device("cuda")).attention_backend()
+    finally:
+        decode_tuning.tuning_for_device.cache_clear()
 
 
 @pytest.mark.gpu

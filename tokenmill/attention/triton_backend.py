@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.attention.backend import AttentionBackend
-from tokenmill.attention.decode_tuning import DecodeTuning, tuning_for_device
+from tokenmill.attention.decode_tuning import DecodeTuning
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.attention.triton_kernels import (
     decode_attention,
@@ -34,9 +34,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self, decode_partition_size: int | None = None,
                  decode_tuning: DecodeTuning | None = None) -> None:
-        # The decode kernel's launch settings by batch size; None: the tuning file of the GPU
-        # the first decode step runs on (tokenmill.attention.decode_tuning), defaults without.
-        self.decode_tuning = decode_tuning
+        # The decode kernel's launch settings by batch size: the platform passes its GPU's
+        # (tokenmill.attention.decode_tuning); the defaults without.
+        self.decode_tuning = decode_tuning or DecodeTuning()
         # Tokens per decode split, overriding the tuning's (tests).
         self.decode_partition_size = decode_partition_size
 
@@ -47,7 +47,7 @@ class TritonAttentionBackend(AttentionBackend):
         out = q.new_empty(num_tokens, num_heads, head_dim)
         if meta.decode_only:
             bound = meta.max_seq_len_bound
-            launch = self._decode_tuning(q.device).for_batch(num_tokens).kwargs()
+            launch = self.decode_tuning.for_batch(num_tokens).kwargs()
             if self.decode_partition_size is not None:
                 launch["partition_size"] = self.decode_partition_size
             decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale,
@@ -64,9 +64,3 @@ class TritonAttentionBackend(AttentionBackend):
             prefill_attention(q, kv_cache, meta.block_tables, meta.query_start_loc,
                               meta.seq_lens, scale, meta.query_lens_cpu, out=out, tiles=tiles)
         return out.view(num_tokens, num_heads * head_dim)
-
-    def _decode_tuning(self, device: torch.device) -> DecodeTuning:
-        if self.decode_tuning is None:
-            self.decode_tuning = (tuning_for_device(torch.cuda.get_device_name(device))
-                                  if device.type == "cuda" else DecodeTuning())
-        return self.decode_tuning

@@ -119,7 +119,11 @@ class Platform:
                 logger.warning("Triton is not available (%s): CUDA attention runs on the "
                                "PyTorch backend, without CUDA graphs", e)
             else:
-                return TritonAttentionBackend()
+                from tokenmill.attention.decode_tuning import tuning_for_device
+
+                # Read at start-up, so a bad tuning file stops the engine before it serves.
+                return TritonAttentionBackend(decode_tuning=tuning_for_device(
+                    torch.cuda.get_device_name(self.device)))
             return TorchAttentionBackend()
         from tokenmill.attention.cpu_backend import cpu_attention_backend
 
