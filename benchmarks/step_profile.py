@@ -4,7 +4,8 @@ into kernels (int4 matmul, int8 head, ...), the fused C++ stack's own work (its 
 minus the ATen ops inside it: attention, norms, rotary) and "Python" for the step's time outside
 all of these (scheduling, input building, sampling glue, output processing).
 
-    python benchmarks/step_profile.py [--batches 1,32] [--steps 20] [--result-file FILE]
+    python benchmarks/step_profile.py [--batches 1,32] [--steps 20] [--prompt-tokens 128]
+        [--result-file FILE]
 """
 
 from __future__ import annotations
@@ -49,11 +50,12 @@ def group_of(name: str) -> str:
     return "other ops"
 
 
-def decode_steps(llm: LLM, batch: int, steps: int, seed: int) -> tuple[list[float], Any]:
+def decode_steps(llm: LLM, batch: int, steps: int, seed: int,
+                 prompt_tokens: int = PROMPT_TOKENS) -> tuple[list[float], Any]:
     """Queue ``batch`` requests, run their prefill, then time ``steps`` decode steps; the last
     ``steps`` of them run under the profiler. Returns the step times and the profile."""
     engine = llm.engine
-    start_decoding(engine, batch, PROMPT_TOKENS, 2 * steps + 8, seed)
+    start_decoding(engine, batch, prompt_tokens, 2 * steps + 8, seed)
     times = []
     for _ in range(steps):
         t = time.perf_counter()
@@ -83,13 +85,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS,
+                    help="each request's prompt length: the decode steps' context")
     ap.add_argument("--result-file", default=None)
     a = ap.parse_args()
     llm = LLM(max_num_seqs=64)
     results: dict[str, Any] = {}
     for n, batch in enumerate(int(b) for b in a.batches.split(",")):
-        decode_steps(llm, batch, 4, seed=100 + n)  # warm-up of this batch size
-        times, prof = decode_steps(llm, batch, a.steps, seed=n)
+        decode_steps(llm, batch, 4, seed=100 + n, prompt_tokens=a.prompt_tokens)  # warm-up of this batch size
+        times, prof = decode_steps(llm, batch, a.steps, seed=n, prompt_tokens=a.prompt_tokens)
         step_ms = statistics.median(times) * 1000
         rows = breakdown(prof, a.steps, step_ms)
         results[str(batch)] = {"step_ms_median": step_ms,

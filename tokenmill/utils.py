@@ -16,17 +16,23 @@ if TYPE_CHECKING:
     import torch
 
 
-def env_flag(name: str, default: bool) -> bool:
-    """The on/off switch ``$name``: 1/true/on/yes or 0/false/off/no (any case); unset, empty or
-    "auto" is ``default``; anything else a ValueError naming the variable."""
+def env_switch(name: str) -> bool | None:
+    """The on/off switch ``$name``: 1/true/on/yes or 0/false/off/no (any case); None where it
+    is unset, empty or "auto"; anything else a ValueError naming the variable."""
     value = os.environ.get(name, "").strip().lower()
     if value in ("", "auto"):
-        return default
+        return None
     if value in ("1", "true", "on", "yes"):
         return True
     if value in ("0", "false", "off", "no"):
         return False
     raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """``env_switch(name)``, ``default`` where it is not set."""
+    value = env_switch(name)
+    return default if value is None else value
 
 
 def freeze_startup_heap() -> int:

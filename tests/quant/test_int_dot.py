@@ -310,3 +310,30 @@ def test_int4_decode_steps_take_their_own_activation_bits(int_activations) -> No
     assert layer.activation_bits(decode_only=True) == qlinear.INT4_ACT_BITS
     with qlinear.decode_only_step():
         assert torch.equal(layer(x), kernel(qlinear.INT4_ACT_BITS))
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+def test_streamed_weight_fetch_computes_the_same_bits(ext, bits: int) -> None:
+    """Non-temporal weight fetches (models larger than the last-level cache) change where the
+    weights are cached, never what is computed: the int4 kernel (one tile, tile pairs) and the
+    int8 head (row kernel and output tiles) give the same bits with streaming on and off."""
+    n, k = 48, 576
+    q, sz, _ = int4_case(n, k, 64)
+    packed, scales = pack_int4_q8(q, sz)
+    w8, s8 = _int8_case(n, k, seed=3)
+    tiles = pack_int8_q16_tiles(w8)
+    was = ext.stream_weights()
+    try:
+        for rows in (1, 5):
+            x = torch.randn(rows, k, generator=gen(rows)).to(torch.bfloat16)
+            out = {}
+            for on in (False, True):
+                ext.set_stream_weights(on)
+                assert ext.stream_weights() is on
+                out[on] = [ext.int4_q8_linear(x, packed, scales, 64, bits),
+                           ext.int8_q16_linear(x, w8, s8),
+                           ext.int8_q16_tiles_linear(x, tiles, s8, n)]
+            for off, streamed in zip(out[False], out[True], strict=True):
+                assert torch.equal(off, streamed), rows
+    finally:
+        ext.set_stream_weights(was)

@@ -1,4 +1,5 @@
-"""The C++ extension's build cache: a lock left by a killed build must not hang the next one."""
+"""The C++ extension's build cache (a lock left by a killed build must not hang the next one),
+and the process-wide settings made when it loads (weights streamed past the caches)."""
 
 from __future__ import annotations
 
@@ -19,3 +20,46 @@ def test_stale_lock_removed_fresh_lock_kept(tmp_path: Path) -> None:
     _remove_stale_lock(str(fresh))  # a build may be running right now: wait for it
     _remove_stale_lock(str(tmp_path / "missing"))
     assert not stale.exists() and fresh.exists()
+
+
+def _fake_caches(root, *levels: tuple[int, str, str]):
+    for i, (level, kind, size) in enumerate(levels):
+        d = root / f"index{i}"
+        d.mkdir(parents=True)
+        (d / "level").write_text(f"{level}\n")
+        (d / "type").write_text(f"{kind}\n")
+        (d / "size").write_text(f"{size}\n")
+    return root
+
+
+def test_last_level_cache_from_sysfs(tmp_path) -> None:
+    from tokenmill.csrc import last_level_cache_bytes
+
+    zen = _fake_caches(tmp_path / "zen", (1, "Data", "48K"), (1, "Instruction", "32K"),
+                       (2, "Unified", "1024K"), (3, "Unified", "32768K"))
+    assert last_level_cache_bytes(zen) == 32 << 20
+    # No L3 (some ARM cores): the L2 is the last level; an instruction cache never counts.
+    arm = _fake_caches(tmp_path / "arm", (1, "Data", "64K"), (2, "Unified", "2M"),
+                       (4, "Instruction", "9G"))
+    assert last_level_cache_bytes(arm) == 2 << 20
+    assert last_level_cache_bytes(tmp_path / "missing") is None
+
+
+def test_weights_stream_past_the_cache_only_for_models_larger_than_it(monkeypatch) -> None:
+    import tokenmill.csrc as csrc
+
+    ext = csrc.load_extension()
+    was = ext.stream_weights()
+    monkeypatch.setattr(csrc, "_model_weight_bytes", 0)
+    monkeypatch.setattr(csrc, "_stream_weights", was)
+    monkeypatch.setattr(csrc, "last_level_cache_bytes", lambda: 32 << 20)
+    try:
+        assert csrc.note_model_weights(8 << 20) is False and not ext.stream_weights()
+        # A second model: the process's models together no longer fit.
+        assert csrc.note_model_weights(30 << 20) is True and ext.stream_weights()
+        assert csrc.note_model_weights(0, stream=False) is False and not ext.stream_weights()
+        monkeypatch.setattr(csrc, "_model_weight_bytes", 0)
+        assert csrc.note_model_weights(1, stream=True) is True and ext.stream_weights()
+    finally:
+        ext.set_stream_weights(was)
+

@@ -94,3 +94,19 @@ def test_env_flag_reads_on_off_and_names_a_bad_value(monkeypatch) -> None:  # no
     monkeypatch.setenv("TOKENMILL_TEST_FLAG", "maybe")
     with pytest.raises(ValueError, match="TOKENMILL_TEST_FLAG must be 0 or 1, got 'maybe'"):
         env_flag("TOKENMILL_TEST_FLAG", True)
+
+
+def test_env_switch_is_none_where_unset(monkeypatch) -> None:  # noqa: ANN001
+    """The three-way form (TOKENMILL_STREAM_WEIGHTS: on, off, or decided by the model's size)."""
+    import pytest
+
+    from tokenmill.utils import env_flag, env_switch
+
+    for value, want in [("", None), ("auto", None), ("1", True), ("ON", True), ("0", False),
+                        ("no", False)]:
+        monkeypatch.setenv("TOKENMILL_TEST_SWITCH", value)
+        assert env_switch("TOKENMILL_TEST_SWITCH") is want
+        assert env_flag("TOKENMILL_TEST_SWITCH", True) is (True if want is None else want)
+    monkeypatch.setenv("TOKENMILL_TEST_SWITCH", "sometimes")
+    with pytest.raises(ValueError, match="TOKENMILL_TEST_SWITCH must be 0 or 1"):
+        env_switch("TOKENMILL_TEST_SWITCH")

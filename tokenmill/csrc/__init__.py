@@ -82,12 +82,61 @@ def set_kernel_spin_us(us: int | None) -> None:
         ext.set_pool_spin_us(us)
 
 
+_SYSFS_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def last_level_cache_bytes(caches: Path = _SYSFS_CACHES) -> int | None:
+    """The size of the CPU's last-level data cache as Linux reports it for CPU 0 (one
+    instance: what the cores sharing it can hold), or None where it does not."""
+    best: tuple[int, int] | None = None
+    for index in caches.glob("index*"):
+        try:
+            level = int((index / "level").read_text())
+            kind = (index / "type").read_text().strip()
+            size = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        if kind == "Instruction" or not size:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        num = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+        if best is None or level > best[0]:
+            best = (level, num)
+    return best[1] if best else None
+
+
+# Where the cache size is unknown, a common last-level cache (a Zen or Xeon slice).
+_DEFAULT_LLC_BYTES = 32 << 20
+# Bytes of weights of this process's models (note_model_weights), and whether the kernels
+# fetch them non-temporally: applied when the extension loads, or at once if it has.
+_model_weight_bytes = 0
+_stream_weights = False
+
+
+def note_model_weights(nbytes: int, stream: bool | None = None) -> bool:
+    """A model of ``nbytes`` of weights will run on the CPU kernels in this process. Once the
+    process's models add up to more than the last-level cache, every step reads them from
+    memory anyway: the kernels then fetch weights non-temporally. ``stream`` True / False
+    forces it on / off (the runner's ``TOKENMILL_STREAM_WEIGHTS``). Returns whether they now
+    do."""
+    global _model_weight_bytes, _stream_weights
+    _model_weight_bytes += max(0, int(nbytes))
+    if stream is None:
+        stream = _model_weight_bytes > (last_level_cache_bytes() or _DEFAULT_LLC_BYTES)
+    _stream_weights = stream
+    ext = extension_if_loaded()
+    if ext is not None:
+        ext.set_stream_weights(stream)
+    return stream
+
+
 @functools.cache
 def load_extension() -> ModuleType:
     """Compile (first time, ~1 minute) or load the cached C++ extension."""
     module = _build_or_load()
     if _kernel_spin_us is not None:
         module.set_pool_spin_us(_kernel_spin_us)
+    module.set_stream_weights(_stream_weights)
     return module
 
 

@@ -473,6 +473,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     tokenmill::tmpool::Pool::get().set_spin_ns(us * 1000);
   }, "how long the thread pool's workers spin for the next call before they sleep (0: never)",
         pybind11::arg("us"));
+  m.def("set_stream_weights", [](bool on) { tokenmill::intdot::g_stream_weights = on; },
+        "whether the int kernels fetch weights non-temporally (for models larger than the "
+        "last-level cache)", pybind11::arg("on"));
+  m.def("stream_weights", [] { return tokenmill::intdot::g_stream_weights; },
+        "whether the int kernels fetch weights non-temporally");
   m.def("greedy_with_logprobs", &tokenmill::greedy_with_logprobs,
         "per row of float32 logits: argmax and its logprob (logit - logsumexp)",
         pybind11::arg("logits"), pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -11,9 +11,11 @@ from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache import blocks_for_tokens
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
+from tokenmill.csrc import note_model_weights
 from tokenmill.models.config import ArchConfig
 from tokenmill.models.pooler import PoolerConfig
 from tokenmill.outputs import TokenLogprobs
+from tokenmill.quant.model import model_weight_bytes
 from tokenmill.runner.batch import FlatBatch
 from tokenmill.runner.cuda_graphs import DecodeGraphs, GraphCapture
 from tokenmill.runner.fused_decode import (
@@ -28,7 +30,7 @@ from tokenmill.runner.sampler import Sampler, SamplingMetadata, compute_prompt_l
 from tokenmill.runner.spec_verify import SpecRequest, verify_drafts
 from tokenmill.sampling_params import PoolingParams, SamplingParams
 from tokenmill.structured.matcher import GrammarState, allocate_bitmask, fill_rows
-from tokenmill.utils import ListSlice, host_tensor
+from tokenmill.utils import ListSlice, env_switch, host_tensor
 
 
 @dataclass
@@ -113,6 +115,10 @@ class ModelRunner:
         self.pooler = pooler or PoolerConfig("last")
         self.is_encoder = bool(getattr(model, "is_encoder", False))
         self.backend = platform.attention_backend()
+        if self.device.type == "cpu":
+            # Whether the CPU kernels stream this model's weights past the caches (by its
+            # size against the last-level cache, or as TOKENMILL_STREAM_WEIGHTS says).
+            note_model_weights(model_weight_bytes(model), env_switch("TOKENMILL_STREAM_WEIGHTS"))
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, _RequestState] = {}
