@@ -49,6 +49,7 @@ from tokenmill.quant.packing import (
     unpack_int4_blocks,
     unpack_int4_rows,
 )
+from tokenmill.utils import env_flag
 
 
 def cpu_kernels() -> ModuleType | None:
@@ -64,8 +65,7 @@ def cpu_kernels() -> ModuleType | None:
 
 # False sends the CPU int layers to PyTorch's kernels: $TOKENMILL_CPU_INT_KERNELS=0 at start,
 # or set here (benchmarks compare the two).
-USE_CPU_KERNELS = os.environ.get("TOKENMILL_CPU_INT_KERNELS", "1").strip() not in ("0", "off",
-                                                                                 "false")
+USE_CPU_KERNELS = env_flag("TOKENMILL_CPU_INT_KERNELS", True)
 # tokenmill's CPU kernels quantize the activations and multiply in integers
 # (tokenmill/csrc/int_dot.h): int4 layers with int16 or int8 activations in blocks of 32 (one
 # scale each), int8 layers with int16 activations (one scale a row), and the products run on
@@ -73,8 +73,7 @@ USE_CPU_KERNELS = os.environ.get("TOKENMILL_CPU_INT_KERNELS", "1").strip() not i
 # (benchmarks/results/quant-kernels-avx2-cpu.md). int16 steps are ~1/32767 of a block's
 # largest value, far finer than the bf16 rounding every quantized layer's input gets anyway.
 # $TOKENMILL_INT_ACTIVATIONS=0 keeps the fp32 kernels (bf16 activations widened exactly).
-USE_INT_ACTIVATIONS = os.environ.get("TOKENMILL_INT_ACTIVATIONS", "1").strip() not in (
-    "0", "off", "false")
+USE_INT_ACTIVATIONS = env_flag("TOKENMILL_INT_ACTIVATIONS", True)
 
 
 def _act_bits_from_env(name: str, default: str) -> int:
