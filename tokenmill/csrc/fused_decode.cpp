@@ -69,6 +69,13 @@ struct LinearSpec {
   at::ScalarType dense_type = at::kBFloat16;
   int64_t dense_block_n = 0;
 
+  // Outputs: [N, K] weights (float, int8), or N / 16 tiles of q8 int4 (else its scales'
+  // columns).
+  int64_t out_features() const {
+    if (kind != kInt4) return weight.size(0);
+    return q8_packed.defined() ? q8_packed.size(0) * intdot::kTileN : scales.size(1);
+  }
+
   bool own_at(int64_t rows) const {
     return kind != kFloat && own_kernel > 0 && rows >= own_min_rows && rows < dense_min_rows;
   }
@@ -88,9 +95,16 @@ struct LinearSpec {
   // y = x W^T (+ bias). Quantized kinds (ours and PyTorch's kernels) take and return bf16, as tokenmill.quant's modules
   // compute (they cast in, add the bias in bf16 and cast back; the stack skips the casts when
   // every projection is quantized, see DecoderStack::io_bf16_); float ones keep x's dtype.
-  at::Tensor operator()(const at::Tensor& x) const {
+  // `out`, where given, is a buffer of the result's shape that our int4 kernel may write into
+  // instead of allocating (the stack's per-step buffers); other routes allocate as before.
+  at::Tensor operator()(const at::Tensor& x, const at::Tensor* out = nullptr) const {
     if (kind == kFloat) {
       return bias.defined() ? at::linear(x, weight, bias) : at::linear(x, weight);
+    }
+    if (out != nullptr && kind == kInt4 && !bias.defined() &&
+        x.scalar_type() == at::kBFloat16 && own_at(x.size(0)) && q8_packed.defined()) {
+      const int64_t bits = t_decode_only_step ? decode_act_bits : act_bits;
+      if (bits) return intdot::int4_q8_linear(x, q8_packed, q8_scales, group_size, bits, out);
     }
     const at::Tensor xb = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
     at::Tensor y = quantized(xb);
@@ -294,13 +308,20 @@ class DecoderStack {
     at::Tensor q = at::empty({B, hq_ * d_}, h.options());
     at::Tensor attn = at::empty({B, hq_ * d_}, x_opts);
     at::Tensor act = at::empty({B, inter_}, x_opts);
+    // The projections' outputs, the same shapes every layer: one buffer each for the step.
+    TORCH_CHECK(!layers_.empty(), "the decoder stack has no layers");
+    const LayerWeights& first = layers_.front();
+    at::Tensor qkv_out = at::empty({B, first.qkv.out_features()}, x_opts);
+    at::Tensor o_out = at::empty({B, H}, x_opts);
+    at::Tensor gate_up_out = at::empty({B, 2 * inter_}, x_opts);
+    at::Tensor down_out = at::empty({B, H}, x_opts);
     const std::vector<PrefillChunk> chunks =
         prefill_chunks(chunk_args, B, tables, kv.front().size(1), kv.front().size(2));
     for (size_t li = 0; li < layers_.size(); ++li) {
       const LayerWeights& w = layers_[li];
       rms_norm_rows<T, X>(h.data_ptr<T>(), w.input_norm.data_ptr<T>(), x.data_ptr<X>(), B, H,
                           eps_);
-      at::Tensor qkv = w.qkv(x).contiguous();
+      at::Tensor qkv = w.qkv(x, &qkv_out).contiguous();
       prepare_qkv<T, X, C>(w, qkv, q, pos, slots, kv[li]);
       const int64_t block_size = kv[li].size(2);
       const int64_t slots_per_side = kv[li].size(1) * block_size * hkv_ * d_;
@@ -315,13 +336,13 @@ class DecoderStack {
         paged_prefill_attention<T, C, X>(q.data_ptr<T>(), hq_ * d_, view, chunks, hq_, hkv_, d_,
                                          scale, attn.data_ptr<X>(), hq_ * d_);
       }
-      at::Tensor o = w.o(attn).contiguous();
+      at::Tensor o = w.o(attn, &o_out).contiguous();
       add_rows<T, X>(h.data_ptr<T>(), o.data_ptr<X>(), B, H);
       rms_norm_rows<T, X>(h.data_ptr<T>(), w.post_norm.data_ptr<T>(), x.data_ptr<X>(), B, H,
                           eps_);
-      at::Tensor gate_up = w.gate_up(x).contiguous();
+      at::Tensor gate_up = w.gate_up(x, &gate_up_out).contiguous();
       silu_mul_rows<T, X, X>(gate_up.data_ptr<X>(), act.data_ptr<X>(), B, inter_);
-      at::Tensor down = w.down(act).contiguous();
+      at::Tensor down = w.down(act, &down_out).contiguous();
       add_rows<T, X>(h.data_ptr<T>(), down.data_ptr<X>(), B, H);
     }
     at::Tensor out = at::empty_like(h);
@@ -421,7 +442,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("packed"), pybind11::arg("scales_and_zeros"), pybind11::arg("group_size"),
         pybind11::arg("n"), pybind11::arg("k"), pybind11::arg("block_n"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("int4_q8_linear", &tokenmill::intdot::int4_q8_linear,
+  m.def("int4_q8_linear",
+        [](const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+           int64_t group_size, int64_t act_bits) {
+          return tokenmill::intdot::int4_q8_linear(x, packed, scales, group_size, act_bits);
+        },
         "x W^T for int4 W in q8 tiles (int_dot.h), x quantized to act_bits per block of 32",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("scales"),
         pybind11::arg("group_size"), pybind11::arg("act_bits") = 8,

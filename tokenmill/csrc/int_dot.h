@@ -131,7 +131,7 @@ inline __m512 load16_ps(const c10::BFloat16* x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 
-// One block of 32 inputs of quantize_rows (below) in two registers: the same scale, the same
+// One block of 32 inputs of quantize_rows_into (below) in two registers: the same scale, the same
 // levels (round to nearest even, as nearbyint) and the same act_slot order, so the same bits.
 // Returns the block's integer sum; writes the quantized block to q and its scale to d.
 template <typename Q, typename X>
@@ -163,10 +163,10 @@ inline int32_t quantize_block_avx512(const X* x, float k_max, Q* q, float* d) {
 // X: fp32 or bf16 rows, read as they are (no widened copy: a decode step's calls are small
 // enough for an extra ATen op to show).
 template <typename Q, typename X>
-inline QuantizedRows<Q> quantize_rows(const X* x, int64_t M, int64_t K, int64_t group) {
+inline void quantize_rows_into(const X* x, int64_t M, int64_t K, int64_t group,
+                               QuantizedRows<Q>& out) {
   constexpr float kMax = ActLevels<Q>::kMax;
   const int64_t nb = K / kBlock, bpg = group / kBlock, groups = K / group;
-  QuantizedRows<Q> out;
   out.q.resize(M * K);
   out.d.resize(M * nb);
   out.gsum.resize(M * groups);
@@ -205,7 +205,13 @@ inline QuantizedRows<Q> quantize_rows(const X* x, int64_t M, int64_t K, int64_t 
       }
     }
   });
-  return out;
+}
+
+// This thread's QuantizedRows, kept between calls.
+template <typename Q>
+inline QuantizedRows<Q>& thread_rows() {
+  static thread_local QuantizedRows<Q> rows;
+  return rows;
 }
 
 #ifdef TOKENMILL_Q8_AVX2
@@ -490,12 +496,19 @@ inline void int4_tiles(const at::Tensor& x, const at::Tensor& packed, const at::
   const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * kTileN;
   const int64_t groups = K / group_size, nb = K / kBlock;
   const bool out_bf16 = y.scalar_type() == at::kBFloat16;
-  const QuantizedRows<Q> xq =
-      x.scalar_type() == at::kBFloat16
-          ? quantize_rows<Q>(x.data_ptr<c10::BFloat16>(), M, K, group_size)
-          : quantize_rows<Q>(x.data_ptr<float>(), M, K, group_size);
+  // The calling thread's buffers, kept between calls (a decode step makes ~120 of them). A
+  // reference, so that the workers' chunks below read the caller's rows: a thread_local named
+  // inside the lambda would be each worker's own.
+  QuantizedRows<Q>& xq = thread_rows<Q>();
+  if (x.scalar_type() == at::kBFloat16) {
+    quantize_rows_into<Q>(x.data_ptr<c10::BFloat16>(), M, K, group_size, xq);
+  } else {
+    quantize_rows_into<Q>(x.data_ptr<float>(), M, K, group_size, xq);
+  }
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+  c10::BFloat16* y_bf16 = out_bf16 ? y.data_ptr<c10::BFloat16>() : nullptr;
+  float* y_f32 = out_bf16 ? nullptr : y.data_ptr<float>();
   // Work items: single tiles, or pairs of tiles where tile_pair_rows applies (a last odd
   // tile alone).
 #if defined(TOKENMILL_Q8_PAIR_INT8)
@@ -540,11 +553,10 @@ inline void int4_tiles(const at::Tensor& x, const at::Tensor& packed, const at::
         for (int64_t i = 0; i < r; ++i) {
           const float* src = out + i * cols;
           if (out_bf16) {
-            c10::BFloat16* dst = y.data_ptr<c10::BFloat16>() + (m + i) * N + t * kTileN;
+            c10::BFloat16* dst = y_bf16 + (m + i) * N + t * kTileN;
             for (int64_t j = 0; j < cols; ++j) dst[j] = from_f<c10::BFloat16>(src[j]);
           } else {
-            std::memcpy(y.data_ptr<float>() + (m + i) * N + t * kTileN, src,
-                        cols * sizeof(float));
+            std::memcpy(y_f32 + (m + i) * N + t * kTileN, src, cols * sizeof(float));
           }
         }
       }
@@ -556,7 +568,7 @@ inline void int4_tiles(const at::Tensor& x, const at::Tensor& packed, const at::
 // the activations quantized to `act_bits` (8 or 16) per block of 32.
 inline at::Tensor int4_q8_linear(const at::Tensor& x_in, const at::Tensor& packed,
                                  const at::Tensor& scales, int64_t group_size,
-                                 int64_t act_bits) {
+                                 int64_t act_bits, const at::Tensor* out = nullptr) {
   RECORD_FUNCTION("tokenmill::int4_q8_linear", std::vector<c10::IValue>());
   TORCH_CHECK(x_in.dim() == 2 && x_in.device().is_cpu(),
               "int4_q8_linear: x must be [M, K] on CPU");
@@ -576,7 +588,10 @@ inline at::Tensor int4_q8_linear(const at::Tensor& x_in, const at::Tensor& packe
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat,
               "int4_q8_linear: x must be fp32 or bf16");
   const at::Tensor x = x_in.contiguous();
-  at::Tensor y = at::empty({M, N}, x_in.options());
+  at::Tensor y = (out != nullptr && out->defined()) ? *out : at::empty({M, N}, x_in.options());
+  TORCH_CHECK(y.sizes() == at::IntArrayRef({M, N}) && y.scalar_type() == x_in.scalar_type() &&
+                  y.is_contiguous(),
+              "int4_q8_linear: out must be contiguous [M, N] in x's dtype");
   if (M == 0) return y;
   if (act_bits == 8) {
     int4_tiles<int8_t>(x, packed, scales, group_size, y);

@@ -251,6 +251,13 @@ struct AttentionScratch {
   std::vector<int64_t> rows;
 };
 
+// This thread's scratch, kept between calls: a decode step makes a few attention items per
+// layer, and their buffers would otherwise be allocated and freed each time.
+inline AttentionScratch& thread_scratch() {
+  static thread_local AttentionScratch scratch;
+  return scratch;
+}
+
 // softmax in place over scores[0, L), returning the sum of the exponentials: 16 lanes at a
 // time, each lane's sum in token order, then the lanes in order (hsum).
 inline float softmax_unnormalized(float* s, int64_t L) {
@@ -511,7 +518,7 @@ void paged_decode_attention(const Q* q, int64_t q_stride, const PagedView<C>& kv
     const int64_t work_per_item = std::max<int64_t>(1, 2 * max_len * D * G);
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / work_per_item);
     tmpool::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
-      AttentionScratch scratch;
+      AttentionScratch& scratch = thread_scratch();
       for (int64_t i = begin; i < end; ++i) {
         grouped(q, q_stride, kv, i / Hkv, i % Hkv, G, Hkv, scale, out, Hq * D, scratch);
       }
@@ -523,7 +530,7 @@ void paged_decode_attention(const Q* q, int64_t q_stride, const PagedView<C>& kv
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / work_per_item);
   const HeadKernel<Q, C, O> kernel = vector_kernel<Q, C, O>(D);
   tmpool::parallel_for(0, B * Hq, grain, [&](int64_t begin, int64_t end) {
-    AttentionScratch scratch;
+    AttentionScratch& scratch = thread_scratch();
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / Hq, h = i % Hq;
       if (kernel != nullptr) {
