@@ -188,6 +188,7 @@ class FusedDecoder:
             raise UnsupportedModel("the fused decode stack runs on the CPU only")
         self.model = model
         self.dtype = dtype
+        self._checked_caches: tuple[int, int, int, int] | None = None
         ext = load_extension()
         self.stack = self._build_stack(model, dtype, ext)
         # Steps with prefill chunks too: where the extension has a prefill kernel for the
@@ -223,10 +224,24 @@ class FusedDecoder:
         """Whether the fused stack computes this step: decode-only ones, and with ``prefill``
         any other, on caches it reads."""
         if not (attn_meta.num_seqs > 0 and input_ids.shape[0] == sum(attn_meta.query_lens_cpu)
-                and all(fused_cache_dtype_ok(c.dtype, self.dtype) and c.is_contiguous()
-                        for c in attn_meta.kv_caches)):
+                and self._caches_ok(attn_meta.kv_caches)):
             return False
         return attn_meta.decode_only or self.prefill
+
+    def _caches_ok(self, caches: list[torch.Tensor]) -> bool:
+        """Whether the stack reads these KV caches; checked once per list of caches (the
+        runner keeps one for its life), not at every step."""
+        if not caches:
+            return False
+        # The list and its first and last tensors' storage: a list made again (new caches)
+        # is checked again.
+        key = (id(caches), len(caches), caches[0].data_ptr(), caches[-1].data_ptr())
+        if self._checked_caches != key:
+            if not all(fused_cache_dtype_ok(c.dtype, self.dtype) and c.is_contiguous()
+                       for c in caches):
+                return False
+            self._checked_caches = key
+        return True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_meta: AttentionMetadata) -> torch.Tensor:
@@ -239,13 +254,15 @@ class FusedDecoder:
                                                strict=True)):
                 chunks += (start, n, total, i)
                 start += n
+        args = (hidden, positions, attn_meta.kv_caches, attn_meta.slot_mapping,
+                attn_meta.seq_lens, attn_meta.block_tables.contiguous(), attn_meta.max_seq_len,
+                chunks)
+        if not torch._C._autograd._profiler_enabled():  # the range costs ~4 us a step
+            return self.stack.forward(*args)
         # A named range for torch.profiler: the stack's own C++ work (attention, norms, rotary)
         # is no ATen op and would otherwise show as time outside every op.
         with torch.profiler.record_function(PROFILE_RANGE):
-            return self.stack.forward(hidden, positions, attn_meta.kv_caches,
-                                      attn_meta.slot_mapping, attn_meta.seq_lens,
-                                      attn_meta.block_tables.contiguous(), attn_meta.max_seq_len,
-                                      chunks)
+            return self.stack.forward(*args)
 
 
 def make_fused_decoder(model: nn.Module, device: torch.device,

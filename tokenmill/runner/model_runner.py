@@ -220,8 +220,12 @@ class ModelRunner:
             self._prompt_logprobs(hidden, inputs, out)
         num_sampled = len(inputs.sample_rows)
         if num_sampled or inputs.spec.states:
-            rows = host_tensor(inputs.sample_rows + inputs.spec.rows, torch.int64, self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, rows))
+            wanted = inputs.sample_rows + inputs.spec.rows
+            if len(wanted) == hidden.shape[0] and wanted == list(range(len(wanted))):
+                picked = hidden  # every row, in order: a decode-only step
+            else:
+                picked = hidden.index_select(0, host_tensor(wanted, torch.int64, self.device))
+            logits = self.model.compute_logits(picked)
             if num_sampled:
                 self._sample(logits[:num_sampled], inputs.sample_states, out)
             if inputs.spec.states:
