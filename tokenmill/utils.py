@@ -102,7 +102,8 @@ def host_tensor(data: object, dtype: torch.dtype, device: torch.device | str) ->
     import torch
 
     t = torch.tensor(data, dtype=dtype)
-    if torch.device(device).type != "cuda":
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    if kind != "cuda":
         return t
     return t.pin_memory().to(device, non_blocking=True)
 

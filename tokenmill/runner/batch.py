@@ -57,19 +57,31 @@ class FlatBatch:
               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Input ids, positions and the attention metadata of the collected sequences."""
         qsl = [0, *itertools.accumulate(self.query_lens)]
+        # Two host tensors (one copy each to a GPU) instead of six, cut into views: ids,
+        # positions and slots in int64; query starts, sequence lengths and the block table in
+        # int32. Every view is contiguous.
+        n, b = len(self.ids), len(self.seq_lens)
+        longs = host_tensor([*self.ids, *self.positions, *self.slots], torch.int64, device)
+        table = padded_rows(self.tables)
+        width = len(table[0]) if b else 0
+        if isinstance(table, np.ndarray):
+            head = np.asarray([*qsl, *self.seq_lens], dtype=np.int32)
+            ints = host_tensor(np.concatenate([head, table.ravel()]), torch.int32, device)
+        else:
+            ints = host_tensor([*qsl, *self.seq_lens, *itertools.chain.from_iterable(table)],
+                               torch.int32, device)
         meta = AttentionMetadata(
             backend=backend,
             kv_caches=kv_caches,
-            slot_mapping=host_tensor(self.slots, torch.int64, device),
-            query_start_loc=host_tensor(qsl, torch.int32, device),
-            seq_lens=host_tensor(self.seq_lens, torch.int32, device),
-            block_tables=host_tensor(padded_rows(self.tables), torch.int32, device),
+            slot_mapping=longs[2 * n:3 * n],
+            query_start_loc=ints[:b + 1],
+            seq_lens=ints[b + 1:2 * b + 1],
+            block_tables=ints[2 * b + 1:].view(b, width),
             query_lens_cpu=self.query_lens,
             seq_lens_cpu=self.seq_lens,
             block_size=self.block_size,
         )
-        return (host_tensor(self.ids, torch.int64, device),
-                host_tensor(self.positions, torch.int64, device), meta)
+        return longs[:n], longs[n:2 * n], meta
 
 
 # Below this many ids, padding Python lists is quicker than numpy's fixed cost per call.
