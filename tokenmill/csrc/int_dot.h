@@ -76,6 +76,8 @@ constexpr int64_t kQ8PrefetchTiles = 2;  // how far ahead the weights are fetche
 // normal path. A batch-1 decode of the embedded model (92 MiB) with a 500-token context: ~10%
 // faster on a Zen 5 with a 32 MiB L3. A model that fits keeps the normal fetch (it is read
 // from cache in the next step). Set by tokenmill.csrc.note_model_weights; off by default.
+// Set it between calls only: the pool hands each call to its workers through an
+// acquire/release ticket, which orders the write before their reads.
 inline bool g_stream_weights = false;
 
 inline void prefetch_weight(const void* p) {
