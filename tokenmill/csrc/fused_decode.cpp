@@ -101,13 +101,8 @@ struct LinearSpec {
     if (kind == kFloat) {
       return bias.defined() ? at::linear(x, weight, bias) : at::linear(x, weight);
     }
-    if (out != nullptr && kind == kInt4 && !bias.defined() &&
-        x.scalar_type() == at::kBFloat16 && own_at(x.size(0)) && q8_packed.defined()) {
-      const int64_t bits = t_decode_only_step ? decode_act_bits : act_bits;
-      if (bits) return intdot::int4_q8_linear(x, q8_packed, q8_scales, group_size, bits, out);
-    }
     const at::Tensor xb = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
-    at::Tensor y = quantized(xb);
+    at::Tensor y = quantized(xb, out);
     if (bias.defined()) y = y + bias;
     return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
   }
@@ -115,7 +110,7 @@ struct LinearSpec {
  private:
   // xb W^T in bf16 by the route the module takes at xb's row count: its dense matmul, ours,
   // or PyTorch's weight-only kernel.
-  at::Tensor quantized(const at::Tensor& xb) const {
+  at::Tensor quantized(const at::Tensor& xb, const at::Tensor* out) const {
     const int64_t rows = xb.size(0);
     if (rows >= dense_min_rows) return dense(xb);
     if (own_at(rows)) {
@@ -124,7 +119,10 @@ struct LinearSpec {
                         : qgemm::int8_linear(xb, weight, scales);
       }
       const int64_t bits = t_decode_only_step ? decode_act_bits : act_bits;
-      return bits ? intdot::int4_q8_linear(xb, q8_packed, q8_scales, group_size, bits)
+      // The caller's buffer where it holds this result's dtype (bf16 between projections).
+      const bool into = out != nullptr && out->scalar_type() == xb.scalar_type();
+      return bits ? intdot::int4_q8_linear(xb, q8_packed, q8_scales, group_size, bits,
+                                           into ? out : nullptr)
                   : qgemm::int4_linear(xb, weight, scales, group_size, own_kernel);
     }
     if (kind == kInt8) return at::_weight_int8pack_mm(xb, weight, scales);

@@ -69,14 +69,15 @@ using ChunkFn = void (*)(void* ctx, int64_t begin, int64_t end);
 // process), with the same speed under `bench contention` (one core of two busy: 260.6 vs 252.6
 // tok/s single stream, 635.1 vs 634.4 at 32 streams); 1 was faster still on a quiet machine
 // but lost 11% of the 32-stream throughput under contention.
-inline int64_t chunks_from_env() {
-  const char* v = std::getenv("TOKENMILL_POOL_CHUNKS");
-  if (v == nullptr || *v == '\0') return 2;
+// The integer in $name, or `fallback` where it is unset, empty, not a number or below `min`.
+inline int64_t env_int(const char* name, int64_t fallback, int64_t min) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
   char* end = nullptr;
   const long long n = std::strtoll(v, &end, 10);
-  return (end == v || n < 1) ? 2 : static_cast<int64_t>(n);
+  return (end == v || n < min) ? fallback : static_cast<int64_t>(n);
 }
-inline const int64_t kChunksPerThread = chunks_from_env();
+inline const int64_t kChunksPerThread = env_int("TOKENMILL_POOL_CHUNKS", 2, 1);
 // A worker that saw its core contended does not spin for this long afterwards.
 constexpr int64_t kBackoffNs = 20'000'000;
 // How often a worker checks whether its core is contended.
@@ -100,13 +101,7 @@ inline bool pool_enabled_from_env() {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
-inline int64_t spin_ns_from_env() {
-  const char* v = std::getenv("TOKENMILL_SPIN_US");
-  if (v == nullptr || *v == '\0') return 200'000;
-  char* end = nullptr;
-  const long long us = std::strtoll(v, &end, 10);
-  return (end == v || us < 0) ? 200'000 : static_cast<int64_t>(us) * 1000;
-}
+inline int64_t spin_ns_from_env() { return env_int("TOKENMILL_SPIN_US", 200, 0) * 1000; }
 
 // True on the pool's workers, and on a caller while it computes chunks: a parallel_for from
 // there runs inline.
