@@ -475,6 +475,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("q"), pybind11::arg("kv_cache"), pybind11::arg("block_tables"),
         pybind11::arg("chunks"), pybind11::arg("scale"), pybind11::arg("out"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("decode_attention", &tokenmill::decode_attention,
+        "one query token per sequence over its cached tokens, written into out",
+        pybind11::arg("q"), pybind11::arg("kv_cache"), pybind11::arg("block_tables"),
+        pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("out"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("prefill_head_size_supported", &tokenmill::prefill_head_size_supported,
         "whether prefill_attention has a kernel for this head size", pybind11::arg("head_dim"));
   m.def("parallel_iota", &tokenmill::parallel_iota,

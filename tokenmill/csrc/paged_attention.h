@@ -3,14 +3,18 @@
 // The cache may be stored narrower than the queries (fp16 under fp32 activations):
 // its values widen exactly on load.
 //
-// The work is one (sequence, query head) at a time, reading its KV head's rows where they lie
-// and widening them as they are loaded: no per-step copy, and enough items to keep every thread
-// busy at batch 1. Scores are dot products of 16-wide
-// vectors (GCC vector extensions: AVX-512 where the CPU has it, narrower registers elsewhere),
-// four keys per horizontal reduction; softmax and the weighted sum of values are vectorized the
-// same way. Head sizes that are not a multiple of 16 take a plain scalar loop.
+// The work is one (sequence, KV head) at a time, the query heads that share it together, reading
+// its rows where they lie and widening them as they are loaded: no per-step copy. Where those
+// items are too few to share out evenly (batch 1: 3 KV heads on 2 threads), each thread takes
+// the same number of tokens instead, a context cut between threads merged afterwards as a
+// softmax over blocks is; without AVX-512, one (sequence, query head) at a time. Scores are
+// dot products of 16-wide vectors (GCC vector extensions: AVX-512 where the CPU has it,
+// narrower registers elsewhere), four keys per horizontal reduction; softmax and the weighted
+// sum of values are vectorized the same way. Head sizes that are not a multiple of 16 take a
+// plain scalar loop.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -231,16 +235,20 @@ struct PagedView {
   }
 
   // The offsets (elements from the cache's start) of the key and value rows of tokens
-  // [0, L) of a sequence with block table ``table``, for KV head g, into ``rows``: once per
-  // (sequence, KV head) and block by block, so the per-token loops below do no division.
-  void row_offsets(const int32_t* table, int64_t L, int64_t g, int64_t Hkv, int64_t D,
-                   std::vector<int64_t>& rows) const {
-    rows.resize(static_cast<size_t>(L));
+  // [t0, t1) of a sequence with block table ``table``, for KV head g, into ``rows`` (token t0
+  // first): once per (sequence, KV head) and block by block, so the per-token loops below do
+  // no division.
+  void row_offsets(const int32_t* table, int64_t t0, int64_t t1, int64_t g, int64_t Hkv,
+                   int64_t D, std::vector<int64_t>& rows) const {
+    rows.resize(static_cast<size_t>(t1 - t0));
     const int64_t token_stride = Hkv * D;
-    for (int64_t t0 = 0, blk = 0; t0 < L; t0 += block_size, ++blk) {
-      const int64_t base = (static_cast<int64_t>(table[blk]) * block_size * Hkv + g) * D;
-      const int64_t n = std::min(block_size, L - t0);
-      for (int64_t i = 0; i < n; ++i) rows[t0 + i] = base + i * token_stride;
+    for (int64_t t = t0; t < t1;) {
+      const int64_t blk = t / block_size, first = t % block_size;
+      const int64_t base =
+          ((static_cast<int64_t>(table[blk]) * block_size + first) * Hkv + g) * D;
+      const int64_t n = std::min(block_size - first, t1 - t);
+      for (int64_t i = 0; i < n; ++i) rows[t - t0 + i] = base + i * token_stride;
+      t += n;
     }
   }
 };
@@ -258,9 +266,10 @@ inline AttentionScratch& thread_scratch() {
   return scratch;
 }
 
-// softmax in place over scores[0, L), returning the sum of the exponentials: 16 lanes at a
-// time, each lane's sum in token order, then the lanes in order (hsum).
-inline float softmax_unnormalized(float* s, int64_t L) {
+// softmax in place over scores[0, L), returning the sum of the exponentials (and, in *max_out
+// where given, the maximum they are taken from): 16 lanes at a time, each lane's sum in token
+// order, then the lanes in order (hsum).
+inline float softmax_unnormalized(float* s, int64_t L, float* max_out = nullptr) {
   using namespace vec16;
   const int64_t L16 = L - L % 16;
   float mx = -INFINITY;
@@ -270,6 +279,7 @@ inline float softmax_unnormalized(float* s, int64_t L) {
     for (int i = 0; i < 16; ++i) mx = std::max(mx, lane(m, i));
   }
   for (int64_t t = L16; t < L; ++t) mx = std::max(mx, s[t]);
+  if (max_out != nullptr) *max_out = mx;
   float total = 0.f;
   if (L16 > 0) {
     acc16 sum{};
@@ -301,19 +311,51 @@ inline void prefetch_row(const C* row, int64_t D) {
   }
 }
 
+// A head's attention over part of its context, unnormalized: the largest score m, the sum l of
+// exp(score - m), then the D sums of exp(score - m) * value.
+constexpr int64_t part_floats(int64_t D) { return D + 2; }
+
+// The largest head size a Part holds: the grouped kernels' (group_kernel), the only ones that
+// attend part of a context.
+constexpr int64_t kMaxPartD = 128;
+
+// One head's output from the Parts of its context (n of them, part_floats(D) apart): each
+// part's sums rescaled to the largest maximum, added in order, then normalized.
+template <typename O>
+void merge_parts(const float* parts, int64_t n, int64_t D, O* out) {
+  TORCH_CHECK(D <= kMaxPartD, "merge_parts: head size ", D, " is past ", kMaxPartD);
+  float m = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, parts[i * part_floats(D)]);
+  float total = 0.f;
+  float acc[kMaxPartD] = {};
+  for (int64_t i = 0; i < n; ++i) {
+    const float* r = parts + i * part_floats(D);
+    const float w = std::exp(r[0] - m);
+    total += w * r[1];
+    for (int64_t d = 0; d < D; ++d) acc[d] += w * r[2 + d];
+  }
+  const float inv = 1.f / total;
+  for (int64_t d = 0; d < D; ++d) out[d] = from_f<O>(acc[d] * inv);
+}
+
 // The query heads h0 .. h0 + P - 1 of sequence b, which share one KV head, together: each key
 // and value row is loaded and widened once for the P heads. Per head the arithmetic is the
 // same whatever P (four keys per horizontal sum, the same tail, the same softmax and weighted
 // sum, in the same order): the same bits grouped or alone (P = 1, attend_head_vec). P is
 // bounded by the registers the queries and the accumulators take (see group_heads_per_pass).
+//
+// The tokens are [t0, t1) of the sequence's context: all of it for a whole item, whose
+// normalized result goes to `out`; a part of it for an item split across threads (see
+// paged_decode_attention), whose result goes to `part` unnormalized, as a Part per head, for
+// merge_parts.
 template <typename Q, typename C, typename O, int ND, int P>
 void attend_heads_vec(const Q* q, int64_t q_stride, const PagedView<C>& kv, int64_t b, int64_t h0,
-                      int64_t G, int64_t Hkv, float scale, O* out, int64_t out_stride,
-                      AttentionScratch& scratch) {
+                      int64_t G, int64_t Hkv, float scale, int64_t t0, int64_t t1, O* out,
+                      int64_t out_stride, float* part, AttentionScratch& scratch) {
   using namespace vec16;
   constexpr int64_t D = 16 * ND;
-  const int64_t L = kv.seq_lens[b];
-  kv.row_offsets(kv.tables + b * kv.table_stride, L, h0 / G, Hkv, D, scratch.rows);
+  const int64_t L = t1 - t0;
+  kv.row_offsets(kv.tables + b * kv.table_stride, t0, t1, h0 / G, Hkv, D, scratch.rows);
   const int64_t* rows = scratch.rows.data();
   scratch.scores.resize(static_cast<size_t>(P * L));
   float* s = scratch.scores.data();  // head p's scores at s + p * L
@@ -364,8 +406,11 @@ void attend_heads_vec(const Q* q, int64_t q_stride, const PagedView<C>& kv, int6
     }
     for (int p = 0; p < P; ++p) s[p * L + t] = hsum(a0[p]);
   }
-  float inv[P];
-  for (int p = 0; p < P; ++p) inv[p] = 1.f / softmax_unnormalized(s + p * L, L);
+  float inv[P], mx[P], total[P];
+  for (int p = 0; p < P; ++p) {
+    total[p] = softmax_unnormalized(s + p * L, L, &mx[p]);
+    inv[p] = 1.f / total[p];
+  }
   acc16 acc[P][ND] = {};
   for (t = 0; t < L; ++t) {
     if (t + kAttnPrefetch < L) prefetch_row(kv.v + rows[t + kAttnPrefetch], D);
@@ -374,6 +419,15 @@ void attend_heads_vec(const Q* q, int64_t q_stride, const PagedView<C>& kv, int6
       const acc16 x = load_acc(v0 + 16 * c);
       for (int p = 0; p < P; ++p) acc[p][c] += s[p * L + t] * x;
     }
+  }
+  if (part != nullptr) {
+    for (int p = 0; p < P; ++p) {
+      float* r = part + p * part_floats(D);
+      r[0] = mx[p];
+      r[1] = total[p];
+      for (int c = 0; c < ND; ++c) store_acc(r + 2 + 16 * c, acc[p][c]);
+    }
+    return;
   }
   for (int p = 0; p < P; ++p) {
     O* o = out + b * out_stride + (h0 + p) * D;
@@ -394,8 +448,8 @@ template <typename Q, typename C, typename O, int ND>
 void attend_head_vec(const Q* q, int64_t q_stride, const PagedView<C>& kv, int64_t b, int64_t h,
                      int64_t G, int64_t Hkv, float scale, O* out, int64_t out_stride,
                      AttentionScratch& scratch) {
-  attend_heads_vec<Q, C, O, ND, 1>(q, q_stride, kv, b, h, G, Hkv, scale, out, out_stride,
-                                   scratch);
+  attend_heads_vec<Q, C, O, ND, 1>(q, q_stride, kv, b, h, G, Hkv, scale, 0, kv.seq_lens[b], out,
+                                   out_stride, nullptr, scratch);
 }
 
 // The same for any head size, one scalar loop per dot product.
@@ -404,7 +458,7 @@ void attend_head_scalar(const Q* q, int64_t q_stride, const PagedView<C>& kv, in
                         int64_t h, int64_t G, int64_t Hkv, int64_t D, float scale, O* out,
                         int64_t out_stride, AttentionScratch& scratch) {
   const int64_t L = kv.seq_lens[b];
-  kv.row_offsets(kv.tables + b * kv.table_stride, L, h / G, Hkv, D, scratch.rows);
+  kv.row_offsets(kv.tables + b * kv.table_stride, 0, L, h / G, Hkv, D, scratch.rows);
   const int64_t* rows = scratch.rows.data();
   scratch.scores.resize(static_cast<size_t>(L));
   float* s = scratch.scores.data();
@@ -448,45 +502,42 @@ HeadKernel<Q, C, O> vector_kernel(int64_t D) {
 // the 4 * P score accumulators in 32 registers (D = 64: 3 heads, D = 128: 2).
 constexpr int group_heads_per_pass(int ND) { return ND + 4 > 24 ? 1 : 24 / (ND + 4); }
 
-// One pass of `count` (<= P) query heads from h0 through attend_heads_vec.
+// One pass of `count` (<= P) query heads from h0 through attend_heads_vec, over tokens
+// [t0, t1) (into `part`, P Parts, where not null).
 template <typename Q, typename C, typename O, int ND, int P>
 void attend_heads_pass(const Q* q, int64_t q_stride, const PagedView<C>& kv, int64_t b,
-                       int64_t h0, int64_t count, int64_t G, int64_t Hkv, float scale, O* out,
-                       int64_t out_stride, AttentionScratch& scratch) {
+                       int64_t h0, int64_t count, int64_t G, int64_t Hkv, float scale, int64_t t0,
+                       int64_t t1, O* out, int64_t out_stride, float* part,
+                       AttentionScratch& scratch) {
   if constexpr (P > 1) {
     if (count < P) {
-      attend_heads_pass<Q, C, O, ND, P - 1>(q, q_stride, kv, b, h0, count, G, Hkv, scale, out,
-                                            out_stride, scratch);
+      attend_heads_pass<Q, C, O, ND, P - 1>(q, q_stride, kv, b, h0, count, G, Hkv, scale, t0, t1,
+                                            out, out_stride, part, scratch);
       return;
     }
   }
-  attend_heads_vec<Q, C, O, ND, P>(q, q_stride, kv, b, h0, G, Hkv, scale, out, out_stride,
-                                   scratch);
+  attend_heads_vec<Q, C, O, ND, P>(q, q_stride, kv, b, h0, G, Hkv, scale, t0, t1, out,
+                                   out_stride, part, scratch);
 }
 
-// The G query heads of KV head g of sequence b, in passes of up to P heads.
+// The G query heads of KV head g of sequence b over tokens [t0, t1), in passes of up to P
+// heads: into `out` when that is the whole context, else into `part` (G Parts, head order).
 template <typename Q, typename C, typename O, int ND>
 void attend_group(const Q* q, int64_t q_stride, const PagedView<C>& kv, int64_t b, int64_t g,
-                  int64_t G, int64_t Hkv, float scale, O* out, int64_t out_stride,
-                  AttentionScratch& scratch) {
+                  int64_t G, int64_t Hkv, float scale, int64_t t0, int64_t t1, O* out,
+                  int64_t out_stride, float* part, AttentionScratch& scratch) {
   constexpr int P = group_heads_per_pass(ND);
   for (int64_t h = g * G; h < (g + 1) * G; h += P) {
+    float* part_h = part == nullptr ? nullptr : part + (h - g * G) * part_floats(16 * ND);
     attend_heads_pass<Q, C, O, ND, P>(q, q_stride, kv, b, h, std::min<int64_t>(P, (g + 1) * G - h),
-                                      G, Hkv, scale, out, out_stride, scratch);
+                                      G, Hkv, scale, t0, t1, out, out_stride, part_h, scratch);
   }
 }
 
-// Items per thread from which a step's attention goes by KV head (the G query heads of one
-// together, each row loaded once) instead of by query head (more, smaller items). One is
-// enough: at batch 1 the embedded model's 3 KV heads on 2 threads leave one idle a third of
-// the time, yet reading each row once instead of three times (the cache comes from memory,
-// the step's weights having gone through the caches since) took a 500-token decode's layer
-// stack from 3.05 to 2.46 ms on a Zen 5; splitting each group's heads in two for balance
-// (rows read twice) gave 2.97.
-constexpr int64_t kGroupItemsPerThread = 1;
-
 template <typename Q, typename C, typename O>
-using GroupKernel = HeadKernel<Q, C, O>;  // the same signature, g in place of h
+using GroupKernel = void (*)(const Q*, int64_t, const PagedView<C>&, int64_t, int64_t, int64_t,
+                             int64_t, float, int64_t, int64_t, O*, int64_t, float*,
+                             AttentionScratch&);
 
 // The grouped kernel for head size D, or nullptr.
 template <typename Q, typename C, typename O>
@@ -499,13 +550,88 @@ GroupKernel<Q, C, O> group_kernel(int64_t D) {
     default: return nullptr;
   }
 }
+
+// Below this many (sequence, KV head) items per thread the grouped attention shares the
+// step's tokens out evenly instead of whole items (balanced_group_attention). Going by KV head
+// at all, each row loaded once for its G query heads instead of once per query head, took a
+// 500-token decode's layer stack from 3.05 to 2.46 ms on a Zen 5 at batch 1, though 3 KV heads
+// on 2 threads left one idle a third of the time; cutting contexts so that both threads take
+// the same number of tokens then cut the attention by another 7-11% at 500-800 tokens (none
+// at 100-400: there the cut's merge costs what the idle third did).
+constexpr int64_t kBalanceBelowItemsPerThread = 4;
+
+// The grouped attention with every thread given the same number of (item, token) pairs: the
+// items laid end to end, each thread's share a run of them, cut inside an item where the share
+// ends (at batch 1 the embedded model's 3 KV heads on 2 threads: one and a half each, where
+// whole items left one thread idle a third of the time). An item cut in parts leaves one Part
+// per head and part in `parts` (the share's first and last item may be cut, so 2 per share),
+// merged once every share is done.
+template <typename Q, typename C, typename O>
+void balanced_group_attention(GroupKernel<Q, C, O> grouped, const Q* q, int64_t q_stride,
+                              const PagedView<C>& kv, int64_t B, int64_t Hq, int64_t Hkv,
+                              int64_t D, float scale, O* out, int64_t threads) {
+  const int64_t G = Hq / Hkv, items = B * Hkv;
+  // first_token[i]: where item i starts in the end-to-end order of every item's tokens.
+  std::vector<int64_t> first_token(static_cast<size_t>(items + 1), 0);
+  for (int64_t i = 0; i < items; ++i) first_token[i + 1] = first_token[i] + kv.seq_lens[i / Hkv];
+  const int64_t total = first_token[items];
+  // A share is worth a wake-up of a worker from 2^16 multiply-adds on (as the grain below).
+  const int64_t shares = std::clamp<int64_t>(total * 2 * D * G >> 16, 1, threads);
+  const int64_t stride = G * part_floats(D);  // one item's Parts
+  std::vector<float> parts(static_cast<size_t>(shares * 2 * stride));
+  // cut[2 * k + e]: the item whose Parts sit in slot e of share k (-1: none).
+  std::vector<int64_t> cut(static_cast<size_t>(shares * 2), -1);
+  tmpool::parallel_for(0, shares, 1, [&](int64_t begin, int64_t end) {
+    AttentionScratch& scratch = thread_scratch();
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t lo = total * k / shares, hi = total * (k + 1) / shares;
+      int64_t i = std::upper_bound(first_token.begin(), first_token.end(), lo) -
+                  first_token.begin() - 1;
+      for (int e = 0; i < items && first_token[i] < hi; ++i) {
+        const int64_t t0 = std::max(lo, first_token[i]) - first_token[i];
+        const int64_t t1 = std::min(hi, first_token[i + 1]) - first_token[i];
+        if (t1 <= t0) continue;
+        const bool whole = t0 == 0 && t1 == kv.seq_lens[i / Hkv];
+        float* part = nullptr;
+        if (!whole) {
+          cut[2 * k + e] = i;
+          part = parts.data() + (2 * k + e) * stride;
+          ++e;
+        }
+        grouped(q, q_stride, kv, i / Hkv, i % Hkv, G, Hkv, scale, t0, t1, out, Hq * D, part,
+                scratch);
+      }
+    }
+  });
+  // A cut item's Parts, in slot order, are its parts in token order: merge each run of them.
+  std::vector<int64_t> slots;  // the slots of one cut item
+  std::vector<float> gathered;  // one head's Parts, side by side
+  for (int64_t s = 0; s < shares * 2;) {
+    const int64_t item = cut[s];
+    slots.clear();
+    for (; s < shares * 2 && (cut[s] == item || cut[s] < 0); ++s) {
+      if (cut[s] >= 0) slots.push_back(s);
+    }
+    if (item < 0) continue;  // only empty slots were left
+    const int64_t b = item / Hkv, g = item % Hkv;
+    gathered.resize(slots.size() * part_floats(D));
+    for (int64_t h = 0; h < G; ++h) {
+      for (size_t j = 0; j < slots.size(); ++j) {
+        const float* src = parts.data() + slots[j] * stride + h * part_floats(D);
+        std::copy(src, src + part_floats(D), gathered.data() + j * part_floats(D));
+      }
+      merge_parts(gathered.data(), static_cast<int64_t>(slots.size()), D,
+                  out + b * Hq * D + (g * G + h) * D);
+    }
+  }
+}
 #endif
 
 // Decode attention of every (sequence, query head): q [B, q_stride] with the Hq heads first,
-// out [B, Hq * D] (stored as O: bf16 when it feeds a quantized matmul). The heads of a
-// sequence are neighbours in the item order, so a KV head's rows, read from memory by the
-// first of its G query heads, are in cache for the others. Threads only when the contexts are
-// long enough to pay for waking them.
+// out [B, Hq * D] (stored as O: bf16 when it feeds a quantized matmul). Without a grouped
+// kernel the heads of a sequence are neighbours in the item order, so a KV head's rows, read
+// from memory by the first of its G query heads, are in cache for the others. Threads only
+// when the contexts are long enough to pay for waking them.
 template <typename Q, typename C, typename O>
 void paged_decode_attention(const Q* q, int64_t q_stride, const PagedView<C>& kv, int64_t B,
                             int64_t Hq, int64_t Hkv, int64_t D, float scale, O* out,
@@ -513,14 +639,21 @@ void paged_decode_attention(const Q* q, int64_t q_stride, const PagedView<C>& kv
   const int64_t G = Hq / Hkv;
 #if defined(__AVX512F__)
   const GroupKernel<Q, C, O> grouped = group_kernel<Q, C, O>(D);
-  if (G > 1 && grouped != nullptr &&
-      B * Hkv >= kGroupItemsPerThread * std::max<int64_t>(1, at::get_num_threads())) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  if (G > 1 && grouped != nullptr) {
+    if (threads > 1 && B * Hkv < kBalanceBelowItemsPerThread * threads) {
+      balanced_group_attention<Q, C, O>(grouped, q, q_stride, kv, B, Hq, Hkv, D, scale, out,
+                                        threads);
+      return;
+    }
     const int64_t work_per_item = std::max<int64_t>(1, 2 * max_len * D * G);
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / work_per_item);
     tmpool::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
       AttentionScratch& scratch = thread_scratch();
       for (int64_t i = begin; i < end; ++i) {
-        grouped(q, q_stride, kv, i / Hkv, i % Hkv, G, Hkv, scale, out, Hq * D, scratch);
+        const int64_t b = i / Hkv;
+        grouped(q, q_stride, kv, b, i % Hkv, G, Hkv, scale, 0, kv.seq_lens[b], out, Hq * D,
+                nullptr, scratch);
       }
     });
     return;
@@ -541,6 +674,70 @@ void paged_decode_attention(const Q* q, int64_t q_stride, const PagedView<C>& kv
       }
     }
   });
+}
+
+}  // namespace tokenmill
+
+namespace tokenmill {
+
+// The Python entry of the decode attention, for tests and tools (the fused stack calls
+// paged_decode_attention directly): q [B, Hq, D] (last two dims contiguous), the layer's cache
+// [2, blocks, block_size, Hkv, D], block_tables [B, max_blocks] int32, seq_lens [B] int32 (the
+// cached tokens each query attends to, >= 1) -> out [B, Hq * D] in q's dtype.
+inline void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
+                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                             double scale, at::Tensor& out) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "decode attention: q must be [B, Hq, D] with contiguous heads");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
+                  kv_cache.size(4) == q.size(2) && q.size(1) % kv_cache.size(3) == 0,
+              "decode attention: the cache must be contiguous [2, blocks, block_size, Hkv, D] "
+              "with D as q's and Hkv dividing Hq");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = kv_cache.size(3);
+  const int64_t block_size = kv_cache.size(2), num_blocks = kv_cache.size(1);
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
+                  block_tables.size(0) == B && block_tables.is_contiguous(),
+              "decode attention: block_tables must be contiguous int32 [B, blocks]");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 &&
+                  seq_lens.size(0) == B && seq_lens.is_contiguous(),
+              "decode attention: seq_lens must be contiguous int32 [B]");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == B && out.size(1) == Hq * D &&
+                  out.is_contiguous() && out.scalar_type() == q.scalar_type(),
+              "decode attention: out must be contiguous [B, Hq * D] in q's dtype");
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t width = block_tables.size(1);
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= width * block_size, "decode attention: sequence ",
+                b, " has ", lens[b], " tokens, outside 1..", width * block_size);
+    for (int64_t i = 0; i < (lens[b] + block_size - 1) / block_size; ++i) {
+      const int32_t blk = tables[b * width + i];
+      TORCH_CHECK(blk >= 0 && blk < num_blocks, "decode attention: block ", blk,
+                  " of sequence ", b, " is outside the cache");
+    }
+    max_len = std::max<int64_t>(max_len, lens[b]);
+  }
+  const float s = static_cast<float>(scale);
+  auto run = [&](auto q_tag, auto c_tag) {
+    using Q = decltype(q_tag);
+    using C = decltype(c_tag);
+    const C* base = kv_cache.data_ptr<C>();
+    const int64_t side = num_blocks * block_size * Hkv * D;
+    PagedView<C> view{base, base + side, lens, tables, width, block_size};
+    paged_decode_attention<Q, C, Q>(q.data_ptr<Q>(), q.stride(0), view, B, Hq, Hkv, D, s,
+                                    out.data_ptr<Q>(), max_len);
+  };
+  const auto qt = q.scalar_type(), ct = kv_cache.scalar_type();
+  if (qt == at::kFloat && ct == at::kFloat) {
+    run(float{}, float{});
+  } else if (qt == at::kFloat && ct == at::kHalf) {
+    run(float{}, c10::Half{});
+  } else if (qt == at::kBFloat16 && ct == at::kBFloat16) {
+    run(c10::BFloat16{}, c10::BFloat16{});
+  } else {
+    TORCH_CHECK(false, "decode attention: q ", qt, " over a ", ct, " cache is not supported");
+  }
 }
 
 }  // namespace tokenmill
