@@ -63,3 +63,34 @@ def test_weights_stream_past_the_cache_only_for_models_larger_than_it(monkeypatc
     finally:
         ext.set_stream_weights(was)
 
+
+def test_a_models_bytes_leave_when_the_model_goes(monkeypatch) -> None:
+    """A multi-model server unloads models: once a large one is collected, a small one left
+    alone fits the cache again."""
+    import gc
+
+    import tokenmill.csrc as csrc
+
+    ext = csrc.load_extension()
+    was = ext.stream_weights()
+    monkeypatch.setattr(csrc, "_model_weight_bytes", 0)
+    monkeypatch.setattr(csrc, "_stream_weights", was)
+    monkeypatch.setattr(csrc, "last_level_cache_bytes", lambda: 32 << 20)
+
+    class Model:
+        pass
+
+    small, large = Model(), Model()
+    try:
+        assert csrc.note_model_weights(8 << 20, owner=small) is False
+        assert csrc.note_model_weights(64 << 20, owner=large) is True and ext.stream_weights()
+        del large
+        gc.collect()
+        assert csrc._model_weight_bytes == 8 << 20
+        assert not ext.stream_weights() and csrc._stream_weights is False
+        del small
+        gc.collect()
+        assert csrc._model_weight_bytes == 0
+    finally:
+        ext.set_stream_weights(was)
+

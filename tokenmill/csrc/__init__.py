@@ -17,6 +17,7 @@ import logging
 import os
 import platform
 import time
+import weakref
 from pathlib import Path
 from types import ModuleType
 
@@ -113,14 +114,31 @@ _model_weight_bytes = 0
 _stream_weights = False
 
 
-def note_model_weights(nbytes: int, stream: bool | None = None) -> bool:
+def note_model_weights(nbytes: int, stream: bool | None = None, owner: object = None) -> bool:
     """A model of ``nbytes`` of weights will run on the CPU kernels in this process. Once the
     process's models add up to more than the last-level cache, every step reads them from
     memory anyway: the kernels then fetch weights non-temporally. ``stream`` True / False
-    forces it on / off (the runner's ``TOKENMILL_STREAM_WEIGHTS``). Returns whether they now
-    do."""
-    global _model_weight_bytes, _stream_weights
-    _model_weight_bytes += max(0, int(nbytes))
+    forces it on / off (the runner's ``TOKENMILL_STREAM_WEIGHTS``). With an ``owner`` (the
+    model), its bytes leave the sum when it is garbage-collected (a model unloaded from a
+    multi-model server), and the choice is made again. Returns whether they now stream."""
+    global _model_weight_bytes
+    nbytes = max(0, int(nbytes))
+    _model_weight_bytes += nbytes
+    if owner is not None:
+        weakref.finalize(owner, _forget_model_weights, nbytes, stream)
+    return _decide_streaming(stream)
+
+
+def _forget_model_weights(nbytes: int, stream: bool | None) -> None:
+    global _model_weight_bytes
+    _model_weight_bytes = max(0, _model_weight_bytes - nbytes)
+    _decide_streaming(stream)
+
+
+def _decide_streaming(stream: bool | None) -> bool:
+    """Stream when told to, else when the process's models outgrow the last-level cache; tell
+    the extension if it is loaded (load_extension applies it otherwise)."""
+    global _stream_weights
     if stream is None:
         stream = _model_weight_bytes > (last_level_cache_bytes() or _DEFAULT_LLC_BYTES)
     _stream_weights = stream

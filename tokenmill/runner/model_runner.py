@@ -116,9 +116,11 @@ class ModelRunner:
         self.is_encoder = bool(getattr(model, "is_encoder", False))
         self.backend = platform.attention_backend()
         if self.device.type == "cpu":
-            # Whether the CPU kernels stream this model's weights past the caches (by its
-            # size against the last-level cache, or as TOKENMILL_STREAM_WEIGHTS says).
-            note_model_weights(model_weight_bytes(model), env_switch("TOKENMILL_STREAM_WEIGHTS"))
+            # Whether the CPU kernels stream this model's weights past the caches (by the
+            # process's models' size against the last-level cache, or as
+            # TOKENMILL_STREAM_WEIGHTS says); the model's bytes count while it lives.
+            note_model_weights(model_weight_bytes(model), env_switch("TOKENMILL_STREAM_WEIGHTS"),
+                               owner=model)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, _RequestState] = {}
