@@ -680,6 +680,42 @@ void paged_decode_attention(const Q* q, int64_t q_stride, const PagedView<C>& kv
 
 namespace tokenmill {
 
+// The Python entries' shared checks: q [T, Hq, D] with contiguous heads, the layer's cache
+// contiguous [2, blocks, block_size, Hkv, D] with D as q's and Hkv dividing Hq.
+inline void check_attention_inputs(const char* what, const at::Tensor& q,
+                                   const at::Tensor& kv_cache) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), what,
+              ": q must be [T, Hq, D] with contiguous heads");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
+                  kv_cache.size(4) == q.size(2) && q.size(1) % kv_cache.size(3) == 0,
+              what, ": the cache must be contiguous [2, blocks, block_size, Hkv, D] with D as "
+              "q's and Hkv dividing Hq");
+}
+
+// The view of a whole layer cache [2, blocks, block_size, Hkv, D] of element type C: keys in
+// its first half, values in its second.
+template <typename C>
+PagedView<C> layer_view(const at::Tensor& kv_cache, const int32_t* seq_lens,
+                        const int32_t* tables, int64_t table_stride) {
+  const C* base = kv_cache.data_ptr<C>();
+  return {base, base + kv_cache.numel() / 2, seq_lens, tables, table_stride, kv_cache.size(2)};
+}
+
+// f(q tag, cache tag) for the (activations, cache) dtypes the kernels take: fp32 over an fp32
+// or fp16 cache, bf16 over bf16; any other pair is an error naming both.
+template <typename F>
+void dispatch_attention_dtypes(const char* what, at::ScalarType qt, at::ScalarType ct, F&& f) {
+  if (qt == at::kFloat && ct == at::kFloat) {
+    f(float{}, float{});
+  } else if (qt == at::kFloat && ct == at::kHalf) {
+    f(float{}, c10::Half{});
+  } else if (qt == at::kBFloat16 && ct == at::kBFloat16) {
+    f(c10::BFloat16{}, c10::BFloat16{});
+  } else {
+    TORCH_CHECK(false, what, ": q ", qt, " over a ", ct, " cache is not supported");
+  }
+}
+
 // The Python entry of the decode attention, for tests and tools (the fused stack calls
 // paged_decode_attention directly): q [B, Hq, D] (last two dims contiguous), the layer's cache
 // [2, blocks, block_size, Hkv, D], block_tables [B, max_blocks] int32, seq_lens [B] int32 (the
@@ -687,12 +723,7 @@ namespace tokenmill {
 inline void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
                              double scale, at::Tensor& out) {
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
-              "decode attention: q must be [B, Hq, D] with contiguous heads");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
-                  kv_cache.size(4) == q.size(2) && q.size(1) % kv_cache.size(3) == 0,
-              "decode attention: the cache must be contiguous [2, blocks, block_size, Hkv, D] "
-              "with D as q's and Hkv dividing Hq");
+  check_attention_inputs("decode attention", q, kv_cache);
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = kv_cache.size(3);
   const int64_t block_size = kv_cache.size(2), num_blocks = kv_cache.size(1);
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
@@ -722,22 +753,11 @@ inline void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
   auto run = [&](auto q_tag, auto c_tag) {
     using Q = decltype(q_tag);
     using C = decltype(c_tag);
-    const C* base = kv_cache.data_ptr<C>();
-    const int64_t side = num_blocks * block_size * Hkv * D;
-    PagedView<C> view{base, base + side, lens, tables, width, block_size};
+    const PagedView<C> view = layer_view<C>(kv_cache, lens, tables, width);
     paged_decode_attention<Q, C, Q>(q.data_ptr<Q>(), q.stride(0), view, B, Hq, Hkv, D, s,
                                     out.data_ptr<Q>(), max_len);
   };
-  const auto qt = q.scalar_type(), ct = kv_cache.scalar_type();
-  if (qt == at::kFloat && ct == at::kFloat) {
-    run(float{}, float{});
-  } else if (qt == at::kFloat && ct == at::kHalf) {
-    run(float{}, c10::Half{});
-  } else if (qt == at::kBFloat16 && ct == at::kBFloat16) {
-    run(c10::BFloat16{}, c10::BFloat16{});
-  } else {
-    TORCH_CHECK(false, "decode attention: q ", qt, " over a ", ct, " cache is not supported");
-  }
+  dispatch_attention_dtypes("decode attention", q.scalar_type(), kv_cache.scalar_type(), run);
 }
 
 }  // namespace tokenmill

@@ -347,12 +347,7 @@ inline std::vector<PrefillChunk> prefill_chunks(const std::vector<int64_t>& flat
 inline void prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                               const at::Tensor& block_tables, const std::vector<int64_t>& chunks,
                               double scale, at::Tensor& out) {
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
-              "prefill attention: q must be [T, Hq, D] with contiguous heads");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
-                  kv_cache.size(4) == q.size(2) && q.size(1) % kv_cache.size(3) == 0,
-              "prefill attention: the cache must be contiguous [2, blocks, block_size, Hkv, D] "
-              "with D as q's and Hkv dividing Hq");
+  check_attention_inputs("prefill attention", q, kv_cache);
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
                   block_tables.is_contiguous(),
               "prefill attention: block_tables must be contiguous int32 [num_seqs, blocks]");
@@ -367,22 +362,11 @@ inline void prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache,
   auto run = [&](auto q_tag, auto c_tag) {
     using Q = decltype(q_tag);
     using C = decltype(c_tag);
-    const C* base = kv_cache.data_ptr<C>();
-    const int64_t side = num_blocks * block_size * Hkv * D;
-    PagedView<C> view{base, base + side, nullptr, nullptr, 0, block_size};
+    const PagedView<C> view = layer_view<C>(kv_cache, nullptr, nullptr, 0);
     paged_prefill_attention<Q, C, Q>(q.data_ptr<Q>(), q.stride(0), view, list, Hq, Hkv, D, s,
                                      out.data_ptr<Q>(), Hq * D);
   };
-  const auto qt = q.scalar_type(), ct = kv_cache.scalar_type();
-  if (qt == at::kFloat && ct == at::kFloat) {
-    run(float{}, float{});
-  } else if (qt == at::kFloat && ct == at::kHalf) {
-    run(float{}, c10::Half{});
-  } else if (qt == at::kBFloat16 && ct == at::kBFloat16) {
-    run(c10::BFloat16{}, c10::BFloat16{});
-  } else {
-    TORCH_CHECK(false, "prefill attention: q ", qt, " over a ", ct, " cache is not supported");
-  }
+  dispatch_attention_dtypes("prefill attention", q.scalar_type(), kv_cache.scalar_type(), run);
 }
 
 }  // namespace tokenmill
