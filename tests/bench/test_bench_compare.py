@@ -189,6 +189,10 @@ def test_report_gives_each_decode_as_a_share_of_the_roofline() -> None:
     assert "20.0 GB/s read / 100.0 MiB a token = 200 tok/s" in row
     assert "| 20.0 | 40.0 | 0.50x" in row  # 40 / 200 and 80 / 200 tok/s
     assert "% of the memory roofline" in markdown_report(RESULT)  # the row, without values
+    result["roofline"]["read_bandwidth_1_thread_gb_s"] = 12.5
+    row = next(line for line in markdown_report(result).splitlines()
+               if "% of the memory roofline" in line)
+    assert "= 200 tok/s; one thread reads 12.5 GB/s)" in row
 
 
 def test_roofline_pieces() -> None:

@@ -51,7 +51,9 @@ def _rows(result: dict[str, Any]) -> list[tuple[str, Any, Any, Any]]:
         ("single-stream decode, % of the memory roofline"
          + (f" ({limit['read_bandwidth_gb_s']:.1f} GB/s read / "
             f"{limit['weight_bytes_per_token'] / 2**20:.1f} MiB a token = "
-            f"{limit['roofline_tokens_per_s']:.0f} tok/s)" if limit else ""),
+            f"{limit['roofline_tokens_per_s']:.0f} tok/s"
+            + (f"; one thread reads {limit['read_bandwidth_1_thread_gb_s']:.1f} GB/s"
+               if "read_bandwidth_1_thread_gb_s" in limit else "") + ")" if limit else ""),
          *share, None),
         (f"prefill, {n_in}-token prompt (prompt tok/s)", *each("latency", "prefill_tokens_per_s")),
         (f"TTFT, {n_in}-token prompt (ms, lower is better)", *each("latency", "ttft_ms", "median")),

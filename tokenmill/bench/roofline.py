@@ -52,12 +52,18 @@ def decode_weight_bytes(gguf_path: str) -> int:
 
 
 def roofline(gguf_path: str, threads: int) -> dict[str, Any]:
-    """The bandwidth, the bytes per token and the tokens/s they allow."""
+    """The bandwidth, the bytes per token and the tokens/s they allow; with more than one
+    thread, also what one thread reads. On a shared VM the threads' total moves with the
+    neighbours (a 2-core Zen 5 read 42-49 GB/s on some runs and 74-82 on others, one thread
+    ~39 on both): the pair says which of the two a run had."""
     bandwidth = read_bandwidth(threads)
     nbytes = decode_weight_bytes(gguf_path)
-    return {"read_bandwidth_gb_s": bandwidth / 1e9, "weight_bytes_per_token": nbytes,
-            "roofline_tokens_per_s": bandwidth / nbytes, "threads": threads,
-            "buffer_bytes": BUFFER_BYTES}
+    out = {"read_bandwidth_gb_s": bandwidth / 1e9, "weight_bytes_per_token": nbytes,
+           "roofline_tokens_per_s": bandwidth / nbytes, "threads": threads,
+           "buffer_bytes": BUFFER_BYTES}
+    if threads > 1:
+        out["read_bandwidth_1_thread_gb_s"] = read_bandwidth(1) / 1e9
+    return out
 
 
 def fraction(decode_tokens_per_s: Any, result: dict[str, Any]) -> float | None:
