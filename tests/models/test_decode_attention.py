@@ -132,3 +132,6 @@ def test_bad_inputs_are_named(ext) -> None:  # noqa: ANN001
     with pytest.raises(RuntimeError, match="not supported"):
         ext.decode_attention(q.double(), cache.double(), tables, seq_lens, 1.0,
                              out.double())
+    # The refused calls wrote nothing and changed nothing: the next good call is answered.
+    torch.testing.assert_close(run(ext, q, cache, tables, seq_lens, 1.0).double(),
+                               reference(q, cache, tables, seq_lens, 1.0), rtol=1e-4, atol=1e-5)

@@ -100,12 +100,11 @@ inline RowScan scan_row_part(const float* row, int64_t begin, int64_t end) {
 }
 
 // The parts of one row, in order, as one: the first NaN, else the first index of the largest
-// maximum; the sums rescaled to that maximum.
+// maximum; the sums rescaled to that maximum (where it is finite: the logprob is NaN otherwise).
 inline RowScan merge_row_parts(const RowScan* parts, int64_t n) {
   RowScan r = parts[0];
   for (int64_t k = 1; k < n && !r.nan; ++k) {
-    if (parts[k].nan || parts[k].max > r.max) r = RowScan{parts[k].max, parts[k].best,
-                                                          parts[k].nan, r.sum};
+    if (parts[k].nan || parts[k].max > r.max) r = parts[k];
   }
   if (r.nan || !std::isfinite(r.max)) return r;
   float total = 0.f;

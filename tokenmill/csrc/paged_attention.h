@@ -319,17 +319,17 @@ constexpr int64_t part_floats(int64_t D) { return D + 2; }
 // attend part of a context.
 constexpr int64_t kMaxPartD = 128;
 
-// One head's output from the Parts of its context (n of them, part_floats(D) apart): each
-// part's sums rescaled to the largest maximum, added in order, then normalized.
+// One head's output from the Parts of its context (parts[0..n), in token order): each part's
+// sums rescaled to the largest maximum, added in order, then normalized.
 template <typename O>
-void merge_parts(const float* parts, int64_t n, int64_t D, O* out) {
+void merge_parts(const float* const* parts, int64_t n, int64_t D, O* out) {
   TORCH_CHECK(D <= kMaxPartD, "merge_parts: head size ", D, " is past ", kMaxPartD);
   float m = -INFINITY;
-  for (int64_t i = 0; i < n; ++i) m = std::max(m, parts[i * part_floats(D)]);
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, parts[i][0]);
   float total = 0.f;
   float acc[kMaxPartD] = {};
   for (int64_t i = 0; i < n; ++i) {
-    const float* r = parts + i * part_floats(D);
+    const float* r = parts[i];
     const float w = std::exp(r[0] - m);
     total += w * r[1];
     for (int64_t d = 0; d < D; ++d) acc[d] += w * r[2 + d];
@@ -605,7 +605,7 @@ void balanced_group_attention(GroupKernel<Q, C, O> grouped, const Q* q, int64_t 
   });
   // A cut item's Parts, in slot order, are its parts in token order: merge each run of them.
   std::vector<int64_t> slots;  // the slots of one cut item
-  std::vector<float> gathered;  // one head's Parts, side by side
+  std::vector<const float*> head_parts;  // one head's Part in each of them
   for (int64_t s = 0; s < shares * 2;) {
     const int64_t item = cut[s];
     slots.clear();
@@ -614,13 +614,12 @@ void balanced_group_attention(GroupKernel<Q, C, O> grouped, const Q* q, int64_t 
     }
     if (item < 0) continue;  // only empty slots were left
     const int64_t b = item / Hkv, g = item % Hkv;
-    gathered.resize(slots.size() * part_floats(D));
+    head_parts.resize(slots.size());
     for (int64_t h = 0; h < G; ++h) {
       for (size_t j = 0; j < slots.size(); ++j) {
-        const float* src = parts.data() + slots[j] * stride + h * part_floats(D);
-        std::copy(src, src + part_floats(D), gathered.data() + j * part_floats(D));
+        head_parts[j] = parts.data() + slots[j] * stride + h * part_floats(D);
       }
-      merge_parts(gathered.data(), static_cast<int64_t>(slots.size()), D,
+      merge_parts(head_parts.data(), static_cast<int64_t>(slots.size()), D,
                   out + b * Hq * D + (g * G + h) * D);
     }
   }

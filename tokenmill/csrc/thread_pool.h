@@ -61,14 +61,6 @@ namespace tmpool {
 
 using ChunkFn = void (*)(void* ctx, int64_t begin, int64_t end);
 
-// Chunks per thread: enough that a thread that starts late, or runs slower on a shared core,
-// leaves the others work to take; few enough that each chunk stays a long contiguous run of the
-// kernel's loop and the calls of a decode step (a few microseconds each at batch 1) do not pay
-// for many claims of the shared ticket. 2 (`TOKENMILL_POOL_CHUNKS` before the pool starts):
-// against 4, a batch-1 decode step -3.2% and a batch-32 one -1.3% (switched within one
-// process), with the same speed under `bench contention` (one core of two busy: 260.6 vs 252.6
-// tok/s single stream, 635.1 vs 634.4 at 32 streams); 1 was faster still on a quiet machine
-// but lost 11% of the 32-stream throughput under contention.
 // The integer in $name, or `fallback` where it is unset, empty, not a number or below `min`.
 inline int64_t env_int(const char* name, int64_t fallback, int64_t min) {
   const char* v = std::getenv(name);
@@ -77,6 +69,15 @@ inline int64_t env_int(const char* name, int64_t fallback, int64_t min) {
   const long long n = std::strtoll(v, &end, 10);
   return (end == v || n < min) ? fallback : static_cast<int64_t>(n);
 }
+
+// Chunks per thread: enough that a thread that starts late, or runs slower on a shared core,
+// leaves the others work to take; few enough that each chunk stays a long contiguous run of the
+// kernel's loop and the calls of a decode step (a few microseconds each at batch 1) do not pay
+// for many claims of the shared ticket. 2 (`TOKENMILL_POOL_CHUNKS` before the pool starts):
+// against 4, a batch-1 decode step -3.2% and a batch-32 one -1.3% (switched within one
+// process), with the same speed under `bench contention` (one core of two busy: 260.6 vs 252.6
+// tok/s single stream, 635.1 vs 634.4 at 32 streams); 1 was faster still on a quiet machine
+// but lost 11% of the 32-stream throughput under contention.
 inline const int64_t kChunksPerThread = env_int("TOKENMILL_POOL_CHUNKS", 2, 1);
 // A worker that saw its core contended does not spin for this long afterwards.
 constexpr int64_t kBackoffNs = 20'000'000;
