@@ -132,12 +132,18 @@ class SchedulerConfig:
 
     ``prefill_first``: prompts that fit in one step go before the decodes (see
     ``tokenmill.core.scheduler``); off, every step carries the running decodes first.
+
+    ``async_scheduling``: schedule and launch step n+1 while step n still runs on the device,
+    its sampled tokens fed to step n+1 there, and hand step n's outputs out meanwhile (see
+    ``EngineCore.step``). None: on for a CUDA engine in one process without speculative
+    decoding, off elsewhere (on the CPU the host is the device: nothing to overlap).
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     enable_chunked_prefill: bool = True
     prefill_first: bool = True
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)

@@ -96,6 +96,12 @@ class Request:
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # With asynchronous scheduling (a pipelined scheduler), the tokens that scheduled steps
+    # sample for it and the scheduler has not appended yet: 1 from a step's schedule to its
+    # update, 2 while the next step is scheduled before that update (its input is the sample
+    # still on the device). Counted as tokens of the sequence when scheduling; always 0
+    # otherwise.
+    num_pending_tokens: int = 0
     # Draft tokens proposed for the next step (speculative decoding); not part of the sequence
     # until the target model has verified them.
     spec_token_ids: list[int] = field(default_factory=list)

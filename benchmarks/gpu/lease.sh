@@ -6,6 +6,7 @@
 #   phase 1, carry .device/whl .device/vocab.gguf .device/part1:  bash benchmarks/gpu/lease.sh 1
 #   phase 2, carry .device/whl .device/vocab.gguf .device/part2:  bash benchmarks/gpu/lease.sh 2
 #   one call, carry .device/whl .device/vocab.gguf:  DEADLINE=540 bash benchmarks/gpu/lease.sh tune
+#   one call, carry .device/whl .device/vocab.gguf:  DEADLINE=560 bash benchmarks/gpu/lease.sh async
 #
 # Phase 1 needs only the tokenizer (dummy-weight presets): the kernel and graph tests, decode
 # and throughput on Llama-3.1-8B's shape, nano-vllm's workload. Phase 2 has the whole embedded
@@ -58,6 +59,25 @@ if [ "$PHASE" = 1 ]; then
     --result-file "$RES/$GPU-llama-3.1-8b-throughput-bf16.json"
   step nano-vllm 90 $BENCH --suite nano-vllm --model qwen3-0.6b --max-model-len 2048 \
     --result-file "$RES/$GPU-qwen3-0.6b-nano-vllm.json"
+elif [ "$PHASE" = async ]; then
+  # Asynchronous scheduling (the next step launched while the last one runs): its GPU tests,
+  # then batch-1 decode without and with it on one machine, then the 1,000 x 1,000/1,000
+  # throughput and nano-vllm's workload with it (the default on CUDA).
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  python3 -c "import torch, triton, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__)"
+  step tests-async 120 python3 -m pytest -q -p no:cacheprovider -rfE \
+    tests/gpu/test_async_scheduling_cuda.py tests/unit/test_cuda_graphs.py
+  step decode-bf16-sync 60 $BENCH --suite decode --model llama-3.1-8b --max-model-len 4096 \
+    --max-num-seqs 8 --no-async-scheduling \
+    --result-file "$RES/$GPU-llama-3.1-8b-decode-bf16-sync.json"
+  step decode-bf16-async 60 $BENCH --suite decode --model llama-3.1-8b --max-model-len 4096 \
+    --max-num-seqs 8 --result-file "$RES/$GPU-llama-3.1-8b-decode-bf16-async.json"
+  step throughput-bf16-async 170 $BENCH --suite throughput --model llama-3.1-8b \
+    --max-model-len 2048 --result-file "$RES/$GPU-llama-3.1-8b-throughput-bf16-async.json"
+  step nano-vllm-async 70 $BENCH --suite nano-vllm --model qwen3-0.6b --max-model-len 2048 \
+    --result-file "$RES/$GPU-qwen3-0.6b-nano-vllm-async.json"
+  step nano-vllm-sync 70 $BENCH --suite nano-vllm --model qwen3-0.6b --max-model-len 2048 \
+    --no-async-scheduling --result-file "$RES/$GPU-qwen3-0.6b-nano-vllm-sync.json"
 elif [ "$PHASE" = tune ]; then
   # 2026-11-27's run of this phase took 565 s (tests 39, sweep 66 with do_bench, bf16
   # throughput 153, decode 19, then the fp8-cache runs were cut at their caps). Next: the sweep

@@ -1,8 +1,10 @@
-"""Where a CUDA decode step's time goes, at several batch sizes: each step timed whole (host
-clock around ``engine.step()``), then profiled with torch.profiler (CPU and CUDA activity).
-The GPU kernels are grouped (matmuls, attention, norms/rotary/activations, sampling, copies);
-"GPU busy" is the sum of kernel times per step, and the step time minus it is where the GPU
-waits on the host (scheduling, input building, output processing, launch gaps).
+"""Where a CUDA decode step's time goes, at several batch sizes: the steps timed as a run
+(host clock around ``--steps`` calls of ``engine.step()``, the device synchronized before and
+after the run only, so that asynchronous scheduling overlaps them as it does in service), then
+profiled with torch.profiler (CPU and CUDA activity). The GPU kernels are grouped (matmuls,
+attention, norms/rotary/activations, sampling, copies); "GPU busy" is the sum of kernel
+times per step, and the step time minus it is where the GPU waits on the host (scheduling,
+input building, output processing, launch gaps).
 
     python benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b --batches 1,256 \
         [--steps 20] [--prompt-tokens 128] [--result-file FILE]
@@ -11,7 +13,6 @@ waits on the host (scheduling, input building, output processing, launch gaps).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from typing import Any
@@ -54,16 +55,16 @@ def sync() -> None:
 
 
 def run_steps(llm: LLM, batch: int, steps: int, seed: int, prof: bool,
-              prompt_tokens: int = PROMPT_TOKENS) -> tuple[list[float], Any]:
+              prompt_tokens: int = PROMPT_TOKENS) -> tuple[float, Any]:
+    """(seconds a step, over a run of ``steps``; the profile of as many more)."""
     engine = llm.engine
     start_decoding(engine, batch, prompt_tokens, 2 * steps + 8, seed)
-    times = []
+    sync()
+    t = time.perf_counter()
     for _ in range(steps):
-        sync()
-        t = time.perf_counter()
         engine.step()
-        sync()
-        times.append(time.perf_counter() - t)
+    sync()
+    seconds = (time.perf_counter() - t) / steps
     p = None
     if prof:
         with profile(activities=ACTIVITIES) as p:
@@ -72,7 +73,7 @@ def run_steps(llm: LLM, batch: int, steps: int, seed: int, prof: bool,
             sync()
     while engine.has_unfinished_requests():
         engine.step()
-    return times, p
+    return seconds, p
 
 
 def kernel_groups(p: Any, steps: int) -> tuple[dict[str, float], list[tuple[str, float]]]:
@@ -109,16 +110,16 @@ def main() -> None:
     for n, batch in enumerate(batches):
         run_steps(llm, batch, 3, seed=100 + n, prof=False,  # warm-up at this batch size
                   prompt_tokens=a.prompt_tokens)
-        times, p = run_steps(llm, batch, a.steps, seed=n, prof=True,
-                             prompt_tokens=a.prompt_tokens)
-        step_ms = statistics.median(times) * 1000
+        seconds, p = run_steps(llm, batch, a.steps, seed=n, prof=True,
+                               prompt_tokens=a.prompt_tokens)
+        step_ms = seconds * 1000
         groups, top = kernel_groups(p, a.steps)
         busy = sum(groups.values())
         rows = sorted(groups.items(), key=lambda kv: -kv[1])
         rows.append(("GPU idle (host work, launch gaps)", max(step_ms - busy, 0.0)))
-        results[str(batch)] = {"step_ms_median": step_ms, "tokens_per_s": batch / step_ms * 1000,
+        results[str(batch)] = {"step_ms": step_ms, "tokens_per_s": batch / step_ms * 1000,
                                "gpu_busy_ms": busy, "groups_ms": dict(rows), "top_kernels": top}
-        print(f"\nbatch {batch}: step {step_ms:.2f} ms (median of {a.steps}), "
+        print(f"\nbatch {batch}: step {step_ms:.2f} ms (a run of {a.steps}), "
               f"{batch / step_ms * 1000:.1f} tok/s, GPU busy {busy:.2f} ms")
         print(markdown_table(["where", "ms per step", "share"],
                              [[g, ms, f"{ms / step_ms:.0%}"] for g, ms in rows]))

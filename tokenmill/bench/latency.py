@@ -129,15 +129,19 @@ def cmd_latency(args: argparse.Namespace) -> int:
 
 def start_decoding(engine: LLMEngine, batch: int, prompt_tokens: int, max_tokens: int,
                    seed: int, kind: OutputKind = OutputKind.DELTA) -> None:
-    """Queue ``batch`` greedy requests of ``prompt_tokens`` random ids (``max_tokens`` each,
-    eos ignored, outputs of ``kind``: streamed by default) and step until every one has its
-    first token: the engine then runs decode-only steps of ``batch`` sequences, which the step
-    profilers time."""
+    """Queue ``batch`` greedy requests of ``prompt_tokens`` random ids (eos ignored, outputs
+    of ``kind``: streamed by default) and step until every one has its first token: the
+    engine then runs ``max_tokens`` decode-only steps of ``batch`` sequences, which the step
+    profilers time. (Each request may generate up to ``max_tokens`` more than the steps that
+    prefill the batch, so that the first prefilled do not finish before the last start.)"""
     import torch
 
     from tokenmill.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    budget = engine.core.scheduler.config.max_num_batched_tokens
+    prefill_steps = -(-batch * prompt_tokens // budget) + 1
+    params = SamplingParams(max_tokens=max_tokens + prefill_steps, temperature=0,
+                            ignore_eos=True)
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.tokenizer.vocab_size
     for i in range(batch):
@@ -145,5 +149,9 @@ def start_decoding(engine: LLMEngine, batch: int, prompt_tokens: int, max_tokens
         engine.add_request(f"p{seed}-{i}", {"prompt_token_ids": ids}, params, kind=kind)
     requests = engine.core.scheduler.requests
     mine = [f"p{seed}-{i}" for i in range(batch)]
-    while not all(requests[rid].num_output_tokens for rid in mine):
+    while not all(rid in requests and requests[rid].num_output_tokens for rid in mine):
+        if any(rid not in requests for rid in mine):
+            raise RuntimeError(
+                f"a request finished before all {batch} had started decoding (preempted "
+                "ones restart): the KV cache holds too few of these sequences at once")
         engine.step()

@@ -57,8 +57,13 @@ class PromptSource(Enum):
 class Scheduler:
     """Decides who runs each step and turns the runner's tokens into per-request outputs."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 pipelined: bool = False) -> None:
+        """``pipelined``: the engine schedules a step before the last one's tokens are
+        appended (asynchronous scheduling); a request's sampled token counts from the step
+        that samples it (``Request.num_pending_tokens``)."""
         self.config = config
+        self.pipelined = pipelined
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -155,6 +160,9 @@ class Scheduler:
         for request, num_new in scheduled:
             out.num_scheduled_tokens[request.request_id] = num_new
             request.num_computed_tokens += num_new
+            if (self.pipelined and request.pooling_params is None
+                    and request.num_computed_tokens >= request.num_tokens + request.num_pending_tokens):
+                request.num_pending_tokens += 1  # this step samples its next token
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
@@ -165,7 +173,7 @@ class Scheduler:
     def _is_short_prompt(self, request: Request) -> bool:
         """Whether a request is still computing its prompt (or, resumed after a preemption,
         its prompt and earlier outputs) and what is left fits in one step's budget."""
-        left = request.num_tokens - request.num_computed_tokens
+        left = request.num_tokens + request.num_pending_tokens - request.num_computed_tokens
         in_prompt = left > 1 or request.num_computed_tokens < request.num_prompt_tokens
         return in_prompt and left <= self.config.max_num_batched_tokens
 
@@ -181,7 +189,11 @@ class Scheduler:
             if request.request_id in taken or (
                     short_prompts_only and not self._is_short_prompt(request)):
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if (request.num_pending_tokens and request.max_total_tokens is not None
+                    and request.num_tokens + 1 >= request.max_total_tokens):
+                continue  # the token in flight is its last: nothing to compute after it
+            num_new = min(request.num_tokens + request.num_pending_tokens
+                          - request.num_computed_tokens, budget)
             allocation, drafts = self._allocate_drafts(request, num_new, budget)
             if allocation is None:
                 allocation = self._allocate_or_preempt(request, num_new, taken)
@@ -256,7 +268,8 @@ class Scheduler:
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[i]
             source = self._prompt_source(request)
-            if source is PromptSource.WAIT_FOR_LEADER or (
+            # A request preempted while a step in flight samples for it waits for that token.
+            if request.num_pending_tokens or source is PromptSource.WAIT_FOR_LEADER or (
                     short_prompts_only and request.num_tokens > self.config.max_num_batched_tokens):
                 i += 1
                 continue
@@ -363,13 +376,18 @@ class Scheduler:
                 outputs.append(self._finish_pooled(request, pooled))
                 continue
             new_ids = runner_out.sampled_token_ids.get(rid, [])
+            if request.num_pending_tokens and rid in runner_out.sampled_token_ids:
+                request.num_pending_tokens -= 1
             drafts = sched_out.scheduled_spec_decode_tokens.get(rid)
             if drafts:
                 # Rejected drafts were computed but are not part of the sequence: their KV slots
                 # get overwritten. The accepted ones and the last token are in the cache now.
                 request.num_computed_tokens -= len(drafts) + 1 - len(new_ids)
             # Blocks this step filled (with tokens that stay) are now hits for later requests.
-            self.kv.register_computed(rid, request.all_token_ids, request.num_computed_tokens)
+            # (With a step in flight behind this one, the computed count already includes the
+            # token it computes, which is appended below.)
+            self.kv.register_computed(rid, request.all_token_ids,
+                                      min(request.num_computed_tokens, request.num_tokens))
             status = None
             for n, token_id in enumerate(new_ids):
                 request.append_output_token(token_id)
@@ -387,7 +405,10 @@ class Scheduler:
             if not new_ids and not prompt_lps and status is None:
                 continue
             if status is not None:
-                self.running.remove(request)
+                # Preempted by a schedule made while this step ran (asynchronous scheduling),
+                # the request waits: it leaves the queue it is in.
+                queue = self.waiting if request.status == RequestStatus.PREEMPTED else self.running
+                queue.remove(request)
                 self._finish(request, status)
             outputs.append(EngineCoreOutput(
                 request_id=rid,

@@ -84,6 +84,11 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
                    help="prompts that fit in one step go before the running decodes, which "
                         "take the budget left (a burst of arrivals holds the streams once, "
                         "not at every step); --no-prefill-first: decodes first in every step")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   default=SchedulerConfig.async_scheduling,
+                   help="schedule and launch the next step while the last one runs on the "
+                        "device (default: on for one CUDA process without speculative "
+                        "decoding, off on the CPU)")
     g.add_argument("--seed", type=int, default=ModelConfig.seed, help="random seed")
     g.add_argument("--deterministic", action="store_true", default=EngineConfig.deterministic,
                    help="batch-invariant greedy decoding on the CPU: a request's tokens do not "
@@ -161,7 +166,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                  prefill_first=args.prefill_first),
+                                  prefill_first=args.prefill_first,
+                                  async_scheduling=args.async_scheduling),
         device=DeviceConfig(device=args.device, num_threads=args.threads,
                             kernel_spin_us=args.kernel_spin_us,
                             enforce_eager=args.enforce_eager,

@@ -21,6 +21,7 @@ from tokenmill.models.config import ArchConfig
 from tokenmill.quant.model import count_parameters, model_weight_bytes
 from tokenmill.request import Request, RequestStatus
 from tokenmill.runner.kv_memory import KVCachePlan
+from tokenmill.runner.model_runner import LaunchedStep
 from tokenmill.spec_decode.proposer import TargetModel, make_proposer
 
 logger = logging.getLogger(__name__)
@@ -112,7 +113,6 @@ class EngineCore:
             # An embedding is computed in one step: any input up to max_model_len must fit.
             sched_config = dataclasses.replace(sched_config,
                                                max_num_batched_tokens=self.max_model_len)
-        self.scheduler = Scheduler(sched_config, kv, self.max_model_len)
         # (requests, tokens) the latest step computed, for batch-size metrics.
         self.last_batch: tuple[int, int] = (0, 0)
         logger.info(self.kv_plan.describe())
@@ -124,10 +124,29 @@ class EngineCore:
         self.spec_stats = SpecDecodingStats() if self.proposer is not None else None
         # Draft distributions of the drafts proposed for the next step (draft models only).
         self._draft_probs: dict[str, torch.Tensor] = {}
+        self.async_scheduling = self._resolve_async_scheduling(sched_config.async_scheduling)
+        self.scheduler = Scheduler(sched_config, kv, self.max_model_len,
+                                   pipelined=self.async_scheduling)
+        # The step launched and not finished yet (asynchronous scheduling), with its schedule.
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         # Each step's time, energy and cost, shared out to its requests by tokens.
         econ = config.economics
         self.accountant = StepAccountant(EnergyMeter(econ.cpu_watts), econ.cost_per_hour)
         logger.info("energy: %s", ", ".join(self.accountant.meter.sources))
+
+    def _resolve_async_scheduling(self, asked: bool | None) -> bool:
+        """Whether steps overlap (see SchedulerConfig.async_scheduling); ValueError when asked
+        for where they cannot."""
+        blocker = None
+        if self.proposer is not None:
+            blocker = "speculative decoding (drafts are proposed from the tokens of the step)"
+        elif self.config.parallel.tensor_parallel_size > 1:
+            blocker = "tensor parallelism (the ranks run each step to its end together)"
+        if asked is None:
+            return blocker is None and self.platform.is_cuda
+        if asked and blocker is not None:
+            raise ValueError(f"async_scheduling cannot be used with {blocker}")
+        return asked
 
     def close(self) -> None:
         """Stop the executor (the tensor-parallel workers, if any); idempotent. No step runs
@@ -158,11 +177,21 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model, and report each request's new tokens; then propose the
-        next step's draft tokens when speculating."""
+        next step's draft tokens when speculating.
+
+        With asynchronous scheduling a call launches the next step first and then reports the
+        tokens of the step launched by the call before, so the device runs one step while the
+        host waits for the last one's tokens and turns them into outputs. A request that
+        stops at step n has been scheduled in step n+1 too: that step's work for it is
+        dropped. Steps whose tokens the next one needs on the host (grammars, penalties,
+        min_tokens, top logprobs) finish before the next is scheduled.
+        """
+        if self.async_scheduling:
+            return self._step_overlapped()
         self.accountant.begin()
         sched = self.scheduler.schedule()
         self.last_batch = (len(sched.num_scheduled_tokens), sched.total_num_scheduled_tokens)
@@ -177,6 +206,34 @@ class EngineCore:
         if self.proposer is not None:
             self._propose(sched)
         return outputs
+
+    def _step_overlapped(self) -> list[EngineCoreOutput]:
+        self.accountant.begin()
+        previous, self._in_flight = self._in_flight, None
+        outputs: list[EngineCoreOutput] = []
+        if previous is not None and not previous[1].can_overlap:
+            outputs = self._finish_step(*previous)
+            previous = None
+        sched = self.scheduler.schedule()
+        self.last_batch = (len(sched.num_scheduled_tokens), sched.total_num_scheduled_tokens)
+        launched = self.executor.launch(sched, self._draft_probs)
+        if sched.is_empty:
+            launched.finish()
+        else:
+            self._in_flight = (sched, launched)
+        if previous is not None:
+            outputs = self._finish_step(*previous)
+        return outputs
+
+    def _finish_step(self, sched: SchedulerOutput,
+                     launched: LaunchedStep) -> list[EngineCoreOutput]:
+        """Wait for a launched step's tokens and hand them to the scheduler."""
+        runner_out = launched.finish()
+        for rid, share in self.accountant.end(sched.num_scheduled_tokens).items():
+            request = self.scheduler.requests.get(rid)
+            if request is not None:  # not finished since (by a stop or an abort)
+                request.usage.add(share)
+        return self.scheduler.update(sched, runner_out)
 
     def _propose(self, sched: SchedulerOutput) -> None:
         """Drafts for the running requests that decode (replacing any left unverified)."""

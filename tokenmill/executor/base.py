@@ -17,7 +17,11 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
 from tokenmill.model_loader import LoadedModel, load_model
 from tokenmill.runner.kv_memory import KVCachePlan, size_kv_cache
-from tokenmill.runner.model_runner import ModelRunner, capture_decode_graphs_if_enabled
+from tokenmill.runner.model_runner import (
+    LaunchedStep,
+    ModelRunner,
+    capture_decode_graphs_if_enabled,
+)
 from tokenmill.runner.platform import Platform
 
 
@@ -95,6 +99,13 @@ class Executor(ABC):
     def execute(self, sched: SchedulerOutput,
                 draft_probs: dict[str, torch.Tensor]) -> RunnerOutput:
         """Run one step on every rank; rank 0's output (see ModelRunner.execute)."""
+
+    def launch(self, sched: SchedulerOutput,
+               draft_probs: dict[str, torch.Tensor]) -> LaunchedStep:
+        """Queue one step and return before its tokens are on the host where the executor can
+        (see ModelRunner.launch); here, the whole step, run by :meth:`execute`, which the next
+        step does not overlap."""
+        return LaunchedStep(self.execute(sched, draft_probs), overlappable=False)
 
     @abstractmethod
     def close(self) -> None:

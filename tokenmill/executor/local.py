@@ -9,6 +9,7 @@ from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
 from tokenmill.distributed import unsharded
 from tokenmill.executor.base import Executor
 from tokenmill.model_loader import LoadedModel
+from tokenmill.runner.model_runner import LaunchedStep
 from tokenmill.runner.platform import Platform
 
 
@@ -37,6 +38,10 @@ class LocalExecutor(Executor):
     def execute(self, sched: SchedulerOutput,
                 draft_probs: dict[str, torch.Tensor]) -> RunnerOutput:
         return self.runner.execute(sched, draft_probs)
+
+    def launch(self, sched: SchedulerOutput,
+               draft_probs: dict[str, torch.Tensor]) -> LaunchedStep:
+        return self.runner.launch(sched, draft_probs)
 
     def close(self) -> None:
         """Nothing to stop: the runner goes with the engine."""

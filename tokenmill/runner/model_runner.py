@@ -95,6 +95,88 @@ class _StepInputs:
     pool_spans: list[tuple[int, int]] = field(default_factory=list)
 
 
+class _HostCopy:
+    """Device tensors on their way to the host: copies queued behind the step that makes them
+    (into pinned memory, with an event, on CUDA), so that launching the next step need not
+    wait for them."""
+
+    def __init__(self, *tensors: torch.Tensor | None) -> None:
+        self.event: torch.cuda.Event | None = None
+        first = next((t for t in tensors if t is not None), None)
+        if first is None or first.device.type != "cuda":
+            self.tensors = tensors
+            return
+        self.tensors = tuple(None if t is None else torch.empty(t.shape, dtype=t.dtype,
+                                                                pin_memory=True).copy_(
+                                                                    t, non_blocking=True)
+                             for t in tensors)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def lists(self) -> list[list | None]:
+        """The tensors as lists, once the copies are done."""
+        if self.event is not None:
+            self.event.synchronize()
+        return [None if t is None else t.tolist() for t in self.tensors]
+
+
+def _sample_is_history_free(state: _RequestState) -> bool:
+    """Whether sampling the request's next token needs nothing of its tokens so far but what
+    the device has: no penalties over its outputs, no min_tokens count, no grammar state. Only
+    then can the next step be scheduled while this token is still on the device."""
+    p = state.params
+    return (state.sampling.grammar is None and p.min_tokens == 0 and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0)
+
+
+@dataclass
+class _SampledRows:
+    """One step's sampled rows, their tokens still on the device (or on their way)."""
+
+    states: list[_RequestState]
+    copy: _HostCopy  # the sampled ids and, when computed, their raw logprobs
+    logprobs: list[TokenLogprobs] | None  # top logprobs, when some row asked
+    overlappable: bool
+
+    def finish(self, out: RunnerOutput) -> None:
+        """Wait for the tokens; append them to the requests (through their grammars)."""
+        sampled, chosen = self.copy.lists()
+        assert sampled is not None
+        logprobs = self.logprobs
+        for i, (state, token_id) in enumerate(zip(self.states, sampled, strict=True)):
+            kept = ModelRunner.advance_grammar(state, [token_id], out)
+            state.token_ids.extend(kept)
+            out.sampled_token_ids[state.request_id] = kept
+            if chosen is not None and kept:
+                out.sampled_logprobs[state.request_id] = [chosen[i]]
+            if logprobs is not None and state.params.logprobs is not None and kept:
+                out.logprobs[state.request_id] = [_trim(logprobs[i], state.params.logprobs)]
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device (:meth:`ModelRunner.launch`); :meth:`finish` waits for it.
+
+    ``overlappable``: the next step may be scheduled and launched before this one finishes
+    (its requests' next tokens need nothing the host learns from this step's tokens).
+    """
+
+    out: RunnerOutput
+    sampled: _SampledRows | None = None
+    overlappable: bool = True
+
+    @property
+    def can_overlap(self) -> bool:
+        return self.overlappable and (self.sampled is None or self.sampled.overlappable)
+
+    def finish(self) -> RunnerOutput:
+        """The step's output, its sampled tokens appended to the runner's requests."""
+        if self.sampled is not None:
+            self.sampled.finish(self.out)
+            self.sampled = None
+        return self.out
+
+
 class ModelRunner:
     """Owns the model, the KV tensors and the per-request sampling state."""
 
@@ -122,6 +204,9 @@ class ModelRunner:
             note_model_weights(model_weight_bytes(model), env_switch("TOKENMILL_STREAM_WEIGHTS"),
                                owner=model)
         self.sampler = Sampler()
+        # The last launched step's sampled ids on the device, and each request's row in them:
+        # the next step's input for a request whose token the host has not seen yet.
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, _RequestState] = {}
         self.sampling_states: dict[str, _SamplingState] = {}
@@ -196,23 +281,36 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------ one step
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput,
                 draft_probs: dict[str, torch.Tensor] | None = None) -> RunnerOutput:
-        """Run one step of the model for the scheduled tokens.
+        """Run one step of the model for the scheduled tokens and wait for its tokens.
 
         ``draft_probs`` are the distributions a draft model drew a request's draft tokens from
         (``[K, V]``, at least as many rows as drafts scheduled); requests without are verified
         as point-mass proposals.
         """
+        return self.launch(sched, draft_probs).finish()
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput,
+               draft_probs: dict[str, torch.Tensor] | None = None) -> LaunchedStep:
+        """Queue one step on the device and return before its sampled tokens are on the host
+        (asynchronous scheduling: the engine schedules and launches the next step meanwhile,
+        and :meth:`LaunchedStep.finish` waits for this one's tokens).
+
+        A request whose last token is the previous launched step's sample, not yet on the
+        host, takes it from the device (see ``_prepare_inputs``).
+        """
         self._update_states(sched)
         if sched.kv_copies:
             self.copy_blocks(sched.kv_copies)
         if sched.is_empty:
-            return RunnerOutput()
+            self._last_sampled = None
+            return LaunchedStep(RunnerOutput())
         inputs = self._prepare_inputs(sched)
         hidden = self._forward(inputs)
         out = RunnerOutput()
+        launched = LaunchedStep(out)
         if inputs.pool_spans:
             states = inputs.pool_states
             vectors = pool_embeddings(hidden, inputs.pool_spans, [s.pooling for s in states],
@@ -229,10 +327,13 @@ class ModelRunner:
                 picked = hidden.index_select(0, host_tensor(wanted, torch.int64, self.device))
             logits = self.model.compute_logits(picked)
             if num_sampled:
-                self._sample(logits[:num_sampled], inputs.sample_states, out)
+                launched.sampled = self._sample(logits[:num_sampled], inputs.sample_states)
             if inputs.spec.states:
                 self._verify(logits[num_sampled:], inputs.spec, draft_probs or {}, out)
-        return out
+                launched.overlappable = False
+        if launched.sampled is None:
+            self._last_sampled = None
+        return launched
 
     def _forward(self, inputs: _StepInputs) -> torch.Tensor:
         """A captured decode graph, the fused C++ stack for a decode-only step when it is on,
@@ -294,6 +395,9 @@ class ModelRunner:
         sample_states: list[_RequestState] = []
         spec = _SpecRows()
         prompt_lp_rows: list[_PromptLogprobRows] = []
+        # Rows whose token the previous launched step sampled and the host has not seen yet
+        # (asynchronous scheduling), with the request each belongs to.
+        in_flight: tuple[list[int], list[str]] = ([], [])
         for rid, n in sched.num_scheduled_tokens.items():
             state = self.requests[rid]
             start = state.num_computed_tokens
@@ -308,8 +412,13 @@ class ModelRunner:
                 continue
             # Deterministic: each token a one-token sequence, so that a prompt token is
             # computed as a decode token is, whatever the chunking and the batch mates.
-            row0 = batch.add(state.token_ids[start:end], start, state.block_ids,
-                             split=self.deterministic)
+            token_ids = state.token_ids[start:end]
+            if end > len(state.token_ids):
+                # The last token is still on the device: a placeholder, filled there below.
+                token_ids.append(0)
+                in_flight[0].append(len(batch.ids) + n - 1)
+                in_flight[1].append(rid)
+            row0 = batch.add(token_ids, start, state.block_ids, split=self.deterministic)
             state.num_computed_tokens = end
             if state.pooling is not None:  # the whole prompt, in this one step
                 pool_states.append(state)
@@ -317,10 +426,12 @@ class ModelRunner:
                 continue
             if state.params.prompt_logprobs is not None:
                 self._plan_prompt_logprobs(state, start, end, row0, prompt_lp_rows)
-            if end == len(state.token_ids):
+            if end >= len(state.token_ids):
                 sample_rows.append(row0 + n - 1)
                 sample_states.append(state)
         input_ids, positions, meta = batch.build(self.backend, self.kv_caches, self.device)
+        if in_flight[0]:
+            self._fill_in_flight(input_ids, *in_flight)
         return _StepInputs(
             input_ids=input_ids,
             positions=positions,
@@ -332,6 +443,22 @@ class ModelRunner:
             pool_states=pool_states,
             pool_spans=pool_spans,
         )
+
+    def _fill_in_flight(self, input_ids: torch.Tensor, rows: list[int],
+                        request_ids: list[str]) -> None:
+        """Copy the previous launched step's samples into ``rows`` of the input ids, on the
+        device (queued behind that step: the host never waits for them)."""
+        if self._last_sampled is None:
+            raise RuntimeError("a token in flight, but the previous step sampled nothing")
+        sampled, index = self._last_sampled
+        src = [index[rid] for rid in request_ids]
+        n = len(rows)
+        if rows == src == list(range(n)):  # a decode step after a decode step: the same order
+            input_ids[:n].copy_(sampled[:n])
+            return
+        dst_t = host_tensor(rows, torch.int64, self.device)
+        src_t = host_tensor(src, torch.int64, self.device)
+        input_ids.index_copy_(0, dst_t, sampled.index_select(0, src_t))
 
     @staticmethod
     def _plan_prompt_logprobs(state: _RequestState, start: int, end: int, row0: int,
@@ -359,8 +486,9 @@ class ModelRunner:
             lps = compute_prompt_logprobs(logits, target_t, k)
             out.prompt_logprobs[state.request_id] = [None] * skipped + lps
 
-    def _sample(self, logits: torch.Tensor, states: list[_RequestState],
-                out: RunnerOutput) -> None:
+    def _sample(self, logits: torch.Tensor, states: list[_RequestState]) -> _SampledRows:
+        """Queue the sampling of ``states``' next tokens; the host copies of the results are
+        read by :meth:`_SampledRows.finish`."""
         meta = SamplingMetadata.build(
             params=[s.params for s in states],
             prompt_token_ids=[ListSlice(s.token_ids, 0, s.num_prompt_tokens) for s in states],
@@ -371,17 +499,13 @@ class ModelRunner:
             allowed_tokens=self._grammar_bitmask(states, [[]] * len(states), logits.shape[1]),
         )
         result = self.sampler(logits, meta)
-        sampled = result.sampled_token_ids.tolist()
+        self._last_sampled = (result.sampled_token_ids,
+                              {s.request_id: i for i, s in enumerate(states)})
+        # The top logprobs are read now (a wait for this step); they are rare.
         logprobs = result.to_token_logprobs() if result.has_logprobs else None
-        chosen = None if result.chosen_logprobs is None else result.chosen_logprobs.tolist()
-        for i, (state, token_id) in enumerate(zip(states, sampled, strict=True)):
-            kept = self._advance_grammar(state, [token_id], out)
-            state.token_ids.extend(kept)
-            out.sampled_token_ids[state.request_id] = kept
-            if chosen is not None and kept:
-                out.sampled_logprobs[state.request_id] = [chosen[i]]
-            if logprobs is not None and state.params.logprobs is not None and kept:
-                out.logprobs[state.request_id] = [_trim(logprobs[i], state.params.logprobs)]
+        return _SampledRows(states, _HostCopy(result.sampled_token_ids, result.chosen_logprobs),
+                            logprobs, overlappable=logprobs is None and all(
+                                _sample_is_history_free(s) for s in states))
 
     @staticmethod
     def _grammar_bitmask(states: list[_RequestState], drafts: list[list[int]],
@@ -409,8 +533,8 @@ class ModelRunner:
         return (bitmask, rows) if rows else None
 
     @staticmethod
-    def _advance_grammar(state: _RequestState, token_ids: list[int],
-                         out: RunnerOutput) -> list[int]:
+    def advance_grammar(state: _RequestState, token_ids: list[int],
+                        out: RunnerOutput) -> list[int]:
         """The new tokens the request keeps once its grammar has seen them (all of them, or
         up to the one that completed the grammar, which then ends the request)."""
         grammar = state.sampling.grammar
@@ -438,7 +562,7 @@ class ModelRunner:
         for state, token_ids, logprobs, chosen in zip(spec.states, result.token_ids,
                                                       result.logprobs, result.chosen_logprobs,
                                                       strict=True):
-            kept = self._advance_grammar(state, token_ids, out)
+            kept = self.advance_grammar(state, token_ids, out)
             state.token_ids.extend(kept)
             out.sampled_token_ids[state.request_id] = kept
             out.sampled_logprobs[state.request_id] = chosen[:len(kept)]
