@@ -19,7 +19,7 @@ import torch
 
 import tokenmill  # noqa: F401  (its thread policy before torch's first parallel call)
 from tokenmill.bench.report import hardware, hardware_line, markdown_table, now_iso, write_json
-from tokenmill.quant.linear import INT8_TILES_MIN_ROWS, cpu_kernels
+from tokenmill.quant.kernel_choice import INT8_TILES_MIN_ROWS, cpu_kernels
 from tokenmill.quant.packing import pack_int8_q16_tiles
 
 N, K = 49152, 576

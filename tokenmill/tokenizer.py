@@ -1,250 +1,30 @@
 """Tokenizer: Hugging Face `tokenizers` underneath, chat templates rendered in a Jinja sandbox.
 
 Built either from a Hugging Face folder (tokenizer.json and friends) or from the tokenizer
-metadata llama.cpp stores in a GGUF file (vocabulary, merges, token types, special ids).
+metadata llama.cpp stores in a GGUF file (vocabulary, merges, token types, special ids;
+``tokenmill.gguf_tokenizer``). Templates and message checks: ``tokenmill.chat_template``.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import secrets
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.nodes
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import pre_tokenizers
 
-logger = logging.getLogger(__name__)
-
-# llama.cpp token types (tokenizer.ggml.token_type)
-_CONTROL, _USER_DEFINED = 3, 4
-
-# Split regexes llama.cpp uses for `tokenizer.ggml.pre`; GPT-2's own regex is ByteLevel's default.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+from tokenmill.chat_template import (
+    STANDARD_ROLES,
+    compile_template,
+    template_roles,
+    validate_messages,
 )
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_SPLITS = {
-    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "megrez": _QWEN2_SPLIT,
-}
-_GPT2_PRES = ("default", "gpt2", "gpt-2", "starcoder", "refact", "codeshell")
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable spelling of every byte, the alphabet byte-level BPE vocabularies use."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return dict(zip(printable, map(chr, chars), strict=True))
-
-
-def _byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
-    """The split llama.cpp applies for ``tokenizer.ggml.pre``, as a `tokenizers` pre-tokenizer."""
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre == "smollm":
-        # llama.cpp: "\p{N}" then the GPT-2 regex; SmolLM's own tokenizer.json says the same.
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in _SPLITS:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
-    if pre is not None and pre not in _GPT2_PRES:
-        logger.warning("unknown tokenizer.ggml.pre %r: splitting text with the GPT-2 regex", pre)
-    return byte_level
-
-
-def _spm_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
-    """Merges implied by a SentencePiece vocabulary: every split of a token into two tokens,
-    best-scored result first (the same order transformers derives)."""
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    merges: list[tuple[str, str, float]] = []
-    for tok, score in zip(tokens, scores, strict=True):
-        pairs = [(tok[:k], tok[k:]) for k in range(1, len(tok))
-                 if tok[:k] in vocab and tok[k:] in vocab]
-        pairs.sort(key=lambda p: (vocab[p[0]], vocab[p[1]]))
-        merges.extend((left, right, score) for left, right in pairs)
-    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
-    return [(left, right) for left, right, _ in merges]
-
-
-def _gguf_backend(fields: Mapping[str, Any]) -> tokenizers.Tokenizer:
-    """The `tokenizers` model, pre-tokenizer and decoder for a GGUF vocabulary."""
-    kind = fields.get("tokenizer.ggml.model")
-    tokens: list[str] = list(fields["tokenizer.ggml.tokens"])
-    if kind == "gpt2":
-        spelling = _bytes_to_unicode()
-        alphabet = set(spelling.values())
-        # Tokens outside the byte alphabet are spelled as raw text in some files; respell them.
-        vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()): i
-                 for i, t in enumerate(tokens)}
-        merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", ())]
-        backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-        backend.pre_tokenizer = _byte_level_pre_tokenizer(fields.get("tokenizer.ggml.pre"))
-        backend.decoder = decoders.ByteLevel()
-        return backend
-    if kind == "llama":
-        scores = fields.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
-        if len(scores) != len(tokens):
-            raise ValueError(f"tokenizer.ggml.scores has {len(scores)} entries for "
-                             f"{len(tokens)} tokens")
-        unk_id = fields.get("tokenizer.ggml.unknown_token_id")
-        backend = tokenizers.Tokenizer(models.BPE(
-            vocab={t: i for i, t in enumerate(tokens)}, merges=_spm_merges(tokens, scores),
-            unk_token=tokens[unk_id] if unk_id is not None else None,
-            fuse_unk=True, byte_fallback=True))
-        prefix = bool(fields.get("tokenizer.ggml.add_space_prefix", True))
-        backend.pre_tokenizer = pre_tokenizers.Metaspace(
-            replacement="\u2581", prepend_scheme="first" if prefix else "never", split=False)
-        steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-        if prefix:
-            steps.append(decoders.Strip(content=" ", left=1, right=0))
-        backend.decoder = decoders.Sequence(steps)
-        return backend
-    raise ValueError(
-        f"tokenizer.ggml.model {kind!r} is not supported (supported: 'gpt2', 'llama')")
-
-
-def _add_gguf_special_tokens(backend: tokenizers.Tokenizer, fields: Mapping[str, Any]) -> None:
-    """Register control tokens as special and user-defined ones as plain added tokens, so both
-    are matched whole in text; only control tokens are dropped by skip_special_tokens."""
-    tokens = fields["tokenizer.ggml.tokens"]
-    types = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    if len(types) != len(tokens):
-        raise ValueError(f"tokenizer.ggml.token_type has {len(types)} entries for "
-                         f"{len(tokens)} tokens")
-    # A byte-level "control" token spelled outside the byte alphabet is a llama.cpp mislabel.
-    alphabet = (set(_bytes_to_unicode().values())
-                if fields.get("tokenizer.ggml.model") == "gpt2" else None)
-    special = [AddedToken(t, special=True, normalized=False)
-               for t, kind in zip(tokens, types, strict=True)
-               if kind == _CONTROL and (alphabet is None or set(t) <= alphabet)]
-    user = [AddedToken(t, special=False, normalized=False)
-            for t, kind in zip(tokens, types, strict=True) if kind == _USER_DEFINED]
-    backend.add_special_tokens(special)
-    backend.add_tokens(user)
-
-
-def _template_processor(fields: Mapping[str, Any], tokens: Sequence[str],
-                        default_bos: bool) -> processors.TemplateProcessing | None:
-    """A post-processor adding BOS/EOS the way the GGUF's add_bos/add_eos flags say."""
-    bos_id, eos_id = (fields.get("tokenizer.ggml.bos_token_id"),
-                      fields.get("tokenizer.ggml.eos_token_id"))
-    add_bos = bool(fields.get("tokenizer.ggml.add_bos_token", default_bos)) and bos_id is not None
-    add_eos = bool(fields.get("tokenizer.ggml.add_eos_token", False)) and eos_id is not None
-    if not (add_bos or add_eos):
-        return None
-    first = [tokens[bos_id]] if add_bos else []
-    last = [tokens[eos_id]] if add_eos else []
-    ids = {tokens[i]: i for i in (bos_id if add_bos else None, eos_id if add_eos else None)
-           if i is not None}
-    return processors.TemplateProcessing(
-        single=" ".join([*first, "$A", *last]),
-        pair=" ".join([*first, "$A", *last, *first, "$B:1", *last]),
-        special_tokens=list(ids.items()))
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """Accept `{% generation %}...{% endgeneration %}` (transformers' assistant-mask marker) and
-    render its body unchanged; we never need the mask."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> Any:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.Scope(body, lineno=lineno)
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    # Jinja's own tojson escapes HTML characters, which would change the prompt text.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
-
-
-def _compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True,
-        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
-
-
-# Roles every chat template is assumed to handle; others only where the template names them.
-STANDARD_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
-# `role == 'x'`, `role != "x"`, `'x' == message.role`, `role in ['x', 'y']` in a template.
-_ROLE_TESTS = re.compile(
-    r"""role['"]?\]?\s*(?:==|!=)\s*['"]([^'"]+)['"]"""
-    r"""|['"]([^'"]+)['"]\s*(?:==|!=)\s*[\w.\[\]'"]*role\b"""
-    r"""|role['"]?\]?\s+(?:not\s+)?in\s*[\[(]([^\])]*)[\])]""")
-
-
-def template_roles(template: str) -> frozenset[str]:
-    """The roles a chat template tests for by name (beyond STANDARD_ROLES)."""
-    roles: set[str] = set()
-    for eq, rev, listed in _ROLE_TESTS.findall(template):
-        roles.update(r for r in (eq, rev) if r)
-        roles.update(re.findall(r"""['"]([^'"]+)['"]""", listed))
-    return frozenset(roles)
-
-
-def validate_messages(messages: Any) -> list[dict[str, Any]]:
-    """Check chat messages and return copies whose content is a plain string.
-
-    A message is a dict with a str ``role`` and a ``content`` that is a str or a list of
-    ``{"type": "text", "text": ...}`` parts (concatenated); an assistant message with
-    ``tool_calls`` may have no content. Raises ValueError naming the message index and field.
-    """
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list of dicts")
-    out = []
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            raise ValueError(f"messages[{i}] must be a dict, got {type(msg).__name__}")
-        if not isinstance(msg.get("role"), str):
-            raise ValueError(f"messages[{i}].role must be a string, got {msg.get('role')!r}")
-        content = msg.get("content")
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if (not isinstance(part, dict) or part.get("type") != "text"
-                        or not isinstance(part.get("text"), str)):
-                    raise ValueError(f"messages[{i}].content[{j}] must be "
-                                     '{"type": "text", "text": <str>}')
-                texts.append(part["text"])
-            content = "".join(texts)
-        elif not isinstance(content, str) and not (content is None and msg.get("tool_calls")):
-            raise ValueError(f"messages[{i}].content must be a string or a list of text parts, "
-                             f"got {type(content).__name__}")
-        out.append({**msg, "content": content})
-    return out
+from tokenmill.gguf_tokenizer import add_gguf_special_tokens, gguf_backend, template_processor
 
 
 class Tokenizer:
@@ -299,9 +79,9 @@ class Tokenizer:
         if "tokenizer.ggml.tokens" not in fields:
             raise ValueError("GGUF metadata has no tokenizer.ggml.tokens: no tokenizer to build")
         tokens = list(fields["tokenizer.ggml.tokens"])
-        backend = _gguf_backend(fields)
-        _add_gguf_special_tokens(backend, fields)
-        processor = _template_processor(
+        backend = gguf_backend(fields)
+        add_gguf_special_tokens(backend, fields)
+        processor = template_processor(
             fields, tokens, default_bos=fields.get("tokenizer.ggml.model") == "llama")
         if processor is not None:
             backend.post_processor = processor
@@ -423,7 +203,7 @@ class Tokenizer:
         checked = validate_messages(messages)
         if self._template is None:  # worker threads may race here: roles are set first
             self._roles = STANDARD_ROLES | template_roles(self.chat_template)
-            self._template = _compile_template(self.chat_template)
+            self._template = compile_template(self.chat_template)
         for i, msg in enumerate(checked):
             if msg["role"] not in self._roles:
                 raise ValueError(f"messages[{i}].role {msg['role']!r} is not a role this "

@@ -10,7 +10,7 @@ import torch
 from hf_checkpoints import Checkpoint
 from paged import PagedKVCache
 
-from tokenmill.quant.linear import decode_only_step
+from tokenmill.quant.kernel_choice import decode_only_step
 from tokenmill.runner.fused_decode import (
     ENV_FLAG,
     KIND_FLOAT,

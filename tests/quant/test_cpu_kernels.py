@@ -10,7 +10,7 @@ from quant_helpers import gen, int4_case, pack_int4_by_hand
 
 from tokenmill.csrc import load_extension
 from tokenmill.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear
-from tokenmill.quant.linear import cpu_kernels
+from tokenmill.quant.kernel_choice import cpu_kernels
 from tokenmill.quant.packing import INT4_BLOCK_NS, int4_block_n
 
 # Row counts that reach every path: the 1- and 2-row register kernels, the 6-row tile kernel
@@ -113,9 +113,9 @@ def test_modules_compute_with_them_and_fall_back_without(monkeypatch) -> None:
                    Int8WeightOnlyLinear.from_weight(w, None)):
         module.dense_min_rows = 10**9
         ours = module(x)
-        monkeypatch.setattr("tokenmill.quant.linear.USE_CPU_KERNELS", False)
+        monkeypatch.setattr("tokenmill.quant.kernel_choice.USE_CPU_KERNELS", False)
         theirs = module(x)
-        monkeypatch.setattr("tokenmill.quant.linear.USE_CPU_KERNELS", True)
+        monkeypatch.setattr("tokenmill.quant.kernel_choice.USE_CPU_KERNELS", True)
         assert ((ours - theirs).abs().max() / theirs.abs().max()).item() < 1e-2
 
 

@@ -11,9 +11,8 @@ import torch
 from quant_helpers import gen, int4_case
 
 from tokenmill.csrc import load_extension
-from tokenmill.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear
-from tokenmill.quant import linear as qlinear
-from tokenmill.quant.linear import cpu_kernels
+from tokenmill.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear, kernel_choice
+from tokenmill.quant.kernel_choice import cpu_kernels
 from tokenmill.quant.packing import pack_int4_q8, pack_int8_q16_tiles, q8_layout_fits
 
 ROWS = [1, 2, 3, 4, 5, 9, 40]
@@ -232,13 +231,13 @@ def test_int8_head_takes_the_tiles_from_a_few_rows(monkeypatch) -> None:
     and gives the bits of the row kernel; other int8 layers never pack them."""
     if cpu_kernels() is None:
         pytest.skip("tokenmill's C++ extension cannot be built here")
-    monkeypatch.setattr(qlinear, "USE_INT_ACTIVATIONS", True)
+    monkeypatch.setattr(kernel_choice, "USE_INT_ACTIVATIONS", True)
     w = torch.randn(96, 128, generator=gen(11)) * 0.05
     head = Int8WeightOnlyLinear.from_weight(w, None)
     layer = Int8WeightOnlyLinear.from_weight(w, None)
     head.row_tiles = head.fp32_io = layer.fp32_io = True
     x = torch.randn(9, 128, generator=gen(12))
-    few = qlinear.INT8_TILES_MIN_ROWS - 1
+    few = kernel_choice.INT8_TILES_MIN_ROWS - 1
     assert torch.equal(head(x[:few]), layer(x[:few])) and head._tiles is None
     assert torch.equal(head(x), layer(x))
     assert head._tiles is not None and layer._tiles is None
@@ -250,7 +249,7 @@ def int_activations(monkeypatch):
         pytest.skip("tokenmill's C++ extension cannot be built here")
 
     def set_flag(on: bool) -> None:
-        monkeypatch.setattr(qlinear, "USE_INT_ACTIVATIONS", on)
+        monkeypatch.setattr(kernel_choice, "USE_INT_ACTIVATIONS", on)
     return set_flag
 
 
@@ -288,7 +287,7 @@ def test_int4_decode_steps_take_their_own_activation_bits(int_activations) -> No
     ext = cpu_kernels()
     w = torch.randn(96, 128, generator=gen(21)) * 0.05
     layer = Int4WeightOnlyLinear.from_weight(w, None, 32)
-    assert layer.decode_act_bits == qlinear.INT4_DECODE_ACT_BITS
+    assert layer.decode_act_bits == kernel_choice.INT4_DECODE_ACT_BITS
     x = torch.randn(3, 128, generator=gen(22))
     packed, scales = layer.q8_tiles()
     xb = x.to(torch.bfloat16)
@@ -297,19 +296,19 @@ def test_int4_decode_steps_take_their_own_activation_bits(int_activations) -> No
         return ext.int4_q8_linear(xb, packed, scales, 32, bits).to(x.dtype)
 
     layer.decode_act_bits = 8
-    assert torch.equal(layer(x), kernel(qlinear.INT4_ACT_BITS))
-    with qlinear.decode_only_step():
-        assert qlinear.in_decode_only_step()
+    assert torch.equal(layer(x), kernel(kernel_choice.INT4_ACT_BITS))
+    with kernel_choice.decode_only_step():
+        assert kernel_choice.in_decode_only_step()
         assert torch.equal(layer(x), kernel(8))
-        with qlinear.decode_only_step(False):  # a prompt step inside restores the prompt's
-            assert torch.equal(layer(x), kernel(qlinear.INT4_ACT_BITS))
-    assert not qlinear.in_decode_only_step()
-    assert layer.activation_bits() == qlinear.INT4_ACT_BITS
+        with kernel_choice.decode_only_step(False):  # a prompt step inside restores the prompt's
+            assert torch.equal(layer(x), kernel(kernel_choice.INT4_ACT_BITS))
+    assert not kernel_choice.in_decode_only_step()
+    assert layer.activation_bits() == kernel_choice.INT4_ACT_BITS
     assert layer.activation_bits(decode_only=True) == 8
     pin_row_kernels(torch.nn.Sequential(layer))
-    assert layer.activation_bits(decode_only=True) == qlinear.INT4_ACT_BITS
-    with qlinear.decode_only_step():
-        assert torch.equal(layer(x), kernel(qlinear.INT4_ACT_BITS))
+    assert layer.activation_bits(decode_only=True) == kernel_choice.INT4_ACT_BITS
+    with kernel_choice.decode_only_step():
+        assert torch.equal(layer(x), kernel(kernel_choice.INT4_ACT_BITS))
 
 
 @pytest.mark.parametrize("bits", [8, 16])

@@ -12,9 +12,9 @@ from tokenmill.quant import (
     Int8WeightOnlyLinear,
     QuantizedEmbedding,
     QuantizedMatrix,
+    kernel_choice,
     quantize_weight,
 )
-from tokenmill.quant import linear as qlinear
 from tokenmill.quant.model import pin_row_kernels
 from tokenmill.quant.packing import (
     INT4_BLOCK_NS,
@@ -201,7 +201,7 @@ def test_pinned_kernels_compute_a_row_alike_at_every_batch_size(method: str) -> 
     model = torch.nn.Sequential(quantize_weight(w, None, method, group_size=32))
     pin_row_kernels(model)  # a no-op where int4 already keeps every row (int8 tile pairs)
     module = model[0]
-    assert module.dense_min_rows == qlinear.NEVER_DENSE and module.own_min_rows == 1
+    assert module.dense_min_rows == kernel_choice.NEVER_DENSE and module.own_min_rows == 1
     alone = torch.cat([module(x[r:r + 1]) for r in range(0, 300, 7)])
     for rows in (4, 5, 97, 300):
         picked = list(range(0, rows, 7))
@@ -209,40 +209,40 @@ def test_pinned_kernels_compute_a_row_alike_at_every_batch_size(method: str) -> 
 
 
 @pytest.mark.parametrize(("dense", "amx", "int4_rows", "int8_rows"), [
-    (torch.bfloat16, True, qlinear.INT4_DENSE_MIN_ROWS, qlinear.INT8_DENSE_MIN_ROWS),
-    (torch.bfloat16, False, qlinear.INT4_SLOW_DENSE_MIN_ROWS, qlinear.INT8_SLOW_DENSE_MIN_ROWS),
-    (torch.float32, False, qlinear.INT4_SLOW_DENSE_MIN_ROWS, qlinear.INT8_SLOW_DENSE_MIN_ROWS),
+    (torch.bfloat16, True, kernel_choice.INT4_DENSE_MIN_ROWS, kernel_choice.INT8_DENSE_MIN_ROWS),
+    (torch.bfloat16, False, kernel_choice.INT4_SLOW_DENSE_MIN_ROWS, kernel_choice.INT8_SLOW_DENSE_MIN_ROWS),
+    (torch.float32, False, kernel_choice.INT4_SLOW_DENSE_MIN_ROWS, kernel_choice.INT8_SLOW_DENSE_MIN_ROWS),
 ])
 def test_dense_threshold_follows_the_cpu(monkeypatch: pytest.MonkeyPatch, dense: torch.dtype,
                                          amx: bool, int4_rows: int, int8_rows: int) -> None:
     """The int kernels keep more rows where the dense matmul is slow: fp32 (no native bf16) or
     bf16 without AMX; large weights (the head) keep their own thresholds."""
-    if qlinear.cpu_kernels() is None:
+    if kernel_choice.cpu_kernels() is None:
         pytest.skip("tokenmill's C++ extension cannot be built here")
-    monkeypatch.setattr(qlinear, "dense_dtype", lambda _device_type: dense)
-    monkeypatch.setattr(qlinear, "cpu_has_amx", lambda: amx)
-    assert qlinear.default_dense_min_rows("int4", 576 * 576, "cpu") == int4_rows
-    assert qlinear.default_dense_min_rows("int8", 576 * 576, "cpu") == int8_rows
-    assert (qlinear.default_dense_min_rows("int4", 49152 * 576, "cpu")
-            == qlinear.INT4_LARGE_DENSE_MIN_ROWS)
+    monkeypatch.setattr(kernel_choice, "dense_dtype", lambda _device_type: dense)
+    monkeypatch.setattr(kernel_choice, "cpu_has_amx", lambda: amx)
+    assert kernel_choice.default_dense_min_rows("int4", 576 * 576, "cpu") == int4_rows
+    assert kernel_choice.default_dense_min_rows("int8", 576 * 576, "cpu") == int8_rows
+    assert (kernel_choice.default_dense_min_rows("int4", 49152 * 576, "cpu")
+            == kernel_choice.INT4_LARGE_DENSE_MIN_ROWS)
 
 
 def test_int4_on_int8_tile_pairs_never_goes_dense(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where int4 layers on int8 activations run two tiles a 512-bit register, they keep every
     row count (prefill too) unless the dense matmul has AMX; int16 activations, or a weight
     the q8 tiles cannot hold, keep the slow-dense threshold."""
-    ext = qlinear.cpu_kernels()
+    ext = kernel_choice.cpu_kernels()
     if ext is None or not ext.int4_int8_tile_pairs():
         pytest.skip("no AVX512-VNNI tile-pair kernels in this build")
-    monkeypatch.setattr(qlinear, "dense_dtype", lambda _device_type: torch.bfloat16)
-    monkeypatch.setattr(qlinear, "cpu_has_amx", lambda: False)
-    monkeypatch.setattr(qlinear, "INT4_ACT_BITS", 8)
-    rows = qlinear.default_dense_min_rows
-    assert rows("int4", 576 * 576, "cpu", int8_tiles=True) == qlinear.NEVER_DENSE
-    assert rows("int4", 576 * 576, "cpu", int8_tiles=False) == qlinear.INT4_SLOW_DENSE_MIN_ROWS
-    assert rows("int8", 576 * 576, "cpu", int8_tiles=True) == qlinear.INT8_SLOW_DENSE_MIN_ROWS
-    monkeypatch.setattr(qlinear, "INT4_ACT_BITS", 16)
-    assert rows("int4", 576 * 576, "cpu", int8_tiles=True) == qlinear.INT4_SLOW_DENSE_MIN_ROWS
-    monkeypatch.setattr(qlinear, "INT4_ACT_BITS", 8)
-    monkeypatch.setattr(qlinear, "cpu_has_amx", lambda: True)
-    assert rows("int4", 576 * 576, "cpu", int8_tiles=True) == qlinear.INT4_DENSE_MIN_ROWS
+    monkeypatch.setattr(kernel_choice, "dense_dtype", lambda _device_type: torch.bfloat16)
+    monkeypatch.setattr(kernel_choice, "cpu_has_amx", lambda: False)
+    monkeypatch.setattr(kernel_choice, "INT4_ACT_BITS", 8)
+    rows = kernel_choice.default_dense_min_rows
+    assert rows("int4", 576 * 576, "cpu", int8_tiles=True) == kernel_choice.NEVER_DENSE
+    assert rows("int4", 576 * 576, "cpu", int8_tiles=False) == kernel_choice.INT4_SLOW_DENSE_MIN_ROWS
+    assert rows("int8", 576 * 576, "cpu", int8_tiles=True) == kernel_choice.INT8_SLOW_DENSE_MIN_ROWS
+    monkeypatch.setattr(kernel_choice, "INT4_ACT_BITS", 16)
+    assert rows("int4", 576 * 576, "cpu", int8_tiles=True) == kernel_choice.INT4_SLOW_DENSE_MIN_ROWS
+    monkeypatch.setattr(kernel_choice, "INT4_ACT_BITS", 8)
+    monkeypatch.setattr(kernel_choice, "cpu_has_amx", lambda: True)
+    assert rows("int4", 576 * 576, "cpu", int8_tiles=True) == kernel_choice.INT4_DENSE_MIN_ROWS

@@ -17,7 +17,7 @@ PACKAGE_DIR = Path(tokenmill.__file__).parent
 LAYERS: list[tuple[str, ...]] = [
     ("utils", "csrc"),
     ("presets", "sampling_params"),
-    ("config", "outputs"),
+    ("config", "outputs", "chat_template", "gguf_tokenizer"),
     ("request", "metrics", "tokenizer"),
     ("detokenizer", "core", "distributed", "structured"),
     ("attention",),

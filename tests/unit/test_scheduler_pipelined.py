@@ -9,13 +9,12 @@ so a pipelined run must give every request the tokens a step-by-step run gives i
 from __future__ import annotations
 
 import pytest
+from test_scheduler import make_request, run_to_end
+from test_scheduler import make_scheduler as make_step_by_step
 
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.request import RequestStatus
-
-from test_scheduler import make_request, run_to_end
-from test_scheduler import make_scheduler as make_step_by_step
 
 
 def make_scheduler(**kw: int) -> Scheduler:

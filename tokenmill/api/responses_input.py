@@ -19,7 +19,7 @@ from tokenmill.api.protocol import (
 )
 from tokenmill.api.responses_protocol import FileSearchTool, FunctionTool
 
-# A chat message as the chat template takes it (see tokenizer.validate_messages).
+# A chat message as the chat template takes it (see chat_template.validate_messages).
 Message = dict[str, Any]
 
 # Roles of input messages; developer is OpenAI's newer name for system.

@@ -29,8 +29,8 @@ from tokenmill.api.protocol import (
 from tokenmill.api.tool_grammar import tool_call_grammar
 from tokenmill.api.tool_parsers import ParsedCall, ToolCallStream, ToolParser, parse_text
 from tokenmill.api.validation import ServedModel
+from tokenmill.chat_template import template_roles, validate_messages
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
-from tokenmill.tokenizer import template_roles, validate_messages
 
 # OpenAI's limits: at most 128 tools, names of letters, digits, "_" and "-", 64 at most.
 MAX_TOOLS = 128

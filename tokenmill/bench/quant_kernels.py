@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.bench.report import hardware, now_iso, write_json
-from tokenmill.quant import linear as qlinear
+from tokenmill.quant import kernel_choice
 from tokenmill.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
 # (name, out_features, in_features): SmolLM2-135M's projections and its tied head.
@@ -67,15 +67,15 @@ def _variants(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tenso
         set as given for the call (PyTorch's kernel: cpu_kernels False)."""
         def run(x: torch.Tensor) -> torch.Tensor:
             module.dense_min_rows = NEVER
-            saved = (qlinear.USE_CPU_KERNELS, qlinear.USE_INT_ACTIVATIONS, qlinear.INT4_ACT_BITS)
-            qlinear.USE_CPU_KERNELS = cpu_kernels
-            qlinear.USE_INT_ACTIVATIONS = int_activations
-            qlinear.INT4_ACT_BITS = int4_bits
+            saved = (kernel_choice.USE_CPU_KERNELS, kernel_choice.USE_INT_ACTIVATIONS, kernel_choice.INT4_ACT_BITS)
+            kernel_choice.USE_CPU_KERNELS = cpu_kernels
+            kernel_choice.USE_INT_ACTIVATIONS = int_activations
+            kernel_choice.INT4_ACT_BITS = int4_bits
             try:
                 return module(x)
             finally:
-                (qlinear.USE_CPU_KERNELS, qlinear.USE_INT_ACTIVATIONS,
-                 qlinear.INT4_ACT_BITS) = saved
+                (kernel_choice.USE_CPU_KERNELS, kernel_choice.USE_INT_ACTIVATIONS,
+                 kernel_choice.INT4_ACT_BITS) = saved
         return run
 
     return {

@@ -1,13 +1,13 @@
 """Quantized replacements for ``nn.Linear``: weight-only int8 / int4 (fp8 is in ``fp8.py``).
 
 Few rows (decode) run weight-only kernels, which read 1 or 0.5 byte per weight instead of 4
-and beat the fp32 matmul about 2x: on the CPU tokenmill's own from 2 rows (:func:`cpu_kernels`,
+and beat the fp32 matmul about 2x: on the CPU tokenmill's own from 2 rows (``kernel_choice``,
 C++ in ``tokenmill/csrc/quant_gemm.h``), PyTorch's for one row and where that extension cannot
-be built. Many rows (prefill) are compute-bound, where
-those kernels lose to a bf16 matmul; there the weight is dequantized to bf16 on the fly for
-one dense matmul (see benchmarks/results/quant-kernels-cpu.md for the measurements behind
-``dense_min_rows``). Every path takes activations in bf16; the result comes back in the
-input's dtype, the bias added before that cast.
+be built. Many rows (prefill) are compute-bound, where those kernels lose to a bf16 matmul;
+there the weight is dequantized to bf16 on the fly for one dense matmul (see
+benchmarks/results/quant-kernels-cpu.md for the measurements behind ``dense_min_rows``).
+Which path a call takes is decided in ``kernel_choice``. Every path takes activations in
+bf16; the result comes back in the input's dtype, the bias added before that cast.
 
 On CUDA the same modules call PyTorch's CUDA kernels: ``_weight_int8pack_mm`` for int8 (dense
 bf16 where this build lacks it) and tinygemm's ``_weight_int4pack_mm`` for int4, which needs
@@ -19,21 +19,16 @@ its own packing (:class:`Int4TinyGemmLinear`).
 
 from __future__ import annotations
 
-import contextlib
-import os
-import threading
-from collections.abc import Iterator
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.csrc import extension_or_none
+from tokenmill.quant import kernel_choice
 from tokenmill.quant.packing import (
     KERNEL_DTYPE,
     Int4Groups,
-    cpu_has_amx,
     dense_dtype,
     dequantize_int4_t,
     dequantize_int8,
@@ -49,121 +44,6 @@ from tokenmill.quant.packing import (
     unpack_int4_blocks,
     unpack_int4_rows,
 )
-from tokenmill.utils import env_flag
-
-
-def cpu_kernels() -> ModuleType | None:
-    """tokenmill's C++ int4 / int8 matmuls (``tokenmill/csrc/quant_gemm.h``), or None where the
-    extension cannot be built: then PyTorch's weight-only kernels compute instead.
-
-    PyTorch's int4 CPU kernel decodes the weights again for every few rows, so a 32-row decode
-    step costs ~14x a 1-row one on an AVX2 CPU; ours decodes each tile once per call. Both
-    take bf16 activations and give each row the same bits whatever the row count.
-    """
-    return extension_or_none() if USE_CPU_KERNELS else None
-
-
-# False sends the CPU int layers to PyTorch's kernels: $TOKENMILL_CPU_INT_KERNELS=0 at start,
-# or set here (benchmarks compare the two).
-USE_CPU_KERNELS = env_flag("TOKENMILL_CPU_INT_KERNELS", True)
-# tokenmill's CPU kernels quantize the activations and multiply in integers
-# (tokenmill/csrc/int_dot.h): int4 layers with int16 or int8 activations in blocks of 32 (one
-# scale each), int8 layers with int16 activations (one scale a row), and the products run on
-# integer dot instructions: ~2.5-4x the fp32 kernels at one row on an AVX2 EPYC
-# (benchmarks/results/quant-kernels-avx2-cpu.md). int16 steps are ~1/32767 of a block's
-# largest value, far finer than the bf16 rounding every quantized layer's input gets anyway.
-# $TOKENMILL_INT_ACTIVATIONS=0 keeps the fp32 kernels (bf16 activations widened exactly).
-USE_INT_ACTIVATIONS = env_flag("TOKENMILL_INT_ACTIVATIONS", True)
-
-
-def _act_bits_from_env(name: str, default: str) -> int:
-    bits = int(os.environ.get(name, default))
-    if bits not in (8, 16):
-        raise ValueError(f"{name} must be 8 or 16, got {bits}")
-    return bits
-
-
-# int4 layers' activation bits in steps with prompt tokens ($TOKENMILL_INT4_ACT_BITS), and in
-# decode-only steps ($TOKENMILL_INT4_DECODE_ACT_BITS). Decoding takes int8 (llama.cpp's Q4_1 x
-# Q8_1): with AVX512-VNNI the kernel then runs two weight tiles a register, and the int4
-# matmuls of a 32-sequence decode step ran 1.7x faster on a Zen 5 (a whole step 26.6 -> 22.2
-# ms). Prompts keep int16: int8 at every step measured +0.15% perplexity (14.763 vs 14.741 on
-# the 10.5k-token text) but moved the thin margins of some first tokens (0.14 nats for the
-# embedded model's "The" of "The capital of France is Paris."), and the first token of an
-# answer is the prompt step's. Under --deterministic both are the prompt's (pin_row_kernels):
-# a row's bits must not depend on the step it is in.
-INT4_ACT_BITS = _act_bits_from_env("TOKENMILL_INT4_ACT_BITS", "16")
-INT4_DECODE_ACT_BITS = _act_bits_from_env("TOKENMILL_INT4_DECODE_ACT_BITS", "8")
-
-# Whether the step running on this thread is decode-only (one new token per sequence): set by
-# the model runner around model.forward (decode_only_step); the fused C++ stack tells from its
-# own step.
-_STEP = threading.local()
-
-
-@contextlib.contextmanager
-def decode_only_step(on: bool = True) -> Iterator[None]:
-    """Within: the int4 layers compute as in a decode-only step (``on``) or a prompt step."""
-    saved = getattr(_STEP, "decode_only", False)
-    _STEP.decode_only = on
-    try:
-        yield
-    finally:
-        _STEP.decode_only = saved
-
-
-def in_decode_only_step() -> bool:
-    return getattr(_STEP, "decode_only", False)
-
-# Rows from which the dense bf16 path wins where AMX runs it, measured on SmolLM2-135M's shapes
-# (see benchmarks/results/quant-kernels-cpu.md). Dequantizing a weight that does not fit in cache
-# (the 576 x 49152 head) costs several times more per element, which moves the crossover.
-INT8_DENSE_MIN_ROWS = 48
-INT4_DENSE_MIN_ROWS = 96
-LARGE_WEIGHT_NUMEL = 1 << 23
-INT8_LARGE_DENSE_MIN_ROWS = 256
-INT4_LARGE_DENSE_MIN_ROWS = 512
-# Where the dense path is slower, tokenmill's own int kernels (from 2 rows) beat it up to a few
-# hundred rows: where it is fp32 (CPUs without native bf16, see dense_dtype; ~4x the cost per
-# row, measured on an AVX2 EPYC, benchmarks/results/quant-kernels-cpu.md), and where it is bf16
-# on AVX512-BF16 without AMX (a Zen 5: the int4 kernel won up to ~300-500 rows by shape, int8 up
-# to ~100; benchmarks/results/quant-kernels-zen5-cpu.md). (Large weights keep their thresholds
-# above.)
-INT8_SLOW_DENSE_MIN_ROWS = 96
-INT4_SLOW_DENSE_MIN_ROWS = 384
-# ... except where prompts, too, run int4 layers on int8 activations ($TOKENMILL_INT4_ACT_BITS=8)
-# with two weight tiles a 512-bit register (AVX512-VNNI: int4_int8_tile_pairs): those beat
-# decoding the weight for a bf16 matmul at every row count (a Zen 5, the embedded model's 120
-# int4 matmuls at 512 rows: 124 ms against 181).
-# A dense_min_rows no step reaches: the module runs its int kernel at every row count.
-NEVER_DENSE = 1 << 62
-# Rows from which an int8 output head takes the output-tiled kernel (int8_q16_tiles_linear,
-# the same bits): on a Zen 5 the 576 x 49152 head at 32 rows 5.7 -> 3.8 ms, at 4 rows 0.82 ->
-# 0.66 ms, but at 1 and 2 rows slower (0.44 -> 0.55 ms, reading the weight from memory)
-# (benchmarks/head_tiles.py, benchmarks/results/head-tiles-zen5-cpu.json).
-INT8_TILES_MIN_ROWS = 4
-
-
-def default_dense_min_rows(method: str, numel: int, device_type: str,
-                           int8_tiles: bool = False) -> int:
-    """Rows from which an ``int8`` / ``int4`` layer of ``numel`` weights computes dense;
-    ``int8_tiles``: an int4 layer whose weight the int8-activation kernel can read."""
-    if numel > LARGE_WEIGHT_NUMEL:
-        return INT8_LARGE_DENSE_MIN_ROWS if method == "int8" else INT4_LARGE_DENSE_MIN_ROWS
-    slow_dense = dense_dtype(device_type) == torch.float32 or (
-        device_type == "cpu" and not cpu_has_amx())
-    ext = cpu_kernels() if slow_dense else None
-    if ext is not None:
-        if (method == "int4" and int8_tiles and INT4_ACT_BITS == 8 and USE_INT_ACTIVATIONS
-                and ext.int4_int8_tile_pairs()):
-            return NEVER_DENSE
-        return INT8_SLOW_DENSE_MIN_ROWS if method == "int8" else INT4_SLOW_DENSE_MIN_ROWS
-    return INT8_DENSE_MIN_ROWS if method == "int8" else INT4_DENSE_MIN_ROWS
-
-# The module classes whose ``_kernel`` this PyTorch build lacks on CUDA, learned from the first
-# call that raised NotImplementedError. It is a fact about the build, not about one layer, so
-# one layer's failure sends every layer of its class to the dense path from then on.
-MISSING_CUDA_KERNELS: set[type[nn.Module]] = set()
 
 
 class _WeightOnlyLinear(nn.Module):
@@ -200,7 +80,7 @@ class _WeightOnlyLinear(nn.Module):
         ext = None
         own_min_rows = 1 if self.fp32_io else self.own_min_rows
         if (x2.device.type == "cpu" and own_min_rows <= rows < self.dense_min_rows):
-            ext = cpu_kernels()
+            ext = kernel_choice.cpu_kernels()
         if ext is not None and self._own_kernel_applies():
             # bf16 activations, as PyTorch's kernels take them (unless fp32_io). The kernels
             # take fp32 too, but unrounded activations into every layer changed the embedded
@@ -231,7 +111,7 @@ class _WeightOnlyLinear(nn.Module):
         """Whether tokenmill's CPU kernel for this layer quantizes the activations to integers
         (``USE_INT_ACTIVATIONS``, tokenmill/csrc/int_dot.h) rather than widening them to
         fp32."""
-        return USE_INT_ACTIVATIONS and self.weight.device.type == "cpu"
+        return kernel_choice.USE_INT_ACTIVATIONS and self.weight.device.type == "cpu"
 
     def activation_bits(self, decode_only: bool = False) -> int:
         """The bits of those integer activations (in a prompt step, or a decode-only one); 0
@@ -249,16 +129,16 @@ class _WeightOnlyLinear(nn.Module):
         self._own_min_rows = rows
 
     def _own_kernel(self, ext: ModuleType, x: torch.Tensor) -> torch.Tensor:
-        """tokenmill's CPU kernel (``cpu_kernels()``), fp32 or bf16 in and the same out."""
+        """tokenmill's CPU kernel (``kernel_choice.cpu_kernels()``), fp32 or bf16 in and out."""
         raise NotImplementedError
 
     def _cuda_kernel(self, xb: torch.Tensor) -> torch.Tensor:
         """``_kernel`` on a GPU, or the dense path where this build has no such kernel."""
-        if type(self) not in MISSING_CUDA_KERNELS:
+        if type(self) not in kernel_choice.MISSING_CUDA_KERNELS:
             try:
                 return self._kernel(xb)
             except NotImplementedError:
-                MISSING_CUDA_KERNELS.add(type(self))
+                kernel_choice.MISSING_CUDA_KERNELS.add(type(self))
         return self._dense(xb)
 
     def _dense(self, xb: torch.Tensor) -> torch.Tensor:
@@ -283,7 +163,8 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
                  dense_min_rows: int | None = None) -> None:
         out_features, in_features = weight.shape
         if dense_min_rows is None:
-            dense_min_rows = default_dense_min_rows("int8", weight.numel(), weight.device.type)
+            dense_min_rows = kernel_choice.default_dense_min_rows("int8", weight.numel(),
+                                                                  weight.device.type)
         super().__init__(in_features, out_features, bias, dense_min_rows)
         self.register_buffer("weight", weight)
         self.register_buffer("scales", scales)
@@ -304,7 +185,7 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
 
     def _own_kernel(self, ext: ModuleType, x: torch.Tensor) -> torch.Tensor:
         if self.int_activations():
-            if self.row_tiles and x.shape[0] >= INT8_TILES_MIN_ROWS:
+            if self.row_tiles and x.shape[0] >= kernel_choice.INT8_TILES_MIN_ROWS:
                 return ext.int8_q16_tiles_linear(x, self.q16_tiles(), self.scales,
                                                  self.out_features)
             return ext.int8_q16_linear(x, self.weight, self.scales)
@@ -349,8 +230,8 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         q8_fits = (block_n is not None and weight.dtype == torch.uint8
                    and q8_layout_fits(out_features, in_features, group_size))
         if dense_min_rows is None:
-            dense_min_rows = default_dense_min_rows("int4", out_features * in_features,
-                                                    weight.device.type, int8_tiles=q8_fits)
+            dense_min_rows = kernel_choice.default_dense_min_rows(
+                "int4", out_features * in_features, weight.device.type, int8_tiles=q8_fits)
         super().__init__(in_features, out_features, bias, dense_min_rows)
         self.group_size = group_size
         self.register_buffer("weight", weight)
@@ -358,7 +239,7 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         self._can_decode = block_n is not None and out_features % block_n == 0
         self._q8_fits = q8_fits
         # Activation bits in decode-only steps (pin_row_kernels sets the prompts' bits).
-        self.decode_act_bits = INT4_DECODE_ACT_BITS
+        self.decode_act_bits = kernel_choice.INT4_DECODE_ACT_BITS
         self._q8: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
@@ -384,25 +265,28 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         if self.int_activations():
             packed, scales = self.q8_tiles()  # type: ignore[misc]
             return ext.int4_q8_linear(x, packed, scales, self.group_size,
-                                      self.activation_bits(in_decode_only_step()))
+                                      self.activation_bits(kernel_choice.in_decode_only_step()))
         return ext.int4_linear(x, self.weight, self.scales_and_zeros, self.group_size,
                                self.cpu_block_n())
 
     def int_activations(self) -> bool:
         # Not for fp32 heads with int8 activations: ~0.5% of noise on the logits.
-        return ((not self.fp32_io or INT4_ACT_BITS == 16) and self.q8_tiles() is not None)
+        return ((not self.fp32_io or kernel_choice.INT4_ACT_BITS == 16)
+                and self.q8_tiles() is not None)
 
     def activation_bits(self, decode_only: bool = False) -> int:
         """The bits in a prompt step, or in a decode-only one (fp32 heads: the prompt's)."""
         if not self.int_activations():
             return 0
-        return self.decode_act_bits if decode_only and not self.fp32_io else INT4_ACT_BITS
+        if decode_only and not self.fp32_io:
+            return self.decode_act_bits
+        return kernel_choice.INT4_ACT_BITS
 
     def q8_tiles(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The weight in the layout of the int4 x int8 kernel (``pack_int4_q8``), packed on
         first use and kept beside the PyTorch packing (which the dense path decodes); None
-        where that kernel does not apply (``USE_INT_ACTIVATIONS`` off, a GPU, a shape it cannot tile,
-        an unknown packing)."""
+        where that kernel does not apply (``USE_INT_ACTIVATIONS`` off, a GPU, a shape it cannot
+        tile, an unknown packing)."""
         if not (self._q8_fits and super().int_activations()):
             return None
         if self._q8 is None:
@@ -428,7 +312,7 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
     def _dense(self, xb: torch.Tensor) -> torch.Tensor:
         if not self._can_decode:
             return self._kernel(xb)
-        ext = cpu_kernels() if self.weight.device.type == "cpu" else None
+        ext = kernel_choice.cpu_kernels() if self.weight.device.type == "cpu" else None
         if ext is not None:  # one pass in C++, the same bits as PyTorch's ops below
             w_t = ext.dequantize_int4_t(self.weight, self.scales_and_zeros, self.group_size,
                                         self.out_features, self.in_features, int4_block_n())
@@ -471,7 +355,7 @@ class Int4TinyGemmLinear(_WeightOnlyLinear):
     def __init__(self, weight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
                  out_features: int, bias: torch.Tensor | None) -> None:
         in_features = scales_and_zeros.shape[0] * group_size
-        super().__init__(in_features, out_features, bias, dense_min_rows=NEVER_DENSE)
+        super().__init__(in_features, out_features, bias, dense_min_rows=kernel_choice.NEVER_DENSE)
         self.group_size = group_size
         self.register_buffer("weight", weight)
         self.register_buffer("scales_and_zeros", scales_and_zeros)

@@ -11,9 +11,8 @@ from torch import nn
 from tokenmill.config import QUANTIZATIONS
 from tokenmill.quant.fp8 import Fp8Linear, fp8_supported
 from tokenmill.quant.head import QuantizedEmbedding, QuantizedHead, QuantizedLinear
+from tokenmill.quant.kernel_choice import INT4_ACT_BITS, NEVER_DENSE
 from tokenmill.quant.linear import (
-    INT4_ACT_BITS,
-    NEVER_DENSE,
     Int4TinyGemmLinear,
     Int4WeightOnlyLinear,
     Int8WeightOnlyLinear,

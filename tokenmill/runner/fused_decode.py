@@ -22,7 +22,8 @@ from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.csrc import load_extension
 from tokenmill.models import layers
 from tokenmill.models.llama import LlamaForCausalLM
-from tokenmill.quant.linear import decode_only_step
+from tokenmill.quant.kernel_choice import cpu_kernels, decode_only_step
+from tokenmill.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from tokenmill.quant.model import float_matmul_layers, pin_row_kernels
 from tokenmill.quant.packing import dense_dtype, release_freed_memory
 from tokenmill.utils import env_flag
@@ -120,24 +121,18 @@ def linear_parts(module: nn.Module, dtype: torch.dtype) -> LinearParts:
 
 def _quant_parts(module: nn.Module) -> LinearParts | None:
     """Parts of tokenmill.quant's weight-only modules, or None for any other module."""
-    try:
-        from tokenmill.quant import linear as qlinear  # written alongside; may be absent
-    except ImportError:
+    if type(module) not in (Int8WeightOnlyLinear, Int4WeightOnlyLinear):
         return None
-    int8_cls = getattr(qlinear, "Int8WeightOnlyLinear", None)
-    int4_cls = getattr(qlinear, "Int4WeightOnlyLinear", None)
-    if type(module) not in (int8_cls, int4_cls):
-        return None
-    own = qlinear.cpu_kernels() is not None
+    own = cpu_kernels() is not None
     dense = {"dense_min_rows": int(module.dense_min_rows),
              "dense_bf16": dense_dtype("cpu") == torch.bfloat16}
-    if int8_cls is not None and type(module) is int8_cls:
+    if type(module) is Int8WeightOnlyLinear:
         return LinearParts(KIND_INT8, module.weight, module.bias, module.scales, **dense,
                            own_kernel=int(own),
                            own_min_rows=int(module.own_min_rows),
                            act_bits=module.activation_bits() if own else 0,
                            decode_act_bits=module.activation_bits(True) if own else 0)
-    if int4_cls is not None and type(module) is int4_cls:
+    if type(module) is Int4WeightOnlyLinear:
         return LinearParts(KIND_INT4, module.weight, module.bias, module.scales_and_zeros,
                            int(module.group_size), **dense,
                            dense_block_n=module.dense_block_n(),

@@ -93,6 +93,9 @@ class _StepInputs:
     # Embedding requests whose prompt this step computes, with their rows (start, count).
     pool_states: list[_RequestState] = field(default_factory=list)
     pool_spans: list[tuple[int, int]] = field(default_factory=list)
+    # Every row is sampled, in order (a decode-only step): the head takes the hidden states
+    # as they are.
+    samples_every_row: bool = False
 
 
 class _HostCopy:
@@ -320,10 +323,10 @@ class ModelRunner:
             self._prompt_logprobs(hidden, inputs, out)
         num_sampled = len(inputs.sample_rows)
         if num_sampled or inputs.spec.states:
-            wanted = inputs.sample_rows + inputs.spec.rows
-            if len(wanted) == hidden.shape[0] and wanted == list(range(len(wanted))):
-                picked = hidden  # every row, in order: a decode-only step
+            if inputs.samples_every_row:
+                picked = hidden  # a decode-only step
             else:
+                wanted = inputs.sample_rows + inputs.spec.rows
                 picked = hidden.index_select(0, host_tensor(wanted, torch.int64, self.device))
             logits = self.model.compute_logits(picked)
             if num_sampled:
@@ -442,6 +445,9 @@ class ModelRunner:
             prompt_lp_rows=prompt_lp_rows,
             pool_states=pool_states,
             pool_spans=pool_spans,
+            # Rows are sampled in increasing order, at most one a request: as many as there
+            # are rows means each request has one row, the one sampled.
+            samples_every_row=len(sample_rows) == input_ids.shape[0] and not spec.states,
         )
 
     def _fill_in_flight(self, input_ids: torch.Tensor, rows: list[int],
