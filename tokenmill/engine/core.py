@@ -127,6 +127,7 @@ class EngineCore:
         self.async_scheduling = self._resolve_async_scheduling(sched_config.async_scheduling)
         self.scheduler = Scheduler(sched_config, kv, self.max_model_len,
                                    pipelined=self.async_scheduling)
+        logger.info("asynchronous scheduling: %s", "on" if self.async_scheduling else "off")
         # The step launched and not finished yet (asynchronous scheduling), with its schedule.
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         # Each step's time, energy and cost, shared out to its requests by tokens.
