@@ -61,12 +61,17 @@ if [ "$PHASE" = 1 ]; then
     --result-file "$RES/$GPU-qwen3-0.6b-nano-vllm.json"
 elif [ "$PHASE" = async ]; then
   # Asynchronous scheduling (the next step launched while the last one runs): its GPU tests,
-  # then batch-1 decode without and with it on one machine, then the 1,000 x 1,000/1,000
-  # throughput and nano-vllm's workload with it (the default on CUDA).
+  # the first token's timeline, then batch-1 decode without and with it on one machine, then
+  # the 1,000 x 1,000/1,000 throughput and nano-vllm's workload with it (the default on CUDA).
+  # 2026-11-27's run of this phase (before the probe) took 247 s.
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -c "import torch, triton, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__)"
   step tests-async 120 python3 -m pytest -q -p no:cacheprovider -rfE \
     tests/gpu/test_async_scheduling_cuda.py tests/unit/test_cuda_graphs.py
+  # Where the single stream's first token waits (TTFT 14.9 -> 26.5 ms with the overlap on
+  # 2026-11-27): a timeline of the median request, both ways.
+  step ttft-probe 90 python3 benchmarks/gpu/ttft_probe.py --model llama-3.1-8b \
+    --result-file "$RES/$GPU-llama-3.1-8b-ttft-probe.json"
   step decode-bf16-sync 60 $BENCH --suite decode --model llama-3.1-8b --max-model-len 4096 \
     --max-num-seqs 8 --no-async-scheduling \
     --result-file "$RES/$GPU-llama-3.1-8b-decode-bf16-sync.json"
