@@ -49,6 +49,8 @@ class LLM:
     processes); :meth:`close` stops them, as does dropping the LLM or leaving the interpreter.
     ``deterministic=True`` makes each request's tokens independent of its batch mates (CPU;
     see ``EngineConfig``).
+    ``async_scheduling`` schedules and launches each step while the one before it still runs
+    (None: on for one CUDA process without speculative decoding; see ``SchedulerConfig``).
     ``task="embed"`` makes an embedding engine (:meth:`embed`; the default for encoder models
     such as BERT, and with no ``model`` it runs the embedded all-MiniLM-L6-v2); ``pooling``
     ("cls", "mean", "max", "last") overrides how its token states are pooled.
