@@ -19,6 +19,7 @@ from tokenmill import LLM
 from tokenmill.bench.latency import start_decoding
 from tokenmill.bench.report import hardware, hardware_line, markdown_table, now_iso, write_json
 from tokenmill.engine.output_processor import OutputKind
+from tokenmill.runner.model_runner import _SampledRows
 
 
 class _Timer:
@@ -47,15 +48,20 @@ def measure(batch: int, context: int, steps: int,
               _Timer(runner.sampler)]
     runner._forward, runner.model.compute_logits, runner.sampler = timers
     # The host's phases (each includes none of the timed model calls except _sample's sampler
-    # call and _prepare_inputs' none): schedule, inputs, sampling bookkeeping, update, outputs.
+    # call and _prepare_inputs' none): schedule, inputs, sampling metadata, the sampled tokens
+    # appended to the runner's requests, update, outputs.
     phases = {"schedule": _Timer(engine.core.scheduler.schedule),
               "prepare inputs": _Timer(runner._prepare_inputs),
               "sample (host part)": _Timer(runner._sample),
+              "tokens to requests": _Timer(_SampledRows.finish),
               "update": _Timer(engine.core.scheduler.update),
               "process outputs": _Timer(engine.processor.process)}
     engine.core.scheduler.schedule = phases["schedule"]
     runner._prepare_inputs = phases["prepare inputs"]
     runner._sample = phases["sample (host part)"]
+    # A method of the class: wrapped in a function, so that it still binds its instance.
+    finish_timer = phases["tokens to requests"]
+    _SampledRows.finish = lambda rows, out: finish_timer(rows, out)  # type: ignore[method-assign]
     engine.core.scheduler.update = phases["update"]
     engine.processor.process = phases["process outputs"]
     start_decoding(engine, batch, context, steps + 8, seed=0, kind=kind)
@@ -72,6 +78,7 @@ def measure(batch: int, context: int, steps: int,
         hosts.append(total - (sum(t.seconds for t in timers) - before))
     while engine.has_unfinished_requests():
         engine.step()
+    _SampledRows.finish = finish_timer.fn  # type: ignore[method-assign]
     per_step = {name: t.seconds / steps * 1000 for name, t in phases.items()}
     per_step["sample (host part)"] -= (timers[2].seconds - sampler_before) / steps * 1000
     return {"step_ms": statistics.median(totals) * 1000,
