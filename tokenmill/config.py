@@ -136,7 +136,8 @@ class SchedulerConfig:
     ``async_scheduling``: schedule and launch step n+1 while step n still runs on the device,
     its sampled tokens fed to step n+1 there, and hand step n's outputs out meanwhile (see
     ``EngineCore.step``). None: on for a CUDA engine in one process without speculative
-    decoding, off elsewhere (on the CPU the host is the device: nothing to overlap).
+    decoding, off elsewhere (on the CPU the host is the device: nothing to overlap). An
+    embedding engine never overlaps (each request is one step).
     """
 
     max_num_seqs: int = 64

@@ -167,6 +167,11 @@ def test_where_it_is_on_and_where_it_is_refused() -> None:
     llm = LLM(max_model_len=128, num_kv_blocks=16)
     assert not llm.engine.core.async_scheduling
     del llm
+    # An embedding engine computes each request in one step: it never overlaps, asked or not
+    # (a server's options reach its embedding engine too).
+    embed = LLM(task="embed", async_scheduling=True)
+    assert not embed.engine.core.async_scheduling
+    del embed
     with pytest.raises(ValueError, match="speculative decoding"):
         LLM(max_model_len=128, num_kv_blocks=16, speculative="ngram", async_scheduling=True)
     p = argparse.ArgumentParser()

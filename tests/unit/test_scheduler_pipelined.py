@@ -140,3 +140,24 @@ def test_abort_while_a_step_is_in_flight() -> None:
     for rid in ("short", "one", "stops", "late"):
         assert got[rid] == expected[rid]
     assert sched.kv.pool.num_free_blocks == sched.kv.pool.num_usable_blocks
+
+
+def test_an_embedding_request_is_not_scheduled_again_while_its_step_runs() -> None:
+    from tokenmill.request import Request
+    from tokenmill.sampling_params import PoolingParams, SamplingParams
+
+    sched = make_scheduler()
+    embed = Request("e", [10, 11, 12, 13, 14], SamplingParams(max_tokens=1),
+                    pooling_params=PoolingParams())
+    sched.add_request(embed)
+    sched.add_request(make_request("g", 4, max_tokens=3))
+    first = sched.schedule()
+    assert first.num_scheduled_tokens == {"e": 5, "g": 4}
+    # The next step, scheduled before the first one's update: the generating request decodes
+    # its token in flight; the embedding request, computed whole, has nothing left.
+    second = sched.schedule()
+    assert second.num_scheduled_tokens == {"g": 1}
+    done = RunnerOutput(sampled_token_ids={"g": [100]}, pooled={"e": [0.5, 0.5]})
+    outs = {o.request_id: o for o in sched.update(first, done)}
+    assert outs["e"].finish_reason == "stop" and outs["e"].pooled == [0.5, 0.5]
+    assert "e" not in sched.requests

@@ -194,6 +194,8 @@ class Scheduler:
                 continue  # the token in flight is its last: nothing to compute after it
             num_new = min(request.num_tokens + request.num_pending_tokens
                           - request.num_computed_tokens, budget)
+            if num_new <= 0 and self.pipelined:
+                continue  # an embedding request, pooled by the step in flight
             allocation, drafts = self._allocate_drafts(request, num_new, budget)
             if allocation is None:
                 allocation = self._allocate_or_preempt(request, num_new, taken)

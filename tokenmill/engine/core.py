@@ -138,6 +138,8 @@ class EngineCore:
     def _resolve_async_scheduling(self, asked: bool | None) -> bool:
         """Whether steps overlap (see SchedulerConfig.async_scheduling); ValueError when asked
         for where they cannot."""
+        if self.task == "embed":
+            return False  # each request is computed whole in one step: nothing to overlap
         blocker = None
         if self.proposer is not None:
             blocker = "speculative decoding (drafts are proposed from the tokens of the step)"
@@ -178,7 +180,10 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        # A step still in flight needs no call of its own: each request it computes for is
+        # in the scheduler until that step's update; when none is (all stopped or aborted
+        # since), its tokens are dropped by whichever step() comes next.
+        return self.scheduler.has_unfinished()
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model, and report each request's new tokens; then propose the
