@@ -33,7 +33,12 @@ class Timeline:
         self.events: list[tuple[float, str]] = []
 
     def mark(self, what: str) -> None:
-        self.events.append(((time.perf_counter() - self.t0) * 1000, what))
+        # New pinned host blocks so far: cudaHostAlloc, which may wait for the device, is one
+        # suspect for the first token's wait.
+        stats = torch.cuda.host_memory_stats() if torch.cuda.is_available() else {}
+        allocs = stats.get("num_host_alloc")
+        note = "" if allocs is None else f"  (pinned allocations so far: {allocs})"
+        self.events.append(((time.perf_counter() - self.t0) * 1000, what + note))
 
 
 def instrument(timeline: Timeline) -> None:
