@@ -207,9 +207,9 @@ class ModelRunner:
             note_model_weights(model_weight_bytes(model), env_switch("TOKENMILL_STREAM_WEIGHTS"),
                                owner=model)
         self.sampler = Sampler()
-        # The last launched step's sampled ids on the device, and each request's row in them:
+        # The last launched step's sampled ids on the device, and the requests of their rows:
         # the next step's input for a request whose token the host has not seen yet.
-        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        self._last_sampled: tuple[torch.Tensor, list[_RequestState]] | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, _RequestState] = {}
         self.sampling_states: dict[str, _SamplingState] = {}
@@ -456,7 +456,8 @@ class ModelRunner:
         device (queued behind that step: the host never waits for them)."""
         if self._last_sampled is None:
             raise RuntimeError("a token in flight, but the previous step sampled nothing")
-        sampled, index = self._last_sampled
+        sampled, states = self._last_sampled
+        index = {s.request_id: i for i, s in enumerate(states)}
         src = [index[rid] for rid in request_ids]
         n = len(rows)
         if rows == src == list(range(n)):  # a decode step after a decode step: the same order
@@ -505,8 +506,7 @@ class ModelRunner:
             allowed_tokens=self._grammar_bitmask(states, [[]] * len(states), logits.shape[1]),
         )
         result = self.sampler(logits, meta)
-        self._last_sampled = (result.sampled_token_ids,
-                              {s.request_id: i for i, s in enumerate(states)})
+        self._last_sampled = (result.sampled_token_ids, states)
         # The top logprobs are read now (a wait for this step); they are rare.
         logprobs = result.to_token_logprobs() if result.has_logprobs else None
         return _SampledRows(states, _HostCopy(result.sampled_token_ids, result.chosen_logprobs),
