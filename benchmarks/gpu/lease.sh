@@ -83,6 +83,10 @@ elif [ "$PHASE" = async ]; then
     --result-file "$RES/$GPU-qwen3-0.6b-nano-vllm-async.json"
   step nano-vllm-sync 70 $BENCH --suite nano-vllm --model qwen3-0.6b --max-model-len 2048 \
     --no-async-scheduling --result-file "$RES/$GPU-qwen3-0.6b-nano-vllm-sync.json"
+  # Why an fp8 KV cache made the 1,000 x 1,000 run no faster: the decode kernel alone on an
+  # fp8 cache at the long-context shapes, against its bf16 figures (91% of copy bandwidth).
+  step attention-sweep-fp8 90 python3 benchmarks/gpu/attention_bw.py --kv-cache-dtype fp8 \
+    --shapes 256x1500,64x4000 --result-file "$RES/$GPU-decode-attention-bw-fp8.json"
 elif [ "$PHASE" = tune ]; then
   # 2026-11-27's run of this phase took 565 s (tests 39, sweep 66 with do_bench, bf16
   # throughput 153, decode 19, then the fp8-cache runs were cut at their caps). Next: the sweep
