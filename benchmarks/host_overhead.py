@@ -19,7 +19,7 @@ from tokenmill import LLM
 from tokenmill.bench.latency import start_decoding
 from tokenmill.bench.report import hardware, hardware_line, markdown_table, now_iso, write_json
 from tokenmill.engine.output_processor import OutputKind
-from tokenmill.runner.model_runner import _SampledRows
+from tokenmill.runner.launched import SampledRows
 
 
 class _Timer:
@@ -53,7 +53,7 @@ def measure(batch: int, context: int, steps: int,
     phases = {"schedule": _Timer(engine.core.scheduler.schedule),
               "prepare inputs": _Timer(runner._prepare_inputs),
               "sample (host part)": _Timer(runner._sample),
-              "tokens to requests": _Timer(_SampledRows.finish),
+              "tokens to requests": _Timer(SampledRows.finish),
               "update": _Timer(engine.core.scheduler.update),
               "process outputs": _Timer(engine.processor.process)}
     engine.core.scheduler.schedule = phases["schedule"]
@@ -61,7 +61,7 @@ def measure(batch: int, context: int, steps: int,
     runner._sample = phases["sample (host part)"]
     # A method of the class: wrapped in a function, so that it still binds its instance.
     finish_timer = phases["tokens to requests"]
-    _SampledRows.finish = lambda rows, out: finish_timer(rows, out)  # type: ignore[method-assign]
+    SampledRows.finish = lambda rows, out: finish_timer(rows, out)  # type: ignore[method-assign]
     engine.core.scheduler.update = phases["update"]
     engine.processor.process = phases["process outputs"]
     start_decoding(engine, batch, context, steps + 8, seed=0, kind=kind)
@@ -78,7 +78,7 @@ def measure(batch: int, context: int, steps: int,
         hosts.append(total - (sum(t.seconds for t in timers) - before))
     while engine.has_unfinished_requests():
         engine.step()
-    _SampledRows.finish = finish_timer.fn  # type: ignore[method-assign]
+    SampledRows.finish = finish_timer.fn  # type: ignore[method-assign]
     per_step = {name: t.seconds / steps * 1000 for name, t in phases.items()}
     per_step["sample (host part)"] -= (timers[2].seconds - sampler_before) / steps * 1000
     return {"step_ms": statistics.median(totals) * 1000,

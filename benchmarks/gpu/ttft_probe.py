@@ -22,7 +22,8 @@ import torch
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.report import now_iso, write_json
 from tokenmill.engine.output_processor import OutputKind
-from tokenmill.runner.model_runner import LaunchedStep, ModelRunner
+from tokenmill.runner.launched import LaunchedStep
+from tokenmill.runner.model_runner import ModelRunner
 
 
 class Timeline:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill import LLM
+from tokenmill import LLM, SamplingParams
 from tokenmill.bench.latency import start_decoding
 
 
@@ -28,3 +28,9 @@ def test_a_cache_too_small_for_the_batch_is_named() -> None:
     llm = LLM(max_model_len=256, num_kv_blocks=12, max_num_batched_tokens=64)
     with pytest.raises(RuntimeError, match="KV cache holds too few"):
         start_decoding(llm.engine, 6, 100, 3, seed=1)
+    # The engine is unharmed: the queued requests finish, and the next one is answered.
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    out = llm.generate("Hi", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -16,7 +16,8 @@ import pytest
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.args import add_engine_args, engine_config_from_args
-from tokenmill.runner.model_runner import LaunchedStep, ModelRunner
+from tokenmill.runner.launched import LaunchedStep
+from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.sampling_params import StructuredOutputsParams
 
 PROMPTS = [

@@ -21,7 +21,7 @@ from tokenmill.models.config import ArchConfig
 from tokenmill.quant.model import count_parameters, model_weight_bytes
 from tokenmill.request import Request, RequestStatus
 from tokenmill.runner.kv_memory import KVCachePlan
-from tokenmill.runner.model_runner import LaunchedStep
+from tokenmill.runner.launched import LaunchedStep
 from tokenmill.spec_decode.proposer import TargetModel, make_proposer
 
 logger = logging.getLogger(__name__)

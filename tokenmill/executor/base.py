@@ -17,11 +17,8 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
 from tokenmill.model_loader import LoadedModel, load_model
 from tokenmill.runner.kv_memory import KVCachePlan, size_kv_cache
-from tokenmill.runner.model_runner import (
-    LaunchedStep,
-    ModelRunner,
-    capture_decode_graphs_if_enabled,
-)
+from tokenmill.runner.launched import LaunchedStep
+from tokenmill.runner.model_runner import ModelRunner, capture_decode_graphs_if_enabled
 from tokenmill.runner.platform import Platform
 
 

@@ -9,7 +9,7 @@ from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
 from tokenmill.distributed import unsharded
 from tokenmill.executor.base import Executor
 from tokenmill.model_loader import LoadedModel
-from tokenmill.runner.model_runner import LaunchedStep
+from tokenmill.runner.launched import LaunchedStep
 from tokenmill.runner.platform import Platform
 
 

@@ -14,7 +14,6 @@ from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
 from tokenmill.csrc import note_model_weights
 from tokenmill.models.config import ArchConfig
 from tokenmill.models.pooler import PoolerConfig
-from tokenmill.outputs import TokenLogprobs
 from tokenmill.quant.model import model_weight_bytes
 from tokenmill.runner.batch import FlatBatch
 from tokenmill.runner.cuda_graphs import DecodeGraphs, GraphCapture
@@ -24,55 +23,29 @@ from tokenmill.runner.fused_decode import (
     make_invariant_decoder,
 )
 from tokenmill.runner.kv_memory import KVCacheShape
+from tokenmill.runner.launched import HostCopy, LaunchedStep, SampledRows, sample_is_history_free
 from tokenmill.runner.platform import Platform
 from tokenmill.runner.pooling import EncoderBatch, pool_embeddings
+from tokenmill.runner.request_state import RequestState, SamplingState, advance_grammar
 from tokenmill.runner.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
 from tokenmill.runner.spec_verify import SpecRequest, verify_drafts
-from tokenmill.sampling_params import PoolingParams, SamplingParams
 from tokenmill.structured.matcher import GrammarState, allocate_bitmask, fill_rows
 from tokenmill.utils import ListSlice, env_switch, host_tensor
 
-
-@dataclass
-class _SamplingState:
-    """What outlives a preemption: the seeded generator's position, prompt logprobs sent and
-    the position in the request's grammar (its generated tokens are kept, so is the state)."""
-
-    generator: torch.Generator | None
-    num_prompt_logprobs_done: int = 0
-    grammar: GrammarState | None = None
-
-
-@dataclass
-class _RequestState:
-    """The runner's copy of a request while it holds KV blocks."""
-
-    request_id: str
-    token_ids: list[int]
-    num_prompt_tokens: int
-    params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
-    sampling: _SamplingState
-    stop_ids: list[int] = field(default_factory=list)
-    # Set for an embedding request (pooled, never sampled).
-    pooling: PoolingParams | None = None
-
-
 # Prompt logprobs one request computes this step: its hidden-state rows, the prompt tokens they
 # score, and how many tokens before the first were skipped (reported as None).
-_PromptLogprobRows = tuple[_RequestState, list[int], list[int], int]
+_PromptLogprobRows = tuple[RequestState, list[int], list[int], int]
 
 
 @dataclass
 class _SpecRows:
     """The requests of a step that verify draft tokens, with their drafts and rows."""
 
-    states: list[_RequestState] = field(default_factory=list)
+    states: list[RequestState] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
 
-    def add(self, state: _RequestState, drafts: list[int], rows: range) -> None:
+    def add(self, state: RequestState, drafts: list[int], rows: range) -> None:
         self.states.append(state)
         self.drafts.append(drafts)
         self.rows.extend(rows)
@@ -85,99 +58,17 @@ class _StepInputs:
     attn_meta: AttentionMetadata
     # Rows of the hidden states to sample from, and the requests they belong to.
     sample_rows: list[int]
-    sample_states: list[_RequestState]
+    sample_states: list[RequestState]
     # Requests verifying draft tokens: every position of theirs is scored.
     spec: _SpecRows
     # Per request needing prompt logprobs this step (see _PromptLogprobRows).
     prompt_lp_rows: list[_PromptLogprobRows]
     # Embedding requests whose prompt this step computes, with their rows (start, count).
-    pool_states: list[_RequestState] = field(default_factory=list)
+    pool_states: list[RequestState] = field(default_factory=list)
     pool_spans: list[tuple[int, int]] = field(default_factory=list)
     # Every row is sampled, in order (a decode-only step): the head takes the hidden states
     # as they are.
     samples_every_row: bool = False
-
-
-class _HostCopy:
-    """Device tensors on their way to the host: copies queued behind the step that makes them
-    (into pinned memory, with an event, on CUDA), so that launching the next step need not
-    wait for them."""
-
-    def __init__(self, *tensors: torch.Tensor | None) -> None:
-        self.event: torch.cuda.Event | None = None
-        first = next((t for t in tensors if t is not None), None)
-        if first is None or first.device.type != "cuda":
-            self.tensors = tensors
-            return
-        self.tensors = tuple(None if t is None else torch.empty(t.shape, dtype=t.dtype,
-                                                                pin_memory=True).copy_(
-                                                                    t, non_blocking=True)
-                             for t in tensors)
-        self.event = torch.cuda.Event()
-        self.event.record()
-
-    def lists(self) -> list[list | None]:
-        """The tensors as lists, once the copies are done."""
-        if self.event is not None:
-            self.event.synchronize()
-        return [None if t is None else t.tolist() for t in self.tensors]
-
-
-def _sample_is_history_free(state: _RequestState) -> bool:
-    """Whether sampling the request's next token needs nothing of its tokens so far but what
-    the device has: no penalties over its outputs, no min_tokens count, no grammar state. Only
-    then can the next step be scheduled while this token is still on the device."""
-    p = state.params
-    return (state.sampling.grammar is None and p.min_tokens == 0 and p.presence_penalty == 0.0
-            and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0)
-
-
-@dataclass
-class _SampledRows:
-    """One step's sampled rows, their tokens still on the device (or on their way)."""
-
-    states: list[_RequestState]
-    copy: _HostCopy  # the sampled ids and, when computed, their raw logprobs
-    logprobs: list[TokenLogprobs] | None  # top logprobs, when some row asked
-    overlappable: bool
-
-    def finish(self, out: RunnerOutput) -> None:
-        """Wait for the tokens; append them to the requests (through their grammars)."""
-        sampled, chosen = self.copy.lists()
-        assert sampled is not None
-        logprobs = self.logprobs
-        for i, (state, token_id) in enumerate(zip(self.states, sampled, strict=True)):
-            kept = ModelRunner.advance_grammar(state, [token_id], out)
-            state.token_ids.extend(kept)
-            out.sampled_token_ids[state.request_id] = kept
-            if chosen is not None and kept:
-                out.sampled_logprobs[state.request_id] = [chosen[i]]
-            if logprobs is not None and state.params.logprobs is not None and kept:
-                out.logprobs[state.request_id] = [_trim(logprobs[i], state.params.logprobs)]
-
-
-@dataclass
-class LaunchedStep:
-    """A step queued on the device (:meth:`ModelRunner.launch`); :meth:`finish` waits for it.
-
-    ``overlappable``: the next step may be scheduled and launched before this one finishes
-    (its requests' next tokens need nothing the host learns from this step's tokens).
-    """
-
-    out: RunnerOutput
-    sampled: _SampledRows | None = None
-    overlappable: bool = True
-
-    @property
-    def can_overlap(self) -> bool:
-        return self.overlappable and (self.sampled is None or self.sampled.overlappable)
-
-    def finish(self) -> RunnerOutput:
-        """The step's output, its sampled tokens appended to the runner's requests."""
-        if self.sampled is not None:
-            self.sampled.finish(self.out)
-            self.sampled = None
-        return self.out
 
 
 class ModelRunner:
@@ -209,10 +100,10 @@ class ModelRunner:
         self.sampler = Sampler()
         # The last launched step's sampled ids on the device, and the requests of their rows:
         # the next step's input for a request whose token the host has not seen yet.
-        self._last_sampled: tuple[torch.Tensor, list[_RequestState]] | None = None
+        self._last_sampled: tuple[torch.Tensor, list[RequestState]] | None = None
         self.kv_caches: list[torch.Tensor] = []
-        self.requests: dict[str, _RequestState] = {}
-        self.sampling_states: dict[str, _SamplingState] = {}
+        self.requests: dict[str, RequestState] = {}
+        self.sampling_states: dict[str, SamplingState] = {}
         # This rank's share of the KV heads: each tensor-parallel rank caches its own heads.
         tp = getattr(model, "tp_size", 1)
         # The cache's dtype: the activations' unless told (see Platform.resolve_kv_cache_dtype).
@@ -374,12 +265,12 @@ class ModelRunner:
                 if params.seed is not None:
                     generator = torch.Generator(self.device).manual_seed(params.seed)
                 grammar = None if new.grammar is None else GrammarState(new.grammar)
-                sampling = _SamplingState(generator, grammar=grammar)
+                sampling = SamplingState(generator, grammar=grammar)
                 self.sampling_states[new.request_id] = sampling
             stop_ids = list(params.stop_token_ids)
             if not params.ignore_eos:
                 stop_ids += self.eos_token_ids
-            self.requests[new.request_id] = _RequestState(
+            self.requests[new.request_id] = RequestState(
                 new.request_id, list(new.token_ids), new.num_prompt_tokens, params,
                 list(new.block_ids), new.num_computed_tokens, sampling, stop_ids,
                 new.pooling_params)
@@ -392,10 +283,10 @@ class ModelRunner:
 
     def _prepare_inputs(self, sched: SchedulerOutput) -> _StepInputs:
         batch = EncoderBatch() if self.is_encoder else FlatBatch(self.block_size)
-        pool_states: list[_RequestState] = []
+        pool_states: list[RequestState] = []
         pool_spans: list[tuple[int, int]] = []
         sample_rows: list[int] = []
-        sample_states: list[_RequestState] = []
+        sample_states: list[RequestState] = []
         spec = _SpecRows()
         prompt_lp_rows: list[_PromptLogprobRows] = []
         # Rows whose token the previous launched step sampled and the host has not seen yet
@@ -468,7 +359,7 @@ class ModelRunner:
         input_ids.index_copy_(0, dst_t, sampled.index_select(0, src_t))
 
     @staticmethod
-    def _plan_prompt_logprobs(state: _RequestState, start: int, end: int, row0: int,
+    def _plan_prompt_logprobs(state: RequestState, start: int, end: int, row0: int,
                               plan: list[_PromptLogprobRows]) -> None:
         # Position p's logits score prompt token p+1; each is reported once, even if the
         # request is preempted and its prompt recomputed. Tokens before prompt_logprobs_start
@@ -493,9 +384,9 @@ class ModelRunner:
             lps = compute_prompt_logprobs(logits, target_t, k)
             out.prompt_logprobs[state.request_id] = [None] * skipped + lps
 
-    def _sample(self, logits: torch.Tensor, states: list[_RequestState]) -> _SampledRows:
+    def _sample(self, logits: torch.Tensor, states: list[RequestState]) -> SampledRows:
         """Queue the sampling of ``states``' next tokens; the host copies of the results are
-        read by :meth:`_SampledRows.finish`."""
+        read by :meth:`SampledRows.finish`."""
         meta = SamplingMetadata.build(
             params=[s.params for s in states],
             prompt_token_ids=[ListSlice(s.token_ids, 0, s.num_prompt_tokens) for s in states],
@@ -509,12 +400,12 @@ class ModelRunner:
         self._last_sampled = (result.sampled_token_ids, states)
         # The top logprobs are read now (a wait for this step); they are rare.
         logprobs = result.to_token_logprobs() if result.has_logprobs else None
-        return _SampledRows(states, _HostCopy(result.sampled_token_ids, result.chosen_logprobs),
+        return SampledRows(states, HostCopy(result.sampled_token_ids, result.chosen_logprobs),
                             logprobs, overlappable=logprobs is None and all(
-                                _sample_is_history_free(s) for s in states))
+                                sample_is_history_free(s) for s in states))
 
     @staticmethod
-    def _grammar_bitmask(states: list[_RequestState], drafts: list[list[int]],
+    def _grammar_bitmask(states: list[RequestState], drafts: list[list[int]],
                          vocab_size: int) -> tuple[torch.Tensor, list[int]] | None:
         """The allowed-token bitmask of a batch whose request i has ``1 + len(drafts[i])``
         rows (one per position it samples), with the rows it constrains; None without
@@ -538,19 +429,6 @@ class ModelRunner:
         fill_rows(bitmask, *singles)
         return (bitmask, rows) if rows else None
 
-    @staticmethod
-    def advance_grammar(state: _RequestState, token_ids: list[int],
-                        out: RunnerOutput) -> list[int]:
-        """The new tokens the request keeps once its grammar has seen them (all of them, or
-        up to the one that completed the grammar, which then ends the request)."""
-        grammar = state.sampling.grammar
-        if grammar is None:
-            return token_ids
-        kept = token_ids[:grammar.accept(token_ids)]
-        if grammar.finished:
-            out.grammar_finished.add(state.request_id)
-        return kept
-
     def _verify(self, logits: torch.Tensor, spec: _SpecRows,
                 draft_probs: dict[str, torch.Tensor], out: RunnerOutput) -> None:
         """Accept or reject each request's drafts; it emits the accepted ones plus one."""
@@ -568,7 +446,7 @@ class ModelRunner:
         for state, token_ids, logprobs, chosen in zip(spec.states, result.token_ids,
                                                       result.logprobs, result.chosen_logprobs,
                                                       strict=True):
-            kept = self.advance_grammar(state, token_ids, out)
+            kept = advance_grammar(state, token_ids, out)
             state.token_ids.extend(kept)
             out.sampled_token_ids[state.request_id] = kept
             out.sampled_logprobs[state.request_id] = chosen[:len(kept)]
@@ -589,9 +467,3 @@ def capture_decode_graphs_if_enabled(runner: ModelRunner, config: EngineConfig,
     max_bs = config.device.cuda_graph_max_batch_size or config.scheduler.max_num_seqs
     runner.capture_decode_graphs(max_bs, max_model_len)
     return True
-
-
-def _trim(lp: TokenLogprobs, k: int) -> TokenLogprobs:
-    """Keep only the top ``k`` alternatives a request asked for (the batch computed the max)."""
-    top = dict(list(lp.top.items())[:k])
-    return TokenLogprobs(lp.token_id, lp.logprob, lp.rank, top)
