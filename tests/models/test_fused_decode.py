@@ -177,6 +177,43 @@ def test_engine_greedy_identical_on_and_off(llm) -> None:  # noqa: ANN001 (sessi
     assert on == off
 
 
+@pytest.fixture(scope="module")
+def quantized_llm():  # noqa: ANN201
+    """The embedded model as `tokenmill serve` loads it: int4 layers, a Q8_0 (int8) table
+    tied to the head."""
+    from tokenmill import LLM
+
+    return LLM(max_model_len=1024, kv_cache_memory_bytes=64 << 20)
+
+
+def test_embedded_model_embeds_and_scores_through_the_kernels(quantized_llm) -> None:  # noqa: ANN001
+    """The fused decoder looks the tokens up and computes the logits straight from the C++
+    kernels, with the bits of the model's own modules, and the engine's greedy tokens are
+    those of the modules' paths."""
+    from tokenmill import SamplingParams
+
+    runner = quantized_llm.engine.core.executor.runner
+    model, fused = runner.model, runner.fused_decoder
+    table = model.model.embed_tokens
+    assert fused is not None and fused._embed is not table and fused._head is not None
+    ids = torch.tensor([1, 42, 49151, 9])
+    assert torch.equal(fused._embed(ids), table(ids))
+    for rows in (1, 5):
+        hidden = torch.randn(rows, model.config.hidden_size, generator=torch.Generator()
+                             .manual_seed(rows))
+        assert torch.equal(fused.logits(hidden), model.compute_logits(hidden))
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    direct = [o.outputs[0].token_ids for o in quantized_llm.generate(GREEDY_PROMPTS, params)]
+    saved = fused._embed, fused._head
+    try:
+        fused._embed, fused._head = table, None
+        modules = [o.outputs[0].token_ids
+                   for o in quantized_llm.generate(GREEDY_PROMPTS, params)]
+    finally:
+        fused._embed, fused._head = saved
+    assert direct == modules
+
+
 def test_runner_falls_back_when_the_stack_fails(llm) -> None:  # noqa: ANN001
     from tokenmill import SamplingParams
 

@@ -106,8 +106,27 @@ def last_level_cache_bytes(caches: Path = _SYSFS_CACHES) -> int | None:
     return best[1] if best else None
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor as /proc/cpuinfo names it ("AuthenticAMD", "GenuineIntel"), or ""
+    where it does not say."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 # Where the cache size is unknown, a common last-level cache (a Zen or Xeon slice).
 _DEFAULT_LLC_BYTES = 32 << 20
+# The CPUs on which a non-temporal fetch of the weights was measured to help: AMD's (a Zen 5,
+# +10% a batch-1 decode step). On an Intel Xeon (2 cores with AMX, 2026-11-28) the same switch
+# made the step 2.3-2.6x slower (benchmarks/results/stream-weights-ab-xeon-amx-cpu.json):
+# prefetchnta there reads the weights at ~7 GB/s where prefetcht0 streams them at ~22, whatever
+# the model's size against the cache, so elsewhere the weights are fetched normally.
+_STREAMING_VENDORS = ("AuthenticAMD",)
 # Bytes of weights of this process's models (note_model_weights), and whether the kernels
 # fetch them non-temporally: applied when the extension loads, or at once if it has.
 _model_weight_bytes = 0
@@ -117,7 +136,8 @@ _stream_weights = False
 def note_model_weights(nbytes: int, stream: bool | None = None, owner: object = None) -> bool:
     """A model of ``nbytes`` of weights will run on the CPU kernels in this process. Once the
     process's models add up to more than the last-level cache, every step reads them from
-    memory anyway: the kernels then fetch weights non-temporally. ``stream`` True / False
+    memory anyway: the kernels then fetch weights non-temporally (on AMD's CPUs, where that
+    was measured to help; see _STREAMING_VENDORS). ``stream`` True / False
     forces it on / off (the runner's ``TOKENMILL_STREAM_WEIGHTS``). With an ``owner`` (the
     model), its bytes leave the sum when it is garbage-collected (a model unloaded from a
     multi-model server), and the choice is made again. Returns whether they now stream."""
@@ -136,11 +156,13 @@ def _forget_model_weights(nbytes: int, stream: bool | None) -> None:
 
 
 def _decide_streaming(stream: bool | None) -> bool:
-    """Stream when told to, else when the process's models outgrow the last-level cache; tell
-    the extension if it is loaded (load_extension applies it otherwise)."""
+    """Stream when told to, else on the CPUs where it helps (_STREAMING_VENDORS) when the
+    process's models outgrow the last-level cache; tell the extension if it is loaded
+    (load_extension applies it otherwise)."""
     global _stream_weights
     if stream is None:
-        stream = _model_weight_bytes > (last_level_cache_bytes() or _DEFAULT_LLC_BYTES)
+        stream = (cpu_vendor() in _STREAMING_VENDORS
+                  and _model_weight_bytes > (last_level_cache_bytes() or _DEFAULT_LLC_BYTES))
     _stream_weights = stream
     ext = extension_if_loaded()
     if ext is not None:

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "decode_kernels.h"
+#include "embedding.h"
 #include "greedy_sample.h"
 #include "int_dot.h"
 #include "paged_attention.h"
@@ -506,6 +507,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "last-level cache)", pybind11::arg("on"));
   m.def("stream_weights", [] { return tokenmill::intdot::g_stream_weights; },
         "whether the int kernels fetch weights non-temporally");
+  m.def("int8_embedding", &tokenmill::int8_embedding,
+        "rows ids of an int8 embedding table times their bf16 scales, in fp32",
+        pybind11::arg("ids"), pybind11::arg("weight"), pybind11::arg("scales"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("greedy_with_logprobs", &tokenmill::greedy_with_logprobs,
         "per row of float32 logits: argmax and its logprob (logit - logsumexp)",
         pybind11::arg("logits"), pybind11::call_guard<pybind11::gil_scoped_release>());

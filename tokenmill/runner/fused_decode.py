@@ -13,6 +13,7 @@ PyTorch's dense matmuls, and attention is the CPU backend's prefill kernel); the
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.csrc import load_extension
 from tokenmill.models import layers
 from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.quant.head import QuantizedMatrix
 from tokenmill.quant.kernel_choice import cpu_kernels, decode_only_step
 from tokenmill.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from tokenmill.quant.model import float_matmul_layers, pin_row_kernels
@@ -186,6 +188,12 @@ class FusedDecoder:
         self._checked_caches: tuple[int, int, int, int] | None = None
         ext = load_extension()
         self.stack = self._build_stack(model, dtype, ext)
+        # The token embeddings and the logits straight from the C++ kernels where the model's
+        # table and head are int8 (the embedded model's Q8_0 table, tied): model's own
+        # modules otherwise.
+        lookup = getattr(model.model.embed_tokens, "direct_lookup", None)
+        self._embed = (lookup() if lookup is not None else None) or model.model.embed_tokens
+        self._head = _direct_head(model)
         # Steps with prefill chunks too: where the extension has a prefill kernel for the
         # head size (else those steps run model.forward).
         self.prefill = (fused_prefill_enabled(prefill)
@@ -238,10 +246,17 @@ class FusedDecoder:
             self._checked_caches = key
         return True
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``model.compute_logits(hidden)``: the same fp32 logits, with a quantized int8 head
+        straight from its kernel."""
+        if self._head is None:
+            return self.model.compute_logits(hidden)
+        return self._head(hidden)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_meta: AttentionMetadata) -> torch.Tensor:
         """Final-normed hidden states ``[T, hidden]``, as ``model.forward`` returns them."""
-        hidden = self.model.model.embed_tokens(input_ids)
+        hidden = self._embed(input_ids)
         chunks: list[int] = []
         if not attn_meta.decode_only:
             start = 0
@@ -258,6 +273,20 @@ class FusedDecoder:
         # is no ATen op and would otherwise show as time outside every op.
         with torch.profiler.record_function(PROFILE_RANGE):
             return self.stack.forward(*args)
+
+
+def _direct_head(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The int8 output head's kernel as one callable (``direct_rows_kernel``), where the model
+    computes its logits as LlamaForCausalLM does on one rank; None elsewhere."""
+    if (type(model).compute_logits is not LlamaForCausalLM.compute_logits
+            or model.tp_size != 1):
+        return None
+    head = model.model.embed_tokens if model.lm_head is None else model.lm_head
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, QuantizedMatrix) or not isinstance(weight.linear,
+                                                                 Int8WeightOnlyLinear):
+        return None
+    return weight.linear.direct_rows_kernel()
 
 
 def make_fused_decoder(model: nn.Module, device: torch.device,

@@ -219,7 +219,7 @@ class ModelRunner:
             else:
                 wanted = inputs.sample_rows + inputs.spec.rows
                 picked = hidden.index_select(0, host_tensor(wanted, torch.int64, self.device))
-            logits = self.model.compute_logits(picked)
+            logits = self._compute_logits(picked)
             if num_sampled:
                 launched.sampled = self._sample(logits[:num_sampled], inputs.sample_states)
             if inputs.spec.states:
@@ -228,6 +228,12 @@ class ModelRunner:
         if launched.sampled is None:
             self._last_sampled = None
         return launched
+
+    def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``model.compute_logits``; through the fused decoder where there is one (its int8 head
+        skips the module's Python on the way to the same kernel)."""
+        fused = self.fused_decoder
+        return self.model.compute_logits(hidden) if fused is None else fused.logits(hidden)
 
     def _forward(self, inputs: _StepInputs) -> torch.Tensor:
         """A captured decode graph, the fused C++ stack for a decode-only step when it is on,
