@@ -14,6 +14,7 @@ from tokenmill.runner.sampler import (
     apply_logits_processors,
     compute_prompt_logprobs,
     gather_logprobs,
+    plain_greedy,
 )
 from tokenmill.sampling_params import SamplingParams
 
@@ -112,6 +113,31 @@ def test_mixed_batch_greedy_rows(logits: torch.Tensor) -> None:
     for _ in range(5):
         got = Sampler()(logits, meta).sampled_token_ids.tolist()
         assert got[0::2] == want[0::2]
+
+
+@pytest.mark.parametrize(("extra", "plain"), [
+    ({}, True), ({"top_k": 1, "temperature": 0.8}, True), ({"temperature": 0.7}, False),
+    ({"logprobs": 0}, False), ({"logit_bias": {3: 5.0}}, False), ({"min_tokens": 2}, False),
+    ({"presence_penalty": 0.5}, False), ({"frequency_penalty": 0.5}, False),
+    ({"repetition_penalty": 1.2}, False)])
+def test_plain_greedy_rows_take_the_metadata_free_path(logits: torch.Tensor, extra: dict,
+                                                      plain: bool) -> None:
+    """Sampler.greedy gives __call__'s ids and chosen logprobs, for exactly the rows that ask
+    nothing but the argmax."""
+    params = SamplingParams(**{"temperature": 0.0, **extra})
+    from tokenmill.csrc import extension_or_none
+
+    assert plain_greedy(params) is plain
+    if not plain:
+        return
+    if extension_or_none() is None:
+        pytest.skip("tokenmill's C++ extension cannot be built here: no greedy kernel")
+    fast, full = Sampler().greedy(logits), Sampler()(logits, build([params] * 6))
+    assert fast is not None
+    assert torch.equal(fast.sampled_token_ids, full.sampled_token_ids)
+    assert torch.equal(fast.chosen_logprobs, full.chosen_logprobs)
+    assert fast.sampled_token_ids.tolist() == logits.argmax(dim=-1).tolist()
+    assert Sampler(chosen_logprobs=False).greedy(logits) is None
 
 
 def test_metadata_skips_unused_features() -> None:

@@ -27,7 +27,12 @@ from tokenmill.runner.launched import HostCopy, LaunchedStep, SampledRows, sampl
 from tokenmill.runner.platform import Platform
 from tokenmill.runner.pooling import EncoderBatch, pool_embeddings
 from tokenmill.runner.request_state import RequestState, SamplingState, advance_grammar
-from tokenmill.runner.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
+from tokenmill.runner.sampler import (
+    Sampler,
+    SamplingMetadata,
+    compute_prompt_logprobs,
+    plain_greedy,
+)
 from tokenmill.runner.spec_verify import SpecRequest, verify_drafts
 from tokenmill.structured.matcher import GrammarState, allocate_bitmask, fill_rows
 from tokenmill.utils import ListSlice, env_switch, host_tensor
@@ -393,6 +398,13 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, states: list[RequestState]) -> SampledRows:
         """Queue the sampling of ``states``' next tokens; the host copies of the results are
         read by :meth:`SampledRows.finish`."""
+        if all(s.sampling.grammar is None and plain_greedy(s.params) for s in states) and (
+                result := self.sampler.greedy(logits)) is not None:
+            # Greedy decoding and nothing else: no metadata to build (~50 us of a ~5 ms
+            # batch-1 step on a 2-core Xeon).
+            self._last_sampled = (result.sampled_token_ids, states)
+            return SampledRows(states, HostCopy(result.sampled_token_ids, result.chosen_logprobs),
+                               None, overlappable=True)
         meta = SamplingMetadata.build(
             params=[s.params for s in states],
             prompt_token_ids=[ListSlice(s.token_ids, 0, s.num_prompt_tokens) for s in states],

@@ -271,6 +271,15 @@ class Sampler:
     def __init__(self, chosen_logprobs: bool = True) -> None:
         self.chosen_logprobs = chosen_logprobs
 
+    def greedy(self, logits: torch.Tensor) -> SamplerOutput | None:
+        """The common decode step, every row :func:`plain_greedy`: the argmax and its logprob
+        in one pass of the C++ kernel, with no SamplingMetadata to build. None where that
+        kernel does not apply (then ``__call__``)."""
+        if not self.chosen_logprobs or (fast := _greedy_kernel(logits.float())) is None:
+            return None
+        ids, chosen = fast
+        return SamplerOutput(sampled_token_ids=ids, chosen_logprobs=chosen)
+
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row; the input logits are not modified."""
         raw = logits = logits.float()
@@ -278,11 +287,9 @@ class Sampler:
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = apply_logits_processors(logits, meta)
-        if (meta.all_greedy and raw_logprobs is None and self.chosen_logprobs
-                and logits is raw and (fast := _greedy_kernel(logits)) is not None):
-            # The common decode step: argmax and its logprob in one pass.
-            ids, chosen = fast
-            return SamplerOutput(sampled_token_ids=ids, chosen_logprobs=chosen)
+        if (meta.all_greedy and raw_logprobs is None and logits is raw
+                and (fast := self.greedy(raw)) is not None):
+            return fast
 
         greedy_ids = None if meta.all_random else logits.argmax(dim=-1)
         if meta.all_greedy:
@@ -301,6 +308,15 @@ class Sampler:
         elif self.chosen_logprobs:
             out.chosen_logprobs = logprobs_of(raw, sampled)
         return out
+
+
+def plain_greedy(params: SamplingParams) -> bool:
+    """Whether a row's token is the argmax of its raw logits with nothing else asked of the
+    sampler: no logprobs, logit_bias, min_tokens or penalties (:meth:`Sampler.greedy`). A
+    structured output's grammar is the caller's to check."""
+    return (params.greedy and params.logprobs is None and not params.logit_bias
+            and params.min_tokens == 0 and params.presence_penalty == 0.0
+            and params.frequency_penalty == 0.0 and params.repetition_penalty == 1.0)
 
 
 def _greedy_kernel(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
