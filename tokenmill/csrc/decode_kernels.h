@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "thread_pool.h"
@@ -68,6 +69,89 @@ inline float exp_poly(float x) {
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
 }
+
+// exp_poly lane by lane, on any width of float vector V (I: its int32 twin): the same bits.
+template <typename V, typename I>
+inline V exp_lanes(V x) {
+  const V lo = V{} - 87.0f, hi = V{} + 88.0f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const V y = x * 1.44269504088896341f + 0.5f;
+  V n = __builtin_convertvector(__builtin_convertvector(y, I), V);
+  n = n > y ? n - 1.0f : n;  // truncation -> floor
+  V r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  return p * reinterpret_cast<const V&>(bits);
+}
+
+// The glue's explicit vectors (GCC vector extensions): one AVX-512 register, or an AVX2 one.
+// GCC's own vectorization of the SiLU loop below (exp_poly, then a division) ran at ~5.5 ns an
+// element on a Xeon, 18x these lanes, which compute the same bits.
+namespace lanes {
+#if defined(__AVX512F__)
+constexpr int64_t kWidth = 16;
+typedef float F __attribute__((vector_size(64)));
+typedef int32_t I __attribute__((vector_size(64)));
+typedef uint32_t U __attribute__((vector_size(64)));
+typedef uint16_t H __attribute__((vector_size(32)));
+#else
+constexpr int64_t kWidth = 8;
+typedef float F __attribute__((vector_size(32)));
+typedef int32_t I __attribute__((vector_size(32)));
+typedef uint32_t U __attribute__((vector_size(32)));
+typedef uint16_t H __attribute__((vector_size(16)));
+#endif
+
+inline F load(const float* p) {
+  F v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// bf16 -> fp32 (exact), as to_f.
+inline F load(const c10::BFloat16* p) {
+  H h;
+  std::memcpy(&h, p, sizeof(h));
+  const U w = __builtin_convertvector(h, U) << 16;
+  return reinterpret_cast<const F&>(w);
+}
+
+// fp32 -> bf16 bits, as from_f<c10::BFloat16>: nearest even, NaN to 0x7FC0.
+inline U bf16_bits(F v) {
+  const U u = reinterpret_cast<const U&>(v);
+  const U rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const U nan = U{} + 0x7FC0u;
+  const I is_nan = v != v;
+  return is_nan ? nan : rounded;
+}
+
+inline void store(float* p, F v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline void store(c10::BFloat16* p, F v) {
+  const H h = __builtin_convertvector(bf16_bits(v), H);
+  std::memcpy(p, &h, sizeof(h));
+}
+
+// round_to<T> lane by lane.
+template <typename T>
+inline F round(F v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    static_assert(std::is_same_v<T, c10::BFloat16>, "fp32 or bf16 activations");
+    const U w = bf16_bits(v) << 16;
+    return reinterpret_cast<const F&>(w);
+  }
+}
+}  // namespace lanes
 
 // Rows [0, rows) in parallel chunks of at least `min_elems` elements' worth of rows: the glue
 // of a batch-32 step is worth two threads, that of a single sequence is not.
@@ -138,8 +222,13 @@ void silu_mul_rows(const I* gate_up, O* out, int64_t rows, int64_t n) {
       const I* g = gate_up + r * 2 * n;
       const I* u = g + n;
       O* o = out + r * n;
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) {
+      int64_t i = 0;
+      for (; i + lanes::kWidth <= n; i += lanes::kWidth) {
+        const lanes::F x = lanes::load(g + i);
+        const lanes::F silu = x / (1.f + exp_lanes<lanes::F, lanes::I>(-x));
+        lanes::store(o + i, lanes::round<T>(silu) * lanes::load(u + i));
+      }
+      for (; i < n; ++i) {  // the same bits, one at a time
         const float x = to_f(g[i]);
         o[i] = from_f<O>(round_to<T>(x / (1.f + exp_poly(-x))) * to_f(u[i]));
       }

@@ -421,6 +421,23 @@ at::Tensor parallel_iota(int64_t n, int64_t grain, int64_t throw_at) {
   return out;
 }
 
+// silu(gate) * up of each row [gate | up] of a fused gate/up projection's output, computed as
+// the stack computes it with activations in the input's dtype. For tests.
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.is_contiguous() &&
+                  (gate_up.scalar_type() == at::kFloat || gate_up.scalar_type() == at::kBFloat16),
+              "silu_mul: gate_up must be a contiguous fp32 or bf16 [rows, 2 * n] tensor");
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({rows, n}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat) {
+    silu_mul_rows<float, float, float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, n);
+  } else {
+    silu_mul_rows<c10::BFloat16, c10::BFloat16, c10::BFloat16>(
+        gate_up.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), rows, n);
+  }
+  return out;
+}
+
 }  // namespace tokenmill
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -487,6 +504,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out[i] = i filled by the extension's thread pool (throws at index throw_at)",
         pybind11::arg("n"), pybind11::arg("grain") = 1, pybind11::arg("throw_at") = -1,
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("silu_mul", &tokenmill::silu_mul,
+        "silu(gate) * up per row [gate | up], as the decoder stack computes it (for tests)",
+        pybind11::arg("gate_up"), pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("pool_stats", [] {
     const auto& pool = tokenmill::tmpool::Pool::get();
     const auto& s = pool.stats();

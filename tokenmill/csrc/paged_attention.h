@@ -96,28 +96,6 @@ inline void hsum4(f32x16 a, f32x16 b, f32x16 c, f32x16 d, float* out) {
   out[3] = s[12];
 }
 
-// exp_poly (decode_kernels.h) lane by lane, on any width of float vector V (I: its int32 twin).
-template <typename V, typename I>
-inline V exp_lanes(V x) {
-  const V lo = V{} - 87.0f, hi = V{} + 88.0f;
-  x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
-  const V y = x * 1.44269504088896341f + 0.5f;
-  V n = __builtin_convertvector(__builtin_convertvector(y, I), V);
-  n = n > y ? n - 1.0f : n;  // truncation -> floor
-  V r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  V p = V{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
-  return p * reinterpret_cast<const V&>(bits);
-}
-
 // The hot loops' 16-lane vectors. With AVX-512 that is one register. Elsewhere GCC lowers a
 // 64-byte generic vector to pairs of 32-byte operations but keeps arrays of them (a head's
 // accumulators) on the stack, and the stores and reloads cost ~10x the arithmetic: decode
