@@ -51,16 +51,43 @@ def test_bf16_matmuls_keep_parity(minilm_path: str, st_model: Any,
     assert min(sims) >= 0.999, min(sims)
 
 
-def test_mixed_batch_equals_one_at_a_time(embed_llm: LLM) -> None:
-    texts = ["short", "a medium length sentence about nothing much",
-             " ".join(["long"] * 120), "short", "another one, of medium length too"]
-    together = embed_llm.embed(texts)
-    assert embed_llm.engine.core.last_batch[0] == len(texts)  # all in one step
-    for text, out in zip(texts, together, strict=True):
-        (alone,) = embed_llm.embed(text)
+MIXED_TEXTS = ["short", "a medium length sentence about nothing much",
+               " ".join(["long"] * 120), "short", "another one, of medium length too"]
+
+
+def _batched_and_alone(llm: LLM) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each of MIXED_TEXTS' embeddings from one step with all of them, and from a step alone."""
+    together = llm.embed(MIXED_TEXTS)
+    assert llm.engine.core.last_batch[0] == len(MIXED_TEXTS)  # all in one step
+    pairs = []
+    for text, out in zip(MIXED_TEXTS, together, strict=True):
+        (alone,) = llm.embed(text)
         assert alone.prompt_token_ids == out.prompt_token_ids
-        torch.testing.assert_close(torch.tensor(out.embedding), torch.tensor(alone.embedding),
-                                   atol=1e-5, rtol=0)
+        pairs.append((torch.tensor(out.embedding), torch.tensor(alone.embedding)))
+    return pairs
+
+
+def test_mixed_batch_equals_one_at_a_time(minilm_path: str) -> None:
+    """fp32 projections: a text's embedding is the same alone or beside others in one step."""
+    llm = LLM(minilm_path, task="embed", max_num_seqs=32, max_num_batched_tokens=1024,
+              dtype="float32")
+    try:
+        for batched, alone in _batched_and_alone(llm):
+            torch.testing.assert_close(batched, alone, atol=1e-5, rtol=0)
+    finally:
+        llm.close()
+
+
+def test_mixed_batch_within_bf16_precision(embed_llm: LLM) -> None:
+    """The default engine, bf16 projections where the CPU multiplies bf16 natively: oneDNN
+    picks its bf16 kernels by the row count (on AMX, other kernels for one text than for five),
+    so a matmul's fp32 sums, and the bf16 rounding of the next matmul's input, can differ by a
+    step. On a Xeon with AMX a text's embedding moved by up to 5.3e-4 (cosine 0.999995) with its
+    batch mates; fp32 engines keep 1e-5 (above). Far inside the parity goal against
+    sentence-transformers (cosine >= 0.999)."""
+    for batched, alone in _batched_and_alone(embed_llm):
+        assert torch.nn.functional.cosine_similarity(batched, alone, dim=0) >= 0.9999
+        torch.testing.assert_close(batched, alone, atol=2e-3, rtol=0)
 
 
 def test_many_requests_share_a_step(minilm_path: str) -> None:
