@@ -10,6 +10,7 @@ import torch
 from tokenmill.core.sched_output import RunnerOutput
 from tokenmill.outputs import TokenLogprobs
 from tokenmill.runner.request_state import RequestState, advance_grammar
+from tokenmill.runner.sampler import needs_no_history
 
 
 class HostCopy:
@@ -41,9 +42,7 @@ def sample_is_history_free(state: RequestState) -> bool:
     """Whether sampling the request's next token needs nothing of its tokens so far but what
     the device has: no penalties over its outputs, no min_tokens count, no grammar state. Only
     then can the next step be scheduled while this token is still on the device."""
-    p = state.params
-    return (state.sampling.grammar is None and p.min_tokens == 0 and p.presence_penalty == 0.0
-            and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0)
+    return state.sampling.grammar is None and needs_no_history(state.params)
 
 
 @dataclass

@@ -310,13 +310,19 @@ class Sampler:
         return out
 
 
+def needs_no_history(params: SamplingParams) -> bool:
+    """Whether the row's logits are processed without its tokens so far: no min_tokens count
+    and no penalties over its prompt or outputs."""
+    return (params.min_tokens == 0 and params.presence_penalty == 0.0
+            and params.frequency_penalty == 0.0 and params.repetition_penalty == 1.0)
+
+
 def plain_greedy(params: SamplingParams) -> bool:
     """Whether a row's token is the argmax of its raw logits with nothing else asked of the
     sampler: no logprobs, logit_bias, min_tokens or penalties (:meth:`Sampler.greedy`). A
     structured output's grammar is the caller's to check."""
     return (params.greedy and params.logprobs is None and not params.logit_bias
-            and params.min_tokens == 0 and params.presence_penalty == 0.0
-            and params.frequency_penalty == 0.0 and params.repetition_penalty == 1.0)
+            and needs_no_history(params))
 
 
 def _greedy_kernel(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
