@@ -112,6 +112,17 @@ def test_dequantize_round_trip(qtype: Q) -> None:
     assert np.abs(y - x).max() <= TOLERANCE[qtype] * np.abs(x).max() + 1e-7
 
 
+def test_q8_0_fast_path_matches_gguf_on_the_embedded_table(model: GGUFModel) -> None:
+    """The numpy Q8_0 path gives gguf.quants' exact values on real data: rows of the embedded
+    model's tied table (fp16 scales of every magnitude it has), and a 1-D row."""
+    raw = model.raw_tensor("model.embed_tokens.weight")
+    rows = np.asarray(raw.data[:2048])
+    np.testing.assert_array_equal(dequantize_array(rows, Q.Q8_0),
+                                  gguf.quants.dequantize(rows, Q.Q8_0))
+    np.testing.assert_array_equal(dequantize_array(rows[7], Q.Q8_0),
+                                  gguf.quants.dequantize(rows[7], Q.Q8_0))
+
+
 @pytest.mark.parametrize("n_head", [1, 3, 9])
 def test_unpermute_inverts_permute(n_head: int) -> None:
     w = np.random.default_rng(n_head).standard_normal((n_head * 64, 40)).astype(np.float32)

@@ -59,3 +59,26 @@ def test_per_request_usage_adds_up_to_the_engine_steps() -> None:
     assert total.compute_seconds == pytest.approx(steps.compute_seconds, rel=1e-9)
     assert total.energy_joules == pytest.approx(steps.energy_joules, rel=1e-9)
     assert total.cost_usd == pytest.approx(steps.compute_seconds * 7.2 / 3600, rel=1e-9)
+
+
+def test_no_visible_counter_skips_zeus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a RAPL tree or a GPU driver the meter does not even import Zeus (its GPU
+    modules cost every start ~0.25 s): a failing import proves it was never tried."""
+    monkeypatch.setattr(economics, "COUNTER_PATHS", ("/nonexistent/tokenmill-rapl",))
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_zeus(name, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if name.startswith("zeus"):
+            raise AssertionError("zeus was imported")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_zeus)
+    meter = EnergyMeter()
+    assert meter.estimated and meter.sources == ["cpu-time estimate"]
+
+
+def test_counters_visible_looks_at_the_paths(tmp_path) -> None:
+    assert not economics.counters_visible((str(tmp_path / "absent"),))
+    assert economics.counters_visible((str(tmp_path / "absent"), str(tmp_path)))

@@ -70,9 +70,25 @@ class EnergyMeter:
         return total
 
 
+# Where the counters Zeus reads show up: the kernel's RAPL tree (Intel, and AMD's Zen through
+# the same driver), NVIDIA's driver, AMD's GPU driver.
+COUNTER_PATHS = ("/sys/class/powercap/intel-rapl", "/sys/class/powercap/intel-rapl:0",
+                 "/proc/driver/nvidia", "/dev/kfd")
+
+
+def counters_visible(paths: tuple[str, ...] | None = None) -> bool:
+    """Whether any energy counter Zeus could read is there at all (``paths``: COUNTER_PATHS)."""
+    return any(os.path.exists(p) for p in (COUNTER_PATHS if paths is None else paths))
+
+
 def _zeus_devices() -> tuple[object | None, object | None]:
     """Zeus's CPU (RAPL) and GPU managers, each None where the machine has no readable
-    counter (or Zeus is not installed)."""
+    counter (or Zeus is not installed). Where no counter is visible Zeus is not imported: its
+    GPU modules take ~0.25 s of every start, for nothing on a VM or a laptop without RAPL."""
+    if not counters_visible():
+        logger.info("no energy counter on this machine (no RAPL in /sys/class/powercap, no GPU "
+                    "driver): CPU energy is estimated from CPU time")
+        return None, None
     try:
         from zeus.device import get_cpus, get_gpus
     except ImportError:  # an optional dependency: the estimate still works

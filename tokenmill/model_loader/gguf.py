@@ -86,8 +86,27 @@ def unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(rows.shape))
 
 
+# Q8_0: blocks of 34 bytes, an fp16 scale then 32 int8 values.
+_Q8_0_BLOCK_BYTES, _Q8_0_BLOCK = 34, 32
+
+
+def _dequantize_q8_0(data: np.ndarray) -> np.ndarray:
+    """Q8_0 rows as float32: gguf.quants' arithmetic (fp16 scale widened, times the int8
+    value), in a few whole-array numpy passes instead of its row-group loop (a tied 49152-row
+    head: ~0.28 -> ~0.12 s of every start)."""
+    blocks = data.reshape(-1, _Q8_0_BLOCK_BYTES)
+    scales = np.ascontiguousarray(blocks[:, :2]).view(np.float16).astype(np.float32)
+    values = blocks[:, 2:].view(np.int8).astype(np.float32)
+    values *= scales
+    row_bytes = data.shape[-1]
+    return values.reshape(*data.shape[:-1], row_bytes // _Q8_0_BLOCK_BYTES * _Q8_0_BLOCK)
+
+
 def dequantize_array(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """Float32 values of one tensor's data as stored in the file (any type gguf.quants knows)."""
+    if (qtype == GGMLQuantizationType.Q8_0 and data.dtype == np.uint8 and data.ndim >= 1
+            and data.shape[-1] % _Q8_0_BLOCK_BYTES == 0):
+        return _dequantize_q8_0(data)
     try:
         out = dequantize(data, qtype)
     except NotImplementedError as e:
