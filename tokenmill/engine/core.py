@@ -13,6 +13,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache import KVCacheManager, NoKVCache
 from tokenmill.core.sched_output import EngineCoreOutput, SchedulerOutput
 from tokenmill.core.scheduler import Scheduler
+from tokenmill.engine.heap import HeapTrimmer
 from tokenmill.executor import make_executor
 from tokenmill.metrics.economics import EnergyMeter, StepAccountant
 from tokenmill.metrics.stats import SchedulerStats, SpecDecodingStats
@@ -134,6 +135,8 @@ class EngineCore:
         econ = config.economics
         self.accountant = StepAccountant(EnergyMeter(econ.cpu_watts), econ.cost_per_hour)
         logger.info("energy: %s", ", ".join(self.accountant.meter.sources))
+        # The C heap's free pages back to the OS now and then (CPU engines, glibc).
+        self._heap = HeapTrimmer.for_device(self.platform.is_cuda)
 
     def _resolve_async_scheduling(self, asked: bool | None) -> bool:
         """Whether steps overlap (see SchedulerConfig.async_scheduling); ValueError when asked
@@ -196,8 +199,13 @@ class EngineCore:
         dropped. Steps whose tokens the next one needs on the host (grammars, penalties,
         min_tokens, top logprobs) finish before the next is scheduled.
         """
-        if self.async_scheduling:
-            return self._step_overlapped()
+        outputs = self._step_overlapped() if self.async_scheduling else self._step_in_turn()
+        if self._heap is not None:
+            self._heap.after_step(self.last_batch[1])
+        return outputs
+
+    def _step_in_turn(self) -> list[EngineCoreOutput]:
+        """One step, scheduled, run and reported before the next is scheduled."""
         self.accountant.begin()
         sched = self.scheduler.schedule()
         self.last_batch = (len(sched.num_scheduled_tokens), sched.total_num_scheduled_tokens)

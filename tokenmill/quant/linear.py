@@ -215,6 +215,14 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
 
         return rows_kernel
 
+    def prepare_row_tiles(self) -> None:
+        """Pack the output tiles now where batches of rows will read them (an output head on
+        tokenmill's integer kernels) rather than in the first batched step, which would wait
+        for it (~35 ms for the embedded model's head) and free the packing's temporaries in
+        the middle of serving, where they stay in the heap."""
+        if self.row_tiles and self.int_activations() and kernel_choice.cpu_kernels() is not None:
+            self.q16_tiles()
+
     def q16_tiles(self) -> torch.Tensor:
         """The weight in output tiles (``pack_int8_q16_tiles``), packed on first use."""
         if self._tiles is None:

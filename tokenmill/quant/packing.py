@@ -18,6 +18,7 @@ import ctypes.util
 import functools
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -341,10 +342,18 @@ def release_freed_memory() -> None:
     Quantizing frees thousands of mid-sized temporaries that glibc keeps in its heap: without
     this the process stays ~150 MB larger after loading the 135M model than its live tensors.
     """
+    trim = malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim`` (give the heap's free pages back to the OS), or None where the
+    C library has none (not Linux, or musl)."""
     if not sys.platform.startswith("linux"):
-        return
+        return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
-        pass
+        return None

@@ -194,6 +194,9 @@ class FusedDecoder:
         lookup = getattr(model.model.embed_tokens, "direct_lookup", None)
         self._embed = (lookup() if lookup is not None else None) or model.model.embed_tokens
         self._head = _direct_head(model)
+        # The int4 layers have just packed their q8 tiles, the head its output tiles: hand
+        # the temporaries back to the OS.
+        release_freed_memory()
         # Steps with prefill chunks too: where the extension has a prefill kernel for the
         # head size (else those steps run model.forward).
         self.prefill = (fused_prefill_enabled(prefill)
@@ -219,8 +222,6 @@ class FusedDecoder:
                      (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
             stack.add_layer(norms, [p.kind for p in parts], [p.tensors() for p in parts],
                             [p.group_size for p in parts], [p.row_dispatch() for p in parts])
-        # int4 layers have just packed their q8 tiles: hand the temporaries back to the OS.
-        release_freed_memory()
         return stack
 
     def supports(self, input_ids: torch.Tensor, attn_meta: AttentionMetadata) -> bool:
@@ -286,6 +287,7 @@ def _direct_head(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | N
     if not isinstance(weight, QuantizedMatrix) or not isinstance(weight.linear,
                                                                  Int8WeightOnlyLinear):
         return None
+    weight.linear.prepare_row_tiles()
     return weight.linear.direct_rows_kernel()
 
 
