@@ -133,3 +133,29 @@ def test_index_filters_and_removal() -> None:
     assert idx.index.ntotal == 10 and all(cid < 10 for cid, _ in idx.search(q, 5, None))
     brute = np.argsort(-(x[:10] @ q[0]))[:5].tolist()
     assert [cid for cid, _ in idx.search(q, 5, None)] == brute
+
+
+def test_faiss_is_imported_on_first_use_with_one_thread_there() -> None:
+    """The server starts without FAISS (its import is ~0.16 s of a start): a new service and
+    its start() leave it unimported; the first index built on the service's thread imports it,
+    and runs it there on one OpenMP thread."""
+    import subprocess
+    import sys
+
+    script = """
+import asyncio, sys, tempfile
+from tokenmill.retrieval import HashEmbedder, RetrievalService
+import tokenmill.server.app
+svc = RetrievalService(tempfile.mkdtemp(), HashEmbedder())
+asyncio.run(svc.start())
+assert "faiss" not in sys.modules, "faiss imported at start"
+from tokenmill.retrieval.index import StoreIndex
+def build():
+    StoreIndex(8)
+    return sys.modules["faiss"].omp_get_max_threads()
+print("threads", asyncio.run(svc._on_thread(build)))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "threads 1" in out.stdout

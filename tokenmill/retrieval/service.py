@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import faiss
 import numpy as np
 
 from tokenmill.api.errors import bad_request
@@ -29,7 +28,7 @@ from tokenmill.retrieval.catalog import Catalog, FileRow
 from tokenmill.retrieval.embedder import Embedder
 from tokenmill.retrieval.extract import extract_text
 from tokenmill.retrieval.filters import matches
-from tokenmill.retrieval.index import VectorIndex, normalise
+from tokenmill.retrieval.index import VectorIndex, normalise, one_thread_faiss
 from tokenmill.retrieval.ingest import Ingestor
 from tokenmill.retrieval.objects import file_object, not_found
 from tokenmill.retrieval.stores import StoreMethods
@@ -72,8 +71,7 @@ class RetrievalService(StoreMethods):
         # One thread owns the catalog and the indexes; FAISS searches one query at a time
         # there, where OpenMP's thread start-up costs more than it saves.
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-retrieval",
-                                          initializer=faiss.omp_set_num_threads,
-                                          initargs=(1,))
+                                          initializer=one_thread_faiss)
         self.catalog = Catalog(os.path.join(self.data_dir, "retrieval.sqlite"))
         self.index = VectorIndex(self.catalog.store_vectors)
         self.ingest = Ingestor(self.catalog, self.index, embedder, self.files_dir, self.db,
