@@ -35,6 +35,22 @@ class _Timer:
         finally:
             self.seconds += time.perf_counter() - t
 
+    def __getattr__(self, name: str) -> Any:
+        """The wrapped object's other attributes, its methods timed into the same total (the
+        sampler's greedy shortcut, ``Sampler.greedy``)."""
+        attr = getattr(self.fn, name)
+        if not callable(attr):
+            return attr
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t
+
+        return timed
+
 
 def measure(batch: int, context: int, steps: int,
             kind: OutputKind = OutputKind.DELTA) -> dict[str, float]:
