@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 from tokenmill import LLM
-from tokenmill.bench.latency import start_decoding
+from tokenmill.bench.latency import alternating_step_times
 from tokenmill.bench.report import hardware, hardware_line, markdown_table, now_iso, write_json
 
 SWITCH_EVERY = 10  # steps on one side before the swap
@@ -30,23 +29,15 @@ def ab(llm: LLM, context: int, steps: int, rounds: int) -> dict[str, list[float]
         raise SystemExit("this model's fused decoder has no direct head: nothing to compare")
     sides = {"direct": (fused._embed, fused._head),
              "modules": (runner.model.model.embed_tokens, None)}
-    times: dict[str, list[float]] = {name: [] for name in sides}
+
+    def use(name: str) -> None:
+        fused._embed, fused._head = sides[name]
+
     try:
-        for r in range(rounds):
-            start_decoding(engine, 1, context, steps, seed=r)
-            i = 0
-            while engine.has_unfinished_requests():
-                name = list(sides)[(i // SWITCH_EVERY + r) % 2]
-                fused._embed, fused._head = sides[name]
-                t = time.perf_counter()
-                engine.step()
-                dt = time.perf_counter() - t
-                if i > 0 and i % SWITCH_EVERY >= SETTLE:  # step 0 is the prompt's
-                    times[name].append(dt)
-                i += 1
+        return alternating_step_times(engine, list(sides), use, context, steps, rounds,
+                                      SWITCH_EVERY, SETTLE)
     finally:
-        fused._embed, fused._head = sides["direct"]
-    return times
+        use("direct")
 
 
 def main() -> None:

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 from tokenmill import LLM
-from tokenmill.bench.latency import start_decoding
+from tokenmill.bench.latency import alternating_step_times
 from tokenmill.bench.report import hardware, hardware_line, markdown_table, now_iso, write_json
 from tokenmill.csrc import load_extension
 
@@ -26,24 +25,12 @@ def ab(llm: LLM, context: int, steps: int, rounds: int) -> dict[bool, list[float
     """Step times (s) with streaming on (True) and off (False), over ``rounds`` decodes of
     ``steps`` tokens after a ``context``-token prompt."""
     ext, engine = load_extension(), llm.engine
-    times: dict[bool, list[float]] = {True: [], False: []}
     was = ext.stream_weights()
     try:
-        for r in range(rounds):
-            start_decoding(engine, 1, context, steps, seed=r)
-            i = 0
-            while engine.has_unfinished_requests():
-                on = (i // SWITCH_EVERY + r) % 2 == 0
-                ext.set_stream_weights(on)
-                t = time.perf_counter()
-                engine.step()
-                dt = time.perf_counter() - t
-                if i > 0 and i % SWITCH_EVERY >= SETTLE:  # step 0 is the prompt's
-                    times[on].append(dt)
-                i += 1
+        return alternating_step_times(engine, [True, False], ext.set_stream_weights, context,
+                                      steps, rounds, SWITCH_EVERY, SETTLE)
     finally:
         ext.set_stream_weights(was)
-    return times
 
 
 def main() -> None:

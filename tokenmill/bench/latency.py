@@ -12,8 +12,9 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from tokenmill.bench.datasets import SampleRequest
 from tokenmill.bench.offline import (
@@ -155,3 +156,31 @@ def start_decoding(engine: LLMEngine, batch: int, prompt_tokens: int, max_tokens
                 f"a request finished before all {batch} had started decoding (preempted "
                 "ones restart): the KV cache holds too few of these sequences at once")
         engine.step()
+
+
+Side = TypeVar("Side")
+
+
+def alternating_step_times(engine: LLMEngine, sides: Sequence[Side],
+                           use: Callable[[Side], None], context: int, steps: int, rounds: int,
+                           switch_every: int, settle: int) -> dict[Side, list[float]]:
+    """Step times (s) of single-stream decodes under two configurations, ``sides``, swapped
+    every ``switch_every`` steps of the same decodes (``use(side)`` switches to one), so that
+    both see the same machine at the same moments: the A/B benchmarks' loop. Each round is a
+    decode of ``steps`` tokens after a ``context``-token prompt, starting on the other side
+    than the round before; the prompt's step and the first ``settle`` steps after each swap
+    are not counted."""
+    times: dict[Side, list[float]] = {side: [] for side in sides}
+    for r in range(rounds):
+        start_decoding(engine, 1, context, steps, seed=r)
+        i = 0
+        while engine.has_unfinished_requests():
+            side = sides[(i // switch_every + r) % 2]
+            use(side)
+            t = time.perf_counter()
+            engine.step()
+            dt = time.perf_counter() - t
+            if i > 0 and i % switch_every >= settle:
+                times[side].append(dt)
+            i += 1
+    return times
