@@ -278,7 +278,8 @@ class FusedDecoder:
 
 def _direct_head(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The int8 output head's kernel as one callable (``direct_rows_kernel``), where the model
-    computes its logits as LlamaForCausalLM does on one rank; None elsewhere."""
+    computes its logits as LlamaForCausalLM does on one rank; None elsewhere. Such a head also
+    packs its output tiles now (``prepare_row_tiles``), with the rest of the model."""
     if (type(model).compute_logits is not LlamaForCausalLM.compute_logits
             or model.tp_size != 1):
         return None
