@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import statistics
 import sys
@@ -32,7 +33,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tokenmill.attention import triton_kernels as tk  # noqa: E402
-from tokenmill.attention.decode_tuning import DEFAULT_LAUNCH  # noqa: E402
+from tokenmill.attention.decode_tuning import DEFAULT_LAUNCH, FP8_COMPUTE  # noqa: E402
 from tokenmill.bench.report import markdown_table, now_iso, write_json  # noqa: E402
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
@@ -163,7 +164,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the default settings only")
     ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                     help="the cache's dtype: the queries' (auto) or fp8 e4m3, as the engine's "
-                         "--kv-cache-dtype; a tuning file holds one of them")
+                         "--kv-cache-dtype; an fp8 sweep's --write-tuning adds by_batch_fp8 "
+                         "to the file")
     ap.add_argument("--result-file", default=None)
     ap.add_argument("--write-tuning", default=None, metavar="FILE",
                     help="write the fastest settings per batch class as a decode tuning file "
@@ -176,12 +178,16 @@ def main() -> None:
     cases = [tuple(int(v) for v in s.split("x")) for s in shapes.split(",")]
     bound = a.max_seq_len_bound if device.type == "cuda" else 0
     # Every partition x tile x warps at Triton's default pipelining: 30 compiles, then each
-    # batch class's fastest at every pipelining depth.
+    # batch class's fastest at every pipelining depth. An fp8 cache moves half the bytes a
+    # tile, so its grid has longer tiles, and both widenings (fp16, the queries' bf16).
+    if a.kv_cache_dtype == "fp8":
+        points = itertools.product((256, 512, 1024), (32, 64, 128), (4, 8), FP8_COMPUTE)
+    else:
+        points = itertools.product((64, 128, 256, 512, 1024), (16, 32, 64), (4, 8),
+                                   (DEFAULT["fp8_compute"],))
     grid = [DEFAULT] + ([] if a.quick else [
-        {"partition_size": p, "block_n": n, "num_warps": w, "num_stages": None}
-        for p, n, w in itertools.product((64, 128, 256, 512, 1024), (16, 32, 64), (4, 8))
-        if (p, n, w) != (DEFAULT["partition_size"], DEFAULT["block_n"], DEFAULT["num_warps"])
-    ])
+        v for v in ({"partition_size": p, "block_n": n, "num_warps": w, "num_stages": None,
+                     "fp8_compute": c} for p, n, w, c in points) if v != DEFAULT])
     if device.type != "cuda":  # the interpreter: check the script, not the settings
         grid = [DEFAULT, dict(DEFAULT, partition_size=16, block_n=16, num_warps=4)]
     bw = copy_bandwidth(device)
@@ -233,8 +239,19 @@ def main() -> None:
             by_batch = rules
         else:  # one class measured: its settings for every batch
             by_batch = [dict(rules[-1], max_batch=None)]
-        write_json(a.write_tuning, {"device": name, "created": now_iso(), "command": command,
-                                    "torch": torch.__version__, "by_batch": by_batch})
+        if a.kv_cache_dtype == "fp8":
+            # The fp8 cache's rules join the file's others (by_batch, for bf16 caches).
+            if not os.path.isfile(a.write_tuning):
+                raise SystemExit(f"{a.write_tuning}: an fp8 sweep adds its rules to an "
+                                 "existing tuning file; write the bf16 one first")
+            with open(a.write_tuning) as f:
+                data = json.load(f)
+            data.update({"by_batch_fp8": by_batch, "created_fp8": now_iso(),
+                         "command_fp8": command})
+        else:
+            data = {"device": name, "created": now_iso(), "command": command,
+                    "torch": torch.__version__, "by_batch": by_batch}
+        write_json(a.write_tuning, data)
         print(f"wrote {a.write_tuning}")
     if a.result_file:
         write_json(a.result_file, {"created": now_iso(), "copy_bandwidth_gb_s": bw / 1e9,

@@ -7,6 +7,7 @@
 #   phase 2, carry .device/whl .device/vocab.gguf .device/part2:  bash benchmarks/gpu/lease.sh 2
 #   one call, carry .device/whl .device/vocab.gguf:  DEADLINE=540 bash benchmarks/gpu/lease.sh tune
 #   one call, carry .device/whl .device/vocab.gguf:  DEADLINE=560 bash benchmarks/gpu/lease.sh async
+#   one call, carry .device/whl .device/vocab.gguf:  DEADLINE=555 bash benchmarks/gpu/lease.sh fp8
 #
 # Phase 1 needs only the tokenizer (dummy-weight presets): the kernel and graph tests, decode
 # and throughput on Llama-3.1-8B's shape, nano-vllm's workload. Phase 2 has the whole embedded
@@ -87,6 +88,36 @@ elif [ "$PHASE" = async ]; then
   # fp8 cache at the long-context shapes, against its bf16 figures (91% of copy bandwidth).
   step attention-sweep-fp8 90 python3 benchmarks/gpu/attention_bw.py --kv-cache-dtype fp8 \
     --shapes 256x1500,64x4000 --result-file "$RES/$GPU-decode-attention-bw-fp8.json"
+elif [ "$PHASE" = fp8 ]; then
+  # The fp8 KV cache read path (2026-11-27: fp8 weights and cache ran the 1,000 x 1,000
+  # workload no faster than bf16, 9,487 vs 9,483 tok/s): its kernel tests, the decode
+  # attention sweep on an fp8 cache (both widenings, longer tiles), which adds by_batch_fp8
+  # to this GPU's tuning file, then the workload with it, and where a decode step goes at
+  # 1,500-token contexts with fp8 and with bf16.
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  python3 -c "import torch, triton, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__)"
+  step tests-fp8 90 python3 -m pytest -q -p no:cacheprovider -rfE \
+    tests/unit/test_triton_attention.py tests/unit/test_cuda_graphs.py \
+    tests/gpu/test_fp8_kv_cache.py tests/gpu/test_async_scheduling_cuda.py \
+    tests/gpu/test_cuda_engine.py::test_quantized_linear_on_cuda
+  SLUG=$(python3 -c "import torch; from tokenmill.attention.decode_tuning import device_slug; print(device_slug(torch.cuda.get_device_name(0)))")
+  step attention-sweep-fp8 100 python3 benchmarks/gpu/attention_bw.py --kv-cache-dtype fp8 \
+    --shapes 256x1500,64x4000 --result-file "$RES/$GPU-decode-attention-bw-fp8.json" \
+    --write-tuning "tokenmill/attention/tuned/$SLUG.json"
+  step throughput-fp8 130 $BENCH --suite throughput --model llama-3.1-8b --max-model-len 2048 \
+    --quantization fp8 --kv-cache-dtype fp8 \
+    --result-file "$RES/$GPU-llama-3.1-8b-throughput-fp8-kvfp8.json"
+  step profile-fp8-1500 75 python3 benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b \
+    --batches 256 --steps 10 --prompt-tokens 1500 --quantization fp8 --kv-cache-dtype fp8 \
+    --result-file "$RES/$GPU-llama-3.1-8b-step-profile-1500-fp8.json"
+  step profile-bf16-1500 75 python3 benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b \
+    --batches 256 --steps 10 --prompt-tokens 1500 \
+    --result-file "$RES/$GPU-llama-3.1-8b-step-profile-1500-bf16.json"
+  step throughput-bf16-kvfp8 130 $BENCH --suite throughput --model llama-3.1-8b \
+    --max-model-len 2048 --kv-cache-dtype fp8 \
+    --result-file "$RES/$GPU-llama-3.1-8b-throughput-bf16-kvfp8.json"
+  step ttft-probe 60 python3 benchmarks/gpu/ttft_probe.py --model llama-3.1-8b \
+    --result-file "$RES/$GPU-llama-3.1-8b-ttft-probe.json"
 elif [ "$PHASE" = tune ]; then
   # 2026-11-27's run of this phase took 565 s (tests 39, sweep 66 with do_bench, bf16
   # throughput 153, decode 19, then the fp8-cache runs were cut at their caps). Next: the sweep

@@ -7,7 +7,8 @@ times per step, and the step time minus it is where the GPU waits on the host (s
 input building, output processing, launch gaps).
 
     python benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b --batches 1,256 \
-        [--steps 20] [--prompt-tokens 128] [--result-file FILE]
+        [--steps 20] [--prompt-tokens 128] [--quantization fp8] [--kv-cache-dtype fp8]
+        [--result-file FILE]
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ PROMPT_TOKENS = 128
 ACTIVITIES = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
 # Kernel name fragments -> group (first match wins).
 GROUPS = [
+    ("fp8 activation quantization", ("quantize",)),
     ("matmul (cuBLAS/cutlass GEMM)", ("gemm", "gemv", "cutlass", "sm90_xmma", "nvjet", "splitk",
                                        "matmul", "_mm")),
     ("attention (Triton)", ("attention", "attn", "_decode_split", "_decode_reduce", "_prefill",
@@ -100,12 +102,14 @@ def main() -> None:
                     help="each sequence's context before the timed steps (the throughput "
                          "workload decodes at 1,000-2,000)")
     ap.add_argument("--quantization", default="none")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--result-file", default=None)
     a = ap.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     llm = LLM(model=a.model, load_format="dummy", device=a.device, max_model_len=a.max_model_len,
-              max_num_seqs=max(batches), quantization=a.quantization)
+              max_num_seqs=max(batches), quantization=a.quantization,
+              kv_cache_dtype=a.kv_cache_dtype)
     results: dict[str, Any] = {}
     for n, batch in enumerate(batches):
         run_steps(llm, batch, 3, seed=100 + n, prof=False,  # warm-up at this batch size
@@ -127,6 +131,8 @@ def main() -> None:
     if a.result_file:
         write_json(a.result_file, {"created": now_iso(), "model": a.model,
                                    "prompt_tokens": a.prompt_tokens,
+                                   "quantization": a.quantization,
+                                   "kv_cache_dtype": a.kv_cache_dtype,
                                    "device": (torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"),
                                    "torch": torch.__version__,
                                    "command": " ".join(["python", *sys.argv]),

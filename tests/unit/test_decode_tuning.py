@@ -41,11 +41,28 @@ def test_rules_apply_by_batch_size(tmp_path: Path) -> None:
     assert tuning.for_batch(9) == DecodeLaunch(256, 32, 8, None)
     assert tuning.for_batch(65) == tuning.for_batch(4096) == DecodeLaunch(1024, 64, 4, None)
     assert tuning.for_batch(1).kwargs() == {"partition_size": 128, "block_n": 16,
-                                            "num_warps": 4, "num_stages": 2}
+                                            "num_warps": 4, "num_stages": 2,
+                                            "fp8_compute": "fp16"}
+    # Without rules of its own, an fp8 cache takes the same ones.
+    assert tuning.for_batch(9, fp8_cache=True) == tuning.for_batch(9)
     # Without a rule for every batch, larger batches take the defaults.
     capped = dt.parse_tuning({"by_batch": [{"max_batch": 4, "block_n": 64}]}, "x")
     assert capped.for_batch(5) == dt.DEFAULT_LAUNCH
     assert DecodeTuning().for_batch(300) == dt.DEFAULT_LAUNCH
+
+
+def test_an_fp8_cache_takes_its_own_rules(tmp_path: Path) -> None:
+    """``by_batch_fp8`` (written by ``attention_bw.py --kv-cache-dtype fp8``) serves fp8
+    caches only, with its own batch classes and widening."""
+    tuning = dt.load_tuning(write(tmp_path / "t.json", {
+        "by_batch": [{"max_batch": 8, "partition_size": 128}, {"max_batch": None}],
+        "by_batch_fp8": [{"max_batch": None, "partition_size": 1024, "block_n": 128,
+                          "num_warps": 8, "fp8_compute": "query"}]}))
+    assert tuning.for_batch(4) == DecodeLaunch(128)
+    assert tuning.for_batch(300) == dt.DEFAULT_LAUNCH
+    for batch in (1, 4, 300):
+        assert tuning.for_batch(batch, fp8_cache=True) == DecodeLaunch(1024, 128, 8, None,
+                                                                       "query")
 
 
 @pytest.mark.parametrize("data,message", [
@@ -61,6 +78,11 @@ def test_rules_apply_by_batch_size(tmp_path: Path) -> None:
     ({"by_batch": [{"max_batch": "8"}]}, "max_batch must be null or an integer"),
     ({"by_batch": [{"max_batch": None}, {"max_batch": None}]},
      r"by_batch\[1\] follows a rule for any batch"),
+    ({"by_batch": [{"fp8_compute": "fp32"}]},
+     r"by_batch\[0\]: fp8_compute must be one of fp16, query, got 'fp32'"),
+    ({"by_batch": [{}], "by_batch_fp8": []}, r"by_batch_fp8: expected a non-empty list"),
+    ({"by_batch": [{}], "by_batch_fp8": [{"block_n": 12}]},
+     r"by_batch_fp8\[0\]: block_n must be a power of two"),
 ])
 def test_bad_files_name_the_file_and_the_entry(tmp_path: Path, data: object,
                                                 message: str) -> None:
@@ -122,3 +144,12 @@ def test_sweep_script_writes_a_tuning_file(tmp_path: Path) -> None:
     assert len(rows) == 12 and all("error" not in r for r in rows)
     assert {r["num_stages"] for r in rows} == {None, 1, 2, 3, 4}
     assert max(r["rel_err_vs_default"] for r in rows) < 1e-4
+    # An fp8 sweep adds its rules to the same file and keeps the others.
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/gpu/attention_bw.py"), "--shapes", "9x20",
+         "--kv-cache-dtype", "fp8", "--write-tuning", str(out)],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    merged = dt.load_tuning(out)
+    assert merged.rules == tuning.rules
+    assert [max_batch for max_batch, _ in merged.fp8_rules] == [None]

@@ -310,6 +310,36 @@ def test_fp8_cache_stores_saturated_e4m3_and_both_kernels_read_it() -> None:
         assert (out - ref.view(n, -1)).abs().max().item() <= 1e-4, chunks
 
 
+@pytest.mark.parametrize("fp8_compute", ["fp16", "query"])
+def test_fp8_cache_widened_to_fp16_or_to_the_queries_dtype(fp8_compute: str) -> None:
+    """An fp8 cache under 16-bit queries: the tuning's ``fp8_compute`` picks the dtype of the
+    dot products (fp16, or the queries'); decode and prefill give dense attention over the
+    stored values either way. (fp16 queries here: the interpreter gets bf16 wrong; the GPU
+    test runs bf16.)"""
+    gen = torch.Generator().manual_seed(11)
+    hq, hkv, d, block_size = 8, 2, 16, 4
+    tuning = parse_tuning({"by_batch": [{"partition_size": 16}],
+                           "by_batch_fp8": [{"partition_size": 16, "block_n": 16,
+                                             "fp8_compute": fp8_compute}]}, "test")
+    backend = triton_backend.TritonAttentionBackend(decode_tuning=tuning)
+    cache = new_cache(hkv, d, block_size, torch.float8_e4m3fn, backend=backend)
+    kv = cache.kv_caches[0]
+    for chunks in ([(0, 37), (1, 6)], [(0, 1), (1, 1)]):
+        meta = to_device(cache.step(chunks)[0])
+        n = len(meta.slot_mapping)
+        q = torch.randn(n, hq, d, generator=gen).half().to(DEVICE)
+        k, v = ((torch.randn(n, hkv, d, generator=gen) * 2).to(torch.float8_e4m3fn)
+                .half().to(DEVICE) for _ in range(2))
+        out = backend.forward(q, k, v, kv, meta, d ** -0.5)
+        ref = dense(q.float(), kv.float(), meta.block_tables, meta.query_lens_cpu,
+                    meta.seq_lens_cpu, d ** -0.5)
+        assert out.dtype == torch.float16
+        assert (out.float() - ref.view(n, -1)).abs().max().item() <= 1e-2, chunks
+    assert kernels.widens_to_fp16(q, kv, fp8_compute) == (fp8_compute == "fp16")
+    assert not kernels.widens_to_fp16(q.float(), kv)  # fp32 queries keep exact products
+    assert not kernels.widens_to_fp16(q, kv.half())  # not an fp8 cache
+
+
 def test_backend_decodes_with_the_tuned_launch_of_its_batch_size(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A decode step launches the tuning's settings for its batch size (the rule is picked

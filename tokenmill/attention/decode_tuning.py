@@ -13,9 +13,12 @@ File format::
     {"device": "NVIDIA H200",
      "by_batch": [{"max_batch": 8, "partition_size": 128, "block_n": 32, "num_warps": 4,
                    "num_stages": null},
-                  {"max_batch": null, "partition_size": 512, ...}]}
+                  {"max_batch": null, "partition_size": 512, ...}],
+     "by_batch_fp8": [...]}
 
 A batch of B sequences takes the first rule whose ``max_batch`` is at least B (null: any).
+``by_batch_fp8`` (optional; ``attention_bw.py --kv-cache-dtype fp8`` writes it) holds the
+rules for an fp8 KV cache, whose tiles are half the bytes and are widened in registers.
 The choice depends on the batch size alone, never on the sequences' lengths, so a CUDA graph
 captured for a batch size keeps one launch.
 """
@@ -33,6 +36,7 @@ from typing import Any
 ENV_FILE = "TOKENMILL_DECODE_TUNING"
 TUNED_DIR = Path(__file__).with_name("tuned")
 _MIN_DOT = 16  # tl.dot's smallest dimension on GPUs
+FP8_COMPUTE = ("fp16", "query")
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,10 @@ class DecodeLaunch:
     block_n: int = 32
     num_warps: int = 8
     num_stages: int | None = None
+    # An fp8 cache's keys and values are widened in registers to this before the dot products:
+    # "fp16" (e4m3 converts to it exactly, one instruction per pair; the queries are rounded to
+    # it) or "query" (the queries' dtype, bf16 in a bf16 model). Ignored for other caches.
+    fp8_compute: str = "fp16"
 
     def __post_init__(self) -> None:
         for name in ("partition_size", "block_n"):
@@ -55,6 +63,9 @@ class DecodeLaunch:
         if self.num_stages is not None and (not isinstance(self.num_stages, int)
                                             or not 1 <= self.num_stages <= 8):
             raise ValueError(f"num_stages must be null or 1..8, got {self.num_stages!r}")
+        if self.fp8_compute not in FP8_COMPUTE:
+            raise ValueError(f"fp8_compute must be one of {', '.join(FP8_COMPUTE)}, "
+                             f"got {self.fp8_compute!r}")
 
     def kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``triton_kernels.decode_attention``."""
@@ -66,16 +77,45 @@ DEFAULT_LAUNCH = DecodeLaunch()
 
 @dataclass(frozen=True)
 class DecodeTuning:
-    """Launch settings by batch size: ``rules`` are (max_batch or None, launch), in order."""
+    """Launch settings by batch size: ``rules`` are (max_batch or None, launch), in order;
+    ``fp8_rules`` the same for an fp8 KV cache (empty: ``rules`` serve it too)."""
 
     rules: tuple[tuple[int | None, DecodeLaunch], ...] = ((None, DEFAULT_LAUNCH),)
     source: str = "defaults"
+    fp8_rules: tuple[tuple[int | None, DecodeLaunch], ...] = ()
 
-    def for_batch(self, batch: int) -> DecodeLaunch:
-        for max_batch, launch in self.rules:
+    def for_batch(self, batch: int, fp8_cache: bool = False) -> DecodeLaunch:
+        for max_batch, launch in (self.fp8_rules if fp8_cache and self.fp8_rules
+                                  else self.rules):
             if max_batch is None or batch <= max_batch:
                 return launch
         return DEFAULT_LAUNCH
+
+
+def _parse_rules(entries: Any, where: str) -> tuple[tuple[int | None, DecodeLaunch], ...]:
+    """One list of rules (``by_batch`` or ``by_batch_fp8``); ValueError names the entry."""
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"{where}: expected a non-empty list")
+    names = {f.name for f in fields(DecodeLaunch)}
+    rules: list[tuple[int | None, DecodeLaunch]] = []
+    last = 0
+    for i, entry in enumerate(entries):
+        at = f"{where}[{i}]"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{at} must be an object")
+        max_batch = entry.get("max_batch")
+        if max_batch is not None and (not isinstance(max_batch, int) or max_batch <= last):
+            raise ValueError(f"{at}: max_batch must be null or an integer above the "
+                             f"previous rule's ({last}), got {max_batch!r}")
+        if rules and rules[-1][0] is None:
+            raise ValueError(f"{at} follows a rule for any batch (max_batch null)")
+        try:
+            launch = DecodeLaunch(**{k: v for k, v in entry.items() if k in names})
+        except ValueError as e:
+            raise ValueError(f"{at}: {e}") from None
+        rules.append((max_batch, launch))
+        last = max_batch or last
+    return tuple(rules)
 
 
 def parse_tuning(data: Any, source: str) -> DecodeTuning:
@@ -83,26 +123,10 @@ def parse_tuning(data: Any, source: str) -> DecodeTuning:
     if not isinstance(data, dict) or not isinstance(data.get("by_batch"), list) \
             or not data["by_batch"]:
         raise ValueError(f"{source}: expected an object with a non-empty list 'by_batch'")
-    names = {f.name for f in fields(DecodeLaunch)}
-    rules: list[tuple[int | None, DecodeLaunch]] = []
-    last = 0
-    for i, entry in enumerate(data["by_batch"]):
-        where = f"{source}: by_batch[{i}]"
-        if not isinstance(entry, dict):
-            raise ValueError(f"{where} must be an object")
-        max_batch = entry.get("max_batch")
-        if max_batch is not None and (not isinstance(max_batch, int) or max_batch <= last):
-            raise ValueError(f"{where}: max_batch must be null or an integer above the "
-                             f"previous rule's ({last}), got {max_batch!r}")
-        if rules and rules[-1][0] is None:
-            raise ValueError(f"{where} follows a rule for any batch (max_batch null)")
-        try:
-            launch = DecodeLaunch(**{k: v for k, v in entry.items() if k in names})
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
-        rules.append((max_batch, launch))
-        last = max_batch or last
-    return DecodeTuning(tuple(rules), source)
+    rules = _parse_rules(data["by_batch"], f"{source}: by_batch")
+    fp8_rules = (_parse_rules(data["by_batch_fp8"], f"{source}: by_batch_fp8")
+                 if "by_batch_fp8" in data else ())
+    return DecodeTuning(rules, source, fp8_rules)
 
 
 def load_tuning(path: str | os.PathLike[str]) -> DecodeTuning:

@@ -12,6 +12,7 @@ from tokenmill.attention.backend import AttentionBackend
 from tokenmill.attention.decode_tuning import DecodeTuning
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.attention.triton_kernels import (
+    FP8_CACHE_DTYPES,
     decode_attention,
     prefill_attention,
     prefill_tiles,
@@ -47,7 +48,8 @@ class TritonAttentionBackend(AttentionBackend):
         out = q.new_empty(num_tokens, num_heads, head_dim)
         if meta.decode_only:
             bound = meta.max_seq_len_bound
-            launch = self.decode_tuning.for_batch(num_tokens).kwargs()
+            launch = self.decode_tuning.for_batch(
+                num_tokens, fp8_cache=kv_cache.dtype in FP8_CACHE_DTYPES).kwargs()
             if self.decode_partition_size is not None:
                 launch["partition_size"] = self.decode_partition_size
             decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale,

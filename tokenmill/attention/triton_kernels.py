@@ -26,6 +26,7 @@ _LOG2E = 1.4426950408889634
 # without calibrated scales); K and V beyond +-448 are clamped when stored.
 FP8_CACHE_DTYPES = (torch.float8_e4m3fn,)
 FP8_MAX = tl.constexpr(448.0)
+FP16_MAX = tl.constexpr(65504.0)
 # tl.dot needs every dimension >= 16 on GPUs: decode pads its query heads and the head dim up
 # to it, and decode partitions are at least this long.
 _MIN_DOT = 16
@@ -92,6 +93,15 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, n0, end, kv_head,
 
 
 @triton.jit
+def _queries_to(q, FP16: tl.constexpr):
+    """The queries in the dtype of the dot products: fp16 for an fp8 cache widened to fp16
+    (clamped to fp16's range first; bf16 queries of a real model lie far inside it)."""
+    if FP16:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -FP16_MAX), FP16_MAX).to(tl.float16)
+    return q
+
+
+@triton.jit
 def _softmax_step(s, v, m, denom, acc, DOT_PRECISION: tl.constexpr):
     """Fold a tile of base-2 scores ``s`` (-inf where masked) into the running max/sum/output."""
     m_new = tl.maximum(m, tl.max(s, 1))
@@ -109,7 +119,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_pt
                          NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, FP16: tl.constexpr):
     """Program (seq, kv head, split): the GROUP query heads of one KV head over one partition.
 
     Writes the partition's normalized output and log2-sum-exp per query head, to be combined by
@@ -130,8 +140,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_pt
     heads = kv_head * GROUP + g
     g_mask = g < GROUP
     d_mask = d < HEAD_DIM
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = _queries_to(tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                            mask=g_mask[:, None] & d_mask[None, :], other=0.0), FP16)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     denom = tl.full([BLOCK_G], 0.0, tl.float32)
     acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
@@ -195,7 +205,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, table_ptr, query_s
                     stride_cb, stride_co, stride_ch,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, FP16: tl.constexpr):
     """Program (tile, kv head): causal attention of BLOCK_M // GROUP query tokens of one
     sequence; the step's tiles are listed in ``tile_seq`` / ``tile_idx`` (sequence, tile of it),
     so a mixed step launches no programs for the empty tiles of its short sequences.
@@ -223,8 +233,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, table_ptr, query_s
     d = tl.arange(0, BLOCK_D)
     mask = r_mask[:, None] & (d < HEAD_DIM)[None, :]
     rows = (q_start + tok).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=mask, other=0.0)
+    q = _queries_to(tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh
+                            + d[None, :], mask=mask, other=0.0), FP16)
     q_pos = ctx + tok
     # Every row sees key 0, so the first tile gives each row a finite max (no inf - inf).
     end = tl.minimum(seq_len, ctx + (q_tile + 1) * BLOCK_Q)
@@ -271,7 +281,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
                      partition_size: int = DEFAULT_LAUNCH.partition_size,
                      block_n: int = DEFAULT_LAUNCH.block_n,
                      num_warps: int = DEFAULT_LAUNCH.num_warps,
-                     num_stages: int | None = DEFAULT_LAUNCH.num_stages) -> torch.Tensor:
+                     num_stages: int | None = DEFAULT_LAUNCH.num_stages,
+                     fp8_compute: str = DEFAULT_LAUNCH.fp8_compute) -> torch.Tensor:
     """Attend one query per sequence over its paged context (flash decoding).
 
     Each sequence's context is cut into partitions of ``partition_size`` tokens, attended in
@@ -292,6 +303,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         block_n, num_warps, num_stages: the split kernel's keys per tile (a power of two of at
             least 16), warps per program and software-pipelining depth (None: Triton's
             default); benchmarks/gpu/attention_bw.py sweeps them.
+        fp8_compute: what an fp8 cache is widened to (:func:`widens_to_fp16`).
 
     Returns:
         ``out`` or a new ``[B, Hq, D]`` tensor in the dtype of q.
@@ -323,8 +335,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         PARTITION=partition_size, BLOCK_G=max(_MIN_DOT, triton.next_power_of_2(group)),
         BLOCK_N=min(block_n, partition_size), BLOCK_D=block_d,
-        DOT_PRECISION=_dot_precision(q), num_warps=num_warps,
-        **({} if num_stages is None else {"num_stages": num_stages}))
+        DOT_PRECISION=_dot_precision(q), FP16=widens_to_fp16(q, kv_cache, fp8_compute),
+        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
     _decode_reduce_kernel[(num_seqs, num_heads)](
         part_out, part_lse, seq_lens, out, num_splits, out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, PARTITION=partition_size, BLOCK_D=block_d)
@@ -396,8 +408,20 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=prefill_block_m(num_heads, num_kv_heads), BLOCK_N=_PREFILL_BLOCK_N,
         BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)),
-        DOT_PRECISION=_dot_precision(q), num_warps=NUM_WARPS)
+        DOT_PRECISION=_dot_precision(q), FP16=widens_to_fp16(q, kv_cache), num_warps=NUM_WARPS)
     return out
+
+
+def widens_to_fp16(q: torch.Tensor, kv_cache: torch.Tensor, fp8_compute: str = "fp16") -> bool:
+    """Whether the kernels take the dot products of an fp8 cache in fp16 (``fp8_compute``
+    "fp16", 16-bit queries) rather than in the queries' dtype ("query", or fp32 queries).
+
+    Every e4m3 value is exact in fp16 and converts in one instruction per pair, where bf16
+    takes a longer sequence; the softmax weights keep more bits in fp16 than in bf16. The
+    cost is the queries' range: clamped to +-65,504 (bf16 reaches 3e38).
+    """
+    return (kv_cache.dtype in FP8_CACHE_DTYPES and fp8_compute == "fp16"
+            and q.dtype in (torch.bfloat16, torch.float16))
 
 
 def _dot_precision(q: torch.Tensor) -> str:
