@@ -166,6 +166,10 @@ def main() -> None:
                     help="the cache's dtype: the queries' (auto) or fp8 e4m3, as the engine's "
                          "--kv-cache-dtype; an fp8 sweep's --write-tuning adds by_batch_fp8 "
                          "to the file")
+    for flag, what in (("--partitions", "partition sizes"), ("--block-ns", "keys per tile"),
+                       ("--warps", "warps"), ("--stages", "pipelining depths ('default')"),
+                       ("--fp8-computes", "widenings of an fp8 cache (fp16, query)")):
+        ap.add_argument(flag, default=None, help=f"comma-separated {what} to sweep")
     ap.add_argument("--result-file", default=None)
     ap.add_argument("--write-tuning", default=None, metavar="FILE",
                     help="write the fastest settings per batch class as a decode tuning file "
@@ -180,14 +184,22 @@ def main() -> None:
     # Every partition x tile x warps at Triton's default pipelining: 30 compiles, then each
     # batch class's fastest at every pipelining depth. An fp8 cache moves half the bytes a
     # tile, so its grid has longer tiles, and both widenings (fp16, the queries' bf16).
-    if a.kv_cache_dtype == "fp8":
-        points = itertools.product((256, 512, 1024), (32, 64, 128), (4, 8), FP8_COMPUTE)
-    else:
-        points = itertools.product((64, 128, 256, 512, 1024), (16, 32, 64), (4, 8),
-                                   (DEFAULT["fp8_compute"],))
+    # --partitions/--block-ns/--warps/--stages/--fp8-computes replace a dimension's values
+    # (a narrower sweep around an earlier winner).
+    fp8 = a.kv_cache_dtype == "fp8"
+    dims = {"partition_size": (256, 512, 1024) if fp8 else (64, 128, 256, 512, 1024),
+            "block_n": (32, 64, 128) if fp8 else (16, 32, 64), "num_warps": (4, 8),
+            "num_stages": (None,),
+            "fp8_compute": FP8_COMPUTE if fp8 else (DEFAULT["fp8_compute"],)}
+    for key, given in (("partition_size", a.partitions), ("block_n", a.block_ns),
+                       ("num_warps", a.warps), ("num_stages", a.stages),
+                       ("fp8_compute", a.fp8_computes)):
+        if given:
+            dims[key] = tuple(None if x == "default" else x if key == "fp8_compute" else int(x)
+                              for x in given.split(","))
     grid = [DEFAULT] + ([] if a.quick else [
-        v for v in ({"partition_size": p, "block_n": n, "num_warps": w, "num_stages": None,
-                     "fp8_compute": c} for p, n, w, c in points) if v != DEFAULT])
+        v for v in (dict(zip(dims, point, strict=True)) for point in itertools.product(*dims.values()))
+        if v != DEFAULT])
     if device.type != "cuda":  # the interpreter: check the script, not the settings
         grid = [DEFAULT, dict(DEFAULT, partition_size=16, block_n=16, num_warps=4)]
     bw = copy_bandwidth(device)
@@ -198,7 +210,7 @@ def main() -> None:
     staged = []
     for shapes_of in classes.values():
         found = best_variant(results, shapes_of, grid) if shapes_of else None
-        if found and not a.quick:
+        if found and not a.quick and not a.stages:
             staged += [dict(found[0], num_stages=st) for st in (1, 2, 3, 4)
                        if dict(found[0], num_stages=st) not in grid + staged]
     if staged:

@@ -8,6 +8,7 @@
 #   one call, carry .device/whl .device/vocab.gguf:  DEADLINE=540 bash benchmarks/gpu/lease.sh tune
 #   one call, carry .device/whl .device/vocab.gguf:  DEADLINE=560 bash benchmarks/gpu/lease.sh async
 #   one call, carry .device/whl .device/vocab.gguf:  DEADLINE=555 bash benchmarks/gpu/lease.sh fp8
+#   one call, carry .device/whl .device/vocab.gguf:  DEADLINE=400 bash benchmarks/gpu/lease.sh fp8b
 #
 # Phase 1 needs only the tokenizer (dummy-weight presets): the kernel and graph tests, decode
 # and throughput on Llama-3.1-8B's shape, nano-vllm's workload. Phase 2 has the whole embedded
@@ -118,6 +119,27 @@ elif [ "$PHASE" = fp8 ]; then
     --result-file "$RES/$GPU-llama-3.1-8b-throughput-bf16-kvfp8.json"
   step ttft-probe 60 python3 benchmarks/gpu/ttft_probe.py --model llama-3.1-8b \
     --result-file "$RES/$GPU-llama-3.1-8b-ttft-probe.json"
+elif [ "$PHASE" = fp8b ]; then
+  # After phase fp8 (2026-11-28: 13,197 tok/s in fp8 with the first fp8 tuning, 72% of the
+  # copy rate at 256 x 1,500): a narrower sweep around its winner (longer partitions and
+  # tiles, pipelining depths 2 and 3), the workload again with what it picks, then where a
+  # decode step goes at 1,500-token contexts (the step profiles that phase could not run).
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  SLUG=$(python3 -c "import torch; from tokenmill.attention.decode_tuning import device_slug; print(device_slug(torch.cuda.get_device_name(0)))")
+  step attention-sweep-fp8b 90 python3 benchmarks/gpu/attention_bw.py --kv-cache-dtype fp8 \
+    --shapes 256x1500,64x4000 --partitions 512,1024,2048 --block-ns 64,128,256 --warps 4,8 \
+    --stages 2,3 --fp8-computes fp16 \
+    --result-file "$RES/$GPU-decode-attention-bw-fp8-b.json" \
+    --write-tuning "tokenmill/attention/tuned/$SLUG.json"
+  step throughput-fp8b 110 $BENCH --suite throughput --model llama-3.1-8b --max-model-len 2048 \
+    --quantization fp8 --kv-cache-dtype fp8 \
+    --result-file "$RES/$GPU-llama-3.1-8b-throughput-fp8-kvfp8-b.json"
+  step profile-fp8-1500 80 python3 benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b \
+    --batches 256 --steps 10 --prompt-tokens 1500 --quantization fp8 --kv-cache-dtype fp8 \
+    --result-file "$RES/$GPU-llama-3.1-8b-step-profile-1500-fp8.json"
+  step profile-bf16-1500 80 python3 benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b \
+    --batches 256 --steps 10 --prompt-tokens 1500 \
+    --result-file "$RES/$GPU-llama-3.1-8b-step-profile-1500-bf16.json"
 elif [ "$PHASE" = tune ]; then
   # 2026-11-27's run of this phase took 565 s (tests 39, sweep 66 with do_bench, bf16
   # throughput 153, decode 19, then the fp8-cache runs were cut at their caps). Next: the sweep

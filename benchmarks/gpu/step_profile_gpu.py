@@ -101,6 +101,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS,
                     help="each sequence's context before the timed steps (the throughput "
                          "workload decodes at 1,000-2,000)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                    help="chunked prefill's budget a step, as `bench gpu` runs the workloads")
     ap.add_argument("--quantization", default="none")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
     ap.add_argument("--device", default="cuda")
@@ -109,6 +111,7 @@ def main() -> None:
     batches = [int(b) for b in a.batches.split(",")]
     llm = LLM(model=a.model, load_format="dummy", device=a.device, max_model_len=a.max_model_len,
               max_num_seqs=max(batches), quantization=a.quantization,
+              max_num_batched_tokens=a.max_num_batched_tokens,
               kv_cache_dtype=a.kv_cache_dtype)
     results: dict[str, Any] = {}
     for n, batch in enumerate(batches):

@@ -128,6 +128,29 @@ def cmd_latency(args: argparse.Namespace) -> int:
     return 0
 
 
+def prefill_steps(batch: int, prompt_tokens: int, budget: int) -> int:
+    """Steps that chunked prefill takes to bring ``batch`` prompts of ``prompt_tokens`` in, at
+    most, when each prefilled request decodes one token a step out of the same ``budget`` of
+    tokens (the prompts' share shrinks as more of them decode): so no request decodes more
+    tokens than this while the others still prefill. ValueError where the decodes would
+    take the whole budget."""
+    steps, decoding, done, left = 0, 0, 0, prompt_tokens
+    while done < batch:
+        room = budget - decoding
+        if room <= 0:
+            raise ValueError(f"a budget of {budget} tokens a step cannot prefill {batch} "
+                             f"prompts while the first {decoding} decode")
+        steps += 1
+        finished = 0
+        while room > 0 and done < batch:
+            take = min(room, left)
+            room, left = room - take, left - take
+            if left == 0:
+                done, finished, left = done + 1, finished + 1, prompt_tokens
+        decoding += finished
+    return steps
+
+
 def start_decoding(engine: LLMEngine, batch: int, prompt_tokens: int, max_tokens: int,
                    seed: int, kind: OutputKind = OutputKind.DELTA) -> None:
     """Queue ``batch`` greedy requests of ``prompt_tokens`` random ids (eos ignored, outputs
@@ -140,9 +163,8 @@ def start_decoding(engine: LLMEngine, batch: int, prompt_tokens: int, max_tokens
     from tokenmill.sampling_params import SamplingParams
 
     budget = engine.core.scheduler.config.max_num_batched_tokens
-    prefill_steps = -(-batch * prompt_tokens // budget) + 1
-    params = SamplingParams(max_tokens=max_tokens + prefill_steps, temperature=0,
-                            ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens + prefill_steps(batch, prompt_tokens, budget),
+                            temperature=0, ignore_eos=True)
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.tokenizer.vocab_size
     for i in range(batch):
