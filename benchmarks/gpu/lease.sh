@@ -8,7 +8,7 @@
 #   one call, carry .device/whl .device/vocab.gguf:  DEADLINE=540 bash benchmarks/gpu/lease.sh tune
 #   one call, carry .device/whl .device/vocab.gguf:  DEADLINE=560 bash benchmarks/gpu/lease.sh async
 #   one call, carry .device/whl .device/vocab.gguf:  DEADLINE=555 bash benchmarks/gpu/lease.sh fp8
-#   one call, carry .device/whl .device/vocab.gguf:  DEADLINE=400 bash benchmarks/gpu/lease.sh fp8b
+#   one call, carry .device/whl .device/vocab.gguf:  DEADLINE=380 bash benchmarks/gpu/lease.sh fp8b
 #
 # Phase 1 needs only the tokenizer (dummy-weight presets): the kernel and graph tests, decode
 # and throughput on Llama-3.1-8B's shape, nano-vllm's workload. Phase 2 has the whole embedded
@@ -140,6 +140,9 @@ elif [ "$PHASE" = fp8b ]; then
   step profile-bf16-1500 80 python3 benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b \
     --batches 256 --steps 10 --prompt-tokens 1500 \
     --result-file "$RES/$GPU-llama-3.1-8b-step-profile-1500-bf16.json"
+  step throughput-fp8-384 90 $BENCH --suite throughput --model llama-3.1-8b \
+    --max-model-len 2048 --quantization fp8 --kv-cache-dtype fp8 --max-num-seqs 384 \
+    --result-file "$RES/$GPU-llama-3.1-8b-throughput-fp8-kvfp8-384.json"
 elif [ "$PHASE" = tune ]; then
   # 2026-11-27's run of this phase took 565 s (tests 39, sweep 66 with do_bench, bf16
   # throughput 153, decode 19, then the fp8-cache runs were cut at their caps). Next: the sweep
