@@ -197,6 +197,31 @@ def test_int8_q16_tiles_same_bits_as_rows(ext, n: int, k: int) -> None:
             assert got.dtype == xs.dtype and torch.equal(got, want), (rows, xs.dtype, ss.dtype)
 
 
+@pytest.mark.parametrize("n,k", [(37, 77), (64, 576), (100, 4100), (37, 66000)])
+def test_int8_q16_tiles_amx_same_bits_as_the_vector_path(ext, n: int, k: int) -> None:
+    """On a CPU with AMX-INT8, calls of 12+ rows run on the tile unit (activations split into
+    high and low bytes): the same bits as the vector path for fp32 and bf16 activations and
+    scales, one tile of rows and more, inputs past the int32 sums' bound (65,536) on the
+    vector path. Skips where the extension has no AMX path (no AMX, or not granted)."""
+    if not ext.amx_in_use():
+        pytest.skip("no AMX on this CPU (or the kernel refused the tile state)")
+    w, scales = _int8_case(n, k, seed=11)
+    tiles = pack_int8_q16_tiles(w)
+    x = torch.randn(41, k, generator=gen(12)) * 3
+    x[5] = 0.0  # an all-zero row: scale 0
+    try:
+        for xs, ss in [(x, scales), (x.bfloat16(), scales), (x, scales.float())]:
+            for rows in [12, 16, 17, 33, 41]:
+                ext.set_amx(True)
+                amx = ext.int8_q16_tiles_linear(xs[:rows], tiles, ss, n)
+                ext.set_amx(False)
+                vector = ext.int8_q16_tiles_linear(xs[:rows], tiles, ss, n)
+                assert torch.equal(amx, vector), (rows, xs.dtype, ss.dtype)
+    finally:
+        ext.set_amx(True)
+    assert ext.amx_in_use()
+
+
 def test_int8_q16_tiles_extreme_weights_do_not_overflow(ext) -> None:
     """Every weight -128 and every activation at the int16 limit, over 8,192 inputs (16
     flushes of the int32 lanes)."""

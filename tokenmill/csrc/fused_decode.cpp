@@ -527,6 +527,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "last-level cache)", pybind11::arg("on"));
   m.def("stream_weights", [] { return tokenmill::intdot::g_stream_weights; },
         "whether the int kernels fetch weights non-temporally");
+  m.def("set_amx", [](bool on) {
+#ifdef TOKENMILL_Q16_AMX
+    tokenmill::intdot::g_use_amx = on;
+#else
+    (void)on;
+#endif
+  }, "whether int8_q16_tiles_linear (the output head) runs calls of 12+ rows on the AMX tiles "
+        "where the CPU has them; the results are the same bits either way", pybind11::arg("on"));
+  m.def("amx_in_use", [] {
+#ifdef TOKENMILL_Q16_AMX
+    return tokenmill::intdot::g_use_amx && tokenmill::intdot::amx_granted();
+#else
+    return false;
+#endif
+  }, "whether int8_q16_tiles_linear uses the AMX tiles: built for a CPU with AMX-INT8, granted "
+        "by the kernel, not turned off by set_amx");
   m.def("int8_embedding", &tokenmill::int8_embedding,
         "rows ids of an int8 embedding table times their bf16 scales, in fp32",
         pybind11::arg("ids"), pybind11::arg("weight"), pybind11::arg("scales"),

@@ -58,6 +58,11 @@
 #endif
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "decode_kernels.h"
 #include "thread_pool.h"
 
@@ -772,6 +777,46 @@ struct Q16Output {
     }
   }
 
+  // Outputs n0 .. n0 + cols - 1 (at most kMaxRowCols) of row m from their dots: store()'s
+  // arithmetic eight lanes at a time (int64 -> double is exact below 2^53, the two products
+  // and the rounding to fp32 are the scalar code's, in its order): the same bits. A batch-32
+  // output head stores 1.6 M of them a step.
+  static constexpr int64_t kMaxRowCols = 32;
+  void store_row(int64_t m, int64_t n0, int64_t cols, const int64_t* dots) const {
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+    float v[kMaxRowCols];
+    const __m512d xdv = _mm512_set1_pd(xd[m]);
+    int64_t c = 0;
+    for (; c + 8 <= cols; c += 8) {
+      __m512d scale;
+      if (bf16_scales) {
+        const __m128i raw = _mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(static_cast<const c10::BFloat16*>(scales_raw) + n0 + c));
+        scale = _mm512_cvtps_pd(
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
+      } else {
+        scale = _mm512_cvtps_pd(_mm256_loadu_ps(static_cast<const float*>(scales_raw) + n0 + c));
+      }
+      const __m512d dot = _mm512_cvtepi64_pd(_mm512_loadu_si512(dots + c));
+      _mm256_storeu_ps(v + c, _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_mul_pd(dot, xdv), scale)));
+    }
+    for (; c < cols; ++c) {
+      const double scale =
+          bf16_scales ? static_cast<double>(static_cast<const c10::BFloat16*>(scales_raw)[n0 + c])
+                      : static_cast<double>(static_cast<const float*>(scales_raw)[n0 + c]);
+      v[c] = static_cast<float>(static_cast<double>(dots[c]) * xd[m] * scale);
+    }
+    if (out_bf16) {
+      c10::BFloat16* dst = static_cast<c10::BFloat16*>(y_raw) + m * N + n0;
+      for (int64_t j = 0; j < cols; ++j) dst[j] = from_f<c10::BFloat16>(v[j]);
+    } else {
+      std::memcpy(static_cast<float*>(y_raw) + m * N + n0, v, cols * sizeof(float));
+    }
+#else
+    for (int64_t c = 0; c < cols; ++c) store(m, n0 + c, dots[c]);
+#endif
+  }
+
   bool out_bf16, bf16_scales;
   const void* scales_raw;
   void* y_raw;
@@ -860,6 +905,7 @@ inline at::Tensor int8_q16_linear(const at::Tensor& x_in, const at::Tensor& weig
 
 constexpr int64_t kQ16TileN = 16;   // outputs per tile
 constexpr int64_t kQ16TilesPerUnit = 2;  // tiles a work item computes together
+static_assert(kQ16TileN * kQ16TilesPerUnit <= Q16Output::kMaxRowCols);
 constexpr int64_t kQ16TileRows = 8;  // activation rows per pass over a unit
 constexpr int64_t kQ16TilePairsPerFlush = 256;
 // Rows whose dots a unit keeps at once, and input pairs per slab (32 rows x 128 pairs of
@@ -938,6 +984,165 @@ inline void q16_unit_dots(const int16_t* xq, int64_t Kp, const int8_t* w, int64_
 #endif
 }
 
+#if defined(TOKENMILL_Q8_AVX512) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define TOKENMILL_Q16_AMX 1
+// ---- int8 x int16, output tiles, on AMX (Sapphire Rapids and later) ----------------------
+//
+// From kQ16AmxMinRows rows, int8_q16_tiles_linear's products run on the AMX tile unit: each
+// int16 activation is split as a = 256 hi + lo (hi signed, lo unsigned bytes), and the tile
+// products tdpbssd (hi x w) and tdpbusd (lo x w) add 64 inputs of 16 rows x 16 outputs each
+// into int32 sums, which stay exact over any K below 65,536 (|hi w| <= 128 x 128, lo w <=
+// 255 x 128 an input). dot = 256 sum(hi) + sum(lo) is then the vector path's exact int64 dot,
+// and the output is stored by the same code: the same bits at every batch size, only faster.
+// Tiles: 0-3 the sums (hi, lo for the unit's two tiles of 16 outputs), 4-5 the activations'
+// hi and lo bytes (rows of 64 inputs), 6-7 the two weight tiles in AMX's layout (16 rows of 4
+// inputs x 16 outputs), rebuilt from the unit's pairs once per unit.
+constexpr int64_t kQ16AmxMinRows = 12;
+constexpr int64_t kAmxRows = 16;     // rows a tile holds
+constexpr int64_t kAmxInputs = 64;   // inputs a tile product adds
+constexpr int64_t kAmxMaxInputs = 65536;  // the int32 sums' bound (above)
+
+// Whether the AMX path may run: Linux grants a process the tile state on request
+// (arch_prctl), asked once; tokenmill.csrc's set_amx turns it off (A/B runs, tests).
+inline bool g_use_amx = true;
+inline bool amx_granted() {
+  static const bool granted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+}
+
+struct AmxTileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline void q16_amx_configure(int rows) {
+  AmxTileConfig c;
+  for (int t = 0; t < 6; ++t) {  // sums and activations: `rows` rows of 64 bytes
+    c.rows[t] = static_cast<uint8_t>(rows);
+    c.colsb[t] = 64;
+  }
+  for (int t = 6; t < 8; ++t) {  // weights: 16 rows of 4 inputs x 16 outputs
+    c.rows[t] = kAmxInputs / 4;
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// xq's rows [M][Kp] -> hi and lo bytes [M][K64] (K64 >= Kp, zeros past Kp).
+inline void q16_split_rows(const Int16Rows& xq, int64_t M, int64_t K64, int8_t* hi,
+                           uint8_t* lo) {
+  for (int64_t m = 0; m < M; ++m) {
+    const int16_t* q = xq.q.data() + m * xq.Kp;
+    int8_t* h = hi + m * K64;
+    uint8_t* l = lo + m * K64;
+    for (int64_t k = 0; k < xq.Kp; k += 16) {  // Kp is a multiple of 16
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(l + k), _mm256_cvtepi16_epi8(v));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(h + k),
+                       _mm256_cvtepi16_epi8(_mm256_srai_epi16(v, 8)));
+    }
+    std::memset(h + xq.Kp, 0, K64 - xq.Kp);
+    std::memset(l + xq.Kp, 0, K64 - xq.Kp);
+  }
+}
+
+// A unit's weights (pairs of inputs, tile 0's 16 words then tile 1's) as two AMX tiles' rows:
+// row s of tile t holds, per output j, inputs 4 s .. 4 s + 3, i.e. output j's words of pairs
+// 2 s and 2 s + 1 side by side. out: [2][K64 / 4][64] bytes, zeros past the last pair.
+inline void q16_unit_for_amx(const int8_t* wu, int64_t pairs, int64_t K64, int8_t* out) {
+  static constexpr int16_t kIdx[2][32] = {
+      {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+       8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
+      {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+       24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
+  const __m512i idx0 = _mm512_loadu_si512(kIdx[0]), idx1 = _mm512_loadu_si512(kIdx[1]);
+  const int64_t quads = K64 / 4;
+  for (int64_t s = 0; s < quads; ++s) {
+    const int64_t p = 2 * s;
+    const __m512i a = p < pairs ? _mm512_loadu_si512(wu + p * 64) : _mm512_setzero_si512();
+    const __m512i b = p + 1 < pairs ? _mm512_loadu_si512(wu + (p + 1) * 64)
+                                    : _mm512_setzero_si512();
+    _mm512_storeu_si512(out + s * 64, _mm512_permutex2var_epi16(a, idx0, b));
+    _mm512_storeu_si512(out + (quads + s) * 64, _mm512_permutex2var_epi16(a, idx1, b));
+  }
+}
+
+// int8_q16_tiles_linear's body on the AMX tiles (see above), for M >= kQ16AmxMinRows rows.
+inline void q16_tiles_amx(const Int16Rows& xq, int64_t M, int64_t K, const int8_t* wp,
+                          int64_t units, int64_t N, const Q16Output& output) {
+  constexpr int64_t kUnitN = 32;  // two tiles of 16 outputs
+  const int64_t pairs = (K + 1) / 2, K64 = (K + kAmxInputs - 1) / kAmxInputs * kAmxInputs;
+  const int64_t unit_bytes = pairs * 64;
+  // The calling thread's split rows, read by the workers through these references.
+  static thread_local std::vector<int8_t> hi_rows, lo_bytes;
+  std::vector<int8_t>& hi = hi_rows;
+  std::vector<int8_t>& lo = lo_bytes;
+  hi.resize(M * K64);
+  lo.resize(M * K64);
+  q16_split_rows(xq, M, K64, hi.data(), reinterpret_cast<uint8_t*>(lo.data()));
+  tmpool::parallel_for(0, units, 8, [&](int64_t u0, int64_t u1) {
+    static thread_local std::vector<int8_t> weights;
+    weights.resize(2 * K64 * 16);
+    const int8_t* w0 = weights.data();
+    const int8_t* w1 = weights.data() + K64 * 16;
+    alignas(64) int32_t sums[4][kAmxRows][16];
+    int64_t dots[kAmxRows][kUnitN];
+    int configured = 0;
+    for (int64_t u = u0; u < u1; ++u) {
+      q16_unit_for_amx(wp + u * unit_bytes, pairs, K64, weights.data());
+      const int64_t n0 = u * kUnitN, cols = std::min(kUnitN, N - n0);
+      for (int64_t m0 = 0; m0 < M; m0 += kAmxRows) {
+        const int rows = static_cast<int>(std::min(kAmxRows, M - m0));
+        if (rows != configured) {
+          q16_amx_configure(rows);
+          configured = rows;
+        }
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        const int8_t* h = hi.data() + m0 * K64;
+        const int8_t* l = lo.data() + m0 * K64;
+        for (int64_t k = 0; k < K64; k += kAmxInputs) {
+          _tile_loadd(4, h + k, K64);
+          _tile_loadd(5, l + k, K64);
+          _tile_loadd(6, w0 + k * 16, 64);
+          _tile_loadd(7, w1 + k * 16, 64);
+          _tile_dpbssd(0, 4, 6);
+          _tile_dpbusd(1, 5, 6);
+          _tile_dpbssd(2, 4, 7);
+          _tile_dpbusd(3, 5, 7);
+        }
+        _tile_stored(0, sums[0], 64);
+        _tile_stored(1, sums[1], 64);
+        _tile_stored(2, sums[2], 64);
+        _tile_stored(3, sums[3], 64);
+        for (int r = 0; r < rows; ++r) {
+          for (int t = 0; t < 2; ++t) {
+            for (int half = 0; half < 2; ++half) {
+              const __m512i hs = _mm512_cvtepi32_epi64(
+                  _mm256_load_si256(reinterpret_cast<const __m256i*>(sums[2 * t][r] + 8 * half)));
+              const __m512i ls = _mm512_cvtepi32_epi64(_mm256_load_si256(
+                  reinterpret_cast<const __m256i*>(sums[2 * t + 1][r] + 8 * half)));
+              _mm512_storeu_si512(dots[r] + 16 * t + 8 * half,
+                                  _mm512_add_epi64(_mm512_slli_epi64(hs, 8), ls));
+            }
+          }
+          output.store_row(m0 + r, n0, cols, dots[r]);
+        }
+      }
+    }
+    if (configured) _tile_release();
+  });
+}
+#endif
+
 // y = x (w * scales[:, None])^T as int8_q16_linear, for w in output tiles: tiles int8
 // [Np / 16, K2, 32] (Np the outputs padded by q16_tiles_padded_n, K2 = ceil(K / 2) input
 // pairs), `out_features` of its outputs real; x fp32 or bf16 [M, K], y likewise [M, N].
@@ -968,6 +1173,12 @@ inline at::Tensor int8_q16_tiles_linear(const at::Tensor& x_in, const at::Tensor
   constexpr int64_t kUnitN = kQ16TilesPerUnit * kQ16TileN;
   const int64_t units = tiles.size(0);
   const int64_t unit_bytes = kQ16TilesPerUnit * pairs * 2 * kQ16TileN;
+#ifdef TOKENMILL_Q16_AMX
+  if (g_use_amx && M >= kQ16AmxMinRows && K <= kAmxMaxInputs && amx_granted()) {
+    q16_tiles_amx(xq, M, K, wp, units, N, output);
+    return y;
+  }
+#endif
   tmpool::parallel_for(0, units, 8, [&](int64_t u0, int64_t u1) {
     int64_t dots[kQ16BlockRows][kUnitN];
     for (int64_t u = u0; u < u1; ++u) {
@@ -995,9 +1206,7 @@ inline at::Tensor int8_q16_tiles_linear(const at::Tensor& x_in, const at::Tensor
             }
           }
         }
-        for (int64_t r = 0; r < block; ++r) {
-          for (int64_t c = 0; c < cols; ++c) output.store(m0 + r, n0 + c, dots[r][c]);
-        }
+        for (int64_t r = 0; r < block; ++r) output.store_row(m0 + r, n0, cols, dots[r]);
       }
     }
   });
