@@ -48,6 +48,16 @@ step() {  # step NAME CAP_SECONDS COMMAND...
   pack
 }
 BENCH="python3 -m tokenmill bench gpu"
+# Where a decode step goes at batch 256 with 1,500-token contexts, fp8 (weights and KV cache)
+# then bf16, each capped at $1 seconds.
+profiles_1500() {
+  step profile-fp8-1500 "$1" python3 benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b \
+    --batches 256 --steps 10 --prompt-tokens 1500 --quantization fp8 --kv-cache-dtype fp8 \
+    --result-file "$RES/$GPU-llama-3.1-8b-step-profile-1500-fp8.json"
+  step profile-bf16-1500 "$1" python3 benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b \
+    --batches 256 --steps 10 --prompt-tokens 1500 \
+    --result-file "$RES/$GPU-llama-3.1-8b-step-profile-1500-bf16.json"
+}
 
 if [ "$PHASE" = 1 ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
@@ -108,12 +118,7 @@ elif [ "$PHASE" = fp8 ]; then
   step throughput-fp8 130 $BENCH --suite throughput --model llama-3.1-8b --max-model-len 2048 \
     --quantization fp8 --kv-cache-dtype fp8 \
     --result-file "$RES/$GPU-llama-3.1-8b-throughput-fp8-kvfp8.json"
-  step profile-fp8-1500 75 python3 benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b \
-    --batches 256 --steps 10 --prompt-tokens 1500 --quantization fp8 --kv-cache-dtype fp8 \
-    --result-file "$RES/$GPU-llama-3.1-8b-step-profile-1500-fp8.json"
-  step profile-bf16-1500 75 python3 benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b \
-    --batches 256 --steps 10 --prompt-tokens 1500 \
-    --result-file "$RES/$GPU-llama-3.1-8b-step-profile-1500-bf16.json"
+  profiles_1500 75
   step throughput-bf16-kvfp8 130 $BENCH --suite throughput --model llama-3.1-8b \
     --max-model-len 2048 --kv-cache-dtype fp8 \
     --result-file "$RES/$GPU-llama-3.1-8b-throughput-bf16-kvfp8.json"
@@ -134,12 +139,7 @@ elif [ "$PHASE" = fp8b ]; then
   step throughput-fp8b 110 $BENCH --suite throughput --model llama-3.1-8b --max-model-len 2048 \
     --quantization fp8 --kv-cache-dtype fp8 \
     --result-file "$RES/$GPU-llama-3.1-8b-throughput-fp8-kvfp8-b.json"
-  step profile-fp8-1500 80 python3 benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b \
-    --batches 256 --steps 10 --prompt-tokens 1500 --quantization fp8 --kv-cache-dtype fp8 \
-    --result-file "$RES/$GPU-llama-3.1-8b-step-profile-1500-fp8.json"
-  step profile-bf16-1500 80 python3 benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b \
-    --batches 256 --steps 10 --prompt-tokens 1500 \
-    --result-file "$RES/$GPU-llama-3.1-8b-step-profile-1500-bf16.json"
+  profiles_1500 80
   step throughput-fp8-384 90 $BENCH --suite throughput --model llama-3.1-8b \
     --max-model-len 2048 --quantization fp8 --kv-cache-dtype fp8 --max-num-seqs 384 \
     --result-file "$RES/$GPU-llama-3.1-8b-throughput-fp8-kvfp8-384.json"
