@@ -34,33 +34,43 @@ KERNELS = [
                                SATURATE=False)),
     (tk._decode_split_kernel, dict(NUM_HEADS=32, GROUP=4, HEAD_DIM=80, BLOCK_SIZE=16,
                                    PARTITION=512, BLOCK_G=16, BLOCK_N=DEFAULT_LAUNCH.block_n,
-                                   BLOCK_D=128, DOT_PRECISION="tf32"), W),
+                                   BLOCK_D=128, DOT_PRECISION="tf32", FP16=False), W),
     (tk._decode_reduce_kernel, dict(NUM_HEADS=32, HEAD_DIM=80, PARTITION=512, BLOCK_D=128)),
     (tk._prefill_kernel, dict(GROUP=4, HEAD_DIM=80, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=32,
-                              BLOCK_D=128, DOT_PRECISION="tf32"), W),
+                              BLOCK_D=128, DOT_PRECISION="tf32", FP16=False), W),
     # The layers' fused kernels, at Llama-3.1-8B's widths.
     (fo._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=4096)),
     (fo._silu_and_mul_kernel, dict(BLOCK=1024)),
     (fo._rotary_kernel, dict(NUM_HEADS=48, HALF=64, BLOCK_H=64, BLOCK_D=64)),
 ]
-# The decode launches tuned per GPU model (tokenmill/attention/tuned/).
-for path in sorted(TUNED_DIR.glob("*.json")):
-    for _, launch in load_tuning(path).rules:
-        KERNELS.append((tk._decode_split_kernel, dict(
-            NUM_HEADS=32, GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, PARTITION=launch.partition_size,
-            BLOCK_G=16, BLOCK_N=min(launch.block_n, launch.partition_size), BLOCK_D=128,
-            DOT_PRECISION="tf32"), {"num_warps": launch.num_warps, **(
-                {} if launch.num_stages is None else {"num_stages": launch.num_stages})}))
-# An fp8 KV cache (--kv-cache-dtype fp8): stored with saturation, widened to bf16 when read.
+# An fp8 KV cache (--kv-cache-dtype fp8): stored with saturation, widened to fp16 (FP16) or
+# to the queries' bf16 when read.
 FP8 = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+# The decode launches tuned per GPU model (tokenmill/attention/tuned/), the fp8 cache's too.
+for path in sorted(TUNED_DIR.glob("*.json")):
+    tuning = load_tuning(path)
+    for fp8, rules in ((False, tuning.rules), (True, tuning.fp8_rules)):
+        for _, launch in rules:
+            KERNELS.append((tk._decode_split_kernel, dict(
+                NUM_HEADS=32, GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16,
+                PARTITION=launch.partition_size, BLOCK_G=16,
+                BLOCK_N=min(launch.block_n, launch.partition_size), BLOCK_D=128,
+                DOT_PRECISION="tf32", FP16=fp8 and launch.fp8_compute == "fp16"),
+                {"num_warps": launch.num_warps, **(
+                    {} if launch.num_stages is None else {"num_stages": launch.num_stages})},
+                FP8 if fp8 else {}))
 KERNELS += [
     (tk._store_kv_kernel, dict(NUM_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128,
                                SATURATE=True), None, FP8),
+] + [
     (tk._decode_split_kernel, dict(NUM_HEADS=32, GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16,
                                    PARTITION=512, BLOCK_G=16, BLOCK_N=DEFAULT_LAUNCH.block_n,
-                                   BLOCK_D=128, DOT_PRECISION="tf32"), W, FP8),
+                                   BLOCK_D=128, DOT_PRECISION="tf32", FP16=fp16), W, FP8)
+    for fp16 in (True, False)
+] + [
     (tk._prefill_kernel, dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=32,
-                              BLOCK_D=128, DOT_PRECISION="tf32"), W, FP8),
+                              BLOCK_D=128, DOT_PRECISION="tf32", FP16=fp16), W, FP8)
+    for fp16 in (True, False)
 ]
 for fn, constexprs, *extra in KERNELS:
     options = extra[0] if extra else None
