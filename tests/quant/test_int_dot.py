@@ -6,6 +6,10 @@ at other row counts (a row's bits must not depend on the rest of the batch)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from quant_helpers import gen, int4_case
@@ -220,6 +224,16 @@ def test_int8_q16_tiles_amx_same_bits_as_the_vector_path(ext, n: int, k: int) ->
     finally:
         ext.set_amx(True)
     assert ext.amx_in_use()
+
+
+def test_tokenmill_amx_0_turns_the_amx_path_off(ext) -> None:
+    """TOKENMILL_AMX=0 in the environment: the extension loads with the AMX path off."""
+    code = "from tokenmill.csrc import load_extension; print(load_extension().amx_in_use())"
+    env = dict(os.environ, TOKENMILL_AMX="0")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"
 
 
 def test_int8_q16_tiles_extreme_weights_do_not_overflow(ext) -> None:
