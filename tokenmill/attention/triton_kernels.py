@@ -412,7 +412,8 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     return out
 
 
-def widens_to_fp16(q: torch.Tensor, kv_cache: torch.Tensor, fp8_compute: str = "fp16") -> bool:
+def widens_to_fp16(q: torch.Tensor, kv_cache: torch.Tensor,
+                   fp8_compute: str = DEFAULT_LAUNCH.fp8_compute) -> bool:
     """Whether the kernels take the dot products of an fp8 cache in fp16 (``fp8_compute``
     "fp16", 16-bit queries) rather than in the queries' dtype ("query", or fp32 queries).
 

@@ -800,18 +800,13 @@ struct Q16Output {
       const __m512d dot = _mm512_cvtepi64_pd(_mm512_loadu_si512(dots + c));
       _mm256_storeu_ps(v + c, _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_mul_pd(dot, xdv), scale)));
     }
-    for (; c < cols; ++c) {
-      const double scale =
-          bf16_scales ? static_cast<double>(static_cast<const c10::BFloat16*>(scales_raw)[n0 + c])
-                      : static_cast<double>(static_cast<const float*>(scales_raw)[n0 + c]);
-      v[c] = static_cast<float>(static_cast<double>(dots[c]) * xd[m] * scale);
-    }
     if (out_bf16) {
       c10::BFloat16* dst = static_cast<c10::BFloat16*>(y_raw) + m * N + n0;
-      for (int64_t j = 0; j < cols; ++j) dst[j] = from_f<c10::BFloat16>(v[j]);
+      for (int64_t j = 0; j < c; ++j) dst[j] = from_f<c10::BFloat16>(v[j]);
     } else {
-      std::memcpy(static_cast<float*>(y_raw) + m * N + n0, v, cols * sizeof(float));
+      std::memcpy(static_cast<float*>(y_raw) + m * N + n0, v, c * sizeof(float));
     }
+    for (; c < cols; ++c) store(m, n0 + c, dots[c]);  // the last cols % 8
 #else
     for (int64_t c = 0; c < cols; ++c) store(m, n0 + c, dots[c]);
 #endif
@@ -1075,10 +1070,11 @@ inline void q16_unit_for_amx(const int8_t* wu, int64_t pairs, int64_t K64, int8_
 
 // int8_q16_tiles_linear's body on the AMX tiles (see above), for M >= kQ16AmxMinRows rows.
 inline void q16_tiles_amx(const Int16Rows& xq, int64_t M, int64_t K, const int8_t* wp,
-                          int64_t units, int64_t N, const Q16Output& output) {
-  constexpr int64_t kUnitN = 32;  // two tiles of 16 outputs
+                          int64_t units, int64_t unit_bytes, int64_t N,
+                          const Q16Output& output) {
+  constexpr int64_t kUnitN = kQ16TilesPerUnit * kQ16TileN;
+  static_assert(kUnitN == 32, "the AMX path computes a unit as two tiles of 16 outputs");
   const int64_t pairs = (K + 1) / 2, K64 = (K + kAmxInputs - 1) / kAmxInputs * kAmxInputs;
-  const int64_t unit_bytes = pairs * 64;
   // The calling thread's split rows, read by the workers through these references.
   static thread_local std::vector<int8_t> hi_rows, lo_bytes;
   std::vector<int8_t>& hi = hi_rows;
@@ -1175,7 +1171,7 @@ inline at::Tensor int8_q16_tiles_linear(const at::Tensor& x_in, const at::Tensor
   const int64_t unit_bytes = kQ16TilesPerUnit * pairs * 2 * kQ16TileN;
 #ifdef TOKENMILL_Q16_AMX
   if (g_use_amx && M >= kQ16AmxMinRows && K <= kAmxMaxInputs && amx_granted()) {
-    q16_tiles_amx(xq, M, K, wp, units, N, output);
+    q16_tiles_amx(xq, M, K, wp, units, unit_bytes, N, output);
     return y;
   }
 #endif
