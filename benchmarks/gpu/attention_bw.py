@@ -5,11 +5,14 @@ device-to-device copy bandwidth is its efficiency. Sweeps the split kernel's lau
 the default's, so the next GPU session can pick settings from one run.
 
     python benchmarks/gpu/attention_bw.py [--shapes 1x512,1x2000,256x140,256x1500,64x4000]
-        [--max-seq-len-bound 4096] [--quick] [--result-file FILE] [--write-tuning FILE]
+        [--max-seq-len-bound 4096] [--quick] [--context-split N] [--result-file FILE]
+        [--write-tuning FILE]
 
 With ``--write-tuning`` it writes the fastest settings of small batches (<= 8 sequences) and of
 the rest as a decode tuning file, which the engine reads for this GPU model from
-``tokenmill/attention/tuned/`` (see tokenmill/attention/decode_tuning.py).
+``tokenmill/attention/tuned/`` (see tokenmill/attention/decode_tuning.py). With
+``--context-split N`` the larger batches are two classes, contexts up to N tokens and longer
+ones, each with its own rule (``max_context``).
 
 Llama-3.1-8B's attention shape: 32 query heads over 8 KV heads of 128, bf16, 16-token blocks
 placed in random order (as a long-running cache has them). Without a GPU it runs at toy sizes
@@ -155,6 +158,19 @@ def best_variant(results: list[dict[str, Any]], shapes: set[tuple[int, int]],
     return v, total
 
 
+def tuning_rules(rules: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The measured classes' rules as a tuning file's list: the last becomes the rule for any
+    step (a class left unmeasured takes its neighbour's settings), and a context class whose
+    settings equal the next rule's is folded into it."""
+    out = [dict(r) for r in rules]
+    out[-1]["max_batch"] = None
+    out[-1].pop("max_context", None)
+    launch = [k for k in DEFAULT]
+    return [r for i, r in enumerate(out)
+            if i + 1 == len(out) or "max_context" not in r
+            or any(r[k] != out[i + 1][k] for k in launch)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=None, help="BATCHxCONTEXT,... (default by device)")
@@ -168,8 +184,12 @@ def main() -> None:
                          "to the file")
     for flag, what in (("--partitions", "partition sizes"), ("--block-ns", "keys per tile"),
                        ("--warps", "warps"), ("--stages", "pipelining depths ('default')"),
-                       ("--fp8-computes", "widenings of an fp8 cache (fp16, query)")):
+                       ("--fp8-computes", "widenings of an fp8 cache (fp16, query)"),
+                       ("--kv-firsts", "forms of the products (0: q @ k^T, 1: k @ q^T)")):
         ap.add_argument(flag, default=None, help=f"comma-separated {what} to sweep")
+    ap.add_argument("--context-split", type=int, default=None, metavar="N",
+                    help="batches above 8 with contexts up to N tokens and longer ones get "
+                         "a rule each")
     ap.add_argument("--result-file", default=None)
     ap.add_argument("--write-tuning", default=None, metavar="FILE",
                     help="write the fastest settings per batch class as a decode tuning file "
@@ -190,12 +210,14 @@ def main() -> None:
     dims = {"partition_size": (256, 512, 1024) if fp8 else (64, 128, 256, 512, 1024),
             "block_n": (32, 64, 128) if fp8 else (16, 32, 64), "num_warps": (4, 8),
             "num_stages": (None,),
-            "fp8_compute": FP8_COMPUTE if fp8 else (DEFAULT["fp8_compute"],)}
+            "fp8_compute": FP8_COMPUTE if fp8 else (DEFAULT["fp8_compute"],),
+            "kv_first": (False, True)}
     for key, given in (("partition_size", a.partitions), ("block_n", a.block_ns),
                        ("num_warps", a.warps), ("num_stages", a.stages),
-                       ("fp8_compute", a.fp8_computes)):
+                       ("fp8_compute", a.fp8_computes), ("kv_first", a.kv_firsts)):
         if given:
-            dims[key] = tuple(None if x == "default" else x if key == "fp8_compute" else int(x)
+            dims[key] = tuple(None if x == "default" else x if key == "fp8_compute"
+                              else bool(int(x)) if key == "kv_first" else int(x)
                               for x in given.split(","))
     grid = [DEFAULT] + ([] if a.quick else [
         v for v in (dict(zip(dims, point, strict=True)) for point in itertools.product(*dims.values()))
@@ -205,10 +227,19 @@ def main() -> None:
     bw = copy_bandwidth(device)
     kv_dtype = torch.float8_e4m3fn if a.kv_cache_dtype == "fp8" else None
     results = sweep(cases, grid, bound, device, dtype, bw, kv_dtype)
-    classes = {name: {c for c in cases if (c[0] <= SMALL_BATCH) == small}
-               for name, small in (("small", True), ("large", False))}
+    # Batch classes: (shapes, the rule's bounds); the last class's rule is for any step.
+    large = {c for c in cases if c[0] > SMALL_BATCH}
+    classes = {"small": ({c for c in cases if c[0] <= SMALL_BATCH},
+                         {"max_batch": SMALL_BATCH})}
+    if a.context_split:
+        classes[f"large, contexts <= {a.context_split}"] = (
+            {c for c in large if c[1] <= a.context_split}, {"max_context": a.context_split})
+        classes[f"large, contexts > {a.context_split}"] = (
+            {c for c in large if c[1] > a.context_split}, {})
+    else:
+        classes["large"] = (large, {})
     staged = []
-    for shapes_of in classes.values():
+    for shapes_of, _ in classes.values():
         found = best_variant(results, shapes_of, grid) if shapes_of else None
         if found and not a.quick and not a.stages:
             staged += [dict(found[0], num_stages=st) for st in (1, 2, 3, 4)
@@ -231,26 +262,23 @@ def main() -> None:
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s on {name}")
     command = " ".join(["python", *sys.argv])
     rules = []
-    for cls, shapes_of in classes.items():
+    for cls, (shapes_of, bounds) in classes.items():
         found = best_variant(results, shapes_of, variants) if shapes_of else None
         if found is None:
             continue
         v, total = found
         base_total = best_variant(results, shapes_of, [DEFAULT])
-        rules.append({"max_batch": SMALL_BATCH if cls == "small" else None, **v,
+        rules.append({"max_batch": None, **bounds, **v,
                       "shapes": sorted(f"{b}x{c}" for b, c in shapes_of),
                       "total_ms": total,
                       "default_total_ms": base_total[1] if base_total else None})
-        print(f"{cls} batches ({', '.join(rules[-1]['shapes'])}): "
+        print(f"{cls} ({', '.join(rules[-1]['shapes'])}): "
               + ", ".join(f"{k}={v[k]}" for k in DEFAULT)
               + f"; {total:.3f} ms against the default's {rules[-1]['default_total_ms']}")
     if a.write_tuning:
         if not rules:
             raise SystemExit("no launch setting was timed on every shape: no tuning written")
-        if len(rules) == 2 and rules[0]["max_batch"] is not None:
-            by_batch = rules
-        else:  # one class measured: its settings for every batch
-            by_batch = [dict(rules[-1], max_batch=None)]
+        by_batch = tuning_rules(rules)
         if a.kv_cache_dtype == "fp8":
             # The fp8 cache's rules join the file's others (by_batch, for bf16 caches).
             if not os.path.isfile(a.write_tuning):

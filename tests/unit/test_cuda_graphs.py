@@ -55,17 +55,75 @@ def test_padded_graph_replays_match_eager_decoding() -> None:
     llm = _tiny_llm()
     graphs = _with_graphs(llm, max_batch_size=8)
     assert graphs.sizes == [1, 2, 4, 8]
-    replays: list[int] = []
-    for bs, (replay, out) in list(graphs.graphs.items()):
-        def counted(replay=replay, bs=bs) -> None:
-            replays.append(bs)
-            replay()
-        graphs.graphs[bs] = (counted, out)
+    replays = _count_replays(graphs)
     for group in (prompts[:3], prompts):
         outs = llm.generate([{"prompt_token_ids": p} for p in group], params)
         want = eager[:len(group)]
         assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
-    assert 4 in replays and 8 in replays  # 3 and 5 sequences, padded
+    assert (4, None) in replays and (8, None) in replays  # 3 and 5 sequences, padded
+
+
+def _count_replays(graphs: DecodeGraphs) -> list[tuple[int, int | None]]:
+    """Wrap every graph's replay so that it logs (batch size, context class) when it runs."""
+    replays: list[tuple[int, int | None]] = []
+    for bs, by_context in graphs.graphs.items():
+        for i, (context, replay, out) in enumerate(by_context):
+            def counted(replay=replay, key=(bs, context)) -> None:
+                replays.append(key)
+                replay()
+            by_context[i] = (context, counted, out)
+    return replays
+
+
+def test_a_graph_per_context_class_where_the_launch_depends_on_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tuning whose launch changes with the longest context gets a graph per class; each
+    step replays the class of its longest context, which launches what an eager step of that
+    context would, and the tokens equal eager decoding's."""
+    from tokenmill.attention import triton_backend
+    from tokenmill.attention.decode_tuning import parse_tuning
+
+    tuning = parse_tuning({"by_batch": [
+        {"max_batch": 1, "partition_size": 64},
+        {"max_context": 24, "partition_size": 16, "block_n": 16, "num_warps": 4},
+        {"max_context": 40, "partition_size": 32, "block_n": 16},
+        {"partition_size": 64, "block_n": 32}]}, "test")
+    prompts = [[11, 12, 13], [21] * 7, [31] * 30]
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    eager = _tiny_llm().generate([{"prompt_token_ids": p} for p in prompts], params)
+
+    llm = _tiny_llm()
+    runner = llm.engine.core.executor.runner
+    runner.backend = TritonAttentionBackend(decode_tuning=tuning)
+    runner.fused_decoder = None
+    runner.capture_decode_graphs(4, llm.engine.core.max_model_len, capturer=EagerReplay())
+    graphs = runner.decode_graphs
+    assert graphs is not None
+    assert {bs: [c for c, *_ in g] for bs, g in graphs.graphs.items()} == {
+        1: [None], 2: [24, 40, None], 4: [24, 40, None]}
+    replays = _count_replays(graphs)
+    launches: list[int] = []
+    real = triton_backend.decode_attention
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        launches.append(kwargs["partition_size"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "decode_attention", spy)
+    for group in (prompts[:2], prompts):
+        del launches[:]
+        start = len(replays)
+        outs = llm.generate([{"prompt_token_ids": p} for p in group], params)
+        assert [o.outputs[0].token_ids for o in outs] == [
+            o.outputs[0].token_ids for o in eager[:len(group)]]
+        # Classes in ascending order as the contexts grow: the first group stays within 24
+        # tokens (prompts of 3 and 7 plus 14), the second goes from 31 to 44.
+        used = [c for _, c in replays[start:]]
+        assert used == sorted(used, key=lambda c: c or 10**9), used
+        # Every replay re-ran the model (EagerReplay): its layers launched the class's setting.
+        want = {24: 16, 40: 32, None: 64}
+        assert set(launches) == {want[c] for c in used}
+    assert {c for _, c in replays} == {24, 40, None}
 
 
 def test_steps_graphs_cannot_serve_run_eagerly() -> None:

@@ -42,13 +42,41 @@ def test_rules_apply_by_batch_size(tmp_path: Path) -> None:
     assert tuning.for_batch(65) == tuning.for_batch(4096) == DecodeLaunch(1024, 64, 4, None)
     assert tuning.for_batch(1).kwargs() == {"partition_size": 128, "block_n": 16,
                                             "num_warps": 4, "num_stages": 2,
-                                            "fp8_compute": "fp16"}
+                                            "fp8_compute": "fp16", "kv_first": False}
     # Without rules of its own, an fp8 cache takes the same ones.
     assert tuning.for_batch(9, fp8_cache=True) == tuning.for_batch(9)
     # Without a rule for every batch, larger batches take the defaults.
     capped = dt.parse_tuning({"by_batch": [{"max_batch": 4, "block_n": 64}]}, "x")
     assert capped.for_batch(5) == dt.DEFAULT_LAUNCH
     assert DecodeTuning().for_batch(300) == dt.DEFAULT_LAUNCH
+
+
+def test_rules_by_longest_context_and_their_classes() -> None:
+    """Rules may also bound the step's longest context; ``context_classes`` lists where a
+    batch size's launch changes, so that a graph per class serves every step."""
+    tuning = dt.parse_tuning({"by_batch": [
+        {"max_batch": 8, "max_context": 512, "partition_size": 64},
+        {"max_batch": 8, "partition_size": 128},
+        {"max_context": 1024, "partition_size": 256},
+        {"max_context": 4096, "block_n": 64},
+        {"partition_size": 1024}]}, "t")
+    assert tuning.for_batch(8, context=512) == DecodeLaunch(64)
+    assert tuning.for_batch(8, context=513) == tuning.for_batch(8) == DecodeLaunch(128)
+    assert tuning.for_batch(9, context=100) == DecodeLaunch(256)
+    assert tuning.for_batch(9, context=2000) == DecodeLaunch(block_n=64)
+    # An unknown context takes a rule for any context.
+    assert tuning.for_batch(9) == tuning.for_batch(9, context=5000) == DecodeLaunch(1024)
+    assert tuning.context_classes(4) == (512, None)
+    assert tuning.context_classes(9) == (1024, 4096, None)
+    assert tuning.context_classes(9, fp8_cache=True) == (1024, 4096, None)
+    # Each class launches what a step of any context inside it gets.
+    for batch in (4, 9):
+        classes = tuning.context_classes(batch)
+        for context in (1, 300, 512, 513, 1024, 1025, 4096, 4097, 9000):
+            cls = next(c for c in classes if c is None or context <= c)
+            assert tuning.for_batch(batch, context=cls) == tuning.for_batch(batch,
+                                                                            context=context)
+    assert DecodeTuning().context_classes(7) == (None,)
 
 
 def test_an_fp8_cache_takes_its_own_rules(tmp_path: Path) -> None:
@@ -74,10 +102,14 @@ def test_an_fp8_cache_takes_its_own_rules(tmp_path: Path) -> None:
     ({"by_batch": [{"num_warps": 3}]}, "num_warps must be 1, 2, 4, 8 or 16, got 3"),
     ({"by_batch": [{"num_stages": 0}]}, "num_stages must be null or 1..8"),
     ({"by_batch": [{"max_batch": 8}, {"max_batch": 8}]},
-     r"by_batch\[1\]: max_batch must be null or an integer above the previous rule's \(8\)"),
-    ({"by_batch": [{"max_batch": "8"}]}, "max_batch must be null or an integer"),
+     r"by_batch\[1\] is never used: by_batch\[0\] comes first and matches every step"),
+    ({"by_batch": [{"max_batch": "8"}]}, "max_batch must be null or a positive integer"),
+    ({"by_batch": [{"max_context": 0}]}, "max_context must be null or a positive integer"),
     ({"by_batch": [{"max_batch": None}, {"max_batch": None}]},
-     r"by_batch\[1\] follows a rule for any batch"),
+     r"by_batch\[1\] is never used: by_batch\[0\]"),
+    ({"by_batch": [{"max_context": 1024}, {"max_context": 512}]},
+     r"by_batch\[1\] is never used: by_batch\[0\]"),
+    ({"by_batch": [{"kv_first": 1}]}, r"by_batch\[0\]: kv_first must be true or false"),
     ({"by_batch": [{"fp8_compute": "fp32"}]},
      r"by_batch\[0\]: fp8_compute must be one of fp16, query, got 'fp32'"),
     ({"by_batch": [{}], "by_batch_fp8": []}, r"by_batch_fp8: expected a non-empty list"),
@@ -122,7 +154,7 @@ def test_packaged_tuning_files_parse() -> None:
     """Every file shipped for a GPU loads (the compile test builds their launches too)."""
     for path in sorted(dt.TUNED_DIR.glob("*.json")):
         tuning = dt.load_tuning(path)
-        assert tuning.rules and tuning.rules[-1][0] is None, path
+        assert tuning.rules and tuning.rules[-1].max_batch is None, path
         assert dt.device_slug(json.loads(path.read_text())["device"]) == path.stem
 
 
@@ -138,7 +170,7 @@ def test_sweep_script_writes_a_tuning_file(tmp_path: Path) -> None:
         env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     tuning = dt.load_tuning(out)
-    assert [max_batch for max_batch, _ in tuning.rules] == [8, None]
+    assert [r.max_batch for r in tuning.rules] == [8, None]
     rows = json.loads(result.read_text())["results"]
     # Two shapes x (the default, one other grid point, then the winner at four depths).
     assert len(rows) == 12 and all("error" not in r for r in rows)
@@ -152,4 +184,16 @@ def test_sweep_script_writes_a_tuning_file(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     merged = dt.load_tuning(out)
     assert merged.rules == tuning.rules
-    assert [max_batch for max_batch, _ in merged.fp8_rules] == [None]
+    assert [r.max_batch for r in merged.fp8_rules] == [None]
+    # Context classes: with --context-split the larger batches' short and long contexts are
+    # classes of their own, each a rule unless its settings equal the next one's (in the
+    # interpreter nothing is timed, so every class keeps the defaults and they fold into one).
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/gpu/attention_bw.py"), "--shapes",
+         "2x40,9x20,9x40", "--context-split", "30", "--write-tuning", str(out)],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "large, contexts <= 30 (9x20)" in done.stdout
+    assert "large, contexts > 30 (9x40)" in done.stdout
+    split = dt.load_tuning(out)
+    assert [(r.max_batch, r.max_context) for r in split.rules] == [(8, None), (None, None)]

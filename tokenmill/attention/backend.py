@@ -38,6 +38,12 @@ class AttentionBackend(ABC):
             ``[T, Hq * D]`` attention output in the dtype of ``q``.
         """
 
+    def decode_context_classes(self, batch: int, kv_cache: torch.Tensor) -> tuple[int | None, ...]:
+        """The longest-context bounds (ascending, then None: any) at which this backend's
+        decode launch for ``batch`` sequences over ``kv_cache`` changes: a CUDA-graph runner
+        captures one graph per class (``AttentionMetadata.launch_context``)."""
+        return (None,)
+
 
 @dataclass
 class _DecodePlan:

@@ -13,14 +13,19 @@ File format::
     {"device": "NVIDIA H200",
      "by_batch": [{"max_batch": 8, "partition_size": 128, "block_n": 32, "num_warps": 4,
                    "num_stages": null},
-                  {"max_batch": null, "partition_size": 512, ...}],
+                  {"max_batch": null, "max_context": 1024, "partition_size": 256, ...},
+                  {"max_batch": null, "partition_size": 1024, ...}],
      "by_batch_fp8": [...]}
 
-A batch of B sequences takes the first rule whose ``max_batch`` is at least B (null: any).
-``by_batch_fp8`` (optional; ``attention_bw.py --kv-cache-dtype fp8`` writes it) holds the
-rules for an fp8 KV cache, whose tiles are half the bytes and are widened in registers.
-The choice depends on the batch size alone, never on the sequences' lengths, so a CUDA graph
-captured for a batch size keeps one launch.
+A decode step of B sequences whose longest context is L tokens takes the first rule whose
+``max_batch`` is at least B (null: any) and whose ``max_context`` (optional, null: any) is at
+least L: long contexts want long partitions, short ones many programs. ``by_batch_fp8``
+(optional; ``attention_bw.py --kv-cache-dtype fp8`` writes it) holds the rules for an fp8 KV
+cache, whose tiles are half the bytes and are widened in registers.
+
+A replayed CUDA graph cannot change its launch, so the graph runner captures one graph per
+batch size and *context class* (:meth:`DecodeTuning.context_classes`: the ``max_context``
+bounds that can apply to that batch size) and replays the class of the step's longest context.
 """
 
 from __future__ import annotations
@@ -52,6 +57,9 @@ class DecodeLaunch:
     # "fp16" (e4m3 converts to it exactly, one instruction per pair; the queries are rounded to
     # it) or "query" (the queries' dtype, bf16 in a bf16 model). Ignored for other caches.
     fp8_compute: str = "fp16"
+    # The transposed products (k @ q^T, v^T @ p^T): the cache tiles become the dots' first
+    # operands, which Hopper's tensor cores may read from registers.
+    kv_first: bool = False
 
     def __post_init__(self) -> None:
         for name in ("partition_size", "block_n"):
@@ -63,6 +71,8 @@ class DecodeLaunch:
         if self.num_stages is not None and (not isinstance(self.num_stages, int)
                                             or not 1 <= self.num_stages <= 8):
             raise ValueError(f"num_stages must be null or 1..8, got {self.num_stages!r}")
+        if not isinstance(self.kv_first, bool):
+            raise ValueError(f"kv_first must be true or false, got {self.kv_first!r}")
         if self.fp8_compute not in FP8_COMPUTE:
             raise ValueError(f"fp8_compute must be one of {', '.join(FP8_COMPUTE)}, "
                              f"got {self.fp8_compute!r}")
@@ -76,45 +86,100 @@ DEFAULT_LAUNCH = DecodeLaunch()
 
 
 @dataclass(frozen=True)
+class DecodeRule:
+    """Steps of at most ``max_batch`` sequences (None: any) whose longest context is at most
+    ``max_context`` tokens (None: any) launch ``launch``."""
+
+    max_batch: int | None
+    launch: DecodeLaunch
+    max_context: int | None = None
+
+    def applies(self, batch: int, context: int | None) -> bool:
+        """Whether a step of ``batch`` sequences with a longest context of ``context`` tokens
+        matches (an unknown context matches rules for any context only)."""
+        return ((self.max_batch is None or batch <= self.max_batch)
+                and (self.max_context is None
+                     or (context is not None and context <= self.max_context)))
+
+    def covers(self, other: DecodeRule) -> bool:
+        """Every step ``other`` matches, this rule matches too."""
+        return (_at_least(self.max_batch, other.max_batch)
+                and _at_least(self.max_context, other.max_context))
+
+
+def _at_least(bound: int | None, other: int | None) -> bool:
+    """``bound >= other`` where None is no bound."""
+    return bound is None or (other is not None and bound >= other)
+
+
+Rules = tuple[DecodeRule, ...]
+
+
+@dataclass(frozen=True)
 class DecodeTuning:
-    """Launch settings by batch size: ``rules`` are (max_batch or None, launch), in order;
-    ``fp8_rules`` the same for an fp8 KV cache (empty: ``rules`` serve it too)."""
+    """Launch settings by batch size and context: ``rules`` are matched in order (see the
+    module's docstring); ``fp8_rules`` the same for an fp8 KV cache (empty: ``rules`` serve it
+    too)."""
 
-    rules: tuple[tuple[int | None, DecodeLaunch], ...] = ((None, DEFAULT_LAUNCH),)
+    rules: Rules = (DecodeRule(None, DEFAULT_LAUNCH),)
     source: str = "defaults"
-    fp8_rules: tuple[tuple[int | None, DecodeLaunch], ...] = ()
+    fp8_rules: Rules = ()
 
-    def for_batch(self, batch: int, fp8_cache: bool = False) -> DecodeLaunch:
-        for max_batch, launch in (self.fp8_rules if fp8_cache and self.fp8_rules
-                                  else self.rules):
-            if max_batch is None or batch <= max_batch:
-                return launch
+    def _rules(self, fp8_cache: bool) -> Rules:
+        return self.fp8_rules if fp8_cache and self.fp8_rules else self.rules
+
+    def for_batch(self, batch: int, fp8_cache: bool = False,
+                  context: int | None = None) -> DecodeLaunch:
+        """The launch of a decode step of ``batch`` sequences whose longest context is
+        ``context`` tokens (None: unknown, only rules for any context match)."""
+        for rule in self._rules(fp8_cache):
+            if rule.applies(batch, context):
+                return rule.launch
         return DEFAULT_LAUNCH
 
+    def context_classes(self, batch: int, fp8_cache: bool = False) -> tuple[int | None, ...]:
+        """The longest-context bounds at which the launch of ``batch`` sequences may change,
+        ascending, ending with None (any context): a step takes the first class at least as
+        long as its longest context, and ``for_batch(batch, fp8_cache, that class)`` is the
+        launch it would get from its own context."""
+        bounds = set()
+        for rule in self._rules(fp8_cache):
+            if rule.max_batch is None or batch <= rule.max_batch:
+                if rule.max_context is None:
+                    break
+                bounds.add(rule.max_context)
+        return (*sorted(bounds), None)
 
-def _parse_rules(entries: Any, where: str) -> tuple[tuple[int | None, DecodeLaunch], ...]:
+
+def _parse_rules(entries: Any, where: str) -> Rules:
     """One list of rules (``by_batch`` or ``by_batch_fp8``); ValueError names the entry."""
     if not isinstance(entries, list) or not entries:
         raise ValueError(f"{where}: expected a non-empty list")
     names = {f.name for f in fields(DecodeLaunch)}
-    rules: list[tuple[int | None, DecodeLaunch]] = []
-    last = 0
+    rules: list[DecodeRule] = []
     for i, entry in enumerate(entries):
         at = f"{where}[{i}]"
         if not isinstance(entry, dict):
             raise ValueError(f"{at} must be an object")
-        max_batch = entry.get("max_batch")
-        if max_batch is not None and (not isinstance(max_batch, int) or max_batch <= last):
-            raise ValueError(f"{at}: max_batch must be null or an integer above the "
-                             f"previous rule's ({last}), got {max_batch!r}")
-        if rules and rules[-1][0] is None:
-            raise ValueError(f"{at} follows a rule for any batch (max_batch null)")
+        bounds = {}
+        for key in ("max_batch", "max_context"):
+            value = entry.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 1):
+                raise ValueError(f"{at}: {key} must be null or a positive integer, "
+                                 f"got {value!r}")
+            bounds[key] = value
         try:
             launch = DecodeLaunch(**{k: v for k, v in entry.items() if k in names})
         except ValueError as e:
             raise ValueError(f"{at}: {e}") from None
-        rules.append((max_batch, launch))
-        last = max_batch or last
+        rule = DecodeRule(bounds["max_batch"], launch, bounds["max_context"])
+        for j, earlier in enumerate(rules):
+            if earlier.covers(rule):
+                name = where.rsplit(": ", 1)[-1]  # the list's name, without the file's
+                raise ValueError(f"{at} is never used: {name}[{j}] comes first and matches "
+                                 "every step it would")
+        rules.append(rule)
     return tuple(rules)
 
 

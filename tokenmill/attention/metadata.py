@@ -39,6 +39,9 @@ class AttentionMetadata:
     # that decode kernels size their launch from it instead of from this step's lengths (a
     # replayed graph cannot change its grid). None outside graphs: backends use max_seq_len.
     max_seq_len_bound: int | None = None
+    # The longest context the decode launch is chosen for (decode_tuning's context classes): a
+    # CUDA-graph runner sets it to the class a graph is captured for. None: max_seq_len.
+    launch_context: int | None = None
     # Backend-private plan of this step's layout (gather indices, masks), built by the backend on
     # the first layer's call and reused by the others, so per-layer work stays minimal.
     backend_plan: object | None = field(default=None, init=False, repr=False, compare=False)

@@ -41,6 +41,9 @@ class TritonAttentionBackend(AttentionBackend):
         # Tokens per decode split, overriding the tuning's (tests).
         self.decode_partition_size = decode_partition_size
 
+    def decode_context_classes(self, batch: int, kv_cache: torch.Tensor) -> tuple[int | None, ...]:
+        return self.decode_tuning.context_classes(batch, kv_cache.dtype in FP8_CACHE_DTYPES)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
@@ -48,8 +51,10 @@ class TritonAttentionBackend(AttentionBackend):
         out = q.new_empty(num_tokens, num_heads, head_dim)
         if meta.decode_only:
             bound = meta.max_seq_len_bound
+            context = meta.max_seq_len if meta.launch_context is None else meta.launch_context
             launch = self.decode_tuning.for_batch(
-                num_tokens, fp8_cache=kv_cache.dtype in FP8_CACHE_DTYPES).kwargs()
+                num_tokens, fp8_cache=kv_cache.dtype in FP8_CACHE_DTYPES,
+                context=context).kwargs()
             if self.decode_partition_size is not None:
                 launch["partition_size"] = self.decode_partition_size
             decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale,

@@ -10,7 +10,10 @@ it launches them all in one go. A graph replays fixed addresses and shapes, so:
   (the attention kernels produce zeros for them), and their outputs are dropped;
 - the attention metadata seen at capture promises the longest context a replay may have
   (``max_seq_len_bound``), so the decode kernel's launch grid covers every context, and the
-  kernel reads the real lengths from the ``seq_lens`` buffer on the device.
+  kernel reads the real lengths from the ``seq_lens`` buffer on the device;
+- where the attention backend's launch for a batch size depends on the longest context (its
+  context classes: short contexts want many short partitions, long ones long partitions), a
+  graph is captured per class and a step replays the class of its longest context.
 
 The capture itself is behind :class:`GraphCapture` so that the padding and buffer logic can be
 tested on the CPU, where :class:`EagerReplay` stands in for a graph by re-running the captured
@@ -128,11 +131,13 @@ class DecodeGraphs:
             query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device),
             block_tables=torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device),
         )
-        # batch size -> (replay, hidden-state output [bs, hidden])
-        self.graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
+        # batch size -> its graphs by context class, ascending (the last for any context):
+        # (the class's longest context or None, replay, hidden-state output [bs, hidden])
+        self.graphs: dict[int, list[tuple[int | None, Callable[[], None], torch.Tensor]]] = {}
 
-    def _metadata(self, bs: int) -> AttentionMetadata:
-        """Metadata over the first ``bs`` buffer rows, promising the longest context."""
+    def _metadata(self, bs: int, launch_context: int | None) -> AttentionMetadata:
+        """Metadata over the first ``bs`` buffer rows, promising the longest context, whose
+        decode launch is the one for contexts of at most ``launch_context`` tokens."""
         b = self.buffers
         meta = AttentionMetadata(
             backend=self.backend,
@@ -146,20 +151,28 @@ class DecodeGraphs:
             block_size=self.block_size,
         )
         meta.max_seq_len_bound = self.max_seq_len
+        meta.launch_context = launch_context
         return meta
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Record one graph per batch size, the largest first (later ones reuse its memory)."""
+        """Record one graph per batch size and context class, the largest batch first (later
+        ones reuse its memory)."""
         b = self.buffers
         for bs in reversed(self.sizes):
-            meta = self._metadata(bs)
+            classes = [c for c in self.backend.decode_context_classes(bs, self.kv_caches[0])
+                       if c is None or c < self.max_seq_len]
+            self.graphs[bs] = []
+            for context in classes:
+                meta = self._metadata(bs, context)
 
-            def step(bs: int = bs, meta: AttentionMetadata = meta) -> torch.Tensor:
-                return self.model(b.input_ids[:bs], b.positions[:bs], meta)
+                def step(bs: int = bs, meta: AttentionMetadata = meta) -> torch.Tensor:
+                    return self.model(b.input_ids[:bs], b.positions[:bs], meta)
 
-            self.graphs[bs] = self.capturer.capture(step)
-        logger.info("captured decode graphs for batch sizes %s", self.sizes)
+                self.graphs[bs].append((context, *self.capturer.capture(step)))
+        multi = {bs: [c for c, *_ in g] for bs, g in self.graphs.items() if len(g) > 1}
+        logger.info("captured decode graphs for batch sizes %s%s", self.sizes,
+                    f" (by longest context: {multi})" if multi else "")
 
     def supports(self, num_tokens: int, meta: AttentionMetadata) -> bool:
         """A decode-only step that fits the buffers."""
@@ -187,6 +200,8 @@ class DecodeGraphs:
             b.seq_lens[n:bs].fill_(0)
             b.input_ids[n:bs].fill_(0)
             b.positions[n:bs].fill_(0)
-        replay, out = self.graphs[bs]
+        longest = meta.max_seq_len
+        replay, out = next((replay, out) for context, replay, out in self.graphs[bs]
+                           if context is None or longest <= context)
         replay()
         return out[:n]
