@@ -36,7 +36,7 @@ GROUPS = [
                             "paged", "store_kv")),
     ("fused norms / rotary / activations", ("rms", "norm", "rotary", "rope", "silu", "swiglu",
                                              "fused")),
-    ("sampling", ("sort", "topk", "argmax", "softmax", "multinomial", "exponential", "cumsum",
+    ("sampling", ("greedy", "sort", "topk", "argmax", "softmax", "multinomial", "exponential", "cumsum",
                   "reduce")),
     ("copies, indexing, elementwise", ("copy", "index", "gather", "scatter", "fill", "elementwise",
                                        "cat", "memcpy", "memset")),
