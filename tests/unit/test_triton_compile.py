@@ -22,10 +22,13 @@ from triton.compiler import ASTSource
 from tokenmill.attention import triton_kernels as tk
 from tokenmill.attention.decode_tuning import DEFAULT_LAUNCH, TUNED_DIR, load_tuning
 from tokenmill.models import fused_ops as fo
+from tokenmill.quant import fp8_kernels as fk
+from tokenmill.runner import greedy_kernels as gk
 
 POINTERS = {"table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32",
             "tile_seq_ptr": "*i32", "tile_idx_ptr": "*i32",
-            "slot_ptr": "*i64", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+            "slot_ptr": "*i64", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
+            "scale_ptr": "*fp32"}
 # bf16, 32 query heads over 8 KV heads, a head dim of 80 (padded to 128 inside the kernels),
 # the attention kernels with the warps they are launched with.
 W = {"num_warps": tk.NUM_WARPS}
@@ -34,28 +37,40 @@ KERNELS = [
                                SATURATE=False)),
     (tk._decode_split_kernel, dict(NUM_HEADS=32, GROUP=4, HEAD_DIM=80, BLOCK_SIZE=16,
                                    PARTITION=512, BLOCK_G=16, BLOCK_N=DEFAULT_LAUNCH.block_n,
-                                   BLOCK_D=128, DOT_PRECISION="tf32", FP16=False), W),
+                                   BLOCK_D=128, DOT_PRECISION="tf32", FP16=False,
+                                   KV_FIRST=False), W),
     (tk._decode_reduce_kernel, dict(NUM_HEADS=32, HEAD_DIM=80, PARTITION=512, BLOCK_D=128)),
     (tk._prefill_kernel, dict(GROUP=4, HEAD_DIM=80, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=32,
                               BLOCK_D=128, DOT_PRECISION="tf32", FP16=False), W),
     # The layers' fused kernels, at Llama-3.1-8B's widths.
-    (fo._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=4096)),
+    (fo._rms_norm_kernel, dict(HAS_RESIDUAL=True, FP8_OUT=False, BLOCK=4096)),
     (fo._silu_and_mul_kernel, dict(BLOCK=1024)),
     (fo._rotary_kernel, dict(NUM_HEADS=48, HALF=64, BLOCK_H=64, BLOCK_D=64)),
 ]
 # An fp8 KV cache (--kv-cache-dtype fp8): stored with saturation, widened to fp16 (FP16) or
 # to the queries' bf16 when read.
 FP8 = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+# fp8 linears' activations (quantization fp8): quantized by their own kernel, or by the norm
+# and SiLU-and-mul kernels that produce them, launched as quantize_rows_fp8 and fused_ops do.
+KERNELS += [
+    (fk._quantize_rows_kernel, dict(BLOCK=2048), {"num_warps": 4}, {"q_ptr": "*fp8e4nv"}),
+    (fo._silu_and_mul_fp8_kernel, dict(BLOCK=2048), {"num_warps": 4}, {"out_ptr": "*fp8e4nv"}),
+] + [
+    (fo._rms_norm_kernel, dict(HAS_RESIDUAL=residual, FP8_OUT=True, BLOCK=4096), None,
+     {"out_ptr": "*fp8e4nv"})
+    for residual in (True, False)
+]
 # The decode launches tuned per GPU model (tokenmill/attention/tuned/), the fp8 cache's too.
 for path in sorted(TUNED_DIR.glob("*.json")):
     tuning = load_tuning(path)
     for fp8, rules in ((False, tuning.rules), (True, tuning.fp8_rules)):
-        for _, launch in rules:
+        for launch in (rule.launch for rule in rules):
             KERNELS.append((tk._decode_split_kernel, dict(
                 NUM_HEADS=32, GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16,
                 PARTITION=launch.partition_size, BLOCK_G=16,
                 BLOCK_N=min(launch.block_n, launch.partition_size), BLOCK_D=128,
-                DOT_PRECISION="tf32", FP16=fp8 and launch.fp8_compute == "fp16"),
+                DOT_PRECISION="tf32", FP16=fp8 and launch.fp8_compute == "fp16",
+                KV_FIRST=launch.kv_first),
                 {"num_warps": launch.num_warps, **(
                     {} if launch.num_stages is None else {"num_stages": launch.num_stages})},
                 FP8 if fp8 else {}))
@@ -65,19 +80,37 @@ KERNELS += [
 ] + [
     (tk._decode_split_kernel, dict(NUM_HEADS=32, GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16,
                                    PARTITION=512, BLOCK_G=16, BLOCK_N=DEFAULT_LAUNCH.block_n,
-                                   BLOCK_D=128, DOT_PRECISION="tf32", FP16=fp16), W, FP8)
-    for fp16 in (True, False)
+                                   BLOCK_D=128, DOT_PRECISION="tf32", FP16=fp16,
+                                   KV_FIRST=kv_first), W, FP8)
+    for fp16 in (True, False) for kv_first in (False, True)
+] + [
+    # The transposed products on a bf16 cache, at the tiles the sweep tries.
+    (tk._decode_split_kernel, dict(NUM_HEADS=32, GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16,
+                                   PARTITION=1024, BLOCK_G=16, BLOCK_N=block_n,
+                                   BLOCK_D=128, DOT_PRECISION="tf32", FP16=False,
+                                   KV_FIRST=True), {"num_warps": 4})
+    for block_n in (32, 64)
 ] + [
     (tk._prefill_kernel, dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=32,
                               BLOCK_D=128, DOT_PRECISION="tf32", FP16=fp16), W, FP8)
     for fp16 in (True, False)
 ]
+# The sampler's greedy step (argmax + its logprob), as greedy_with_logprobs launches it: on
+# logits of each dtype, a whole row per program (FINAL) or a part of one, and the parts' merge.
+GREEDY = {"ids_ptr": "*i64", "lp_ptr": "*fp32", "part_max_ptr": "*fp32",
+          "part_sum_ptr": "*fp32", "part_idx_ptr": "*i32"}
+KERNELS += [
+    (gk._greedy_scan_kernel, dict(BLOCK=2048, FINAL=final), {"num_warps": 8},
+     dict(GREEDY, x_ptr=x))
+    for final in (True, False) for x in ("*bf16", "*fp16", "*fp32")
+] + [(gk._greedy_combine_kernel, dict(BLOCK_P=16), {"num_warps": 1}, GREEDY)]
 for fn, constexprs, *extra in KERNELS:
     options = extra[0] if extra else None
     pointers = dict(POINTERS, **(extra[1] if len(extra) > 1 else {}))
     signature = {name: "constexpr" if name in constexprs
                  else pointers.get(name, "*bf16") if name.endswith("_ptr")
-                 else "fp32" if name in ("qk_scale", "eps") else "i32" for name in fn.arg_names}
+                 else "fp32" if name in ("qk_scale", "eps", "fp8_max", "max_value")
+                 else "i32" for name in fn.arg_names}
     # fp8 (e4m3) needs sm_89 or later: the engine refuses an fp8 cache below that.
     for arch in (90,) if "*fp8e4nv" in pointers.values() else (80, 90):
         triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32),

@@ -7,6 +7,12 @@ through device memory and, even inside a CUDA graph, a few microseconds of its o
 per layer add up to milliseconds per token on an 8B model. Each function here is one Triton
 kernel with the same arithmetic as the PyTorch code in ``models/layers.py`` (fp32 inside).
 
+Where an fp8 linear reads the output (``quant.fp8.Fp8Linear``), the norm and SiLU-and-mul
+kernels can also quantize it per row to e4m3 on the way out (``rms_norm_fp8``,
+``silu_and_mul_fp8``): the same bytes and scales as the unfused output quantized by
+``quant/fp8_kernels.py``, whose kernel shares the arithmetic here (``fp8_scale``,
+``fp8_quantize``), one kernel and one round trip less per linear.
+
 The layers call them for CUDA tensors only (``layers.cuda_kernels``, which imports this module
 on first use); the tests run them in Triton's interpreter on the CPU against the PyTorch code.
 """
@@ -17,29 +23,76 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.models.fp8_activation import FP8_MAX, QuantizedActivation
+
+# Elements of a row each loop iteration of the fp8 SiLU-and-mul reads.
+_FP8_BLOCK = 2048
+
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, n_cols, eps,
-                     stride_x, stride_res, stride_res_out, stride_out,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per row: (s = x + residual, written out), out = norm(s or x) * w."""
+def fp8_scale(peak, fp8_max):
+    """The per-row scale that maps the row's largest magnitude ``peak`` onto ``fp8_max`` (1 for
+    an all-zero row), as ``packing.scale_rows_absmax`` computes it (IEEE division)."""
+    return tl.where(peak > 0, tl.math.div_rn(peak, fp8_max), 1.0)
+
+
+@triton.jit
+def fp8_quantize(x, scale, fp8_max):
+    """fp32 ``x / scale`` clamped to +-``fp8_max``, ready for the cast to e4m3."""
+    return tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, scale_ptr, n_cols, eps,
+                     fp8_max, stride_x, stride_res, stride_res_out, stride_out,
+                     HAS_RESIDUAL: tl.constexpr, FP8_OUT: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row: (s = x + residual, written out), out = norm(s or x) * w; with
+    FP8_OUT, out quantized to e4m3 with the row's scale (written to scale_ptr)."""
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    dtype = x_ptr.dtype.element_ty  # the activations' (out's too, unless FP8_OUT)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
         # Round the sum to the activations' dtype first, as the eager add does.
-        x = (x + r).to(res_out_ptr.dtype.element_ty)
+        x = (x + r).to(dtype)
         tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
         x = x.to(tl.float32)
     var = tl.sum(x * x, axis=0) / n_cols
     y = x * (1.0 / tl.sqrt(var + eps))
     # Low-precision activations: normalized in fp32, rounded, then scaled (as HF does).
-    y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+    y = y.to(dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (y * w).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    y = (y * w).to(dtype)
+    if FP8_OUT:
+        # The rounded output, quantized as quant/fp8_kernels.py quantizes it (masked columns
+        # are 0 and leave the absmax alone).
+        y32 = y.to(tl.float32)
+        scale = fp8_scale(tl.max(tl.abs(y32), axis=0), fp8_max)
+        tl.store(scale_ptr + row, scale)
+        # Triton gives the whole kernel the widest vector any of its memory accesses takes:
+        # 16 one-byte values would change the layout, and with it the order tl.sum adds the
+        # squares in. Capped at the 16 bytes of the activations' own accesses, the layout and
+        # so the norm stay the unfused kernel's, bit for bit.
+        vec: tl.constexpr = 128 // dtype.primitive_bitwidth
+        qcols = tl.max_contiguous(tl.arange(0, BLOCK), vec)
+        tl.store(out_ptr + row * stride_out + qcols,
+                 fp8_quantize(y32, scale, fp8_max).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
+
+
+@triton.jit
+def _silu_mul(x_row, cols, mask, n_cols):
+    """``silu(gate) * up`` at ``cols`` of the row of gate (then up) halves at ``x_row``, in
+    the activations' dtype: silu rounded to it before the product, as eager does."""
+    dtype = x_row.dtype.element_ty
+    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_row + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (act * up).to(dtype)
+
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_out,
@@ -48,12 +101,32 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_out,
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
-    # silu rounded to the activations' dtype before the product, as eager does.
-    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)
-    out = act.to(tl.float32) * up.to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    out = _silu_mul(x_ptr + row * stride_x, cols, mask, n_cols)
+    tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(x_ptr, out_ptr, scale_ptr, n_cols, stride_x, stride_out, fp8_max,
+                             BLOCK: tl.constexpr):
+    """One program per row: silu(gate) * up as _silu_and_mul_kernel computes it, quantized to
+    e4m3 with the row's scale. The row's absmax must be known before the first value is
+    written, so the product is computed twice, the second time from L2 (same bits)."""
+    row = tl.program_id(0)
+    x_row = x_ptr + row * stride_x
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for c0 in range(0, n_cols, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        act = _silu_mul(x_row, cols, cols < n_cols, n_cols).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(act))
+    scale = fp8_scale(tl.max(amax, axis=0), fp8_max)
+    tl.store(scale_ptr + row, scale)
+    for c0 in range(0, n_cols, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        act = _silu_mul(x_row, cols, mask, n_cols).to(tl.float32)
+        tl.store(out_ptr + row * stride_out + cols,
+                 fp8_quantize(act, scale, fp8_max).to(out_ptr.dtype.element_ty), mask=mask)
+
 
 @triton.jit
 def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_ct, stride_st,
@@ -76,18 +149,42 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_ct, str
     tl.store(base + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
 
 
+def _launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                     residual: torch.Tensor | None, out: torch.Tensor,
+                     scale: torch.Tensor | None) -> torch.Tensor:
+    """Run the norm kernel into ``out`` (and, fp8, ``scale``); returns ``s``."""
+    rows, cols = x.shape
+    res = x if residual is None else residual
+    res_out = x if residual is None else torch.empty_like(x)
+    _rms_norm_kernel[(rows,)](
+        x, res, res_out, weight, out, out if scale is None else scale, cols, eps, FP8_MAX,
+        x.stride(0), res.stride(0), res_out.stride(0), out.stride(0),
+        HAS_RESIDUAL=residual is not None, FP8_OUT=scale is not None,
+        BLOCK=triton.next_power_of_2(cols))
+    return res_out
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(norm(s) * weight, s)`` over the last dimension of a 2-D ``x``, where ``s`` is
     ``x + residual`` (a new tensor) or, without a residual, ``x`` itself."""
-    rows, cols = x.shape
     out = torch.empty_like(x)
-    res = x if residual is None else residual
-    res_out = x if residual is None else torch.empty_like(x)
-    _rms_norm_kernel[(rows,)](
-        x, res, res_out, weight, out, cols, eps, x.stride(0), res.stride(0), res_out.stride(0),
-        out.stride(0), HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols))
-    return out, res_out
+    return out, _launch_rms_norm(x, weight, eps, residual, out, None)
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None,
+                 out_dtype: torch.dtype = torch.float8_e4m3fn,
+                 ) -> tuple[QuantizedActivation, torch.Tensor]:
+    """:func:`rms_norm` with the output quantized per row for an fp8 linear, in the kernel.
+
+    ``out_dtype`` is for the tests: Triton's interpreter casts to e4m3 wrongly, so there
+    they read the clamped values before the cast (fp32)."""
+    rows, cols = x.shape
+    out = torch.empty(rows, cols, dtype=out_dtype, device=x.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    res_out = _launch_rms_norm(x, weight, eps, residual, out, scale)
+    return QuantizedActivation(out, scale, x.dtype), res_out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -99,6 +196,21 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](x, out, n, x.stride(0), out.stride(0),
                                                         BLOCK=block)
     return out
+
+
+def silu_and_mul_fp8(x: torch.Tensor, out_dtype: torch.dtype = torch.float8_e4m3fn,
+                     ) -> QuantizedActivation:
+    """:func:`silu_and_mul` quantized per row for an fp8 linear, in the kernel
+    (``out_dtype`` as in :func:`rms_norm_fp8`)."""
+    rows, two_n = x.shape
+    n = two_n // 2
+    out = torch.empty(rows, n, dtype=out_dtype, device=x.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    if rows:
+        _silu_and_mul_fp8_kernel[(rows,)](x, out, scale, n, x.stride(0), out.stride(0), FP8_MAX,
+                                          BLOCK=min(triton.next_power_of_2(n), _FP8_BLOCK),
+                                          num_warps=4)
+    return QuantizedActivation(out, scale, x.dtype)
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from torch import nn
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.distributed import tensor_model_parallel_all_reduce, tp_rank, tp_size
 from tokenmill.models.config import ArchConfig
+from tokenmill.models.fp8_activation import QuantizedActivation
 from tokenmill.models.parallel import VocabParallelEmbedding, divide
 from tokenmill.utils import triton_module
 
@@ -81,21 +82,27 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.shape = (dim,)
+        # Set by the fp8 quantization pass when the layer reading the output is an Fp8Linear:
+        # on CUDA the kernel then hands it over quantized (one kernel fewer); elsewhere no-op.
+        self.fp8_out = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | QuantizedActivation:
         if x.ndim == 2 and (ops := cuda_kernels(x)) is not None:
-            return ops.rms_norm(x, self.weight, self.eps)[0]
+            norm = ops.rms_norm_fp8 if self.fp8_out else ops.rms_norm
+            return norm(x, self.weight, self.eps)[0]
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.shape, self.weight, self.eps)
         # Low-precision inputs: normalize in fp32, scale in the input dtype, as HF does.
         y = F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype)
         return y * self.weight
 
-    def add_forward(self, x: torch.Tensor,
-                    residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(residual + x), residual + x)``: one kernel on CUDA."""
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor
+                    ) -> tuple[torch.Tensor | QuantizedActivation, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``: one kernel on CUDA. The sum is rounded to
+        the activations' dtype before the norm, as the eager add rounds it."""
         if x.ndim == 2 and (ops := cuda_kernels(x)) is not None:
-            return ops.rms_norm(x, self.weight, self.eps, residual=residual)
+            norm = ops.rms_norm_fp8 if self.fp8_out else ops.rms_norm
+            return norm(x, self.weight, self.eps, residual=residual)
         h = residual + x
         return self(h), h
 
@@ -182,11 +189,15 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * self.intermediate_size, bias=bias)
         self.down_proj = Linear(self.intermediate_size, hidden_size,
                                 bias=bias and tp_rank() == 0)
+        # Set by the fp8 quantization pass when down_proj is an Fp8Linear: on CUDA the
+        # SiLU-and-mul kernel then hands its output over quantized; elsewhere no-op.
+        self.fp8_act = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        act: torch.Tensor | QuantizedActivation
         if gate_up.ndim == 2 and (ops := cuda_kernels(gate_up)) is not None:
-            act = ops.silu_and_mul(gate_up)
+            act = ops.silu_and_mul_fp8(gate_up) if self.fp8_act else ops.silu_and_mul(gate_up)
         else:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             act = F.silu(gate) * up
@@ -231,10 +242,10 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        num_tokens = x.shape[0]
+    def forward(self, x: torch.Tensor | QuantizedActivation, cos: torch.Tensor,
+                sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
+        num_tokens = qkv.shape[0]
         hq = self.num_heads
         # q and k are rotated together: one set of rope kernels instead of two.
         qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, hq + self.num_kv_heads,
@@ -253,7 +264,12 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm transformer block: attention then gated MLP, each with a residual add."""
+    """Pre-norm transformer block: attention then gated MLP, each with a residual add.
+
+    The residual stream is carried beside the block's output, not added to it (vLLM's
+    layout): each residual add happens inside the kernel of the norm that follows it, the
+    next layer's input norm or the model's final norm, so no layer needs an add of its own.
+    """
 
     def __init__(self, config: ArchConfig, layer_idx: int, options: AttentionOptions) -> None:
         super().__init__()
@@ -262,11 +278,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(h), cos, sin, meta)
-        x, h = self.post_attention_layernorm.add_forward(attn, h)
-        return h + self.mlp(x)
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp output, residual)``, whose sum is the layer's output; ``h`` is the previous
+        layer's mlp output, or with ``residual`` None (the first layer) the embeddings."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm.add_forward(h, residual)
+        attn = self.self_attn(x, cos, sin, meta)
+        x, residual = self.post_attention_layernorm.add_forward(attn, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -282,6 +304,8 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
+        residual = None
         for layer in self.layers:
-            h = layer(h, cos, sin, meta)
-        return self.norm(h)
+            h, residual = layer(h, residual, cos, sin, meta)
+        # The last layer's residual add, in the final norm's kernel.
+        return self.norm(h) if residual is None else self.norm.add_forward(h, residual)[0]

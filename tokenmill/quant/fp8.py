@@ -1,17 +1,19 @@
 """fp8 (e4m3) linear layers: weights per output channel, activations per token, one
 ``torch._scaled_mm`` (Hopper/Ada GPUs, and the CPU). On CUDA the activations are quantized by
-one Triton kernel (``fp8_kernels.py``); elsewhere by the same arithmetic in PyTorch ops."""
+one Triton kernel (``fp8_kernels.py``), unless the kernel that produced them already did
+(``models.fp8_activation``); elsewhere by the same arithmetic in PyTorch ops."""
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import torch
 from torch import nn
 
+from tokenmill.models.fp8_activation import FP8_MAX, QuantizedActivation
 from tokenmill.quant.packing import KERNEL_DTYPE, QUANTIZE_ROWS, scale_rows_absmax
 from tokenmill.utils import triton_module
 
-# e4m3's largest finite value: scales map each row's (or token's) largest magnitude onto it.
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 # _scaled_mm wants both matrix dimensions of the weight to be multiples of this.
 FP8_DIM_MULTIPLE = 16
 
@@ -34,13 +36,31 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(qs), torch.cat(scales)
 
 
+def cuda_kernels(x: torch.Tensor) -> ModuleType | None:
+    """:mod:`tokenmill.quant.fp8_kernels` for a CUDA tensor when Triton is installed, else
+    None (imported on first use, so a CPU run never imports Triton)."""
+    return triton_module("tokenmill.quant.fp8_kernels") if x.is_cuda else None
+
+
+def quantize_activation(x: torch.Tensor) -> QuantizedActivation:
+    """Rows of a 2-D ``x`` scaled onto e4m3 per row: one kernel on CUDA, PyTorch ops
+    elsewhere, the same bytes either way."""
+    if (kernels := cuda_kernels(x)) is not None:  # one fused kernel instead of ten
+        xq, scale = kernels.quantize_rows_fp8(x.contiguous(), FP8_MAX)
+    else:
+        scaled, scale = scale_rows_absmax(x, FP8_MAX)
+        xq = scaled.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return QuantizedActivation(xq, scale, x.dtype)
+
+
 class Fp8Linear(nn.Module):
     """``y = x @ w.T + bias`` in fp8 (e4m3): weights per output channel, activations per token.
 
-    Each call scales every token's activations onto e4m3's range, then one ``torch._scaled_mm``
-    multiplies both in fp8 and applies the two scale vectors (row-wise scaling) into a bf16
-    result. On an H100 that halves the weight bytes each decode step reads, and doubles the
-    tensor-core rate of prefill, against bf16.
+    Each call scales every token's activations onto e4m3's range (unless they come as a
+    :class:`QuantizedActivation`, quantized by the kernel that produced them), then one
+    ``torch._scaled_mm`` multiplies both in fp8 and applies the two scale vectors (row-wise
+    scaling) into a bf16 result. On an H100 that halves the weight bytes each decode step
+    reads, and doubles the tensor-core rate of prefill, against bf16.
     """
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -64,18 +84,18 @@ class Fp8Linear(nn.Module):
         q, scales = quantize_fp8(weight)
         return cls(q, scales, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
-        kernels = triton_module("tokenmill.quant.fp8_kernels") if x2.is_cuda else None
-        if kernels is not None:  # one fused kernel instead of ten PyTorch ops
-            xq, x_scale = kernels.quantize_rows_fp8(x2.contiguous(), FP8_MAX)
-        else:
-            scaled, x_scale = scale_rows_absmax(x2, FP8_MAX)
-            xq = scaled.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+        if isinstance(x, QuantizedActivation):
+            return self._scaled_mm(x)
+        y = self._scaled_mm(quantize_activation(x.reshape(-1, self.in_features)))
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _scaled_mm(self, x: QuantizedActivation) -> torch.Tensor:
+        """``[T, out]`` in the activations' dtype."""
         bias = None if self.bias is None else self.bias.to(KERNEL_DTYPE)
-        y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale,
-                             bias=bias, out_dtype=KERNEL_DTYPE)
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        y = torch._scaled_mm(x.values, self.weight.t(), scale_a=x.scale,
+                             scale_b=self.weight_scale, bias=bias, out_dtype=KERNEL_DTYPE)
+        return y.to(x.dtype)
 
     def dequantize(self) -> torch.Tensor:
         """The weight ``[out, in]`` this module computes with, in fp32."""

@@ -8,6 +8,10 @@ bf16's 178.2 (benchmarks/results/gpu), with 1,280 of those small kernels a step.
 same arithmetic as ``packing.scale_rows_absmax`` followed by the clamp and cast (fp32 inside,
 IEEE division), so both paths give the same bytes. ``Fp8Linear`` calls it for CUDA tensors
 only; the tests run it in Triton's interpreter against the PyTorch ops.
+
+The scale and the quantization are ``fused_ops``' helpers, which its norm and SiLU-and-mul
+kernels also use to write e4m3 for an fp8 linear directly: inputs quantized there skip this
+kernel, with the same bytes.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from tokenmill.models.fused_ops import fp8_quantize, fp8_scale
 
 # Elements of a row each loop iteration reads: rows of any length take two passes (the
 # absmax, then the quantization), the second mostly from L2.
@@ -31,14 +37,13 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, n_cols, stride_x, stride_q, m
         cols = c0 + tl.arange(0, BLOCK)
         x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    peak = tl.max(amax, axis=0)
-    scale = tl.where(peak > 0, tl.math.div_rn(peak, max_value), 1.0)
+    scale = fp8_scale(tl.max(amax, axis=0), max_value)
     tl.store(scale_ptr + row, scale)
     for c0 in range(0, n_cols, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
         mask = cols < n_cols
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -max_value), max_value)
+        y = fp8_quantize(x, scale, max_value)
         tl.store(q_ptr + row * stride_q + cols, y.to(q_ptr.dtype.element_ty), mask=mask)
 
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from tokenmill.config import QUANTIZATIONS
+from tokenmill.models.layers import DecoderLayer
 from tokenmill.quant.fp8 import Fp8Linear, fp8_supported
 from tokenmill.quant.head import QuantizedEmbedding, QuantizedHead, QuantizedLinear
 from tokenmill.quant.kernel_choice import INT4_ACT_BITS, NEVER_DENSE
@@ -147,6 +148,7 @@ def quantize_model(model: nn.Module, method: str, group_size: int = DEFAULT_GROU
     if method != "none" or head_method != "none":
         if method != "none":
             _quantize_linears(model, method, group_size, summary)
+            fuse_fp8_inputs(model)
         _quantize_head(model, head_method, group_size, summary)
         release_freed_memory()
     summary.head = describe_head(model)
@@ -179,6 +181,23 @@ def _quantize_linears(model: nn.Module, method: str, group_size: int,
             logger.warning("%s stays in float: %s", name, e)
             continue
         replace_module(model, name, quantized)
+
+
+def fuse_fp8_inputs(model: nn.Module) -> int:
+    """Have the kernels whose output an ``Fp8Linear`` reads (a layer's two norms, its
+    SiLU-and-mul) quantize that output themselves on CUDA, with the bytes the linear would
+    make of it: one kernel fewer per linear. o_proj's input comes from the attention backend
+    and is still quantized by the linear. Returns how many kernels now do."""
+    fused = 0
+    for layer in model.modules():
+        if isinstance(layer, DecoderLayer):
+            attn, mlp = layer.self_attn, layer.mlp
+            layer.input_layernorm.fp8_out = isinstance(attn.qkv_proj, Fp8Linear)
+            layer.post_attention_layernorm.fp8_out = isinstance(mlp.gate_up_proj, Fp8Linear)
+            mlp.fp8_act = isinstance(mlp.down_proj, Fp8Linear)
+            fused += (layer.input_layernorm.fp8_out + layer.post_attention_layernorm.fp8_out
+                      + mlp.fp8_act)
+    return fused
 
 
 def head_slot(model: nn.Module) -> tuple[str, bool] | None:
