@@ -96,14 +96,15 @@ KERNELS += [
     for fp16 in (True, False)
 ]
 # The sampler's greedy step (argmax + its logprob), as greedy_with_logprobs launches it: on
-# logits of each dtype, a whole row per program (FINAL) or a part of one, and the parts' merge.
+# logits of each dtype, a whole row per program (FINAL: the ids stand in for the unused
+# part_idx) or a part of one, and the parts' merge.
 GREEDY = {"ids_ptr": "*i64", "lp_ptr": "*fp32", "part_max_ptr": "*fp32",
           "part_sum_ptr": "*fp32", "part_idx_ptr": "*i32"}
 KERNELS += [
     (gk._greedy_scan_kernel, dict(BLOCK=2048, FINAL=final), {"num_warps": 8},
-     dict(GREEDY, x_ptr=x))
+     dict(GREEDY, x_ptr=x, part_idx_ptr="*i64" if final else "*i32"))
     for final in (True, False) for x in ("*bf16", "*fp16", "*fp32")
-] + [(gk._greedy_combine_kernel, dict(BLOCK_P=16), {"num_warps": 1}, GREEDY)]
+] + [(gk._greedy_combine_kernel, dict(BLOCK_P=64), {"num_warps": 1}, GREEDY)]
 for fn, constexprs, *extra in KERNELS:
     options = extra[0] if extra else None
     pointers = dict(POINTERS, **(extra[1] if len(extra) > 1 else {}))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -16,7 +17,7 @@ from tokenmill.csrc import extension_if_loaded
 from tokenmill.outputs import TokenLogprobs
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.matcher import apply_bitmask
-from tokenmill.utils import host_tensor
+from tokenmill.utils import host_tensor, triton_module
 
 # Floor for the exponential draws: exponential_() can return exactly 0, and p / 0 would pick a
 # token of probability 0 (or give NaN).
@@ -273,9 +274,9 @@ class Sampler:
 
     def greedy(self, logits: torch.Tensor) -> SamplerOutput | None:
         """The common decode step, every row :func:`plain_greedy`: the argmax and its logprob
-        in one pass of the C++ kernel, with no SamplingMetadata to build. None where that
-        kernel does not apply (then ``__call__``)."""
-        if not self.chosen_logprobs or (fast := _greedy_kernel(logits.float())) is None:
+        in one pass of a kernel (C++ on the CPU, Triton on CUDA), with no SamplingMetadata to
+        build. None where no such kernel applies (then ``__call__``)."""
+        if not self.chosen_logprobs or (fast := _greedy_kernel(logits)) is None:
             return None
         ids, chosen = fast
         return SamplerOutput(sampled_token_ids=ids, chosen_logprobs=chosen)
@@ -325,13 +326,27 @@ def plain_greedy(params: SamplingParams) -> bool:
             and needs_no_history(params))
 
 
+def _cuda_greedy_kernels(logits: torch.Tensor) -> ModuleType | None:
+    """:mod:`tokenmill.runner.greedy_kernels` for CUDA logits when Triton is installed, else
+    None (imported on first use, so a CPU run never imports Triton)."""
+    return triton_module("tokenmill.runner.greedy_kernels") if logits.is_cuda else None
+
+
 def _greedy_kernel(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """argmax and its logprob per row by the C++ extension, when loaded and the logits are a
-    contiguous CPU float32 matrix; None otherwise (PyTorch's ops then)."""
-    if logits.device.type != "cpu" or logits.dim() != 2 or not logits.is_contiguous():
+    """argmax and its logprob per row in one pass: by the Triton kernel for CUDA logits, read
+    in their own dtype (no fp32 copy); by the C++ extension, when loaded, for CPU logits as a
+    contiguous float32 matrix. None otherwise (PyTorch's ops then)."""
+    if logits.dim() != 2:
         return None
-    ext = extension_if_loaded()
-    return None if ext is None else ext.greedy_with_logprobs(logits)
+    if (kernels := _cuda_greedy_kernels(logits)) is not None:
+        if logits.dtype not in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        return kernels.greedy_with_logprobs(logits if logits.stride(1) == 1
+                                            else logits.contiguous())
+    if logits.device.type != "cpu" or (ext := extension_if_loaded()) is None:
+        return None
+    logits = logits.float()
+    return ext.greedy_with_logprobs(logits) if logits.is_contiguous() else None
 
 
 def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
