@@ -152,25 +152,23 @@ elif [ "$PHASE" = ctx ]; then
   # the fp8 one adds to it), then the 1,000 x 1,000/1,000 workload in fp8 and bf16.
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -c "import torch, triton, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__)"
-  step tests-ctx 110 python3 -m pytest -q -p no:cacheprovider -rfE \
+  step tests-ctx 60 python3 -m pytest -q -p no:cacheprovider -rfE -x \
     tests/unit/test_triton_attention.py tests/unit/test_cuda_graphs.py \
-    tests/unit/test_fused_ops.py tests/gpu/test_fp8_kv_cache.py \
-    tests/gpu/test_async_scheduling_cuda.py $(ls tests/gpu/test_*fusion*.py \
-    tests/gpu/test_*greedy*.py 2>/dev/null) tests/gpu/test_cuda_engine.py::test_quantized_linear_on_cuda
+    $(ls tests/gpu/test_*greedy*.py 2>/dev/null) tests/gpu/test_async_scheduling_cuda.py
   SLUG=$(python3 -c "import torch; from tokenmill.attention.decode_tuning import device_slug; print(device_slug(torch.cuda.get_device_name(0)))")
   TUNED=tokenmill/attention/tuned/$SLUG.json
   cp "$TUNED" /tmp/tuned-before.json
-  step attention-sweep-ctx 120 python3 benchmarks/gpu/attention_bw.py \
-    --shapes 1x512,1x2000,256x140,256x512,256x1024,256x1500,256x2000,64x4000 \
-    --context-split 1024 --partitions 256,512,1024 --block-ns 32,64 --warps 4,8 \
+  step attention-sweep-ctx 60 python3 benchmarks/gpu/attention_bw.py \
+    --shapes 1x512,1x2000,256x140,256x1024,256x1500,64x4000 \
+    --context-split 1024 --partitions 256,1024 --block-ns 32,64 --warps 4 \
     --stages default --kv-firsts 0,1 \
     --result-file "$RES/$GPU-decode-attention-bw-ctx.json" --write-tuning "$TUNED"
   # A sweep cut short writes no file: put the earlier one back so the fp8 one can add to it.
   python3 -c "from tokenmill.attention.decode_tuning import load_tuning; load_tuning('$TUNED')" \
     || cp /tmp/tuned-before.json "$TUNED"
-  step attention-sweep-fp8-ctx 100 python3 benchmarks/gpu/attention_bw.py --kv-cache-dtype fp8 \
-    --shapes 256x140,256x512,256x1500,256x2000,64x4000 --context-split 1024 \
-    --partitions 512,1024 --block-ns 64,128 --warps 4,8 --stages 2 --fp8-computes fp16 \
+  step attention-sweep-fp8-ctx 50 python3 benchmarks/gpu/attention_bw.py --kv-cache-dtype fp8 \
+    --shapes 256x140,256x512,256x1500,64x4000 --context-split 1024 \
+    --partitions 1024 --block-ns 64,128 --warps 4,8 --stages 2 --fp8-computes fp16 \
     --kv-firsts 0,1 --result-file "$RES/$GPU-decode-attention-bw-fp8-ctx.json" \
     --write-tuning "$TUNED"
   python3 -c "from tokenmill.attention.decode_tuning import load_tuning; t = load_tuning('$TUNED'); assert t.fp8_rules" \
@@ -179,12 +177,12 @@ import json; new = json.load(open('$TUNED')); old = json.load(open('/tmp/tuned-b
 new.update({k: old[k] for k in ('by_batch_fp8', 'created_fp8', 'command_fp8') if k in old})
 json.dump(new, open('$TUNED', 'w'), indent=2)"
   cat "$TUNED"
-  step throughput-fp8-ctx 140 $BENCH --suite throughput --model llama-3.1-8b --max-model-len 2048 \
+  pack
+  step throughput-fp8-ctx 120 $BENCH --suite throughput --model llama-3.1-8b --max-model-len 2048 \
     --quantization fp8 --kv-cache-dtype fp8 \
     --result-file "$RES/$GPU-llama-3.1-8b-throughput-fp8-kvfp8-ctx.json"
-  step throughput-bf16-ctx 160 $BENCH --suite throughput --model llama-3.1-8b --max-model-len 2048 \
+  step throughput-bf16-ctx 150 $BENCH --suite throughput --model llama-3.1-8b --max-model-len 2048 \
     --result-file "$RES/$GPU-llama-3.1-8b-throughput-bf16-ctx.json"
-  profiles_1500 70
 elif [ "$PHASE" = tune ]; then
   # 2026-11-27's run of this phase took 565 s (tests 39, sweep 66 with do_bench, bf16
   # throughput 153, decode 19, then the fp8-cache runs were cut at their caps). Next: the sweep
