@@ -184,8 +184,7 @@ def main() -> None:
                          "to the file")
     for flag, what in (("--partitions", "partition sizes"), ("--block-ns", "keys per tile"),
                        ("--warps", "warps"), ("--stages", "pipelining depths ('default')"),
-                       ("--fp8-computes", "widenings of an fp8 cache (fp16, query)"),
-                       ("--kv-firsts", "forms of the products (0: q @ k^T, 1: k @ q^T)")):
+                       ("--fp8-computes", "widenings of an fp8 cache (fp16, query)")):
         ap.add_argument(flag, default=None, help=f"comma-separated {what} to sweep")
     ap.add_argument("--context-split", type=int, default=None, metavar="N",
                     help="batches above 8 with contexts up to N tokens and longer ones get "
@@ -210,14 +209,12 @@ def main() -> None:
     dims = {"partition_size": (256, 512, 1024) if fp8 else (64, 128, 256, 512, 1024),
             "block_n": (32, 64, 128) if fp8 else (16, 32, 64), "num_warps": (4, 8),
             "num_stages": (None,),
-            "fp8_compute": FP8_COMPUTE if fp8 else (DEFAULT["fp8_compute"],),
-            "kv_first": (False, True)}
+            "fp8_compute": FP8_COMPUTE if fp8 else (DEFAULT["fp8_compute"],)}
     for key, given in (("partition_size", a.partitions), ("block_n", a.block_ns),
                        ("num_warps", a.warps), ("num_stages", a.stages),
-                       ("fp8_compute", a.fp8_computes), ("kv_first", a.kv_firsts)):
+                       ("fp8_compute", a.fp8_computes)):
         if given:
-            dims[key] = tuple(None if x == "default" else x if key == "fp8_compute"
-                              else bool(int(x)) if key == "kv_first" else int(x)
+            dims[key] = tuple(None if x == "default" else x if key == "fp8_compute" else int(x)
                               for x in given.split(","))
     grid = [DEFAULT] + ([] if a.quick else [
         v for v in (dict(zip(dims, point, strict=True)) for point in itertools.product(*dims.values()))

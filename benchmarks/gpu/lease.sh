@@ -146,10 +146,11 @@ elif [ "$PHASE" = fp8b ]; then
     --result-file "$RES/$GPU-llama-3.1-8b-throughput-fp8-kvfp8-384.json"
 elif [ "$PHASE" = ctx ]; then
   # 2026-11-28 evening: decode launches by longest context (a CUDA graph per context class),
-  # the transposed products (kv_first) in the sweeps, the fp8 activation quantization folded
-  # into the norm and SiLU kernels, the residual add carried into the next norm, greedy
-  # sampling in one Triton pass. Tests, then both sweeps (bf16 first: it rewrites the file,
-  # the fp8 one adds to it), then the 1,000 x 1,000/1,000 workload in fp8 and bf16.
+  # the transposed products (kv_first, since removed: slower everywhere) in the sweeps, the
+  # fp8 activation quantization folded into the norm and SiLU kernels, the residual add
+  # carried into the next norm, greedy sampling in one Triton pass. Tests, then both sweeps
+  # (bf16 first: it rewrites the file, the fp8 one adds to it), then the 1,000 x 1,000/1,000
+  # workload in fp8 and bf16.
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -c "import torch, triton, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__)"
   step tests-ctx 60 python3 -m pytest -q -p no:cacheprovider -rfE -x \
@@ -161,7 +162,7 @@ elif [ "$PHASE" = ctx ]; then
   step attention-sweep-ctx 60 python3 benchmarks/gpu/attention_bw.py \
     --shapes 1x512,1x2000,256x140,256x1024,256x1500,64x4000 \
     --context-split 1024 --partitions 256,1024 --block-ns 32,64 --warps 4 \
-    --stages default --kv-firsts 0,1 \
+    --stages default \
     --result-file "$RES/$GPU-decode-attention-bw-ctx.json" --write-tuning "$TUNED"
   # A sweep cut short writes no file: put the earlier one back so the fp8 one can add to it.
   python3 -c "from tokenmill.attention.decode_tuning import load_tuning; load_tuning('$TUNED')" \
@@ -169,7 +170,7 @@ elif [ "$PHASE" = ctx ]; then
   step attention-sweep-fp8-ctx 50 python3 benchmarks/gpu/attention_bw.py --kv-cache-dtype fp8 \
     --shapes 256x140,256x512,256x1500,64x4000 --context-split 1024 \
     --partitions 1024 --block-ns 64,128 --warps 4,8 --stages 2 --fp8-computes fp16 \
-    --kv-firsts 0,1 --result-file "$RES/$GPU-decode-attention-bw-fp8-ctx.json" \
+    --result-file "$RES/$GPU-decode-attention-bw-fp8-ctx.json" \
     --write-tuning "$TUNED"
   python3 -c "from tokenmill.attention.decode_tuning import load_tuning; t = load_tuning('$TUNED'); assert t.fp8_rules" \
     || python3 -c "

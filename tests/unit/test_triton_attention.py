@@ -141,12 +141,10 @@ def test_store_kv_writes_slots_and_skips_padding() -> None:
     assert torch.equal(kv_cache, expected)
 
 
-@pytest.mark.parametrize("kv_first", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("hq,hkv,d,block_size", SHAPES + [(4, 4, 80, 16)])
 def test_decode_matches_dense(hq: int, hkv: int, d: int, block_size: int,
-                              dtype: torch.dtype, kv_first: bool) -> None:
-    """Both forms of the split kernel's products (``kv_first``: the transposed ones)."""
+                              dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(1)
     cache = new_cache(hkv, d, block_size, dtype)
     # 1 and 16 tokens need one partition of 32, 300 needs ten; 0 is a padding row.
@@ -155,8 +153,7 @@ def test_decode_matches_dense(hq: int, hkv: int, d: int, block_size: int,
     q = torch.randn(len(lens), hq, d, generator=gen).to(dtype).to(DEVICE)
     # A bound well past the longest context: most programs of the short rows have no keys.
     out = kernels.decode_attention(q, cache.kv_caches[0], meta.block_tables, meta.seq_lens,
-                                   d ** -0.5, max_seq_len=400, partition_size=32,
-                                   kv_first=kv_first)
+                                   d ** -0.5, max_seq_len=400, partition_size=32)
     ref = dense(q, cache.kv_caches[0], meta.block_tables, [1] * len(lens), lens, d ** -0.5)
     assert out.dtype == dtype
     assert torch.isfinite(out).all()
@@ -313,10 +310,8 @@ def test_fp8_cache_stores_saturated_e4m3_and_both_kernels_read_it() -> None:
         assert (out - ref.view(n, -1)).abs().max().item() <= 1e-4, chunks
 
 
-@pytest.mark.parametrize("kv_first", [False, True])
 @pytest.mark.parametrize("fp8_compute", ["fp16", "query"])
-def test_fp8_cache_widened_to_fp16_or_to_the_queries_dtype(fp8_compute: str,
-                                                           kv_first: bool) -> None:
+def test_fp8_cache_widened_to_fp16_or_to_the_queries_dtype(fp8_compute: str) -> None:
     """An fp8 cache under 16-bit queries: the tuning's ``fp8_compute`` picks the dtype of the
     dot products (fp16, or the queries'); decode and prefill give dense attention over the
     stored values either way. (fp16 queries here: the interpreter gets bf16 wrong; the GPU
@@ -325,8 +320,7 @@ def test_fp8_cache_widened_to_fp16_or_to_the_queries_dtype(fp8_compute: str,
     hq, hkv, d, block_size = 8, 2, 16, 4
     tuning = parse_tuning({"by_batch": [{"partition_size": 16}],
                            "by_batch_fp8": [{"partition_size": 16, "block_n": 16,
-                                             "fp8_compute": fp8_compute,
-                                             "kv_first": kv_first}]}, "test")
+                                             "fp8_compute": fp8_compute}]}, "test")
     backend = triton_backend.TritonAttentionBackend(decode_tuning=tuning)
     cache = new_cache(hkv, d, block_size, torch.float8_e4m3fn, backend=backend)
     kv = cache.kv_caches[0]

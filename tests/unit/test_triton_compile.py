@@ -37,8 +37,7 @@ KERNELS = [
                                SATURATE=False)),
     (tk._decode_split_kernel, dict(NUM_HEADS=32, GROUP=4, HEAD_DIM=80, BLOCK_SIZE=16,
                                    PARTITION=512, BLOCK_G=16, BLOCK_N=DEFAULT_LAUNCH.block_n,
-                                   BLOCK_D=128, DOT_PRECISION="tf32", FP16=False,
-                                   KV_FIRST=False), W),
+                                   BLOCK_D=128, DOT_PRECISION="tf32", FP16=False), W),
     (tk._decode_reduce_kernel, dict(NUM_HEADS=32, HEAD_DIM=80, PARTITION=512, BLOCK_D=128)),
     (tk._prefill_kernel, dict(GROUP=4, HEAD_DIM=80, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=32,
                               BLOCK_D=128, DOT_PRECISION="tf32", FP16=False), W),
@@ -69,8 +68,7 @@ for path in sorted(TUNED_DIR.glob("*.json")):
                 NUM_HEADS=32, GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16,
                 PARTITION=launch.partition_size, BLOCK_G=16,
                 BLOCK_N=min(launch.block_n, launch.partition_size), BLOCK_D=128,
-                DOT_PRECISION="tf32", FP16=fp8 and launch.fp8_compute == "fp16",
-                KV_FIRST=launch.kv_first),
+                DOT_PRECISION="tf32", FP16=fp8 and launch.fp8_compute == "fp16"),
                 {"num_warps": launch.num_warps, **(
                     {} if launch.num_stages is None else {"num_stages": launch.num_stages})},
                 FP8 if fp8 else {}))
@@ -80,16 +78,8 @@ KERNELS += [
 ] + [
     (tk._decode_split_kernel, dict(NUM_HEADS=32, GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16,
                                    PARTITION=512, BLOCK_G=16, BLOCK_N=DEFAULT_LAUNCH.block_n,
-                                   BLOCK_D=128, DOT_PRECISION="tf32", FP16=fp16,
-                                   KV_FIRST=kv_first), W, FP8)
-    for fp16 in (True, False) for kv_first in (False, True)
-] + [
-    # The transposed products on a bf16 cache, at the tiles the sweep tries.
-    (tk._decode_split_kernel, dict(NUM_HEADS=32, GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16,
-                                   PARTITION=1024, BLOCK_G=16, BLOCK_N=block_n,
-                                   BLOCK_D=128, DOT_PRECISION="tf32", FP16=False,
-                                   KV_FIRST=True), {"num_warps": 4})
-    for block_n in (32, 64)
+                                   BLOCK_D=128, DOT_PRECISION="tf32", FP16=fp16), W, FP8)
+    for fp16 in (True, False)
 ] + [
     (tk._prefill_kernel, dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=32,
                               BLOCK_D=128, DOT_PRECISION="tf32", FP16=fp16), W, FP8)

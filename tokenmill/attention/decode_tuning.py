@@ -57,9 +57,6 @@ class DecodeLaunch:
     # "fp16" (e4m3 converts to it exactly, one instruction per pair; the queries are rounded to
     # it) or "query" (the queries' dtype, bf16 in a bf16 model). Ignored for other caches.
     fp8_compute: str = "fp16"
-    # The transposed products (k @ q^T, v^T @ p^T): the cache tiles become the dots' first
-    # operands, which Hopper's tensor cores may read from registers.
-    kv_first: bool = False
 
     def __post_init__(self) -> None:
         for name in ("partition_size", "block_n"):
@@ -71,8 +68,6 @@ class DecodeLaunch:
         if self.num_stages is not None and (not isinstance(self.num_stages, int)
                                             or not 1 <= self.num_stages <= 8):
             raise ValueError(f"num_stages must be null or 1..8, got {self.num_stages!r}")
-        if not isinstance(self.kv_first, bool):
-            raise ValueError(f"kv_first must be true or false, got {self.kv_first!r}")
         if self.fp8_compute not in FP8_COMPUTE:
             raise ValueError(f"fp8_compute must be one of {', '.join(FP8_COMPUTE)}, "
                              f"got {self.fp8_compute!r}")

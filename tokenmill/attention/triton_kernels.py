@@ -119,17 +119,11 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_pt
                          NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, FP16: tl.constexpr,
-                         KV_FIRST: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, FP16: tl.constexpr):
     """Program (seq, kv head, split): the GROUP query heads of one KV head over one partition.
 
     Writes the partition's normalized output and log2-sum-exp per query head, to be combined by
     ``_decode_reduce_kernel``. A partition that starts at or past the sequence's end does nothing.
-
-    KV_FIRST computes the transposed products, ``k @ q^T`` and ``v^T @ p^T``, so the cache
-    tiles are the dots' first operands: on Hopper a first operand may come from registers,
-    where a second one goes through shared memory, which an fp8 tile widened in registers
-    would otherwise take a round trip through (the launch sweep decides which is faster).
     """
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -150,39 +144,21 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_pt
                             mask=g_mask[:, None] & d_mask[None, :], other=0.0), FP16)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     denom = tl.full([BLOCK_G], 0.0, tl.float32)
+    acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
     table = table_ptr + b * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        k, v, pos, valid = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, n0, end, kv_head,
+                                         stride_cb, stride_co, stride_ch,
+                                         HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m, denom, acc = _softmax_step(s, v, m, denom, acc, DOT_PRECISION)
+
     # Scratch is [B, Hq, num_splits, D] and [B, Hq, num_splits], contiguous.
     row = (b * NUM_HEADS + heads) * num_splits + split
-    if KV_FIRST:
-        q_t = tl.trans(q)
-        acc_t = tl.full([BLOCK_D, BLOCK_G], 0.0, tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            k, v, pos, valid = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, n0, end, kv_head,
-                                             stride_cb, stride_co, stride_ch,
-                                             HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, q.dtype)
-            s_t = tl.dot(k, q_t, input_precision=DOT_PRECISION) * qk_scale
-            s_t = tl.where(valid[:, None], s_t, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s_t, 0))
-            p_t = tl.math.exp2(s_t - m_new[None, :])
-            alpha = tl.math.exp2(m - m_new)
-            denom = denom * alpha + tl.sum(p_t, 0)
-            acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v), p_t.to(v.dtype),
-                                                    input_precision=DOT_PRECISION)
-            m = m_new
-        tl.store(part_out_ptr + row[None, :] * HEAD_DIM + d[:, None], acc_t / denom[None, :],
-                 mask=g_mask[None, :] & d_mask[:, None])
-    else:
-        acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            k, v, pos, valid = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, n0, end, kv_head,
-                                             stride_cb, stride_co, stride_ch,
-                                             HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, q.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m, denom, acc = _softmax_step(s, v, m, denom, acc, DOT_PRECISION)
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / denom[:, None],
-                 mask=g_mask[:, None] & d_mask[None, :])
     tl.store(part_lse_ptr + row, m + tl.math.log2(denom), mask=g_mask)
+    tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / denom[:, None],
+             mask=g_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
@@ -306,8 +282,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
                      block_n: int = DEFAULT_LAUNCH.block_n,
                      num_warps: int = DEFAULT_LAUNCH.num_warps,
                      num_stages: int | None = DEFAULT_LAUNCH.num_stages,
-                     fp8_compute: str = DEFAULT_LAUNCH.fp8_compute,
-                     kv_first: bool = DEFAULT_LAUNCH.kv_first) -> torch.Tensor:
+                     fp8_compute: str = DEFAULT_LAUNCH.fp8_compute) -> torch.Tensor:
     """Attend one query per sequence over its paged context (flash decoding).
 
     Each sequence's context is cut into partitions of ``partition_size`` tokens, attended in
@@ -329,8 +304,6 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
             least 16), warps per program and software-pipelining depth (None: Triton's
             default); benchmarks/gpu/attention_bw.py sweeps them.
         fp8_compute: what an fp8 cache is widened to (:func:`widens_to_fp16`).
-        kv_first: the transposed products, cache tiles as the dots' first operands (see
-            ``_decode_split_kernel``).
 
     Returns:
         ``out`` or a new ``[B, Hq, D]`` tensor in the dtype of q.
@@ -363,7 +336,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         PARTITION=partition_size, BLOCK_G=max(_MIN_DOT, triton.next_power_of_2(group)),
         BLOCK_N=min(block_n, partition_size), BLOCK_D=block_d,
         DOT_PRECISION=_dot_precision(q), FP16=widens_to_fp16(q, kv_cache, fp8_compute),
-        KV_FIRST=kv_first, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
+        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
     _decode_reduce_kernel[(num_seqs, num_heads)](
         part_out, part_lse, seq_lens, out, num_splits, out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, PARTITION=partition_size, BLOCK_D=block_d)
