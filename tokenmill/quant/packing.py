@@ -106,11 +106,14 @@ def scale_rows_absmax(x: torch.Tensor, max_value: float,
     (1 for an all-zero row), and ``x / scale`` is in fp32, ready to round or cast.
 
     The scale is rounded to ``scale_dtype`` *before* dividing, so that the quantized values
-    are the best choice for the scale the kernel will actually use.
+    are the best choice for the scale the kernel will actually use. Both divisions are IEEE
+    ones on every device, as the Triton kernels' (CUDA turns a division by a Python number
+    into a multiplication by its rounded reciprocal, one ulp off at times).
     """
     xf = x.float()
     amax = xf.abs().amax(dim=1, keepdim=True)
-    scale = torch.where(amax > 0, amax / max_value, torch.ones_like(amax)).to(scale_dtype)
+    peak = amax.new_full((1, 1), max_value)
+    scale = torch.where(amax > 0, amax / peak, torch.ones_like(amax)).to(scale_dtype)
     return xf / scale.float(), scale
 
 
