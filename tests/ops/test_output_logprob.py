@@ -11,7 +11,8 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.metrics.stats import StatsCollector
-from tokenmill.runner.sampler import Sampler, SamplingMetadata, logprobs_of
+from tokenmill.runner.sampler import Sampler, logprobs_of
+from tokenmill.runner.sampling_metadata import SamplingMetadata
 
 PROMPTS = ["The capital of France is", "1, 2, 3, 4, 5, 6, 7,", "Roses are red, violets are"]
 COMMON = dict(dtype="float32", quantization="none", max_model_len=256,

@@ -10,12 +10,12 @@ import torch
 
 from tokenmill.runner.sampler import (
     Sampler,
-    SamplingMetadata,
     apply_logits_processors,
     compute_prompt_logprobs,
     gather_logprobs,
     plain_greedy,
 )
+from tokenmill.runner.sampling_metadata import SamplingMetadata
 from tokenmill.sampling_params import SamplingParams
 
 V = 64

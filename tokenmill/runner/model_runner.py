@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
 
-from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache import blocks_for_tokens
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
@@ -25,55 +22,18 @@ from tokenmill.runner.fused_decode import (
 from tokenmill.runner.kv_memory import KVCacheShape
 from tokenmill.runner.launched import HostCopy, LaunchedStep, SampledRows, sample_is_history_free
 from tokenmill.runner.platform import Platform
-from tokenmill.runner.pooling import EncoderBatch, pool_embeddings
+from tokenmill.runner.pooling import pool_embeddings
 from tokenmill.runner.request_state import RequestState, SamplingState, advance_grammar
 from tokenmill.runner.sampler import (
     Sampler,
-    SamplingMetadata,
     compute_prompt_logprobs,
     plain_greedy,
 )
+from tokenmill.runner.sampling_metadata import SamplingMetadata
 from tokenmill.runner.spec_verify import SpecRequest, verify_drafts
+from tokenmill.runner.step_inputs import SpecRows, StepInputs, prepare_inputs
 from tokenmill.structured.matcher import GrammarState, allocate_bitmask, fill_rows
 from tokenmill.utils import ListSlice, env_switch, host_tensor
-
-# Prompt logprobs one request computes this step: its hidden-state rows, the prompt tokens they
-# score, and how many tokens before the first were skipped (reported as None).
-_PromptLogprobRows = tuple[RequestState, list[int], list[int], int]
-
-
-@dataclass
-class _SpecRows:
-    """The requests of a step that verify draft tokens, with their drafts and rows."""
-
-    states: list[RequestState] = field(default_factory=list)
-    drafts: list[list[int]] = field(default_factory=list)
-    rows: list[int] = field(default_factory=list)
-
-    def add(self, state: RequestState, drafts: list[int], rows: range) -> None:
-        self.states.append(state)
-        self.drafts.append(drafts)
-        self.rows.extend(rows)
-
-
-@dataclass
-class _StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    attn_meta: AttentionMetadata
-    # Rows of the hidden states to sample from, and the requests they belong to.
-    sample_rows: list[int]
-    sample_states: list[RequestState]
-    # Requests verifying draft tokens: every position of theirs is scored.
-    spec: _SpecRows
-    # Per request needing prompt logprobs this step (see _PromptLogprobRows).
-    prompt_lp_rows: list[_PromptLogprobRows]
-    # Embedding requests whose prompt this step computes, with their rows (start, count).
-    pool_states: list[RequestState] = field(default_factory=list)
-    pool_spans: list[tuple[int, int]] = field(default_factory=list)
-    # Every row is sampled, in order (a decode-only step): the head takes the hidden states
-    # as they are.
-    samples_every_row: bool = False
 
 
 class ModelRunner:
@@ -240,7 +200,7 @@ class ModelRunner:
         fused = self.fused_decoder
         return self.model.compute_logits(hidden) if fused is None else fused.logits(hidden)
 
-    def _forward(self, inputs: _StepInputs) -> torch.Tensor:
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """A captured decode graph, the fused C++ stack for a decode-only step when it is on,
         or ``model.forward``."""
         if self.is_encoder:
@@ -254,7 +214,7 @@ class ModelRunner:
                                                   inputs.positions, inputs.attn_meta)
         return hidden
 
-    def _forward_invariant(self, inputs: _StepInputs) -> torch.Tensor:
+    def _forward_invariant(self, inputs: StepInputs) -> torch.Tensor:
         """The fused stack, and nothing else: ``model.forward`` rounds a row differently, so
         a fallback would make the row depend on the step again."""
         fused = self.fused_decoder
@@ -292,65 +252,12 @@ class ModelRunner:
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def _prepare_inputs(self, sched: SchedulerOutput) -> _StepInputs:
-        batch = EncoderBatch() if self.is_encoder else FlatBatch(self.block_size)
-        pool_states: list[RequestState] = []
-        pool_spans: list[tuple[int, int]] = []
-        sample_rows: list[int] = []
-        sample_states: list[RequestState] = []
-        spec = _SpecRows()
-        prompt_lp_rows: list[_PromptLogprobRows] = []
-        # Rows whose token the previous launched step sampled and the host has not seen yet
-        # (asynchronous scheduling), with the request each belongs to.
-        in_flight: tuple[list[int], list[str]] = ([], [])
-        for rid, n in sched.num_scheduled_tokens.items():
-            state = self.requests[rid]
-            start = state.num_computed_tokens
-            end = start + n
-            drafts = sched.scheduled_spec_decode_tokens.get(rid)
-            if drafts:
-                # The last token and the drafts after it; logits at each position verify them.
-                row0 = batch.add(state.token_ids[start:] + drafts, start, state.block_ids,
-                                 split=True)
-                spec.add(state, drafts, range(row0, row0 + n))
-                state.num_computed_tokens = end
-                continue
-            # Deterministic: each token a one-token sequence, so that a prompt token is
-            # computed as a decode token is, whatever the chunking and the batch mates.
-            token_ids = state.token_ids[start:end]
-            if end > len(state.token_ids):
-                # The last token is still on the device: a placeholder, filled there below.
-                token_ids.append(0)
-                in_flight[0].append(len(batch.ids) + n - 1)
-                in_flight[1].append(rid)
-            row0 = batch.add(token_ids, start, state.block_ids, split=self.deterministic)
-            state.num_computed_tokens = end
-            if state.pooling is not None:  # the whole prompt, in this one step
-                pool_states.append(state)
-                pool_spans.append((row0, n))
-                continue
-            if state.params.prompt_logprobs is not None:
-                self._plan_prompt_logprobs(state, start, end, row0, prompt_lp_rows)
-            if end >= len(state.token_ids):
-                sample_rows.append(row0 + n - 1)
-                sample_states.append(state)
-        input_ids, positions, meta = batch.build(self.backend, self.kv_caches, self.device)
-        if in_flight[0]:
-            self._fill_in_flight(input_ids, *in_flight)
-        return _StepInputs(
-            input_ids=input_ids,
-            positions=positions,
-            attn_meta=meta,
-            sample_rows=sample_rows,
-            sample_states=sample_states,
-            spec=spec,
-            prompt_lp_rows=prompt_lp_rows,
-            pool_states=pool_states,
-            pool_spans=pool_spans,
-            # Rows are sampled in increasing order, at most one a request: as many as there
-            # are rows means each request has one row, the one sampled.
-            samples_every_row=len(sample_rows) == input_ids.shape[0] and not spec.states,
-        )
+    def _prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
+        inputs = prepare_inputs(sched, self.requests, self.block_size, self.backend,
+                                self.kv_caches, self.device, self.is_encoder, self.deterministic)
+        if inputs.in_flight[0]:
+            self._fill_in_flight(inputs.input_ids, *inputs.in_flight)
+        return inputs
 
     def _fill_in_flight(self, input_ids: torch.Tensor, rows: list[int],
                         request_ids: list[str]) -> None:
@@ -369,23 +276,7 @@ class ModelRunner:
         src_t = host_tensor(src, torch.int64, self.device)
         input_ids.index_copy_(0, dst_t, sampled.index_select(0, src_t))
 
-    @staticmethod
-    def _plan_prompt_logprobs(state: RequestState, start: int, end: int, row0: int,
-                              plan: list[_PromptLogprobRows]) -> None:
-        # Position p's logits score prompt token p+1; each is reported once, even if the
-        # request is preempted and its prompt recomputed. Tokens before prompt_logprobs_start
-        # (some perhaps served by the prefix cache) are reported as None.
-        done = state.sampling.num_prompt_logprobs_done
-        first = max(start, done, state.params.prompt_logprobs_start - 1)
-        last = min(end, state.num_prompt_tokens - 1)
-        if first >= last:
-            return
-        rows = [row0 + p - start for p in range(first, last)]
-        targets = state.token_ids[first + 1:last + 1]
-        plan.append((state, rows, targets, first - done))
-        state.sampling.num_prompt_logprobs_done = last
-
-    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: _StepInputs,
+    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs,
                          out: RunnerOutput) -> None:
         for state, rows, targets, skipped in inputs.prompt_lp_rows:
             idx = torch.tensor(rows, device=self.device)
@@ -447,7 +338,7 @@ class ModelRunner:
         fill_rows(bitmask, *singles)
         return (bitmask, rows) if rows else None
 
-    def _verify(self, logits: torch.Tensor, spec: _SpecRows,
+    def _verify(self, logits: torch.Tensor, spec: SpecRows,
                 draft_probs: dict[str, torch.Tensor], out: RunnerOutput) -> None:
         """Accept or reject each request's drafts; it emits the accepted ones plus one."""
         requests = [SpecRequest(

@@ -16,12 +16,12 @@ import torch
 from tokenmill.outputs import TokenLogprobs
 from tokenmill.runner.rejection import draw_randomness, greedy_accept, rejection_sample
 from tokenmill.runner.sampler import (
-    SamplingMetadata,
     apply_logits_processors,
     compute_prompt_logprobs,
     logprobs_of,
     sampling_weights,
 )
+from tokenmill.runner.sampling_metadata import SamplingMetadata
 from tokenmill.sampling_params import SamplingParams
 
 

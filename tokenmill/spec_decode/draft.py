@@ -28,11 +28,11 @@ from tokenmill.runner.fused_decode import forward_step, make_fused_decoder
 from tokenmill.runner.kv_memory import KVCacheShape
 from tokenmill.runner.platform import Platform
 from tokenmill.runner.sampler import (
-    SamplingMetadata,
     apply_logits_processors,
     exponential_race,
     sampling_weights,
 )
+from tokenmill.runner.sampling_metadata import SamplingMetadata
 from tokenmill.spec_decode.proposer import Proposal, TargetModel
 
 # Seeded requests' draft generators start from seed + this (mod 2**63): a stream of their own,
