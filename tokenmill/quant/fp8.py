@@ -5,6 +5,7 @@ one Triton kernel (``fp8_kernels.py``), unless the kernel that produced them alr
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
 import torch
@@ -19,11 +20,33 @@ FP8_DIM_MULTIPLE = 16
 
 
 def fp8_supported(device: torch.device) -> bool:
-    """``torch._scaled_mm`` in e4m3 runs on the CPU and on CUDA GPUs of compute capability
-    8.9 or newer (Ada, Hopper, Blackwell)."""
+    """``torch._scaled_mm`` in e4m3 with per-row scales runs on CUDA GPUs of compute
+    capability 8.9 or newer (Ada, Hopper, Blackwell), and on the CPU where this torch's CPU
+    kernel takes per-row scales (2.13 does; 2.11's takes one scale a tensor only)."""
     if device.type == "cpu":
-        return True
+        return _cpu_takes_row_scales()
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def fp8_unsupported_reason(device: torch.device) -> str:
+    """Why :func:`fp8_supported` is False for ``device``, in words for an error message."""
+    if device.type == "cpu":
+        return (f"this torch's ({torch.__version__}) CPU _scaled_mm does not take per-row "
+                "scales (torch 2.13 does)")
+    return (f"fp8 matmuls need a GPU of compute capability 8.9+ (Ada, Hopper) or the CPU; "
+            f"{device} has none")
+
+
+@functools.cache
+def _cpu_takes_row_scales() -> bool:
+    """One 16 x 16 product with per-row and per-column scales on the CPU: whether it runs."""
+    a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16),
+                         out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,8 +102,7 @@ class Fp8Linear(nn.Module):
             raise ValueError(f"fp8 needs both weight dimensions to be multiples of "
                              f"{FP8_DIM_MULTIPLE}, got [{n}, {k}]")
         if not fp8_supported(weight.device):
-            raise ValueError(f"fp8 matmuls need a GPU of compute capability 8.9+ (Ada, Hopper) "
-                             f"or the CPU; {weight.device} has none")
+            raise ValueError(fp8_unsupported_reason(weight.device))
         q, scales = quantize_fp8(weight)
         return cls(q, scales, bias)
 

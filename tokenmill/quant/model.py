@@ -10,7 +10,7 @@ from torch import nn
 
 from tokenmill.config import QUANTIZATIONS
 from tokenmill.models.layers import DecoderLayer
-from tokenmill.quant.fp8 import Fp8Linear, fp8_supported
+from tokenmill.quant.fp8 import Fp8Linear, fp8_supported, fp8_unsupported_reason
 from tokenmill.quant.head import QuantizedEmbedding, QuantizedHead, QuantizedLinear
 from tokenmill.quant.kernel_choice import INT4_ACT_BITS, NEVER_DENSE
 from tokenmill.quant.linear import (
@@ -142,8 +142,7 @@ def quantize_model(model: nn.Module, method: str, group_size: int = DEFAULT_GROU
     device = param.device if param is not None else None
     head_method = resolve_head_method(method, head_method, device)
     if "fp8" in (method, head_method) and device is not None and not fp8_supported(device):
-        raise ValueError(f"quantization 'fp8' needs a GPU of compute capability 8.9+ (Ada, "
-                         f"Hopper) or the CPU; the model is on {device}")
+        raise ValueError(f"quantization 'fp8' on {device}: {fp8_unsupported_reason(device)}")
     summary = QuantizationSummary(method, group_size if method == "int4" else None)
     if method != "none" or head_method != "none":
         if method != "none":
