@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenmill.csrc import load_extension
+from tokenmill.csrc import clear_stale_build_lock, load_extension
 from tokenmill.quant.packing import pack_int4_q8, pack_int8_q16_tiles
 
 CSRC = Path(__file__).resolve().parents[2] / "tokenmill" / "csrc"
@@ -31,8 +31,10 @@ def builds():
     # torch's build cache is keyed by name and does not see header edits: hash the sources in
     digest = hashlib.sha256((CSRC / "int_dot.h").read_bytes()
                             + (HERE / "int_dot_portable.cpp").read_bytes()).hexdigest()[:12]
+    name = f"tokenmill_int_dot_portable_{digest}"
+    clear_stale_build_lock(name)  # a killed run's lock would make this wait forever
     portable = cpp_extension.load(
-        name=f"tokenmill_int_dot_portable_{digest}", sources=[str(HERE / "int_dot_portable.cpp")],
+        name=name, sources=[str(HERE / "int_dot_portable.cpp")],
         extra_include_paths=[str(CSRC)],
         # x86-64 baseline: SSE2 only, no AVX2 or FMA; -ffp-contract=off so that the compiler
         # fuses no multiply-add the source does not spell as std::fma.

@@ -50,9 +50,18 @@ def cpu_flags() -> str:
 STALE_LOCK_S = 600
 
 
+def clear_stale_build_lock(name: str) -> None:
+    """Before ``cpp_extension.load(name=name, ...)``: torch waits forever on the lock file of
+    a build of ``name`` that was killed half-way; remove one older than any build takes."""
+    from torch.utils import cpp_extension
+
+    build_dir = getattr(cpp_extension, "_get_build_directory", None)  # private: may go away
+    if build_dir is not None:
+        _remove_stale_lock(os.path.join(build_dir(name, False), "lock"))
+
+
 def _remove_stale_lock(path: str) -> None:
-    """torch waits forever on the lock file of a build that was killed half-way: remove one
-    older than any build takes."""
+    """Remove the lock file ``path`` if it is older than any build takes."""
     try:
         age = time.time() - os.path.getmtime(path)
     except OSError:
@@ -199,9 +208,7 @@ def _build_or_load() -> ModuleType:
     for path in sorted(p for p in _CSRC.iterdir() if p.suffix in _SOURCE_SUFFIXES):
         digest.update(path.name.encode() + path.read_bytes())
     name = f"tokenmill_fused_decode_{digest.hexdigest()[:12]}"
-    build_dir = getattr(cpp_extension, "_get_build_directory", None)  # private: may go away
-    if build_dir is not None:
-        _remove_stale_lock(os.path.join(build_dir(name, False), "lock"))
+    clear_stale_build_lock(name)
     return cpp_extension.load(
         name=name,
         sources=[str(_CSRC / "fused_decode.cpp")],
