@@ -184,7 +184,8 @@ def main() -> None:
                          "to the file")
     for flag, what in (("--partitions", "partition sizes"), ("--block-ns", "keys per tile"),
                        ("--warps", "warps"), ("--stages", "pipelining depths ('default')"),
-                       ("--fp8-computes", "widenings of an fp8 cache (fp16, query)")):
+                       ("--fp8-computes", "widenings of an fp8 cache (fp16, query)"),
+                       ("--max-registers", "registers a thread ('default': the compiler's)")):
         ap.add_argument(flag, default=None, help=f"comma-separated {what} to sweep")
     ap.add_argument("--context-split", type=int, default=None, metavar="N",
                     help="batches above 8 with contexts up to N tokens and longer ones get "
@@ -209,10 +210,11 @@ def main() -> None:
     dims = {"partition_size": (256, 512, 1024) if fp8 else (64, 128, 256, 512, 1024),
             "block_n": (32, 64, 128) if fp8 else (16, 32, 64), "num_warps": (4, 8),
             "num_stages": (None,),
-            "fp8_compute": FP8_COMPUTE if fp8 else (DEFAULT["fp8_compute"],)}
+            "fp8_compute": FP8_COMPUTE if fp8 else (DEFAULT["fp8_compute"],),
+            "max_registers": (None,)}
     for key, given in (("partition_size", a.partitions), ("block_n", a.block_ns),
                        ("num_warps", a.warps), ("num_stages", a.stages),
-                       ("fp8_compute", a.fp8_computes)):
+                       ("fp8_compute", a.fp8_computes), ("max_registers", a.max_registers)):
         if given:
             dims[key] = tuple(None if x == "default" else x if key == "fp8_compute" else int(x)
                               for x in given.split(","))

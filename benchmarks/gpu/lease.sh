@@ -187,10 +187,11 @@ json.dump(new, open('$TUNED', 'w'), indent=2)"
     --result-file "$RES/$GPU-llama-3.1-8b-throughput-bf16-ctx.json"
 elif [ "$PHASE" = next ]; then
   # After run 5 (2026-11-28 evening: bf16 9,763 tok/s, fp8 13,288, batch 1 196.7): the
-  # questions it left. Where the fp8 step goes now that the norm and SiLU kernels quantize
-  # (the gain was ~1%, against ~3% expected); whether short partitions cut batch-1 attention
-  # (0.31 ms a step, 9.6 us a layer at ~150 tokens); and what more sequences a wave and a
-  # larger prefill budget give the 1,000 x 1,000 runs.
+  # questions it left. Whether short partitions cut batch-1 attention (0.31 ms a step, 9.6 us
+  # a layer at ~150 tokens); whether a register cap lifts the fp8 cache's attention above 71%
+  # of the copy rate; where the fp8 step goes now that the norm and SiLU kernels quantize (the
+  # gain was ~1%, against ~3% expected); what 334 sequences a wave (3 full waves of 1,000
+  # requests instead of 4) give the 1,000 x 1,000 runs.
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
   step tests-next 60 python3 -m pytest -q -p no:cacheprovider -rfE -x \
     tests/unit/test_triton_attention.py tests/unit/test_cuda_graphs.py \
@@ -214,6 +215,16 @@ old["note_b1"] = "batches up to 8 from: " + new["command"]
 json.dump(old, open(os.environ["TUNED"], "w"), indent=2)
 PY
   cat "$TUNED"
+  # The fp8 cache's long tile takes all 255 registers and spills, two programs a SM: a
+  # register cap (maxnreg) trades spills for programs in flight. Written to the file only if
+  # it wins (the sweep keeps the current launch among its candidates).
+  cp "$TUNED" /tmp/tuned-mid.json
+  step attention-sweep-fp8-regs 60 python3 benchmarks/gpu/attention_bw.py --kv-cache-dtype fp8 \
+    --shapes 256x512,256x1500,64x4000 --partitions 1024 --block-ns 64,128 --warps 4,8 \
+    --stages 2 --fp8-computes fp16 --max-registers default,168,128,96 \
+    --result-file "$RES/$GPU-decode-attention-bw-fp8-regs.json" --write-tuning "$TUNED"
+  TUNED=$TUNED python3 -c "import os; from tokenmill.attention.decode_tuning import load_tuning; assert load_tuning(os.environ['TUNED']).fp8_rules" \
+    || cp /tmp/tuned-mid.json "$TUNED"
   step decode-bf16-next 50 $BENCH --suite decode --model llama-3.1-8b --max-model-len 4096 \
     --max-num-seqs 8 --result-file "$RES/$GPU-llama-3.1-8b-decode-bf16-next.json"
   step profile-fp8-1500-next 70 python3 benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b \

@@ -42,7 +42,7 @@ def test_rules_apply_by_batch_size(tmp_path: Path) -> None:
     assert tuning.for_batch(65) == tuning.for_batch(4096) == DecodeLaunch(1024, 64, 4, None)
     assert tuning.for_batch(1).kwargs() == {"partition_size": 128, "block_n": 16,
                                             "num_warps": 4, "num_stages": 2,
-                                            "fp8_compute": "fp16"}
+                                            "fp8_compute": "fp16", "max_registers": None}
     # Without rules of its own, an fp8 cache takes the same ones.
     assert tuning.for_batch(9, fp8_cache=True) == tuning.for_batch(9)
     # Without a rule for every batch, larger batches take the defaults.
@@ -109,6 +109,7 @@ def test_an_fp8_cache_takes_its_own_rules(tmp_path: Path) -> None:
      r"by_batch\[1\] is never used: by_batch\[0\]"),
     ({"by_batch": [{"max_context": 1024}, {"max_context": 512}]},
      r"by_batch\[1\] is never used: by_batch\[0\]"),
+    ({"by_batch": [{"max_registers": 300}]}, r"by_batch\[0\]: max_registers must be null or 24..255"),
     ({"by_batch": [{"fp8_compute": "fp32"}]},
      r"by_batch\[0\]: fp8_compute must be one of fp16, query, got 'fp32'"),
     ({"by_batch": [{}], "by_batch_fp8": []}, r"by_batch_fp8: expected a non-empty list"),

@@ -346,14 +346,15 @@ def test_backend_decodes_with_the_tuned_launch_of_its_batch_size(
     by the number of rows, never by their lengths), and each setting computes the same
     attention."""
     tuning = parse_tuning({"by_batch": [
-        {"max_batch": 2, "partition_size": 16, "block_n": 16, "num_warps": 4, "num_stages": 2},
+        {"max_batch": 2, "partition_size": 16, "block_n": 16, "num_warps": 4, "num_stages": 2,
+         "max_registers": 128},
         {"max_batch": None, "partition_size": 64, "block_n": 32}]}, "test")
     launches: list[dict[str, object]] = []
     real = triton_backend.decode_attention
 
     def spy(*args: object, **kwargs: object) -> torch.Tensor:
         launches.append({k: kwargs[k] for k in ("partition_size", "block_n", "num_warps",
-                                                "num_stages")})
+                                                "num_stages", "max_registers")})
         return real(*args, **kwargs)
 
     monkeypatch.setattr(triton_backend, "decode_attention", spy)
@@ -371,8 +372,10 @@ def test_backend_decodes_with_the_tuned_launch_of_its_batch_size(
                     meta.seq_lens_cpu, d ** -0.5)
         assert (out - ref.view(len(seqs), -1)).abs().max().item() <= 1e-4, seqs
     assert launches == [
-        {"partition_size": 16, "block_n": 16, "num_warps": 4, "num_stages": 2},
-        {"partition_size": 64, "block_n": 32, "num_warps": 8, "num_stages": None}]
+        {"partition_size": 16, "block_n": 16, "num_warps": 4, "num_stages": 2,
+         "max_registers": 128},
+        {"partition_size": 64, "block_n": 32, "num_warps": 8, "num_stages": None,
+         "max_registers": None}]
     # Without a tuning, a backend launches the defaults.
     assert triton_backend.TritonAttentionBackend().decode_tuning.for_batch(1) == DEFAULT_LAUNCH
 

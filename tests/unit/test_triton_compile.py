@@ -70,7 +70,8 @@ for path in sorted(TUNED_DIR.glob("*.json")):
                 BLOCK_N=min(launch.block_n, launch.partition_size), BLOCK_D=128,
                 DOT_PRECISION="tf32", FP16=fp8 and launch.fp8_compute == "fp16"),
                 {"num_warps": launch.num_warps, **(
-                    {} if launch.num_stages is None else {"num_stages": launch.num_stages})},
+                    {} if launch.num_stages is None else {"num_stages": launch.num_stages}), **(
+                    {} if launch.max_registers is None else {"maxnreg": launch.max_registers})},
                 FP8 if fp8 else {}))
 KERNELS += [
     (tk._store_kv_kernel, dict(NUM_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128,
@@ -80,6 +81,13 @@ KERNELS += [
                                    PARTITION=512, BLOCK_G=16, BLOCK_N=DEFAULT_LAUNCH.block_n,
                                    BLOCK_D=128, DOT_PRECISION="tf32", FP16=fp16), W, FP8)
     for fp16 in (True, False)
+] + [
+    # A register cap (decode tuning's max_registers, Triton's maxnreg) on the fp8 cache's
+    # long tile: the compiler spills instead of failing.
+    (tk._decode_split_kernel, dict(NUM_HEADS=32, GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16,
+                                   PARTITION=1024, BLOCK_G=16, BLOCK_N=128, BLOCK_D=128,
+                                   DOT_PRECISION="tf32", FP16=True),
+     {"num_warps": 4, "num_stages": 2, "maxnreg": 128}, FP8),
 ] + [
     (tk._prefill_kernel, dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=32,
                               BLOCK_D=128, DOT_PRECISION="tf32", FP16=fp16), W, FP8)

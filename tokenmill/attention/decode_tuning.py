@@ -57,6 +57,10 @@ class DecodeLaunch:
     # "fp16" (e4m3 converts to it exactly, one instruction per pair; the queries are rounded to
     # it) or "query" (the queries' dtype, bf16 in a bf16 model). Ignored for other caches.
     fp8_compute: str = "fp16"
+    # Registers a thread may use (Triton's maxnreg; None: the compiler's choice, which takes
+    # all 255 for the long tiles): fewer registers let more programs share an SM, whose loads
+    # are then in flight together, at the cost of spills. The sweep decides.
+    max_registers: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("partition_size", "block_n"):
@@ -68,6 +72,10 @@ class DecodeLaunch:
         if self.num_stages is not None and (not isinstance(self.num_stages, int)
                                             or not 1 <= self.num_stages <= 8):
             raise ValueError(f"num_stages must be null or 1..8, got {self.num_stages!r}")
+        if self.max_registers is not None and (
+                not isinstance(self.max_registers, int) or isinstance(self.max_registers, bool)
+                or not 24 <= self.max_registers <= 255):
+            raise ValueError(f"max_registers must be null or 24..255, got {self.max_registers!r}")
         if self.fp8_compute not in FP8_COMPUTE:
             raise ValueError(f"fp8_compute must be one of {', '.join(FP8_COMPUTE)}, "
                              f"got {self.fp8_compute!r}")

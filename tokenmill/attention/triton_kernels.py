@@ -282,7 +282,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
                      block_n: int = DEFAULT_LAUNCH.block_n,
                      num_warps: int = DEFAULT_LAUNCH.num_warps,
                      num_stages: int | None = DEFAULT_LAUNCH.num_stages,
-                     fp8_compute: str = DEFAULT_LAUNCH.fp8_compute) -> torch.Tensor:
+                     fp8_compute: str = DEFAULT_LAUNCH.fp8_compute,
+                     max_registers: int | None = DEFAULT_LAUNCH.max_registers) -> torch.Tensor:
     """Attend one query per sequence over its paged context (flash decoding).
 
     Each sequence's context is cut into partitions of ``partition_size`` tokens, attended in
@@ -304,6 +305,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
             least 16), warps per program and software-pipelining depth (None: Triton's
             default); benchmarks/gpu/attention_bw.py sweeps them.
         fp8_compute: what an fp8 cache is widened to (:func:`widens_to_fp16`).
+        max_registers: the split kernel's registers a thread (Triton's ``maxnreg``; None:
+            the compiler's choice).
 
     Returns:
         ``out`` or a new ``[B, Hq, D]`` tensor in the dtype of q.
@@ -336,7 +339,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         PARTITION=partition_size, BLOCK_G=max(_MIN_DOT, triton.next_power_of_2(group)),
         BLOCK_N=min(block_n, partition_size), BLOCK_D=block_d,
         DOT_PRECISION=_dot_precision(q), FP16=widens_to_fp16(q, kv_cache, fp8_compute),
-        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
+        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
+        **({} if max_registers is None else {"maxnreg": max_registers}))
     _decode_reduce_kernel[(num_seqs, num_heads)](
         part_out, part_lse, seq_lens, out, num_splits, out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, PARTITION=partition_size, BLOCK_D=block_d)
