@@ -1,8 +1,9 @@
 """The Triton decode attention alone, against the memory roofline: for each (batch, context)
 it reads every cached K and V once, B x L x Hkv x D x 2 x dtype bytes, so GB/s over the
 device-to-device copy bandwidth is its efficiency. Sweeps the split kernel's launch settings
-(partition, keys per tile, warps, pipelining stages) and checks each variant's output against
-the default's, so the next GPU session can pick settings from one run.
+(partition, keys per tile, warps, pipelining stages, where the block ids are read) and checks
+each variant's output against the default's, so the next GPU session can pick settings from
+one run.
 
     python benchmarks/gpu/attention_bw.py [--shapes 1x512,1x2000,256x140,256x1500,64x4000]
         [--max-seq-len-bound 4096] [--quick] [--context-split N] [--result-file FILE]
@@ -185,7 +186,9 @@ def main() -> None:
     for flag, what in (("--partitions", "partition sizes"), ("--block-ns", "keys per tile"),
                        ("--warps", "warps"), ("--stages", "pipelining depths ('default')"),
                        ("--fp8-computes", "widenings of an fp8 cache (fp16, query)"),
-                       ("--max-registers", "registers a thread ('default': the compiler's)")):
+                       ("--max-registers", "registers a thread ('default': the compiler's)"),
+                       ("--preload-tables", "block-id reads (0: a tile's in the loop, 1: the "
+                                            "partition's before it)")):
         ap.add_argument(flag, default=None, help=f"comma-separated {what} to sweep")
     ap.add_argument("--context-split", type=int, default=None, metavar="N",
                     help="batches above 8 with contexts up to N tokens and longer ones get "
@@ -211,18 +214,21 @@ def main() -> None:
             "block_n": (32, 64, 128) if fp8 else (16, 32, 64), "num_warps": (4, 8),
             "num_stages": (None,),
             "fp8_compute": FP8_COMPUTE if fp8 else (DEFAULT["fp8_compute"],),
-            "max_registers": (None,)}
+            "max_registers": (None,), "preload_table": (False,)}
     for key, given in (("partition_size", a.partitions), ("block_n", a.block_ns),
                        ("num_warps", a.warps), ("num_stages", a.stages),
-                       ("fp8_compute", a.fp8_computes), ("max_registers", a.max_registers)):
+                       ("fp8_compute", a.fp8_computes), ("max_registers", a.max_registers),
+                       ("preload_table", a.preload_tables)):
         if given:
-            dims[key] = tuple(None if x == "default" else x if key == "fp8_compute" else int(x)
+            dims[key] = tuple(None if x == "default" else x if key == "fp8_compute"
+                              else bool(int(x)) if key == "preload_table" else int(x)
                               for x in given.split(","))
     grid = [DEFAULT] + ([] if a.quick else [
         v for v in (dict(zip(dims, point, strict=True)) for point in itertools.product(*dims.values()))
         if v != DEFAULT])
     if device.type != "cuda":  # the interpreter: check the script, not the settings
-        grid = [DEFAULT, dict(DEFAULT, partition_size=16, block_n=16, num_warps=4)]
+        grid = [DEFAULT, dict(DEFAULT, partition_size=16, block_n=16, num_warps=4),
+                dict(DEFAULT, partition_size=32, block_n=16, num_stages=3, preload_table=True)]
     bw = copy_bandwidth(device)
     kv_dtype = torch.float8_e4m3fn if a.kv_cache_dtype == "fp8" else None
     results = sweep(cases, grid, bound, device, dtype, bw, kv_dtype)
@@ -241,8 +247,11 @@ def main() -> None:
     for shapes_of, _ in classes.values():
         found = best_variant(results, shapes_of, grid) if shapes_of else None
         if found and not a.quick and not a.stages:
-            staged += [dict(found[0], num_stages=st) for st in (1, 2, 3, 4)
-                       if dict(found[0], num_stages=st) not in grid + staged]
+            # Pipelining depths, with the tiles' block ids read in the loop and before it
+            # (which is what lets depths above 2 keep copies in flight).
+            staged += [v for v in (dict(found[0], num_stages=st, preload_table=pre)
+                                   for st in (1, 2, 3, 4) for pre in (False, True))
+                       if v not in grid + staged]
     if staged:
         results += sweep(cases, staged, bound, device, dtype, bw, kv_dtype)
     variants = grid + staged

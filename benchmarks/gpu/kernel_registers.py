@@ -1,19 +1,32 @@
-"""Registers and spills of the CUDA backend's Triton kernels on sm_90, without a GPU.
+"""Registers, shared memory, occupancy and load pipelining of the CUDA backend's Triton
+kernels on sm_90 (H100, H200), without a GPU.
 
-Compiles each kernel to PTX with Triton and assembles it with the newest ptxas Triton ships,
-which reports registers per thread and spill traffic: the first thing to read about a kernel
-before timing it (too many registers cap how many warps an SM keeps in flight; spills go
-through local memory). Run without TRITON_INTERPRET:
+Each kernel is compiled the way Triton's launcher would compile it for Llama-3.1-8B's shapes:
+pointers 16-byte aligned and the integer arguments that are multiples of 16 marked so (the
+launcher specializes on both). Without those marks the loads can be neither vectorized nor
+pipelined, and the figures describe a kernel that never runs: the first version of this
+script made that mistake. From the compiled kernel it reads
+
+- registers a thread and spill bytes (local memory), from Triton's own cubin through the
+  ``cuobjdump`` Triton ships (the cubin the runtime would load);
+- shared memory, from Triton's metadata;
+- whether the loads go through ``cp.async`` (pipelined through shared memory), from the PTX,
+  and how many copy groups a wait leaves in flight (the largest ``DEPBAR.LE SB0, n`` of the
+  SASS: 0 means every wait drains all copies, so no load overlaps the next tile's wait);
+- programs an SM holds at once, from registers, shared memory and warps.
+
+Run without TRITON_INTERPRET (the numbers are the installed Triton's; the device image may
+have another version, so give it as ``--triton`` in notes):
 
     env -u TRITON_INTERPRET python benchmarks/gpu/kernel_registers.py
 """
 
 from __future__ import annotations
 
-import glob
 import os
+import re
 import subprocess
-import tempfile
+from typing import Any
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -25,81 +38,148 @@ from tokenmill.models import fused_ops as fo
 
 POINTERS = {"table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32",
             "tile_seq_ptr": "*i32", "tile_idx_ptr": "*i32",
-            "slot_ptr": "*i64", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+            "slot_ptr": "*i64", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
+            "scale_ptr": "*fp32"}
+FLOATS = ("qk_scale", "eps", "fp8_max", "max_value")
+# Integer arguments that are multiples of 16 at Llama-3.1-8B's shapes (strides of 128-wide
+# heads, 4,096 and 14,336 columns, 16-token blocks), as the launcher would mark them.
+ALIGNED_INTS = re.compile(r"^(stride_\w+|n_cols)$")
 # Llama-3.1-8B's shapes in bf16: 32 query heads over 8 KV heads of 128, hidden 4096.
 ATTN = dict(HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_D=128, DOT_PRECISION="tf32")
-DECODE = dict(ATTN, NUM_HEADS=32, GROUP=4, PARTITION=512, BLOCK_G=16, FP16=False)
+DECODE = dict(ATTN, NUM_HEADS=32, GROUP=4, BLOCK_G=16, FP16=False, TABLE_SPAN=0, ROW_ALIGN=16)
 PREFILL = dict(ATTN, GROUP=4, FP16=False)
 # An fp8 (e4m3) cache, widened to fp16 (FP16) or to the queries' bf16.
 FP8 = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
-# (label, kernel, constexprs, num_warps): the launch configurations in use, then alternatives.
+# An SM of compute capability 9.0: registers, shared memory (of which 1 KB is reserved a
+# program), warps and programs.
+SM_REGISTERS, SM_SHARED, SHARED_RESERVED, SM_WARPS, SM_PROGRAMS = 65536, 233472, 1024, 64, 32
+
+
+def decode(partition: int, block_n: int, warps: int, stages: int | None = None,
+           fp8: bool = False, preload: bool = False, maxnreg: int | None = None,
+           ) -> tuple[str, Any, dict, dict, dict]:
+    """A case of the decode split kernel as ``decode_attention`` launches it."""
+    label = (f"decode split {partition}/{block_n}/{warps}w/{stages or 'default'}s"
+             + (", fp8 cache to fp16" if fp8 else "") + (", preloaded table" if preload else "")
+             + (f", maxnreg {maxnreg}" if maxnreg else ""))
+    constexprs = dict(DECODE, PARTITION=partition, BLOCK_N=block_n, FP16=fp8,
+                      TABLE_SPAN=partition // 16 if preload else 0)
+    options = {"num_warps": warps, **({"num_stages": stages} if stages else {}),
+               **({"maxnreg": maxnreg} if maxnreg else {})}
+    return label, tk._decode_split_kernel, constexprs, options, FP8 if fp8 else {}
+
+
+# (label, kernel, constexprs, launch options, pointer types): the launches in use on an
+# H200 (tokenmill/attention/tuned/nvidia-h200.json), then alternatives.
 CASES = [
     ("store_kv", tk._store_kv_kernel,
-     dict(NUM_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128), 4),
-    ("decode split (in use)", tk._decode_split_kernel,
-     dict(DECODE, BLOCK_N=DEFAULT_LAUNCH.block_n), DEFAULT_LAUNCH.num_warps),
-    ("decode split, 64 keys, 4 warps", tk._decode_split_kernel, dict(DECODE, BLOCK_N=64), 4),
-    ("decode split, 32 keys, 4 warps", tk._decode_split_kernel, dict(DECODE, BLOCK_N=32), 4),
-    ("decode split, fp8 cache to fp16, 64 keys, 4 warps", tk._decode_split_kernel,
-     dict(DECODE, BLOCK_N=64, FP16=True), 4, FP8),
-    ("decode split, fp8 cache to bf16, 64 keys, 4 warps", tk._decode_split_kernel,
-     dict(DECODE, BLOCK_N=64), 4, FP8),
-    ("decode split, fp8 cache to fp16, 128 keys, 8 warps", tk._decode_split_kernel,
-     dict(DECODE, BLOCK_N=128, FP16=True), 8, FP8),
-    ("decode split, fp8 cache to bf16, 128 keys, 8 warps", tk._decode_split_kernel,
-     dict(DECODE, BLOCK_N=128), 8, FP8),
+     dict(NUM_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128, SATURATE=False),
+     {"num_warps": 4}, {}),
+    decode(DEFAULT_LAUNCH.partition_size, DEFAULT_LAUNCH.block_n, DEFAULT_LAUNCH.num_warps),
+    decode(256, 64, 4),
+    decode(1024, 64, 4),
+    decode(1024, 64, 4, 3, preload=True),
+    decode(1024, 64, 4, 4, preload=True),
+    decode(1024, 128, 4, 2, fp8=True),
+    decode(1024, 128, 4, 3, fp8=True),
+    decode(1024, 128, 4, 2, fp8=True, maxnreg=128),
+    decode(1024, 128, 4, 3, fp8=True, preload=True),
+    decode(1024, 128, 8, 3, fp8=True, preload=True),
+    decode(1024, 64, 4, 3, fp8=True, preload=True),
+    decode(1024, 64, 4, 4, fp8=True, preload=True),
+    decode(1024, 64, 8, 3, fp8=True, preload=True),
     ("decode reduce", tk._decode_reduce_kernel,
-     dict(NUM_HEADS=32, HEAD_DIM=128, PARTITION=512, BLOCK_D=128), 4),
+     dict(NUM_HEADS=32, HEAD_DIM=128, PARTITION=1024, BLOCK_D=128), {"num_warps": 4}, {}),
     ("prefill (in use)", tk._prefill_kernel,
-     dict(PREFILL, BLOCK_M=tk._PREFILL_BLOCK_M, BLOCK_N=tk._PREFILL_BLOCK_N), tk.NUM_WARPS),
+     dict(PREFILL, BLOCK_M=tk._PREFILL_BLOCK_M, BLOCK_N=tk._PREFILL_BLOCK_N),
+     {"num_warps": tk.NUM_WARPS}, {}),
     ("prefill (in use), fp8 cache to fp16", tk._prefill_kernel,
      dict(PREFILL, BLOCK_M=tk._PREFILL_BLOCK_M, BLOCK_N=tk._PREFILL_BLOCK_N, FP16=True),
-     tk.NUM_WARPS, FP8),
-    ("prefill 64 x 32, 4 warps", tk._prefill_kernel, dict(PREFILL, BLOCK_M=64, BLOCK_N=32), 4),
-    ("prefill 64 x 64, 4 warps", tk._prefill_kernel, dict(PREFILL, BLOCK_M=64, BLOCK_N=64), 4),
-    ("prefill 128 x 64, 8 warps", tk._prefill_kernel, dict(PREFILL, BLOCK_M=128, BLOCK_N=64), 8),
-    ("add + rms_norm", fo._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=4096), 4),
-    ("silu_and_mul", fo._silu_and_mul_kernel, dict(BLOCK=1024), 4),
-    ("rotary", fo._rotary_kernel, dict(NUM_HEADS=48, HALF=64, BLOCK_H=64, BLOCK_D=64), 4),
+     {"num_warps": tk.NUM_WARPS}, FP8),
+    ("prefill 64 x 32, 4 warps", tk._prefill_kernel, dict(PREFILL, BLOCK_M=64, BLOCK_N=32),
+     {"num_warps": 4}, {}),
+    ("prefill 64 x 64, 4 warps", tk._prefill_kernel, dict(PREFILL, BLOCK_M=64, BLOCK_N=64),
+     {"num_warps": 4}, {}),
+    ("prefill 128 x 64, 8 warps", tk._prefill_kernel, dict(PREFILL, BLOCK_M=128, BLOCK_N=64),
+     {"num_warps": 8}, {}),
+    ("add + rms_norm", fo._rms_norm_kernel, dict(HAS_RESIDUAL=True, FP8_OUT=False, BLOCK=4096),
+     {"num_warps": 4}, {}),
+    ("add + rms_norm, fp8 out", fo._rms_norm_kernel,
+     dict(HAS_RESIDUAL=True, FP8_OUT=True, BLOCK=4096), {"num_warps": 4},
+     {"out_ptr": "*fp8e4nv"}),
+    ("silu_and_mul", fo._silu_and_mul_kernel, dict(BLOCK=1024), {"num_warps": 4}, {}),
+    ("silu_and_mul, fp8 out", fo._silu_and_mul_fp8_kernel, dict(BLOCK=2048), {"num_warps": 4},
+     {"out_ptr": "*fp8e4nv"}),
+    ("rotary", fo._rotary_kernel, dict(NUM_HEADS=48, HALF=64, BLOCK_H=64, BLOCK_D=64),
+     {"num_warps": 4}, {}),
 ]
 
 
-def ptxas() -> str:
-    """Triton's newest bundled ptxas (the default one may not read the PTX version it emits)."""
-    found = sorted(glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends",
-                                          "nvidia", "bin", "ptxas*")))
-    return next((p for p in found if p.endswith("blackwell")), found[0])
+def _tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def report(fn: triton.JITFunction, constexprs: dict, num_warps: int,
-           pointers: dict | None = None) -> tuple[str, str]:
-    """(registers per thread, spill-store bytes) of ``fn`` compiled for sm_90; ``pointers``
-    overrides element types (an fp8 cache)."""
+def compile_like_runtime(fn: triton.JITFunction, constexprs: dict, options: dict,
+                         pointers: dict | None = None) -> Any:
+    """``fn`` compiled for sm_90 as the launcher would: aligned pointers, and the integer
+    arguments ALIGNED_INTS names marked as multiples of 16."""
     types = {**POINTERS, **(pointers or {})}
-    signature = {name: "constexpr" if name in constexprs
-                 else types.get(name, "*bf16") if name.endswith("_ptr")
-                 else "fp32" if name in ("qk_scale", "eps") else "i32" for name in fn.arg_names}
-    kernel = triton.compile(ASTSource(fn, signature, constexprs),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = os.path.join(tmp, "k.ptx")
-        with open(ptx, "w") as f:
-            f.write(kernel.asm["ptx"])
-        err = subprocess.run([ptxas(), "-v", "-arch=sm_90a", ptx, "-o", ptx + ".cubin"],
-                             capture_output=True, text=True).stderr
-    used = next(line for line in err.splitlines() if "Used" in line)
-    spill = next(line for line in err.splitlines() if "spill stores" in line)
-    regs = used.split("Used ")[1].split(" registers")[0]
-    stores = spill.split(",")[1].strip().split(" bytes")[0]
-    return regs, stores
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        signature[name] = (types.get(name, "*bf16") if name.endswith("_ptr")
+                           else "fp32" if name in FLOATS else "i32")
+        if name.endswith("_ptr") or ALIGNED_INTS.match(name):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs),
+                          target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def programs_per_sm(registers: int, shared: int, warps: int) -> int:
+    """Programs an SM of compute capability 9.0 holds at once: registers are given out per
+    warp in units of 256, shared memory per program with 1 KB reserved."""
+    per_warp = -(-registers * 32 // 256) * 256
+    by_registers = (SM_REGISTERS // per_warp) // warps
+    by_shared = SM_SHARED // (shared + SHARED_RESERVED)
+    return min(by_registers, by_shared, SM_WARPS // warps, SM_PROGRAMS)
+
+
+def report(fn: triton.JITFunction, constexprs: dict, options: dict,
+           pointers: dict | None = None) -> dict[str, Any]:
+    """What the compiled kernel uses and does (see the module's docstring)."""
+    kernel = compile_like_runtime(fn, constexprs, options, pointers)
+    path = f"/tmp/kernel_registers_{os.getpid()}.cubin"
+    with open(path, "wb") as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", path], capture_output=True,
+                               text=True, check=True).stdout
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True,
+                              text=True, check=True).stdout
+    finally:
+        os.remove(path)
+    registers = int(re.search(r"REG:(\d+)", usage).group(1))
+    spills = int(re.search(r"LOCAL:(\d+)", usage).group(1))
+    waits = [int(n, 16) for n in re.findall(r"DEPBAR\.LE SB0, 0x([0-9a-f]+)", sass)]
+    warps = options.get("num_warps", 4)
+    return {"registers": registers, "spill_bytes": spills, "shared": kernel.metadata.shared,
+            "programs_per_sm": programs_per_sm(registers, kernel.metadata.shared, warps),
+            "cp_async": "cp.async" in kernel.asm["ptx"],
+            "in_flight_at_wait": max(waits, default=0)}
 
 
 def main() -> None:
-    print("| kernel (sm_90, bf16) | warps | registers | spill bytes |")
-    print("| --- | ---: | ---: | ---: |")
-    for label, fn, constexprs, warps, *pointers in CASES:
-        regs, spills = report(fn, constexprs, warps, *pointers)
-        print(f"| {label} | {warps} | {regs} | {spills} |")
+    print(f"Triton {triton.__version__}, sm_90, Llama-3.1-8B's shapes (bf16 unless fp8)\n")
+    print("| kernel | warps | registers | spill bytes | shared KB | programs/SM | cp.async "
+          "| copies in flight at a wait |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
+    for label, fn, constexprs, options, pointers in CASES:
+        r = report(fn, constexprs, options, pointers)
+        print(f"| {label} | {options.get('num_warps', 4)} | {r['registers']} "
+              f"| {r['spill_bytes']} | {r['shared'] / 1024:.1f} | {r['programs_per_sm']} "
+              f"| {'yes' if r['cp_async'] else 'no'} | {r['in_flight_at_wait']} |")
 
 
 if __name__ == "__main__":

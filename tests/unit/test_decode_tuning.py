@@ -42,7 +42,8 @@ def test_rules_apply_by_batch_size(tmp_path: Path) -> None:
     assert tuning.for_batch(65) == tuning.for_batch(4096) == DecodeLaunch(1024, 64, 4, None)
     assert tuning.for_batch(1).kwargs() == {"partition_size": 128, "block_n": 16,
                                             "num_warps": 4, "num_stages": 2,
-                                            "fp8_compute": "fp16", "max_registers": None}
+                                            "fp8_compute": "fp16", "max_registers": None,
+                                            "preload_table": False}
     # Without rules of its own, an fp8 cache takes the same ones.
     assert tuning.for_batch(9, fp8_cache=True) == tuning.for_batch(9)
     # Without a rule for every batch, larger batches take the defaults.
@@ -110,6 +111,7 @@ def test_an_fp8_cache_takes_its_own_rules(tmp_path: Path) -> None:
     ({"by_batch": [{"max_context": 1024}, {"max_context": 512}]},
      r"by_batch\[1\] is never used: by_batch\[0\]"),
     ({"by_batch": [{"max_registers": 300}]}, r"by_batch\[0\]: max_registers must be null or 24..255"),
+    ({"by_batch": [{"preload_table": 1}]}, r"by_batch\[0\]: preload_table must be true or false"),
     ({"by_batch": [{"fp8_compute": "fp32"}]},
      r"by_batch\[0\]: fp8_compute must be one of fp16, query, got 'fp32'"),
     ({"by_batch": [{}], "by_batch_fp8": []}, r"by_batch_fp8: expected a non-empty list"),
@@ -172,9 +174,11 @@ def test_sweep_script_writes_a_tuning_file(tmp_path: Path) -> None:
     tuning = dt.load_tuning(out)
     assert [r.max_batch for r in tuning.rules] == [8, None]
     rows = json.loads(result.read_text())["results"]
-    # Two shapes x (the default, one other grid point, then the winner at four depths).
-    assert len(rows) == 12 and all("error" not in r for r in rows)
+    # Two shapes x (the default, two other grid points, then the winner at four depths, its
+    # block ids read in the loop and before it).
+    assert len(rows) == 22 and all("error" not in r for r in rows)
     assert {r["num_stages"] for r in rows} == {None, 1, 2, 3, 4}
+    assert {r["preload_table"] for r in rows} == {False, True}
     assert max(r["rel_err_vs_default"] for r in rows) < 1e-4
     # An fp8 sweep adds its rules to the same file and keeps the others.
     done = subprocess.run(

@@ -161,6 +161,35 @@ def test_decode_matches_dense(hq: int, hkv: int, d: int, block_size: int,
     assert not out[2].any()
 
 
+@pytest.mark.parametrize("block_size,partition,block_n", [
+    (4, 32, 16),    # eight blocks a partition, two tiles
+    (16, 64, 32),   # the engine's blocks
+    (16, 16, 16),   # one block, one tile
+    (24, 64, 32),   # partitions that start inside a block: four blocks a partition
+    (32, 16, 16),   # blocks longer than a partition
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_with_a_preloaded_table_matches_dense(block_size: int, partition: int,
+                                                     block_n: int, dtype: torch.dtype) -> None:
+    """``preload_table`` reads each partition's block ids once and gathers each tile's rows
+    from them: the same keys as the per-tile reads, for any block size; a head dim of 24
+    makes the cache's strides not multiples of 16 (no alignment hint)."""
+    gen = torch.Generator().manual_seed(11)
+    hq, hkv = 4, 2
+    for d in (16, 24):
+        cache = new_cache(hkv, d, block_size, dtype)
+        lens = [150, 1, 0, 23, 24, 25, 64]
+        meta = fill(cache, lens, gen)
+        q = torch.randn(len(lens), hq, d, generator=gen).to(dtype).to(DEVICE)
+        args = (q, cache.kv_caches[0], meta.block_tables, meta.seq_lens, d ** -0.5, 200)
+        launch = dict(partition_size=partition, block_n=block_n, num_warps=4, num_stages=3)
+        out = kernels.decode_attention(*args, **launch, preload_table=True)
+        ref = dense(q, cache.kv_caches[0], meta.block_tables, [1] * len(lens), lens, d ** -0.5)
+        assert (out.float() - ref).abs().max().item() <= TOLS[dtype], d
+        if DEVICE.type == "cpu":  # the interpreter runs the same arithmetic on the same rows
+            assert torch.equal(out, kernels.decode_attention(*args, **launch))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("hq,hkv,d,block_size", SHAPES)
 def test_prefill_matches_dense(hq: int, hkv: int, d: int, block_size: int,
@@ -347,14 +376,15 @@ def test_backend_decodes_with_the_tuned_launch_of_its_batch_size(
     attention."""
     tuning = parse_tuning({"by_batch": [
         {"max_batch": 2, "partition_size": 16, "block_n": 16, "num_warps": 4, "num_stages": 2,
-         "max_registers": 128},
+         "max_registers": 128, "preload_table": True},
         {"max_batch": None, "partition_size": 64, "block_n": 32}]}, "test")
     launches: list[dict[str, object]] = []
     real = triton_backend.decode_attention
 
     def spy(*args: object, **kwargs: object) -> torch.Tensor:
         launches.append({k: kwargs[k] for k in ("partition_size", "block_n", "num_warps",
-                                                "num_stages", "max_registers")})
+                                                "num_stages", "max_registers",
+                                                "preload_table")})
         return real(*args, **kwargs)
 
     monkeypatch.setattr(triton_backend, "decode_attention", spy)
@@ -373,9 +403,9 @@ def test_backend_decodes_with_the_tuned_launch_of_its_batch_size(
         assert (out - ref.view(len(seqs), -1)).abs().max().item() <= 1e-4, seqs
     assert launches == [
         {"partition_size": 16, "block_n": 16, "num_warps": 4, "num_stages": 2,
-         "max_registers": 128},
+         "max_registers": 128, "preload_table": True},
         {"partition_size": 64, "block_n": 32, "num_warps": 8, "num_stages": None,
-         "max_registers": None}]
+         "max_registers": None, "preload_table": False}]
     # Without a tuning, a backend launches the defaults.
     assert triton_backend.TritonAttentionBackend().decode_tuning.for_batch(1) == DEFAULT_LAUNCH
 

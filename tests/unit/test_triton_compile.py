@@ -16,6 +16,8 @@ import pytest
 
 # Compiles each kernel for sm_80 and sm_90 with triton's own ptxas: no GPU needed.
 _COMPILE_CHECK = """
+import re
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -32,12 +34,21 @@ POINTERS = {"table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i3
 # bf16, 32 query heads over 8 KV heads, a head dim of 80 (padded to 128 inside the kernels),
 # the attention kernels with the warps they are launched with.
 W = {"num_warps": tk.NUM_WARPS}
+
+
+def decode(head_dim=128, partition=512, block_n=DEFAULT_LAUNCH.block_n, fp16=False,
+           preload=False):
+    # The decode split kernel's constexprs for 32 query heads over 8 KV heads.
+    return dict(NUM_HEADS=32, GROUP=4, HEAD_DIM=head_dim, BLOCK_SIZE=16, PARTITION=partition,
+                BLOCK_G=16, BLOCK_N=min(block_n, partition), BLOCK_D=128,
+                DOT_PRECISION="tf32", FP16=fp16, TABLE_SPAN=partition // 16 if preload else 0,
+                ROW_ALIGN=16)
+
+
 KERNELS = [
     (tk._store_kv_kernel, dict(NUM_HEADS=8, HEAD_DIM=80, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128,
                                SATURATE=False)),
-    (tk._decode_split_kernel, dict(NUM_HEADS=32, GROUP=4, HEAD_DIM=80, BLOCK_SIZE=16,
-                                   PARTITION=512, BLOCK_G=16, BLOCK_N=DEFAULT_LAUNCH.block_n,
-                                   BLOCK_D=128, DOT_PRECISION="tf32", FP16=False), W),
+    (tk._decode_split_kernel, decode(head_dim=80), W),
     (tk._decode_reduce_kernel, dict(NUM_HEADS=32, HEAD_DIM=80, PARTITION=512, BLOCK_D=128)),
     (tk._prefill_kernel, dict(GROUP=4, HEAD_DIM=80, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=32,
                               BLOCK_D=128, DOT_PRECISION="tf32", FP16=False), W),
@@ -64,11 +75,9 @@ for path in sorted(TUNED_DIR.glob("*.json")):
     tuning = load_tuning(path)
     for fp8, rules in ((False, tuning.rules), (True, tuning.fp8_rules)):
         for launch in (rule.launch for rule in rules):
-            KERNELS.append((tk._decode_split_kernel, dict(
-                NUM_HEADS=32, GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16,
-                PARTITION=launch.partition_size, BLOCK_G=16,
-                BLOCK_N=min(launch.block_n, launch.partition_size), BLOCK_D=128,
-                DOT_PRECISION="tf32", FP16=fp8 and launch.fp8_compute == "fp16"),
+            KERNELS.append((tk._decode_split_kernel, decode(
+                partition=launch.partition_size, block_n=launch.block_n,
+                fp16=fp8 and launch.fp8_compute == "fp16", preload=launch.preload_table),
                 {"num_warps": launch.num_warps, **(
                     {} if launch.num_stages is None else {"num_stages": launch.num_stages}), **(
                     {} if launch.max_registers is None else {"maxnreg": launch.max_registers})},
@@ -77,17 +86,20 @@ KERNELS += [
     (tk._store_kv_kernel, dict(NUM_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128,
                                SATURATE=True), None, FP8),
 ] + [
-    (tk._decode_split_kernel, dict(NUM_HEADS=32, GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16,
-                                   PARTITION=512, BLOCK_G=16, BLOCK_N=DEFAULT_LAUNCH.block_n,
-                                   BLOCK_D=128, DOT_PRECISION="tf32", FP16=fp16), W, FP8)
+    (tk._decode_split_kernel, decode(fp16=fp16), W, FP8)
     for fp16 in (True, False)
 ] + [
     # A register cap (decode tuning's max_registers, Triton's maxnreg) on the fp8 cache's
     # long tile: the compiler spills instead of failing.
-    (tk._decode_split_kernel, dict(NUM_HEADS=32, GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16,
-                                   PARTITION=1024, BLOCK_G=16, BLOCK_N=128, BLOCK_D=128,
-                                   DOT_PRECISION="tf32", FP16=True),
+    (tk._decode_split_kernel, decode(partition=1024, block_n=128, fp16=True),
      {"num_warps": 4, "num_stages": 2, "maxnreg": 128}, FP8),
+] + [
+    # The partition's block ids read before the loop (decode tuning's preload_table), on
+    # caches whose strides are multiples of 16 (ROW_ALIGN) and on others.
+    (tk._decode_split_kernel, dict(decode(partition=1024, block_n=64, fp16=fp8, preload=True),
+                                   ROW_ALIGN=align), {"num_warps": 4, "num_stages": 3},
+     FP8 if fp8 else {})
+    for fp8 in (True, False) for align in (16, 1)
 ] + [
     (tk._prefill_kernel, dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=32,
                               BLOCK_D=128, DOT_PRECISION="tf32", FP16=fp16), W, FP8)
@@ -103,17 +115,44 @@ KERNELS += [
      dict(GREEDY, x_ptr=x, part_idx_ptr="*i64" if final else "*i32"))
     for final in (True, False) for x in ("*bf16", "*fp16", "*fp32")
 ] + [(gk._greedy_combine_kernel, dict(BLOCK_P=64), {"num_warps": 1}, GREEDY)]
+
+
+def compile_kernel(fn, constexprs, options=None, pointers=None, arch=90, aligned=False):
+    # fn compiled for sm_<arch>; aligned: as the launcher compiles it for aligned pointers
+    # and strides that are multiples of 16 (it specializes on both), the code that
+    # vectorizes and pipelines its loads.
+    pointers = dict(POINTERS, **(pointers or {}))
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        signature[name] = (pointers.get(name, "*bf16") if name.endswith("_ptr")
+                           else "fp32" if name in ("qk_scale", "eps", "fp8_max", "max_value")
+                           else "i32")
+        if aligned and (name.endswith("_ptr") or name.startswith("stride")):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs),
+                          target=GPUTarget("cuda", arch, 32), options=options)
+
+
 for fn, constexprs, *extra in KERNELS:
     options = extra[0] if extra else None
-    pointers = dict(POINTERS, **(extra[1] if len(extra) > 1 else {}))
-    signature = {name: "constexpr" if name in constexprs
-                 else pointers.get(name, "*bf16") if name.endswith("_ptr")
-                 else "fp32" if name in ("qk_scale", "eps", "fp8_max", "max_value")
-                 else "i32" for name in fn.arg_names}
+    pointers = extra[1] if len(extra) > 1 else {}
     # fp8 (e4m3) needs sm_89 or later: the engine refuses an fp8 cache below that.
     for arch in (90,) if "*fp8e4nv" in pointers.values() else (80, 90):
-        triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32),
-                       options=options)
+        for aligned in (False, True):
+            compile_kernel(fn, constexprs, options, pointers, arch, aligned)
+
+# The point of preload_table: with the block ids read before the loop, the pipeliner keeps
+# the next tile's copies in flight at each wait (num > 0); reading them in the loop, each
+# wait drains every copy.
+for preload, in_flight in ((True, True), (False, False)):
+    ttgir = compile_kernel(tk._decode_split_kernel,
+                           decode(partition=1024, block_n=64, preload=preload),
+                           {"num_warps": 4, "num_stages": 3}, aligned=True).asm["ttgir"]
+    waits = [int(n) for n in re.findall(r"async_wait[^}]*num = ([0-9]+)", ttgir)]
+    assert waits and (max(waits) > 0) == in_flight, (preload, waits)
 """
 
 

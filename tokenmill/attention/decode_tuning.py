@@ -47,7 +47,7 @@ FP8_COMPUTE = ("fp16", "query")
 @dataclass(frozen=True)
 class DecodeLaunch:
     """One launch of the decode split kernel: tokens per partition, keys per tile, warps per
-    program and software-pipelining depth (None: Triton's default)."""
+    program, software-pipelining depth (None: Triton's default) and the settings below."""
 
     partition_size: int = 512
     block_n: int = 32
@@ -61,6 +61,12 @@ class DecodeLaunch:
     # all 255 for the long tiles): fewer registers let more programs share an SM, whose loads
     # are then in flight together, at the cost of spills. The sweep decides.
     max_registers: int | None = None
+    # Read a partition's block ids once, before its loop, rather than a tile's in each step:
+    # the tiles' cache loads then depend on no load inside the loop, and Triton's pipeliner
+    # keeps num_stages - 1 tiles in flight (with the per-tile read it waits for every copy
+    # before each tile). It costs shared memory for the extra buffers, hence fewer programs
+    # an SM; the sweep decides.
+    preload_table: bool = False
 
     def __post_init__(self) -> None:
         for name in ("partition_size", "block_n"):
@@ -76,6 +82,8 @@ class DecodeLaunch:
                 not isinstance(self.max_registers, int) or isinstance(self.max_registers, bool)
                 or not 24 <= self.max_registers <= 255):
             raise ValueError(f"max_registers must be null or 24..255, got {self.max_registers!r}")
+        if not isinstance(self.preload_table, bool):
+            raise ValueError(f"preload_table must be true or false, got {self.preload_table!r}")
         if self.fp8_compute not in FP8_COMPUTE:
             raise ValueError(f"fp8_compute must be one of {', '.join(FP8_COMPUTE)}, "
                              f"got {self.fp8_compute!r}")

@@ -78,18 +78,26 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, n0, end, kv_head,
                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_D: tl.constexpr, COMPUTE: tl.constexpr):
     """K and V ``[BLOCK_N, BLOCK_D]`` of positions ``n0 .. n0+BLOCK_N-1`` (zeros from ``end``),
-    in dtype COMPUTE."""
+    in dtype COMPUTE, their block ids read from the table."""
     pos = n0 + tl.arange(0, BLOCK_N)
     valid = pos < end
     block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     row = block * stride_cb + (pos % BLOCK_SIZE) * stride_co + kv_head * stride_ch
+    k, v = _load_kv_rows(k_cache_ptr, v_cache_ptr, row, valid, HEAD_DIM, BLOCK_D, COMPUTE)
+    return k, v, pos, valid
+
+
+@triton.jit
+def _load_kv_rows(k_cache_ptr, v_cache_ptr, row, valid, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, COMPUTE: tl.constexpr):
+    """K and V of the cache rows starting at element offsets ``row`` (zeros where not
+    ``valid``), widened from an fp8 cache to COMPUTE."""
     d = tl.arange(0, BLOCK_D)
     offs = row[:, None] + d[None, :]
     mask = valid[:, None] & (d < HEAD_DIM)[None, :]
-    # An fp8 cache is widened here to the queries' dtype.
     k = tl.load(k_cache_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
     v = tl.load(v_cache_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
-    return k, v, pos, valid
+    return k, v
 
 
 @triton.jit
@@ -119,9 +127,13 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_pt
                          NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, FP16: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, FP16: tl.constexpr,
+                         TABLE_SPAN: tl.constexpr, ROW_ALIGN: tl.constexpr):
     """Program (seq, kv head, split): the GROUP query heads of one KV head over one partition.
 
+    With TABLE_SPAN > 0 (the launch's ``preload_table``) the partition's block ids, at most
+    TABLE_SPAN of them, are read before the loop and each tile's rows are gathered from them;
+    ROW_ALIGN is what every cache row's element offset is a multiple of (the strides').
     Writes the partition's normalized output and log2-sum-exp per query head, to be combined by
     ``_decode_reduce_kernel``. A partition that starts at or past the sequence's end does nothing.
     """
@@ -146,10 +158,32 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_pt
     denom = tl.full([BLOCK_G], 0.0, tl.float32)
     acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
     table = table_ptr + b * stride_bt
+    if TABLE_SPAN > 0:
+        # The partition's block ids, read once. The loop's cache addresses then depend on no
+        # load of its own, and Triton's pipeliner keeps the next num_stages - 1 tiles of K and
+        # V in flight while one is computed; with a block-id load in the loop it waits for
+        # every copy before each tile.
+        first = start // BLOCK_SIZE
+        span = tl.arange(0, TABLE_SPAN)
+        ids = tl.load(table + first + span, mask=first + span <= (end - 1) // BLOCK_SIZE,
+                      other=0)
+        bases = ids.to(tl.int64) * stride_cb + kv_head * stride_ch
     for n0 in range(start, end, BLOCK_N):
-        k, v, pos, valid = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, n0, end, kv_head,
-                                         stride_cb, stride_co, stride_ch,
-                                         HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, q.dtype)
+        if TABLE_SPAN > 0:
+            pos = n0 + tl.arange(0, BLOCK_N)
+            valid = pos < end
+            # Tiles never cross the partition's end (BLOCK_N divides PARTITION), so every
+            # index is below TABLE_SPAN; past ``end`` it picks a masked id.
+            row = tl.gather(bases, pos // BLOCK_SIZE - first, 0) + (pos % BLOCK_SIZE) * stride_co
+            # Without the hint the gathered offsets have no known alignment, and the loads
+            # are neither vectorized nor pipelined.
+            row = tl.multiple_of(row, ROW_ALIGN)
+            k, v = _load_kv_rows(k_cache_ptr, v_cache_ptr, row, valid, HEAD_DIM, BLOCK_D,
+                                 q.dtype)
+        else:
+            k, v, pos, valid = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, n0, end, kv_head,
+                                             stride_cb, stride_co, stride_ch,
+                                             HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m, denom, acc = _softmax_step(s, v, m, denom, acc, DOT_PRECISION)
@@ -283,7 +317,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
                      num_warps: int = DEFAULT_LAUNCH.num_warps,
                      num_stages: int | None = DEFAULT_LAUNCH.num_stages,
                      fp8_compute: str = DEFAULT_LAUNCH.fp8_compute,
-                     max_registers: int | None = DEFAULT_LAUNCH.max_registers) -> torch.Tensor:
+                     max_registers: int | None = DEFAULT_LAUNCH.max_registers,
+                     preload_table: bool = DEFAULT_LAUNCH.preload_table) -> torch.Tensor:
     """Attend one query per sequence over its paged context (flash decoding).
 
     Each sequence's context is cut into partitions of ``partition_size`` tokens, attended in
@@ -307,6 +342,9 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         fp8_compute: what an fp8 cache is widened to (:func:`widens_to_fp16`).
         max_registers: the split kernel's registers a thread (Triton's ``maxnreg``; None:
             the compiler's choice).
+        preload_table: read each partition's block ids once, before the loop over its tiles,
+            so that the tiles' loads can be pipelined (``num_stages``); otherwise each tile
+            reads its own.
 
     Returns:
         ``out`` or a new ``[B, Hq, D]`` tensor in the dtype of q.
@@ -331,14 +369,21 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     group = num_heads // num_kv_heads
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     block_d = max(_MIN_DOT, triton.next_power_of_2(head_dim))
+    block_size = k_cache.shape[1]
+    # A partition's positions start..start+P-1 touch cdiv(P, block size) blocks when the block
+    # size divides P (partitions start on a block), one more when it does not.
+    blocks = triton.cdiv(partition_size, block_size) + (partition_size % block_size != 0)
+    cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, scale * _LOG2E,
         q.stride(0), q.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        *cache_strides,
+        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         PARTITION=partition_size, BLOCK_G=max(_MIN_DOT, triton.next_power_of_2(group)),
         BLOCK_N=min(block_n, partition_size), BLOCK_D=block_d,
         DOT_PRECISION=_dot_precision(q), FP16=widens_to_fp16(q, kv_cache, fp8_compute),
+        TABLE_SPAN=triton.next_power_of_2(blocks) if preload_table else 0,
+        ROW_ALIGN=16 if all(st % 16 == 0 for st in cache_strides) else 1,
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
         **({} if max_registers is None else {"maxnreg": max_registers}))
     _decode_reduce_kernel[(num_seqs, num_heads)](
