@@ -35,6 +35,7 @@ from triton.compiler import ASTSource
 from tokenmill.attention import triton_kernels as tk
 from tokenmill.attention.decode_tuning import DEFAULT_LAUNCH
 from tokenmill.models import fused_ops as fo
+from tokenmill.quant import fp8_kernels as fk
 
 POINTERS = {"table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32",
             "tile_seq_ptr": "*i32", "tile_idx_ptr": "*i32",
@@ -108,8 +109,14 @@ CASES = [
      dict(HAS_RESIDUAL=True, FP8_OUT=True, BLOCK=4096), {"num_warps": 4},
      {"out_ptr": "*fp8e4nv"}),
     ("silu_and_mul", fo._silu_and_mul_kernel, dict(BLOCK=1024), {"num_warps": 4}, {}),
-    ("silu_and_mul, fp8 out", fo._silu_and_mul_fp8_kernel, dict(BLOCK=2048), {"num_warps": 4},
-     {"out_ptr": "*fp8e4nv"}),
+] + [
+    (f"{name}, {cols:,} columns", kernel, dict(BLOCK=block, ONE_PASS=one_pass),
+     {"num_warps": warps}, {ptr: "*fp8e4nv"})
+    for name, kernel, ptr in (("silu_and_mul, fp8 out", fo._silu_and_mul_fp8_kernel, "out_ptr"),
+                              ("quantize rows fp8", fk._quantize_rows_kernel, "q_ptr"))
+    for cols in (4096, 14336, 65536)
+    for block, warps, one_pass in (fo.fp8_row_launch(cols),)
+] + [
     ("rotary", fo._rotary_kernel, dict(NUM_HEADS=48, HALF=64, BLOCK_H=64, BLOCK_D=64),
      {"num_warps": 4}, {}),
 ]

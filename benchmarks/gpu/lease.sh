@@ -228,6 +228,10 @@ PY
     --result-file "$RES/$GPU-decode-attention-bw-fp8-preload.json" --write-tuning "$TUNED"
   TUNED=$TUNED python3 -c "import os; from tokenmill.attention.decode_tuning import load_tuning; assert load_tuning(os.environ['TUNED']).fp8_rules" \
     || cp /tmp/tuned-mid.json "$TUNED"
+  # The fp8 activation kernels: a row held in registers and read once (as the engine now
+  # launches them up to 16,384 columns) against blocks of 2,048 read twice (as before).
+  step row-quant-next 40 python3 benchmarks/gpu/row_quant_bw.py \
+    --result-file "$RES/$GPU-fp8-row-quant-bw.json"
   step decode-bf16-next 50 $BENCH --suite decode --model llama-3.1-8b --max-model-len 4096 \
     --max-num-seqs 8 --result-file "$RES/$GPU-llama-3.1-8b-decode-bf16-next.json"
   step profile-fp8-1500-next 70 python3 benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b \

@@ -73,7 +73,8 @@ def test_rms_norm_fp8_gives_the_unfused_bytes(out: torch.dtype, dtype: torch.dty
 
 @pytest.mark.parametrize("out", OUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", [48, 200, 2500])  # 2500: two loop passes of 2048 columns
+# Up to 16,384 columns a row is read once; 16,400 takes the two passes over blocks of 2,048.
+@pytest.mark.parametrize("n", [48, 200, 2500, 16400])
 def test_silu_and_mul_fp8_gives_the_unfused_bytes(out: torch.dtype, dtype: torch.dtype,
                                                   n: int) -> None:
     x = _rows((4, 2 * n), dtype, n)

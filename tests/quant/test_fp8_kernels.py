@@ -33,7 +33,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 64), (5, 1000), (3, 4096 + 17)])
+# Rows up to 16,384 columns are read once, longer ones twice (the absmax, then the values).
+@pytest.mark.parametrize("shape", [(1, 64), (5, 1000), (3, 4096 + 17), (3, 16384 + 17)])
 def test_quantize_rows_matches_the_pytorch_ops(dtype: torch.dtype, shape: tuple[int, int]
                                                ) -> None:
     gen = torch.Generator(device=DEVICE).manual_seed(sum(shape))
@@ -60,3 +61,24 @@ def test_rows_of_a_strided_view() -> None:
 def test_rejects_a_non_contiguous_last_dim() -> None:
     with pytest.raises(ValueError, match="contiguous last"):
         fp8_kernels.quantize_rows_fp8(torch.randn(8, 4, device=DEVICE).t(), FP8_MAX)
+
+
+@pytest.mark.slow
+def test_row_quant_bench_script_compares_both_launches(tmp_path) -> None:
+    """benchmarks/gpu/row_quant_bw.py, in the interpreter without a GPU (nothing timed
+    there): both launches of both kernels ran and wrote the same bytes."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[2]
+    result = tmp_path / "rows.json"
+    done = subprocess.run([sys.executable, str(root / "benchmarks/gpu/row_quant_bw.py"),
+                           "--result-file", str(result)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(result.read_text())["results"]
+    assert len(rows) == 4 and all(r["same_bytes"] for r in rows)
+    assert {tuple(r["two-pass_launch"]) for r in rows} == {(2048, 4, False)}

@@ -63,8 +63,12 @@ FP8 = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
 # fp8 linears' activations (quantization fp8): quantized by their own kernel, or by the norm
 # and SiLU-and-mul kernels that produce them, launched as quantize_rows_fp8 and fused_ops do.
 KERNELS += [
-    (fk._quantize_rows_kernel, dict(BLOCK=2048), {"num_warps": 4}, {"q_ptr": "*fp8e4nv"}),
-    (fo._silu_and_mul_fp8_kernel, dict(BLOCK=2048), {"num_warps": 4}, {"out_ptr": "*fp8e4nv"}),
+    (kernel, dict(BLOCK=block, ONE_PASS=one_pass), {"num_warps": warps}, {ptr: "*fp8e4nv"})
+    for kernel, ptr in ((fk._quantize_rows_kernel, "q_ptr"),
+                        (fo._silu_and_mul_fp8_kernel, "out_ptr"))
+    # Llama-3.1-8B's rows (4,096 and 14,336 columns) in one pass, longer ones in two.
+    for block, warps, one_pass in (fo.fp8_row_launch(4096), fo.fp8_row_launch(14336),
+                                   fo.fp8_row_launch(65536))
 ] + [
     (fo._rms_norm_kernel, dict(HAS_RESIDUAL=residual, FP8_OUT=True, BLOCK=4096), None,
      {"out_ptr": "*fp8e4nv"})

@@ -25,8 +25,21 @@ import triton.language as tl
 
 from tokenmill.models.fp8_activation import FP8_MAX, QuantizedActivation
 
-# Elements of a row each loop iteration of the fp8 SiLU-and-mul reads.
+# Row quantization for fp8 (the SiLU-and-mul kernel here, quant/fp8_kernels.py's): a row of
+# up to this many elements is held in registers, and read once; a longer one is read in
+# blocks of _FP8_BLOCK, twice (the absmax, then the quantization, mostly from L2).
+_FP8_ONE_PASS_MAX = 16384
 _FP8_BLOCK = 2048
+
+
+def fp8_row_launch(n_cols: int) -> tuple[int, int, bool]:
+    """``(BLOCK, num_warps, ONE_PASS)`` of a row-quantizing kernel over ``n_cols`` columns:
+    one pass over the whole row when it fits (a warp per 1,024 elements, 4 to 16 of them: 32
+    values a thread at most), else two passes in blocks of 2,048 at 4 warps."""
+    block = triton.next_power_of_2(max(n_cols, 1))
+    if block <= _FP8_ONE_PASS_MAX:
+        return block, min(16, max(4, block // 1024)), True
+    return _FP8_BLOCK, 4, False
 
 
 @triton.jit
@@ -107,25 +120,36 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_out,
 
 @triton.jit
 def _silu_and_mul_fp8_kernel(x_ptr, out_ptr, scale_ptr, n_cols, stride_x, stride_out, fp8_max,
-                             BLOCK: tl.constexpr):
+                             BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
     """One program per row: silu(gate) * up as _silu_and_mul_kernel computes it, quantized to
     e4m3 with the row's scale. The row's absmax must be known before the first value is
-    written, so the product is computed twice, the second time from L2 (same bits)."""
+    written: with ONE_PASS (BLOCK covers the row) the products stay in registers; otherwise
+    they are computed twice, the second time from L2 (same bits)."""
     row = tl.program_id(0)
     x_row = x_ptr + row * stride_x
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for c0 in range(0, n_cols, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        act = _silu_mul(x_row, cols, cols < n_cols, n_cols).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(act))
-    scale = fp8_scale(tl.max(amax, axis=0), fp8_max)
-    tl.store(scale_ptr + row, scale)
-    for c0 in range(0, n_cols, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
+    out_row = out_ptr + row * stride_out
+    if ONE_PASS:
+        cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         act = _silu_mul(x_row, cols, mask, n_cols).to(tl.float32)
-        tl.store(out_ptr + row * stride_out + cols,
-                 fp8_quantize(act, scale, fp8_max).to(out_ptr.dtype.element_ty), mask=mask)
+        scale = fp8_scale(tl.max(tl.abs(act), axis=0), fp8_max)
+        tl.store(scale_ptr + row, scale)
+        tl.store(out_row + cols, fp8_quantize(act, scale, fp8_max).to(out_ptr.dtype.element_ty),
+                 mask=mask)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for c0 in range(0, n_cols, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            act = _silu_mul(x_row, cols, cols < n_cols, n_cols).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(act))
+        scale = fp8_scale(tl.max(amax, axis=0), fp8_max)
+        tl.store(scale_ptr + row, scale)
+        for c0 in range(0, n_cols, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            act = _silu_mul(x_row, cols, mask, n_cols).to(tl.float32)
+            tl.store(out_row + cols,
+                     fp8_quantize(act, scale, fp8_max).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -207,9 +231,9 @@ def silu_and_mul_fp8(x: torch.Tensor, out_dtype: torch.dtype = torch.float8_e4m3
     out = torch.empty(rows, n, dtype=out_dtype, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows:
+        block, warps, one_pass = fp8_row_launch(n)
         _silu_and_mul_fp8_kernel[(rows,)](x, out, scale, n, x.stride(0), out.stride(0), FP8_MAX,
-                                          BLOCK=min(triton.next_power_of_2(n), _FP8_BLOCK),
-                                          num_warps=4)
+                                          BLOCK=block, ONE_PASS=one_pass, num_warps=warps)
     return QuantizedActivation(out, scale, x.dtype)
 
 

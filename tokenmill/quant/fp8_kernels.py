@@ -1,5 +1,6 @@
 """One Triton kernel for the activation side of an fp8 matmul on CUDA: each row's absmax
-scale and the row scaled, clamped and cast to e4m3, in one pass over memory.
+scale and the row scaled, clamped and cast to e4m3, in one pass over memory (two for rows of
+more than 16,384 columns).
 
 ``Fp8Linear`` quantizes its input per token before every ``torch._scaled_mm``. In PyTorch
 ops that is ten kernels (upcast, abs, amax, the scale's compare / divide / where, divide,
@@ -20,31 +21,39 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.models.fused_ops import fp8_quantize, fp8_scale
-
-# Elements of a row each loop iteration reads: rows of any length take two passes (the
-# absmax, then the quantization), the second mostly from L2.
-_BLOCK = 2048
+from tokenmill.models.fused_ops import fp8_quantize, fp8_row_launch, fp8_scale
 
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, n_cols, stride_x, stride_q, max_value,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+    """One program per row; with ONE_PASS (BLOCK covers the row) it is read once and kept in
+    registers, otherwise twice (the absmax, then the quantization, mostly from L2)."""
     row = tl.program_id(0)
     x_row = x_ptr + row * stride_x
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for c0 in range(0, n_cols, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = fp8_scale(tl.max(amax, axis=0), max_value)
-    tl.store(scale_ptr + row, scale)
-    for c0 in range(0, n_cols, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
+    q_row = q_ptr + row * stride_q
+    if ONE_PASS:
+        cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        y = fp8_quantize(x, scale, max_value)
-        tl.store(q_ptr + row * stride_q + cols, y.to(q_ptr.dtype.element_ty), mask=mask)
+        scale = fp8_scale(tl.max(tl.abs(x), axis=0), max_value)
+        tl.store(scale_ptr + row, scale)
+        tl.store(q_row + cols, fp8_quantize(x, scale, max_value).to(q_ptr.dtype.element_ty),
+                 mask=mask)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for c0 in range(0, n_cols, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = fp8_scale(tl.max(amax, axis=0), max_value)
+        tl.store(scale_ptr + row, scale)
+        for c0 in range(0, n_cols, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            y = fp8_quantize(x, scale, max_value)
+            tl.store(q_row + cols, y.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 def quantize_rows_fp8(x: torch.Tensor, max_value: float,
@@ -60,8 +69,8 @@ def quantize_rows_fp8(x: torch.Tensor, max_value: float,
     q = torch.empty(rows, cols, dtype=dtype, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows:
+        block, warps, one_pass = fp8_row_launch(cols)
         _quantize_rows_kernel[(rows,)](x, q, scale, cols, x.stride(0), q.stride(0),
-                                       float(max_value), BLOCK=min(_BLOCK,
-                                                                   triton.next_power_of_2(cols)),
-                                       num_warps=4)
+                                       float(max_value), BLOCK=block, ONE_PASS=one_pass,
+                                       num_warps=warps)
     return q, scale
