@@ -58,15 +58,24 @@ def sync() -> None:
 
 def run_steps(llm: LLM, batch: int, steps: int, seed: int, prof: bool,
               prompt_tokens: int = PROMPT_TOKENS) -> tuple[float, Any]:
-    """(seconds a step, over a run of ``steps``; the profile of as many more)."""
+    """(seconds a step, over a run of ``steps``; the profile of as many more).
+
+    The clock starts with one step already launched: with asynchronous scheduling each timed
+    call then launches a step and waits for the one before, as in a long run, and the first
+    launch (scheduled while the device is idle) is not spread over the timed steps. Before
+    2026-11-28 (night) the run started from an idle device and ended with a synchronize,
+    which added the first step's host work / ``steps`` to every step (about 0.5 ms in 10
+    steps at batch 256): the "GPU idle" of the earlier profiles includes it.
+    """
     engine = llm.engine
-    start_decoding(engine, batch, prompt_tokens, 2 * steps + 8, seed)
+    start_decoding(engine, batch, prompt_tokens, 2 * steps + 9, seed)
     sync()
+    engine.step()
     t = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    sync()
     seconds = (time.perf_counter() - t) / steps
+    sync()
     p = None
     if prof:
         with profile(activities=ACTIVITIES) as p:
