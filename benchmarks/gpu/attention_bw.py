@@ -13,7 +13,8 @@ With ``--write-tuning`` it writes the fastest settings of small batches (<= 8 se
 the rest as a decode tuning file, which the engine reads for this GPU model from
 ``tokenmill/attention/tuned/`` (see tokenmill/attention/decode_tuning.py). With
 ``--context-split N`` the larger batches are two classes, contexts up to N tokens and longer
-ones, each with its own rule (``max_context``).
+ones, each with its own rule (``max_context``); the shorter class is timed with a grid for N
+tokens, as its CUDA graph launches it (one partition of N or more: no reduction).
 
 Llama-3.1-8B's attention shape: 32 query heads over 8 KV heads of 128, bf16, 16-token blocks
 placed in random order (as a long-running cache has them). Without a GPU it runs at toy sizes
@@ -107,18 +108,30 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() / (time_ms([lambda: dst.copy_(src)], device) / 1000)
 
 
+def grid_bound(batch: int, ctx: int, bound: int, context_split: int | None) -> int:
+    """The context bound a decode step of ``batch`` x ``ctx`` tokens sizes its grid for: the
+    engine's (``bound``, as a CUDA graph launches it), or the context class's when the larger
+    batches' contexts are split and ``ctx`` is in the shorter class (its graph serves no
+    longer context)."""
+    if context_split is not None and batch > SMALL_BATCH and ctx <= context_split:
+        return min(max(ctx, bound), context_split)
+    return max(ctx, bound)
+
+
 def sweep(cases: list[tuple[int, int]], variants: list[dict[str, Any]], bound: int,
           device: torch.device, dtype: torch.dtype, bw: float,
-          kv_dtype: torch.dtype | None = None) -> list[dict[str, Any]]:
+          kv_dtype: torch.dtype | None = None,
+          context_split: int | None = None) -> list[dict[str, Any]]:
     """Time every variant on every (batch, context); each result names its case and settings."""
     gen = torch.Generator(device=device).manual_seed(0)
     results = []
     for batch, ctx in cases:
-        group = [make_case(batch, ctx, max(ctx, bound), device, dtype, gen, kv_dtype)]
+        limit = grid_bound(batch, ctx, bound, context_split)
+        group = [make_case(batch, ctx, limit, device, dtype, gen, kv_dtype)]
         # Enough separate caches (up to 32, as many layers) to hold ~1 GB: out of L2.
         copies = max(1, min(32, int(1e9 // group[0]["kv_bytes"])))
         if device.type == "cuda":
-            group += [make_case(batch, ctx, max(ctx, bound), device, dtype, gen, kv_dtype)
+            group += [make_case(batch, ctx, limit, device, dtype, gen, kv_dtype)
                       for _ in range(copies - 1)]
         case = group[0]
         ref = run(case, **DEFAULT).float()
@@ -131,7 +144,8 @@ def sweep(cases: list[tuple[int, int]], variants: list[dict[str, Any]], bound: i
                 results.append({"batch": batch, "context": ctx, **v, "error": str(e)[:200]})
                 continue
             gbs = case["kv_bytes"] / (ms / 1000) / 1e9
-            results.append({"batch": batch, "context": ctx, **v, "ms": ms, "gb_s": gbs,
+            results.append({"batch": batch, "context": ctx, "grid_bound": limit, **v,
+                            "ms": ms, "gb_s": gbs,
                             "share_of_copy": gbs * 1e9 / bw, "rel_err_vs_default": err})
         timed = [r for r in results[-len(variants):] if "ms" in r]
         if timed:  # progress, so that a run cut short still says something
@@ -231,7 +245,7 @@ def main() -> None:
                 dict(DEFAULT, partition_size=32, block_n=16, num_stages=3, preload_table=True)]
     bw = copy_bandwidth(device)
     kv_dtype = torch.float8_e4m3fn if a.kv_cache_dtype == "fp8" else None
-    results = sweep(cases, grid, bound, device, dtype, bw, kv_dtype)
+    results = sweep(cases, grid, bound, device, dtype, bw, kv_dtype, a.context_split)
     # Batch classes: (shapes, the rule's bounds); the last class's rule is for any step.
     large = {c for c in cases if c[0] > SMALL_BATCH}
     classes = {"small": ({c for c in cases if c[0] <= SMALL_BATCH},
@@ -253,7 +267,7 @@ def main() -> None:
                                    for st in (1, 2, 3, 4) for pre in (False, True))
                        if v not in grid + staged]
     if staged:
-        results += sweep(cases, staged, bound, device, dtype, bw, kv_dtype)
+        results += sweep(cases, staged, bound, device, dtype, bw, kv_dtype, a.context_split)
     variants = grid + staged
 
     rows = []

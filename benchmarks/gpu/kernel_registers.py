@@ -47,7 +47,8 @@ FLOATS = ("qk_scale", "eps", "fp8_max", "max_value")
 ALIGNED_INTS = re.compile(r"^(stride_\w+|n_cols)$")
 # Llama-3.1-8B's shapes in bf16: 32 query heads over 8 KV heads of 128, hidden 4096.
 ATTN = dict(HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_D=128, DOT_PRECISION="tf32")
-DECODE = dict(ATTN, NUM_HEADS=32, GROUP=4, BLOCK_G=16, FP16=False, TABLE_SPAN=0, ROW_ALIGN=16)
+DECODE = dict(ATTN, NUM_HEADS=32, GROUP=4, BLOCK_G=16, FP16=False, TABLE_SPAN=0, ROW_ALIGN=16,
+              DIRECT=False)
 PREFILL = dict(ATTN, GROUP=4, FP16=False)
 # An fp8 (e4m3) cache, widened to fp16 (FP16) or to the queries' bf16.
 FP8 = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}

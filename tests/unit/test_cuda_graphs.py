@@ -103,10 +103,12 @@ def test_a_graph_per_context_class_where_the_launch_depends_on_it(
         1: [None], 2: [24, 40, None], 4: [24, 40, None]}
     replays = _count_replays(graphs)
     launches: list[int] = []
+    bounds: dict[int, set[int]] = {}
     real = triton_backend.decode_attention
 
     def spy(*args: object, **kwargs: object) -> torch.Tensor:
         launches.append(kwargs["partition_size"])
+        bounds.setdefault(kwargs["partition_size"], set()).add(args[5])
         return real(*args, **kwargs)
 
     monkeypatch.setattr(triton_backend, "decode_attention", spy)
@@ -124,6 +126,9 @@ def test_a_graph_per_context_class_where_the_launch_depends_on_it(
         want = {24: 16, 40: 32, None: 64}
         assert set(launches) == {want[c] for c in used}
     assert {c for _, c in replays} == {24, 40, None}
+    # A class's graph sizes its grid for the class's longest context, the last for the
+    # graphs' own bound.
+    assert bounds == {16: {24}, 32: {40}, 64: {graphs.max_seq_len}}
 
 
 def test_steps_graphs_cannot_serve_run_eagerly() -> None:
@@ -180,3 +185,40 @@ def test_max_captured_context_is_capped() -> None:
                           100_000, torch.device("cpu"), EagerReplay())
     assert graphs.max_seq_len == cuda_graphs.MAX_CAPTURED_SEQ_LEN
     assert graphs.buffers.block_tables.shape == (4, cuda_graphs.MAX_CAPTURED_SEQ_LEN // 16)
+
+
+def test_the_last_graph_launches_the_rule_for_the_graphs_bound(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rule for contexts up to the graphs' own bound (the max model length) makes no class
+    of its own, since no longer context replays: the one graph launches it (its metadata
+    promises that longest context), with a grid sized for the bound (one partition of it
+    here, so no reduction)."""
+    from tokenmill.attention import triton_backend
+    from tokenmill.attention.decode_tuning import parse_tuning
+
+    tuning = parse_tuning({"by_batch": [
+        {"max_context": 256, "partition_size": 256, "block_n": 32},
+        {"partition_size": 32, "block_n": 16}]}, "test")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[11, 12, 13], [21] * 7]
+    eager = _tiny_llm().generate([{"prompt_token_ids": p} for p in prompts], params)
+    llm = _tiny_llm()  # max_model_len 256
+    runner = llm.engine.core.executor.runner
+    runner.backend = TritonAttentionBackend(decode_tuning=tuning)
+    runner.fused_decoder = None
+    runner.capture_decode_graphs(2, llm.engine.core.max_model_len, capturer=EagerReplay())
+    graphs = runner.decode_graphs
+    assert graphs is not None and graphs.max_seq_len == 256
+    assert {bs: [c for c, *_ in g] for bs, g in graphs.graphs.items()} == {1: [None], 2: [None]}
+    replays = _count_replays(graphs)
+    launches: list[tuple[int, int]] = []
+    real = triton_backend.decode_attention
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        launches.append((kwargs["partition_size"], args[5]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "decode_attention", spy)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in eager]
+    assert replays and set(launches) == {(256, 256)}

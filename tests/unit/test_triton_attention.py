@@ -161,6 +161,33 @@ def test_decode_matches_dense(hq: int, hkv: int, d: int, block_size: int,
     assert not out[2].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_in_one_partition_writes_the_output_without_a_reduction(
+        dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When one partition covers ``max_seq_len`` the split kernel writes the attention itself
+    (zeros for padding rows) and the reduction is not launched: the same values as the
+    combined path."""
+    gen = torch.Generator().manual_seed(12)
+    hq, hkv, d = 8, 2, 16
+    cache = new_cache(hkv, d, 4, dtype)
+    lens = [64, 1, 0, 33]
+    meta = fill(cache, lens, gen)
+    q = torch.randn(len(lens), hq, d, generator=gen).to(dtype).to(DEVICE)
+    args = (q, cache.kv_caches[0], meta.block_tables, meta.seq_lens, d ** -0.5)
+    combined = kernels.decode_attention(*args, 64, partition_size=32)
+    out = torch.full_like(q, float("nan"))  # every row written, the padding row too
+    with monkeypatch.context() as patch:
+        patch.setattr(kernels, "_decode_reduce_kernel", None)  # launched: a TypeError
+        kernels.decode_attention(*args, 64, partition_size=64, block_n=32, out=out)
+    ref = dense(q, cache.kv_caches[0], meta.block_tables, [1] * len(lens), lens, d ** -0.5)
+    assert (out.float() - ref).abs().max().item() <= TOLS[dtype]
+    assert not out[2].any()
+    assert (combined.float() - out.float()).abs().max().item() <= TOLS[dtype]
+    # With room for a second (empty) partition the same partitions are combined: the
+    # reduction of one partition returns it unchanged.
+    assert torch.equal(out, kernels.decode_attention(*args, 128, partition_size=64, block_n=32))
+
+
 @pytest.mark.parametrize("block_size,partition,block_n", [
     (4, 32, 16),    # eight blocks a partition, two tiles
     (16, 64, 32),   # the engine's blocks

@@ -37,18 +37,20 @@ W = {"num_warps": tk.NUM_WARPS}
 
 
 def decode(head_dim=128, partition=512, block_n=DEFAULT_LAUNCH.block_n, fp16=False,
-           preload=False):
+           preload=False, direct=False):
     # The decode split kernel's constexprs for 32 query heads over 8 KV heads.
     return dict(NUM_HEADS=32, GROUP=4, HEAD_DIM=head_dim, BLOCK_SIZE=16, PARTITION=partition,
                 BLOCK_G=16, BLOCK_N=min(block_n, partition), BLOCK_D=128,
                 DOT_PRECISION="tf32", FP16=fp16, TABLE_SPAN=partition // 16 if preload else 0,
-                ROW_ALIGN=16)
+                ROW_ALIGN=16, DIRECT=direct)
 
 
 KERNELS = [
     (tk._store_kv_kernel, dict(NUM_HEADS=8, HEAD_DIM=80, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128,
                                SATURATE=False)),
     (tk._decode_split_kernel, decode(head_dim=80), W),
+    # One partition for every context: the output written by the split kernel itself.
+    (tk._decode_split_kernel, decode(head_dim=80, direct=True), W),
     (tk._decode_reduce_kernel, dict(NUM_HEADS=32, HEAD_DIM=80, PARTITION=512, BLOCK_D=128)),
     (tk._prefill_kernel, dict(GROUP=4, HEAD_DIM=80, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=32,
                               BLOCK_D=128, DOT_PRECISION="tf32", FP16=False), W),
@@ -90,8 +92,8 @@ KERNELS += [
     (tk._store_kv_kernel, dict(NUM_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128,
                                SATURATE=True), None, FP8),
 ] + [
-    (tk._decode_split_kernel, decode(fp16=fp16), W, FP8)
-    for fp16 in (True, False)
+    (tk._decode_split_kernel, decode(fp16=fp16, direct=direct), W, FP8)
+    for fp16 in (True, False) for direct in (False, True)
 ] + [
     # A register cap (decode tuning's max_registers, Triton's maxnreg) on the fp8 cache's
     # long tile: the compiler spills instead of failing.

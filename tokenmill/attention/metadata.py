@@ -40,7 +40,8 @@ class AttentionMetadata:
     # replayed graph cannot change its grid). None outside graphs: backends use max_seq_len.
     max_seq_len_bound: int | None = None
     # The longest context the decode launch is chosen for (decode_tuning's context classes): a
-    # CUDA-graph runner sets it to the class a graph is captured for. None: max_seq_len.
+    # CUDA-graph runner sets it to the class a graph is captured for, whose steps have no
+    # longer context, so it also bounds the decode grid. None: max_seq_len.
     launch_context: int | None = None
     # Backend-private plan of this step's layout (gather indices, masks), built by the backend on
     # the first layer's call and reused by the others, so per-layer work stays minimal.

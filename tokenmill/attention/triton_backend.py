@@ -57,8 +57,14 @@ class TritonAttentionBackend(AttentionBackend):
                 context=context).kwargs()
             if self.decode_partition_size is not None:
                 launch["partition_size"] = self.decode_partition_size
-            decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale,
-                             meta.max_seq_len if bound is None else bound, out=out, **launch)
+            if bound is None:
+                bound = meta.max_seq_len
+            elif meta.launch_context is not None:
+                # A graph of a context class serves contexts up to its bound only: a grid
+                # that long (one partition, with no reduction, when it fits) covers them.
+                bound = min(bound, meta.launch_context)
+            decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, bound,
+                             out=out, **launch)
         elif num_tokens:
             if sum(meta.query_lens_cpu) != num_tokens:
                 raise ValueError(f"query_lens_cpu sums to {sum(meta.query_lens_cpu)} "

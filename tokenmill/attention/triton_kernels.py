@@ -122,20 +122,25 @@ def _softmax_step(s, v, m, denom, acc, DOT_PRECISION: tl.constexpr):
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_ptr,
-                         part_out_ptr, part_lse_ptr, qk_scale,
+                         part_out_ptr, part_lse_ptr, out_ptr, qk_scale,
                          stride_qb, stride_qh, stride_bt, stride_cb, stride_co, stride_ch,
+                         stride_ob, stride_oh,
                          NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, FP16: tl.constexpr,
-                         TABLE_SPAN: tl.constexpr, ROW_ALIGN: tl.constexpr):
+                         TABLE_SPAN: tl.constexpr, ROW_ALIGN: tl.constexpr,
+                         DIRECT: tl.constexpr):
     """Program (seq, kv head, split): the GROUP query heads of one KV head over one partition.
+
+    Writes the partition's normalized output and log2-sum-exp per query head, to be combined by
+    ``_decode_reduce_kernel``. A partition that starts at or past the sequence's end does nothing.
+    With DIRECT (one partition covers every context) it writes the attention output itself to
+    ``out_ptr`` instead, zeros for a sequence of length 0, and no reduction follows.
 
     With TABLE_SPAN > 0 (the launch's ``preload_table``) the partition's block ids, at most
     TABLE_SPAN of them, are read before the loop and each tile's rows are gathered from them;
     ROW_ALIGN is what every cache row's element offset is a multiple of (the strides').
-    Writes the partition's normalized output and log2-sum-exp per query head, to be combined by
-    ``_decode_reduce_kernel``. A partition that starts at or past the sequence's end does nothing.
     """
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -143,15 +148,19 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_pt
     num_splits = tl.num_programs(2)
     seq_len = tl.load(seq_lens_ptr + b)
     start = split * PARTITION
-    if start >= seq_len:
-        return
-    end = tl.minimum(start + PARTITION, seq_len)
-
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + g
     g_mask = g < GROUP
     d_mask = d < HEAD_DIM
+    out_offs = b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if start >= seq_len:
+        if DIRECT:  # a padding row: its output is read (and ignored) like any other
+            tl.store(out_ptr + out_offs,
+                     tl.zeros([BLOCK_G, BLOCK_D], out_ptr.dtype.element_ty), mask=out_mask)
+        return
+    end = tl.minimum(start + PARTITION, seq_len)
     q = _queries_to(tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                             mask=g_mask[:, None] & d_mask[None, :], other=0.0), FP16)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -188,11 +197,15 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_pt
         s = tl.where(valid[None, :], s, float("-inf"))
         m, denom, acc = _softmax_step(s, v, m, denom, acc, DOT_PRECISION)
 
-    # Scratch is [B, Hq, num_splits, D] and [B, Hq, num_splits], contiguous.
-    row = (b * NUM_HEADS + heads) * num_splits + split
-    tl.store(part_lse_ptr + row, m + tl.math.log2(denom), mask=g_mask)
-    tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / denom[:, None],
-             mask=g_mask[:, None] & d_mask[None, :])
+    if DIRECT:
+        tl.store(out_ptr + out_offs, (acc / denom[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=out_mask)
+    else:
+        # Scratch is [B, Hq, num_splits, D] and [B, Hq, num_splits], contiguous.
+        row = (b * NUM_HEADS + heads) * num_splits + split
+        tl.store(part_lse_ptr + row, m + tl.math.log2(denom), mask=g_mask)
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / denom[:, None],
+                 mask=out_mask)
 
 
 @triton.jit
@@ -322,10 +335,12 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     """Attend one query per sequence over its paged context (flash decoding).
 
     Each sequence's context is cut into partitions of ``partition_size`` tokens, attended in
-    parallel and then combined. The launch depends only on tensor shapes, ``max_seq_len`` and
-    ``partition_size``, never on the values in ``seq_lens``, so it can be captured in a CUDA
-    graph: pass a fixed bound (the graph's max model length) as ``max_seq_len``. Rows whose
-    ``seq_len`` is 0 (batch padding) get zeros.
+    parallel and then combined; when one partition covers ``max_seq_len``, the partition's
+    kernel writes the output and nothing is combined. The launch depends only on tensor
+    shapes, ``max_seq_len`` and ``partition_size``, never on the values in ``seq_lens``, so it
+    can be captured in a CUDA graph: pass a fixed bound (the graph's max model length, or the
+    longest context of its class) as ``max_seq_len``. Rows whose ``seq_len`` is 0 (batch
+    padding) get zeros.
 
     Args:
         q: ``[B, Hq, D]`` the query of each sequence.
@@ -362,10 +377,13 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         return out
     _check_last_dim(q=q, kv_cache=kv_cache, out=out)
     num_splits = max(1, triton.cdiv(max_seq_len, partition_size))
-    part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32,
-                           device=q.device)
-    part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32,
-                           device=q.device)
+    # One partition holds every context: the split kernel writes the output itself.
+    direct = num_splits == 1
+    # (Unused then: one element each, as an empty tensor may have no address to pass.)
+    part_out = torch.empty(1 if direct else num_seqs * num_heads * num_splits * head_dim,
+                           dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(1 if direct else num_seqs * num_heads * num_splits,
+                           dtype=torch.float32, device=q.device)
     group = num_heads // num_kv_heads
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     block_d = max(_MIN_DOT, triton.next_power_of_2(head_dim))
@@ -375,20 +393,21 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     blocks = triton.cdiv(partition_size, block_size) + (partition_size % block_size != 0)
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, scale * _LOG2E,
-        q.stride(0), q.stride(1), block_tables.stride(0),
-        *cache_strides,
+        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out, scale * _LOG2E,
+        q.stride(0), q.stride(1), block_tables.stride(0), *cache_strides,
+        out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         PARTITION=partition_size, BLOCK_G=max(_MIN_DOT, triton.next_power_of_2(group)),
         BLOCK_N=min(block_n, partition_size), BLOCK_D=block_d,
         DOT_PRECISION=_dot_precision(q), FP16=widens_to_fp16(q, kv_cache, fp8_compute),
         TABLE_SPAN=triton.next_power_of_2(blocks) if preload_table else 0,
-        ROW_ALIGN=16 if all(st % 16 == 0 for st in cache_strides) else 1,
+        ROW_ALIGN=16 if all(st % 16 == 0 for st in cache_strides) else 1, DIRECT=direct,
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
         **({} if max_registers is None else {"maxnreg": max_registers}))
-    _decode_reduce_kernel[(num_seqs, num_heads)](
-        part_out, part_lse, seq_lens, out, num_splits, out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, PARTITION=partition_size, BLOCK_D=block_d)
+    if not direct:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, seq_lens, out, num_splits, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, PARTITION=partition_size, BLOCK_D=block_d)
     return out
 
 
