@@ -12,9 +12,9 @@ one run.
 With ``--write-tuning`` it writes the fastest settings of small batches (<= 8 sequences) and of
 the rest as a decode tuning file, which the engine reads for this GPU model from
 ``tokenmill/attention/tuned/`` (see tokenmill/attention/decode_tuning.py). With
-``--context-split N`` the larger batches are two classes, contexts up to N tokens and longer
-ones, each with its own rule (``max_context``); the shorter class is timed with a grid for N
-tokens, as its CUDA graph launches it (one partition of N or more: no reduction).
+``--context-split N`` each batch class is two, contexts up to N tokens and longer ones, each
+with its own rule (``max_context``); the shorter class is timed with a grid for N tokens, as
+its CUDA graph launches it (one partition of N or more: no reduction).
 
 Llama-3.1-8B's attention shape: 32 query heads over 8 KV heads of 128, bf16, 16-token blocks
 placed in random order (as a long-running cache has them). Without a GPU it runs at toy sizes
@@ -108,12 +108,11 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() / (time_ms([lambda: dst.copy_(src)], device) / 1000)
 
 
-def grid_bound(batch: int, ctx: int, bound: int, context_split: int | None) -> int:
-    """The context bound a decode step of ``batch`` x ``ctx`` tokens sizes its grid for: the
-    engine's (``bound``, as a CUDA graph launches it), or the context class's when the larger
-    batches' contexts are split and ``ctx`` is in the shorter class (its graph serves no
-    longer context)."""
-    if context_split is not None and batch > SMALL_BATCH and ctx <= context_split:
+def grid_bound(ctx: int, bound: int, context_split: int | None) -> int:
+    """The context bound a decode step of ``ctx`` tokens sizes its grid for: the engine's
+    (``bound``, as a CUDA graph launches it), or the context class's when contexts are split
+    and ``ctx`` is in the shorter class (its graph serves no longer context)."""
+    if context_split is not None and ctx <= context_split:
         return min(max(ctx, bound), context_split)
     return max(ctx, bound)
 
@@ -126,7 +125,7 @@ def sweep(cases: list[tuple[int, int]], variants: list[dict[str, Any]], bound: i
     gen = torch.Generator(device=device).manual_seed(0)
     results = []
     for batch, ctx in cases:
-        limit = grid_bound(batch, ctx, bound, context_split)
+        limit = grid_bound(ctx, bound, context_split)
         group = [make_case(batch, ctx, limit, device, dtype, gen, kv_dtype)]
         # Enough separate caches (up to 32, as many layers) to hold ~1 GB: out of L2.
         copies = max(1, min(32, int(1e9 // group[0]["kv_bytes"])))
@@ -205,8 +204,8 @@ def main() -> None:
                                             "partition's before it)")):
         ap.add_argument(flag, default=None, help=f"comma-separated {what} to sweep")
     ap.add_argument("--context-split", type=int, default=None, metavar="N",
-                    help="batches above 8 with contexts up to N tokens and longer ones get "
-                         "a rule each")
+                    help="contexts up to N tokens and longer ones get a rule each, in both "
+                         "batch classes")
     ap.add_argument("--result-file", default=None)
     ap.add_argument("--write-tuning", default=None, metavar="FILE",
                     help="write the fastest settings per batch class as a decode tuning file "
@@ -246,17 +245,20 @@ def main() -> None:
     bw = copy_bandwidth(device)
     kv_dtype = torch.float8_e4m3fn if a.kv_cache_dtype == "fp8" else None
     results = sweep(cases, grid, bound, device, dtype, bw, kv_dtype, a.context_split)
-    # Batch classes: (shapes, the rule's bounds); the last class's rule is for any step.
-    large = {c for c in cases if c[0] > SMALL_BATCH}
-    classes = {"small": ({c for c in cases if c[0] <= SMALL_BATCH},
-                         {"max_batch": SMALL_BATCH})}
-    if a.context_split:
-        classes[f"large, contexts <= {a.context_split}"] = (
-            {c for c in large if c[1] <= a.context_split}, {"max_context": a.context_split})
-        classes[f"large, contexts > {a.context_split}"] = (
-            {c for c in large if c[1] > a.context_split}, {})
-    else:
-        classes["large"] = (large, {})
+    # Batch classes, each split by context with --context-split: (shapes, the rule's
+    # bounds); the last class's rule is for any step.
+    classes = {}
+    for size, shapes_of, bounds in (
+            ("small", {c for c in cases if c[0] <= SMALL_BATCH}, {"max_batch": SMALL_BATCH}),
+            ("large", {c for c in cases if c[0] > SMALL_BATCH}, {})):
+        if a.context_split:
+            split = a.context_split
+            classes[f"{size}, contexts <= {split}"] = (
+                {c for c in shapes_of if c[1] <= split}, dict(bounds, max_context=split))
+            classes[f"{size}, contexts > {split}"] = (
+                {c for c in shapes_of if c[1] > split}, bounds)
+        else:
+            classes[size] = (shapes_of, bounds)
     staged = []
     for shapes_of, _ in classes.values():
         found = best_variant(results, shapes_of, grid) if shapes_of else None

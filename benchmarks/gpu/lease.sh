@@ -201,19 +201,23 @@ elif [ "$PHASE" = next ]; then
   SLUG=$(python3 -c "import torch; from tokenmill.attention.decode_tuning import device_slug; print(device_slug(torch.cuda.get_device_name(0)))")
   TUNED=tokenmill/attention/tuned/$SLUG.json
   cp "$TUNED" /tmp/tuned-before.json
-  # Small batches only (1 x 160, 1 x 512, 1 x 2,000) with short partitions and tiles; the
-  # file's rules for larger batches are put back after it (the sweep writes both classes).
+  # Small batches only (1 x 160, 1 x 512, 1 x 2,000) with short partitions and tiles, split
+  # at 512-token contexts: up to 512 a graph sizes its grid for 512 tokens, and one partition
+  # of 512 needs no reduction. The file's rules for larger batches are put back after it (the
+  # sweep writes every class it measured).
   step attention-sweep-b1 60 python3 benchmarks/gpu/attention_bw.py \
-    --shapes 1x160,1x512,1x2000 --partitions 32,64,128,256 --block-ns 16,32,64 --warps 2,4 \
-    --stages default --result-file "$RES/$GPU-decode-attention-bw-b1.json" \
-    --write-tuning /tmp/tuned-b1.json
+    --shapes 1x160,1x512,1x2000 --context-split 512 --partitions 32,64,128,256,512 \
+    --block-ns 16,32,64 --warps 2,4 --stages default \
+    --result-file "$RES/$GPU-decode-attention-bw-b1.json" --write-tuning /tmp/tuned-b1.json
   TUNED=$TUNED python3 - <<'PY' || cp /tmp/tuned-before.json "$TUNED"
 import json, os
 new = json.load(open("/tmp/tuned-b1.json")); old = json.load(open("/tmp/tuned-before.json"))
-small = dict(new["by_batch"][0], max_batch=8)
-old["by_batch"] = [small] + [r for r in old["by_batch"] if r.get("max_batch") != 8]
+small = [dict(r, max_batch=8) for r in new["by_batch"]]
+old["by_batch"] = small + [r for r in old["by_batch"] if r.get("max_batch") != 8]
 old["note_b1"] = "batches up to 8 from: " + new["command"]
 json.dump(old, open(os.environ["TUNED"], "w"), indent=2)
+from tokenmill.attention.decode_tuning import load_tuning
+load_tuning(os.environ["TUNED"])
 PY
   cat "$TUNED"
   # Batches above 8, bf16: contexts up to 2,048 (the 1,000 x 1,000 runs' longest) as a class
