@@ -35,6 +35,7 @@ from triton.compiler import ASTSource
 from tokenmill.attention import triton_kernels as tk
 from tokenmill.attention.decode_tuning import DEFAULT_LAUNCH
 from tokenmill.models import fused_ops as fo
+from tokenmill.quant import fp8_gemm as fg
 from tokenmill.quant import fp8_kernels as fk
 
 POINTERS = {"table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32",
@@ -44,7 +45,7 @@ POINTERS = {"table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i3
 FLOATS = ("qk_scale", "eps", "fp8_max", "max_value")
 # Integer arguments that are multiples of 16 at Llama-3.1-8B's shapes (strides of 128-wide
 # heads, 4,096 and 14,336 columns, 16-token blocks), as the launcher would mark them.
-ALIGNED_INTS = re.compile(r"^(stride_\w+|n_cols)$")
+ALIGNED_INTS = re.compile(r"^(stride_\w+|n_cols|N|K)$")
 # Llama-3.1-8B's shapes in bf16: 32 query heads over 8 KV heads of 128, hidden 4096.
 ATTN = dict(HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_D=128, DOT_PRECISION="tf32")
 DECODE = dict(ATTN, NUM_HEADS=32, GROUP=4, BLOCK_G=16, FP16=False, TABLE_SPAN=0, ROW_ALIGN=16,
@@ -117,6 +118,14 @@ CASES = [
                               ("quantize rows fp8", fk._quantize_rows_kernel, "q_ptr"))
     for cols in (4096, 14336, 65536)
     for block, warps, one_pass in (fo.fp8_row_launch(cols),)
+] + [
+    # The fp8 matmul's tiles (tokenmill/quant/fp8_gemm.py), Llama-3.1-8B's o_proj.
+    (f"fp8 scaled_mm {bm} x {bn} x {bk}, {st} stages", fg._scaled_mm_kernel,
+     dict(HAS_BIAS=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8),
+     {"num_warps": w, "num_stages": st},
+     {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "scale_a_ptr": "*fp32", "scale_b_ptr": "*fp32"})
+    for bm, bn, bk, w, st in ((64, 64, 128, 4, 4), (64, 128, 128, 4, 4), (128, 64, 128, 4, 4),
+                              (128, 128, 128, 8, 3), (64, 256, 128, 8, 3))
 ] + [
     ("rotary", fo._rotary_kernel, dict(NUM_HEADS=48, HALF=64, BLOCK_H=64, BLOCK_D=64),
      {"num_warps": 4}, {}),

@@ -33,7 +33,8 @@ GPU=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).split()[-1].
 
 REPO=$PWD
 pack() {
-  tar czf "$OUTDIR/phase$PHASE.tgz" -C /tmp lease-logs -C "$REPO" "$RES" tokenmill/attention/tuned
+  tar czf "$OUTDIR/phase$PHASE.tgz" -C /tmp lease-logs -C "$REPO" "$RES" tokenmill/attention/tuned \
+    $(cd "$REPO" && ls -d tokenmill/quant/tuned 2>/dev/null)
 }
 step() {  # step NAME CAP_SECONDS COMMAND...
   local name=$1 cap=$2 t0=$SECONDS rc
@@ -186,50 +187,35 @@ json.dump(new, open('$TUNED', 'w'), indent=2)"
   step throughput-bf16-ctx 150 $BENCH --suite throughput --model llama-3.1-8b --max-model-len 2048 \
     --result-file "$RES/$GPU-llama-3.1-8b-throughput-bf16-ctx.json"
 elif [ "$PHASE" = next ]; then
-  # After run 5 (2026-11-28 evening: bf16 9,763 tok/s, fp8 13,288, batch 1 196.7): the
-  # questions it left. Whether short partitions cut batch-1 attention (0.31 ms a step, 9.6 us
-  # a layer at ~150 tokens); whether reading the block ids before the loop lets the fp8
-  # cache's attention pipeline its loads and rise above 71% of the copy rate; where the fp8
-  # step goes now that the norm and SiLU kernels quantize (the
-  # gain was ~1%, against ~3% expected); what 334 sequences a wave (3 full waves of 1,000
-  # requests instead of 4) give the 1,000 x 1,000 runs.
+  # After run 5 (2026-11-28 evening: bf16 9,763 tok/s, fp8 13,288 at 256 sequences and 13,497
+  # at 384, batch 1 196.7), prepared without a GPU on 2026-11-28 (night), most important
+  # first (DEADLINE cuts the tail):
+  # - bf16 decode attention with 2,048-token partitions: one partition per context up to
+  #   2,048 writes the output with no reduction (0.3 ms a step at 256 x 1,500 in run 4);
+  # - fp8 cache attention with the block ids read before the loop (preload_table), so that
+  #   its cache loads pipeline (compiled as the launcher does, every wait drained all copies);
+  # - the Triton fp8 matmul against cuBLAS by rows and shape (cuBLAS's 128 x 128 tiles give
+  #   a 4,096-wide output 64 programs at 256 rows, on 132 SMs);
+  # - both 1,000 x 1,000 runs with 334 sequences (3 full waves instead of 4);
+  # - batch 1: short partitions and a 512-token class with no reduction; its decode bench;
+  # - where the fp8 step goes now; the fp8 activation kernels read once against twice.
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  python3 -c "import torch, triton, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__)"
   step tests-next 60 python3 -m pytest -q -p no:cacheprovider -rfE -x \
     tests/unit/test_triton_attention.py tests/unit/test_cuda_graphs.py \
-    tests/gpu/test_fp8_fusion_cuda.py tests/gpu/test_greedy_kernels_cuda.py \
-    tests/quant/test_fp8_kernels.py tests/unit/test_fused_ops.py
+    tests/quant/test_fp8_gemm.py tests/quant/test_fp8_kernels.py tests/unit/test_fused_ops.py \
+    tests/gpu/test_fp8_fusion_cuda.py tests/gpu/test_greedy_kernels_cuda.py
   SLUG=$(python3 -c "import torch; from tokenmill.attention.decode_tuning import device_slug; print(device_slug(torch.cuda.get_device_name(0)))")
   TUNED=tokenmill/attention/tuned/$SLUG.json
   cp "$TUNED" /tmp/tuned-before.json
-  # Small batches only (1 x 160, 1 x 512, 1 x 2,000) with short partitions and tiles, split
-  # at 512-token contexts: up to 512 a graph sizes its grid for 512 tokens, and one partition
-  # of 512 needs no reduction. The file's rules for larger batches are put back after it (the
-  # sweep writes every class it measured).
-  step attention-sweep-b1 60 python3 benchmarks/gpu/attention_bw.py \
-    --shapes 1x160,1x512,1x2000 --context-split 512 --partitions 32,64,128,256,512 \
-    --block-ns 16,32,64 --warps 2,4 --stages default \
-    --result-file "$RES/$GPU-decode-attention-bw-b1.json" --write-tuning /tmp/tuned-b1.json
-  TUNED=$TUNED python3 - <<'PY' || cp /tmp/tuned-before.json "$TUNED"
-import json, os
-new = json.load(open("/tmp/tuned-b1.json")); old = json.load(open("/tmp/tuned-before.json"))
-small = [dict(r, max_batch=8) for r in new["by_batch"]]
-old["by_batch"] = small + [r for r in old["by_batch"] if r.get("max_batch") != 8]
-old["note_b1"] = "batches up to 8 from: " + new["command"]
-json.dump(old, open(os.environ["TUNED"], "w"), indent=2)
-from tokenmill.attention.decode_tuning import load_tuning
-load_tuning(os.environ["TUNED"])
-PY
-  cat "$TUNED"
-  # Batches above 8, bf16: contexts up to 2,048 (the 1,000 x 1,000 runs' longest) as a class
-  # of their own, whose graphs size the grid for 2,048 tokens: one partition of 2,048 writes
-  # the output with no reduction (0.3 ms a step at 256 x 1,500 in run 4). The file keeps its
-  # small-batch rule; the new rules replace the larger batches' only if the sweep ran.
-  cp "$TUNED" /tmp/tuned-before-large.json
+  # Batches above 8, bf16, contexts up to 2,048 as a class of their own (its graphs size the
+  # grid for 2,048 tokens). The file keeps its small-batch rules; the new rules replace the
+  # larger batches' only if the sweep ran.
   step attention-sweep-bf16-large 60 python3 benchmarks/gpu/attention_bw.py \
     --shapes 256x1500,64x4000 --context-split 2048 --partitions 1024,2048 --block-ns 64 \
     --warps 4 --stages default,3 --preload-tables 0,1 \
     --result-file "$RES/$GPU-decode-attention-bw-large.json" --write-tuning /tmp/tuned-large.json
-  TUNED=$TUNED python3 - <<'PY' || cp /tmp/tuned-before-large.json "$TUNED"
+  TUNED=$TUNED python3 - <<'PY' || cp /tmp/tuned-before.json "$TUNED"
 import json, os
 new = json.load(open("/tmp/tuned-large.json")); old = json.load(open(os.environ["TUNED"]))
 old["by_batch"] = [r for r in old["by_batch"] if r.get("max_batch") == 8] + new["by_batch"]
@@ -238,12 +224,8 @@ json.dump(old, open(os.environ["TUNED"], "w"), indent=2)
 from tokenmill.attention.decode_tuning import load_tuning
 load_tuning(os.environ["TUNED"])
 PY
-  cat "$TUNED"
-  # The fp8 cache's attention reads at ~71% of the copy rate. Compiled as the launcher does
-  # (benchmarks/gpu/kernel_registers.py), its loop waits for every copy before each tile: the
-  # block-id load inside the loop stops the pipeliner. With the partition's ids read before
-  # the loop (preload_table), 3 stages keep the next tile's K and V in flight. Written to the
-  # file only if it wins (the sweep keeps the current launch among its candidates).
+  # The fp8 cache: written to the file only if the sweep ran (it keeps the current launch,
+  # 1,024 / 128 / 4 warps / 2 stages, among its candidates).
   cp "$TUNED" /tmp/tuned-mid.json
   step attention-sweep-fp8-preload 75 python3 benchmarks/gpu/attention_bw.py --kv-cache-dtype fp8 \
     --shapes 256x512,256x1500,64x4000 --context-split 2048 --partitions 1024,2048 \
@@ -251,21 +233,43 @@ PY
     --result-file "$RES/$GPU-decode-attention-bw-fp8-preload.json" --write-tuning "$TUNED"
   TUNED=$TUNED python3 -c "import os; from tokenmill.attention.decode_tuning import load_tuning; assert load_tuning(os.environ['TUNED']).fp8_rules" \
     || cp /tmp/tuned-mid.json "$TUNED"
-  # The fp8 activation kernels: a row held in registers and read once (as the engine now
-  # launches them up to 16,384 columns) against blocks of 2,048 read twice (as before).
-  step row-quant-next 40 python3 benchmarks/gpu/row_quant_bw.py \
-    --result-file "$RES/$GPU-fp8-row-quant-bw.json"
-  step decode-bf16-next 50 $BENCH --suite decode --model llama-3.1-8b --max-model-len 4096 \
-    --max-num-seqs 8 --result-file "$RES/$GPU-llama-3.1-8b-decode-bf16-next.json"
-  step profile-fp8-1500-next 70 python3 benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b \
-    --batches 256 --steps 10 --prompt-tokens 1500 --quantization fp8 --kv-cache-dtype fp8 \
-    --result-file "$RES/$GPU-llama-3.1-8b-step-profile-1500-fp8-next.json"
+  cat "$TUNED"
+  # The fp8 linears: the faster of cuBLAS and the Triton kernel by rows and shape, written
+  # as this GPU's fp8 matmul tuning (the engine reads it at the next start).
+  mkdir -p tokenmill/quant/tuned
+  step fp8-gemm-sweep 90 python3 benchmarks/gpu/fp8_gemm_bw.py \
+    --result-file "$RES/$GPU-fp8-gemm-bw.json" --write-tuning "tokenmill/quant/tuned/$SLUG.json"
   step throughput-bf16-334 140 $BENCH --suite throughput --model llama-3.1-8b \
     --max-model-len 2048 --max-num-seqs 334 \
     --result-file "$RES/$GPU-llama-3.1-8b-throughput-bf16-334.json"
   step throughput-fp8-334 110 $BENCH --suite throughput --model llama-3.1-8b \
     --max-model-len 2048 --quantization fp8 --kv-cache-dtype fp8 --max-num-seqs 334 \
     --result-file "$RES/$GPU-llama-3.1-8b-throughput-fp8-kvfp8-334.json"
+  # Batch 1: short partitions and tiles, split at 512-token contexts (up to 512 a graph sizes
+  # its grid for 512 tokens: one partition of 512 needs no reduction). Only the small-batch
+  # rules are taken from this sweep.
+  cp "$TUNED" /tmp/tuned-before-b1.json
+  step attention-sweep-b1 60 python3 benchmarks/gpu/attention_bw.py \
+    --shapes 1x160,1x512,1x2000 --context-split 512 --partitions 32,64,128,256,512 \
+    --block-ns 16,32,64 --warps 2,4 --stages default \
+    --result-file "$RES/$GPU-decode-attention-bw-b1.json" --write-tuning /tmp/tuned-b1.json
+  TUNED=$TUNED python3 - <<'PY' || cp /tmp/tuned-before-b1.json "$TUNED"
+import json, os
+new = json.load(open("/tmp/tuned-b1.json")); old = json.load(open(os.environ["TUNED"]))
+small = [dict(r, max_batch=8) for r in new["by_batch"]]
+old["by_batch"] = small + [r for r in old["by_batch"] if r.get("max_batch") != 8]
+old["note_b1"] = "batches up to 8 from: " + new["command"]
+json.dump(old, open(os.environ["TUNED"], "w"), indent=2)
+from tokenmill.attention.decode_tuning import load_tuning
+load_tuning(os.environ["TUNED"])
+PY
+  step decode-bf16-next 50 $BENCH --suite decode --model llama-3.1-8b --max-model-len 4096 \
+    --max-num-seqs 8 --result-file "$RES/$GPU-llama-3.1-8b-decode-bf16-next.json"
+  step profile-fp8-1500-next 70 python3 benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b \
+    --batches 256 --steps 10 --prompt-tokens 1500 --quantization fp8 --kv-cache-dtype fp8 \
+    --result-file "$RES/$GPU-llama-3.1-8b-step-profile-1500-fp8-next.json"
+  step row-quant-next 40 python3 benchmarks/gpu/row_quant_bw.py \
+    --result-file "$RES/$GPU-fp8-row-quant-bw.json"
 elif [ "$PHASE" = tune ]; then
   # 2026-11-27's run of this phase took 565 s (tests 39, sweep 66 with do_bench, bf16
   # throughput 153, decode 19, then the fp8-cache runs were cut at their caps). Next: the sweep

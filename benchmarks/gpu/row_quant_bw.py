@@ -15,6 +15,7 @@ a GPU it runs at toy sizes in Triton's interpreter, to check the script, not to 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from typing import Any
@@ -81,8 +82,7 @@ def main() -> None:
                 scale = torch.empty(rows, 1, dtype=torch.float32, device=device)
                 fn(xs[0], q, scale, launch)
                 outs[label] = (q.view(torch.uint8) if gpu else q, scale)
-                ms = time_ms([lambda x=x, launch=launch: fn(x, q, scale, launch) for x in xs],
-                             device)
+                ms = time_ms([functools.partial(fn, x, q, scale, launch) for x in xs], device)
                 moved = per_call + rows * cols + rows * 4
                 row[f"{label}_us"] = ms * 1000
                 row[f"{label}_share_of_copy"] = moved / (ms / 1000) / bw if gpu else float("nan")

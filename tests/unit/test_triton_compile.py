@@ -24,6 +24,7 @@ from triton.compiler import ASTSource
 from tokenmill.attention import triton_kernels as tk
 from tokenmill.attention.decode_tuning import DEFAULT_LAUNCH, TUNED_DIR, load_tuning
 from tokenmill.models import fused_ops as fo
+from tokenmill.quant import fp8_gemm as fg
 from tokenmill.quant import fp8_kernels as fk
 from tokenmill.runner import greedy_kernels as gk
 
@@ -110,6 +111,14 @@ KERNELS += [
     (tk._prefill_kernel, dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=32,
                               BLOCK_D=128, DOT_PRECISION="tf32", FP16=fp16), W, FP8)
     for fp16 in (True, False)
+]
+# The fp8 matmul (quant/fp8_gemm.py) at the tiles its sweep tries, with and without a bias.
+KERNELS += [
+    (fg._scaled_mm_kernel, dict(HAS_BIAS=bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8),
+     {"num_warps": w, "num_stages": st},
+     {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "scale_a_ptr": "*fp32", "scale_b_ptr": "*fp32"})
+    for bm, bn, bk, w, st in ((16, 32, 256, 4, 4), (64, 64, 128, 4, 4), (128, 128, 128, 8, 3))
+    for bias in (False, True)
 ]
 # The sampler's greedy step (argmax + its logprob), as greedy_with_logprobs launches it: on
 # logits of each dtype, a whole row per program (FINAL: the ids stand in for the unused

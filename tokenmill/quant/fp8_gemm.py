@@ -1,0 +1,220 @@
+"""An fp8 (e4m3) matmul with row-wise scales in Triton, and the per-GPU choice between it and
+``torch._scaled_mm`` (cuBLAS).
+
+At decode batch sizes cuBLAS runs the fp8 linears of Llama-3.1-8B with 128 x 128 tiles: at
+256 tokens a 4,096-wide output is 2 x 32 = 64 tiles, one program each, on a GPU of 132 SMs
+(the H200's profile at batch 256 had the fp8 GEMMs at 4.2 ms of a 14.8 ms step, about half of
+the tensor cores' rate). This kernel takes its tile shape from a rule by batch size and
+matrix shape, as vLLM's CUTLASS fp8 kernels dispatch by M, so a 64-row tile can fill the GPU
+where a 128-row one leaves half of it idle.
+
+Which implementation and tile serve a product is the GPU's tuning file's call
+(``tokenmill/quant/tuned/<gpu>.json``, written by ``benchmarks/gpu/fp8_gemm_bw.py
+--write-tuning``; ``$TOKENMILL_FP8_GEMM_TUNING`` names another file):
+
+    {"device": "NVIDIA H200",
+     "fp8_gemm": [{"max_m": 64, "n": 4096, "k": 14336, "block_m": 64, "block_n": 64,
+                   "block_k": 128, "num_warps": 4, "num_stages": 4},
+                  {"max_m": 512, "block_m": 128, "block_n": 64, ...},
+                  {"max_m": null, "impl": "cublas"}]}
+
+A product of M rows by an ``[N, K]`` weight takes the first rule whose ``max_m`` is at least
+M (null: any) and whose ``n`` and ``k`` (optional, null: any) match; with no rule that
+matches, or without a file, cuBLAS computes it, as before this module existed.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+ENV_FILE = "TOKENMILL_FP8_GEMM_TUNING"
+TUNED_DIR = Path(__file__).with_name("tuned")
+IMPLS = ("triton", "cublas")
+
+
+@triton.jit
+def _scaled_mm_kernel(a_ptr, b_ptr, c_ptr, scale_a_ptr, scale_b_ptr, bias_ptr, M, N, K,
+                      stride_am, stride_bn, stride_cm,
+                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """One program per ``[BLOCK_M, BLOCK_N]`` tile of ``c = (a @ b.T) * scale_a * scale_b
+    (+ bias)``: a ``[M, K]`` and b ``[N, K]`` in e4m3 (K contiguous in both, so both operands
+    are K-major as Hopper's fp8 tensor cores want them), fp32 accumulation, c in its dtype.
+
+    Programs are ordered in groups of GROUP_M row tiles, so that the programs running together
+    share the columns of b they read (through L2)."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    tile_m = first_m + (pid % per_group) % group_rows
+    tile_n = (pid % per_group) // group_rows
+
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok = rows < M
+    col_ok = cols < N
+    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :]
+    b_ptrs = b_ptr + cols[None, :].to(tl.int64) * stride_bn + ks[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = k0 + ks < K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    scale_a = tl.load(scale_a_ptr + rows, mask=row_ok, other=0.0)
+    scale_b = tl.load(scale_b_ptr + cols, mask=col_ok, other=0.0)
+    acc = acc * scale_a[:, None] * scale_b[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :],
+             acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    """The Triton kernel's launch: tile rows, columns and depth, row tiles a group, warps
+    and software-pipelining depth."""
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 128
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value!r}")
+        if not isinstance(self.group_m, int) or self.group_m < 1:
+            raise ValueError(f"group_m must be a positive integer, got {self.group_m!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
+        if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
+            raise ValueError(f"num_stages must be 1..8, got {self.num_stages!r}")
+
+
+@dataclass(frozen=True)
+class GemmRule:
+    """Products of at most ``max_m`` rows (None: any) by a weight of ``n`` x ``k`` (None:
+    any) run ``tile`` in Triton, or cuBLAS where ``tile`` is None."""
+
+    max_m: int | None
+    tile: GemmTile | None
+    n: int | None = None
+    k: int | None = None
+
+    def applies(self, m: int, n: int, k: int) -> bool:
+        return ((self.max_m is None or m <= self.max_m) and self.n in (None, n)
+                and self.k in (None, k))
+
+
+@dataclass(frozen=True)
+class GemmTuning:
+    """The rules of a GPU model, matched in order; none: every product goes to cuBLAS."""
+
+    rules: tuple[GemmRule, ...] = ()
+    source: str = "defaults"
+
+    def tile_for(self, m: int, n: int, k: int) -> GemmTile | None:
+        """The Triton launch for an ``[m, k] x [n, k]^T`` product, or None for cuBLAS."""
+        for rule in self.rules:
+            if rule.applies(m, n, k):
+                return rule.tile
+        return None
+
+
+def parse_tuning(data: Any, source: str) -> GemmTuning:
+    """A tuning from a file's JSON; ValueError naming ``source`` and the entry."""
+    entries = data.get("fp8_gemm") if isinstance(data, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"{source}: expected an object with a non-empty list 'fp8_gemm'")
+    names = {f.name for f in fields(GemmTile)}
+    rules = []
+    for i, entry in enumerate(entries):
+        at = f"{source}: fp8_gemm[{i}]"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{at} must be an object")
+        bounds = {}
+        for key in ("max_m", "n", "k"):
+            value = entry.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 1):
+                raise ValueError(f"{at}: {key} must be null or a positive integer, "
+                                 f"got {value!r}")
+            bounds[key] = value
+        impl = entry.get("impl", "triton")
+        if impl not in IMPLS:
+            raise ValueError(f"{at}: impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+        try:
+            tile = (GemmTile(**{k: v for k, v in entry.items() if k in names})
+                    if impl == "triton" else None)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{at}: {e}") from None
+        rules.append(GemmRule(bounds["max_m"], tile, bounds["n"], bounds["k"]))
+    return GemmTuning(tuple(rules), source)
+
+
+def load_tuning(path: str | os.PathLike[str]) -> GemmTuning:
+    with open(path) as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON ({e})") from None
+    return parse_tuning(data, str(path))
+
+
+@functools.cache
+def tuning_for_device(device_name: str) -> GemmTuning:
+    """The tuning of a GPU model: ``$TOKENMILL_FP8_GEMM_TUNING``, else the shipped file of
+    ``device_name``, else none (cuBLAS for every product)."""
+    from tokenmill.attention.decode_tuning import device_slug
+
+    path = os.environ.get(ENV_FILE) or TUNED_DIR / f"{device_slug(device_name)}.json"
+    if os.path.isfile(path):
+        return load_tuning(path)
+    return GemmTuning()
+
+
+def tile_dict(tile: GemmTile) -> dict[str, int]:
+    return asdict(tile)
+
+
+def scaled_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,
+              bias: torch.Tensor | None, out_dtype: torch.dtype,
+              tile: GemmTile) -> torch.Tensor:
+    """``(a @ b.T) * scale_a * scale_b (+ bias)`` in ``out_dtype``, as ``torch._scaled_mm``
+    computes it with row-wise scales: ``a`` ``[M, K]`` and ``b`` ``[N, K]`` in e4m3 with
+    contiguous rows, ``scale_a`` ``[M, 1]``, ``scale_b`` ``[1, N]``, ``bias`` ``[N]``."""
+    m, k = a.shape
+    n = b.shape[0]
+    if b.shape[1] != k or a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError(f"scaled_mm takes a [M, K] and b [N, K] with contiguous rows, got "
+                         f"{tuple(a.shape)} strides {a.stride()} and {tuple(b.shape)} strides "
+                         f"{b.stride()}")
+    c = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    if m == 0:
+        return c
+    grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n),)
+    _scaled_mm_kernel[grid](
+        a, b, c, scale_a.reshape(-1), scale_b.reshape(-1), c if bias is None else bias,
+        m, n, k, a.stride(0), b.stride(0), c.stride(0), HAS_BIAS=bias is not None,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
+    return c
