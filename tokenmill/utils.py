@@ -55,6 +55,19 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def optional_positive_ints(entry: dict, keys: Sequence[str], at: str) -> dict[str, int | None]:
+    """``entry``'s ``keys``, each null (None) or a positive integer, as in a tuning file's
+    rule; ValueError names ``at`` and the key."""
+    out: dict[str, int | None] = {}
+    for key in keys:
+        value = entry.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < 1):
+            raise ValueError(f"{at}: {key} must be null or a positive integer, got {value!r}")
+        out[key] = value
+    return out
+
+
 @functools.cache
 def triton_module(name: str) -> ModuleType | None:
     """tokenmill's module of Triton kernels ``name``, imported on first use (so a run on the

@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from tokenmill.utils import optional_positive_ints
+
 ENV_FILE = "TOKENMILL_DECODE_TUNING"
 TUNED_DIR = Path(__file__).with_name("tuned")
 _MIN_DOT = 16  # tl.dot's smallest dimension on GPUs
@@ -172,14 +174,7 @@ def _parse_rules(entries: Any, where: str) -> Rules:
         at = f"{where}[{i}]"
         if not isinstance(entry, dict):
             raise ValueError(f"{at} must be an object")
-        bounds = {}
-        for key in ("max_batch", "max_context"):
-            value = entry.get(key)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                      or value < 1):
-                raise ValueError(f"{at}: {key} must be null or a positive integer, "
-                                 f"got {value!r}")
-            bounds[key] = value
+        bounds = optional_positive_ints(entry, ("max_batch", "max_context"), at)
         try:
             launch = DecodeLaunch(**{k: v for k, v in entry.items() if k in names})
         except ValueError as e:

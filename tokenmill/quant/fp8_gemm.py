@@ -28,13 +28,15 @@ from __future__ import annotations
 import functools
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
+
+from tokenmill.utils import optional_positive_ints
 
 ENV_FILE = "TOKENMILL_FP8_GEMM_TUNING"
 TUNED_DIR = Path(__file__).with_name("tuned")
@@ -151,14 +153,7 @@ def parse_tuning(data: Any, source: str) -> GemmTuning:
         at = f"{source}: fp8_gemm[{i}]"
         if not isinstance(entry, dict):
             raise ValueError(f"{at} must be an object")
-        bounds = {}
-        for key in ("max_m", "n", "k"):
-            value = entry.get(key)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                      or value < 1):
-                raise ValueError(f"{at}: {key} must be null or a positive integer, "
-                                 f"got {value!r}")
-            bounds[key] = value
+        bounds = optional_positive_ints(entry, ("max_m", "n", "k"), at)
         impl = entry.get("impl", "triton")
         if impl not in IMPLS:
             raise ValueError(f"{at}: impl must be one of {', '.join(IMPLS)}, got {impl!r}")
@@ -190,10 +185,6 @@ def tuning_for_device(device_name: str) -> GemmTuning:
     if os.path.isfile(path):
         return load_tuning(path)
     return GemmTuning()
-
-
-def tile_dict(tile: GemmTile) -> dict[str, int]:
-    return asdict(tile)
 
 
 def scaled_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,
