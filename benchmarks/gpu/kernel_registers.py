@@ -50,7 +50,8 @@ ALIGNED_INTS = re.compile(r"^(stride_\w+|n_cols|N|K)$")
 ATTN = dict(HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_D=128, DOT_PRECISION="tf32")
 DECODE = dict(ATTN, NUM_HEADS=32, GROUP=4, BLOCK_G=16, FP16=False, TABLE_SPAN=0, ROW_ALIGN=16,
               DIRECT=False)
-PREFILL = dict(ATTN, GROUP=4, FP16=False)
+PREFILL = dict(ATTN, GROUP=4, FP16=False, CHUNK=tk._PREFILL_CHUNK,
+               CHUNK_SPAN=tk._PREFILL_CHUNK // 16, ROW_ALIGN=16)
 # An fp8 (e4m3) cache, widened to fp16 (FP16) or to the queries' bf16.
 FP8 = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
 # An SM of compute capability 9.0: registers, shared memory (of which 1 KB is reserved a

@@ -236,6 +236,32 @@ def test_prefill_matches_dense(hq: int, hkv: int, d: int, block_size: int,
     assert (out.float() - ref).abs().max().item() <= TOLS[dtype]
 
 
+# (A chunk shorter than a 32-key tile is raised to one tile.)
+@pytest.mark.parametrize("block_size,chunk", [(4, 16), (16, 32), (16, 64), (24, 32)])
+def test_prefill_reads_the_context_a_chunk_at_a_time(block_size: int, chunk: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill kernel reads a chunk's block ids at once, then loops over the chunk's
+    tiles: with chunks shorter than the contexts (and, at a block size of 24, chunks that
+    start inside a block) it reads the same keys as with one chunk for every context."""
+    gen = torch.Generator().manual_seed(13)
+    hq, hkv, d = 8, 2, 16
+    cache = new_cache(hkv, d, block_size, torch.float32)
+    seq_lens = [70, 50, 9, 1, 33]
+    query_lens = [70, 23, 1, 1, 8]
+    meta = fill(cache, seq_lens, gen)
+    q = torch.randn(sum(query_lens), hq, d, generator=gen).to(DEVICE)
+    starts = torch.tensor([0, *query_lens], device=DEVICE).cumsum(0).to(torch.int32)
+    args = (q, cache.kv_caches[0], meta.block_tables, starts, meta.seq_lens, d ** -0.5,
+            query_lens)
+    whole = kernels.prefill_attention(*args)  # one chunk of 512 covers every context here
+    monkeypatch.setattr(kernels, "_PREFILL_CHUNK", chunk)
+    out = kernels.prefill_attention(*args)
+    ref = dense(q, cache.kv_caches[0], meta.block_tables, query_lens, seq_lens, d ** -0.5)
+    assert (out - ref).abs().max().item() <= TOLS[torch.float32]
+    if DEVICE.type == "cpu":  # the interpreter: the same arithmetic over the same keys
+        assert torch.equal(out, whole)
+
+
 def batch_step(cache: PagedKVCache, chunks: list[tuple[int, int]],
                split: tuple[int, int] | None = None) -> AttentionMetadata:
     """Metadata on DEVICE for a step adding ``(seq_id, n)`` tokens per sequence, then the

@@ -46,6 +46,13 @@ def decode(head_dim=128, partition=512, block_n=DEFAULT_LAUNCH.block_n, fp16=Fal
                 ROW_ALIGN=16, DIRECT=direct)
 
 
+def prefill(head_dim=128, fp16=False):
+    # The prefill kernel's constexprs for GQA groups of 4, as prefill_attention launches it.
+    return dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=32,
+                BLOCK_D=128, DOT_PRECISION="tf32", FP16=fp16, CHUNK=tk._PREFILL_CHUNK,
+                CHUNK_SPAN=tk._PREFILL_CHUNK // 16, ROW_ALIGN=16)
+
+
 KERNELS = [
     (tk._store_kv_kernel, dict(NUM_HEADS=8, HEAD_DIM=80, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128,
                                SATURATE=False)),
@@ -53,8 +60,7 @@ KERNELS = [
     # One partition for every context: the output written by the split kernel itself.
     (tk._decode_split_kernel, decode(head_dim=80, direct=True), W),
     (tk._decode_reduce_kernel, dict(NUM_HEADS=32, HEAD_DIM=80, PARTITION=512, BLOCK_D=128)),
-    (tk._prefill_kernel, dict(GROUP=4, HEAD_DIM=80, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=32,
-                              BLOCK_D=128, DOT_PRECISION="tf32", FP16=False), W),
+    (tk._prefill_kernel, prefill(head_dim=80), W),
     # The layers' fused kernels, at Llama-3.1-8B's widths.
     (fo._rms_norm_kernel, dict(HAS_RESIDUAL=True, FP8_OUT=False, BLOCK=4096)),
     (fo._silu_and_mul_kernel, dict(BLOCK=1024)),
@@ -108,8 +114,7 @@ KERNELS += [
      FP8 if fp8 else {})
     for fp8 in (True, False) for align in (16, 1)
 ] + [
-    (tk._prefill_kernel, dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=32,
-                              BLOCK_D=128, DOT_PRECISION="tf32", FP16=fp16), W, FP8)
+    (tk._prefill_kernel, prefill(fp16=fp16), W, FP8)
     for fp16 in (True, False)
 ]
 # The fp8 matmul (quant/fp8_gemm.py) at the tiles its sweep tries, with and without a bias.
@@ -162,12 +167,16 @@ for fn, constexprs, *extra in KERNELS:
 # The point of preload_table: with the block ids read before the loop, the pipeliner keeps
 # the next tile's copies in flight at each wait (num > 0); reading them in the loop, each
 # wait drains every copy.
-for preload, in_flight in ((True, True), (False, False)):
-    ttgir = compile_kernel(tk._decode_split_kernel,
-                           decode(partition=1024, block_n=64, preload=preload),
-                           {"num_warps": 4, "num_stages": 3}, aligned=True).asm["ttgir"]
+# The prefill kernel reads a chunk's block ids before the loop over its tiles, for the same
+# reason.
+for kernel, constexprs, in_flight in (
+        (tk._decode_split_kernel, decode(partition=1024, block_n=64, preload=True), True),
+        (tk._decode_split_kernel, decode(partition=1024, block_n=64), False),
+        (tk._prefill_kernel, prefill(), True)):
+    ttgir = compile_kernel(kernel, constexprs, {"num_warps": 4, "num_stages": 3},
+                           aligned=True).asm["ttgir"]
     waits = [int(n) for n in re.findall(r"async_wait[^}]*num = ([0-9]+)", ttgir)]
-    assert waits and (max(waits) > 0) == in_flight, (preload, waits)
+    assert waits and (max(waits) > 0) == in_flight, (kernel, waits)
 """
 
 

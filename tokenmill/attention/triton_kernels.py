@@ -37,6 +37,11 @@ _MIN_DOT = 16
 _PREFILL_BLOCK_M = 64
 _PREFILL_BLOCK_N = 32
 NUM_WARPS = 8
+# Keys of a prefill tile's context whose block ids are read at once (then its tiles' loads
+# pipeline): at head dim 128 and Triton 3.6 the kernel keeps its registers (94) and two
+# programs an SM, with two copies in flight at each wait instead of none
+# (benchmarks/gpu/kernel_registers.py).
+_PREFILL_CHUNK = 512
 
 
 @triton.jit
@@ -98,6 +103,34 @@ def _load_kv_rows(k_cache_ptr, v_cache_ptr, row, valid, HEAD_DIM: tl.constexpr,
     k = tl.load(k_cache_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
     v = tl.load(v_cache_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
     return k, v
+
+
+@triton.jit
+def _span_bases(table_ptr, start, end, kv_head, stride_cb, stride_ch,
+                BLOCK_SIZE: tl.constexpr, SPAN: tl.constexpr):
+    """``(first, bases)``: the block ids of positions ``start .. end-1`` (at most SPAN blocks
+    from block ``first``), read once, as element offsets of the KV head in each block.
+
+    A loop over the span's tiles then takes its cache addresses from these (``_span_rows``)
+    and does no load of its own but K and V, which Triton's pipeliner can keep in flight
+    (num_stages - 1 tiles ahead). With a block-id load inside the loop it waits for every copy
+    before each tile."""
+    first = start // BLOCK_SIZE
+    span = tl.arange(0, SPAN)
+    ids = tl.load(table_ptr + first + span, mask=first + span <= (end - 1) // BLOCK_SIZE,
+                  other=0)
+    return first, ids.to(tl.int64) * stride_cb + kv_head * stride_ch
+
+
+@triton.jit
+def _span_rows(bases, first, pos, stride_co, BLOCK_SIZE: tl.constexpr,
+               ROW_ALIGN: tl.constexpr):
+    """Element offsets of the cache rows of positions ``pos``, all within the span of
+    ``bases`` (:func:`_span_bases`); ROW_ALIGN is what every offset is a multiple of (the
+    cache's strides are). Without that hint the gathered offsets have no known alignment, and
+    the loads are neither vectorized nor pipelined."""
+    row = tl.gather(bases, pos // BLOCK_SIZE - first, 0) + (pos % BLOCK_SIZE) * stride_co
+    return tl.multiple_of(row, ROW_ALIGN)
 
 
 @triton.jit
@@ -167,26 +200,16 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_pt
     denom = tl.full([BLOCK_G], 0.0, tl.float32)
     acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
     table = table_ptr + b * stride_bt
-    if TABLE_SPAN > 0:
-        # The partition's block ids, read once. The loop's cache addresses then depend on no
-        # load of its own, and Triton's pipeliner keeps the next num_stages - 1 tiles of K and
-        # V in flight while one is computed; with a block-id load in the loop it waits for
-        # every copy before each tile.
-        first = start // BLOCK_SIZE
-        span = tl.arange(0, TABLE_SPAN)
-        ids = tl.load(table + first + span, mask=first + span <= (end - 1) // BLOCK_SIZE,
-                      other=0)
-        bases = ids.to(tl.int64) * stride_cb + kv_head * stride_ch
+    if TABLE_SPAN > 0:  # the partition's block ids, read once
+        first, bases = _span_bases(table, start, end, kv_head, stride_cb, stride_ch,
+                                   BLOCK_SIZE, TABLE_SPAN)
     for n0 in range(start, end, BLOCK_N):
         if TABLE_SPAN > 0:
+            # Tiles never cross the partition's end (BLOCK_N divides PARTITION), so every
+            # position is in the span; past ``end`` it picks a masked id.
             pos = n0 + tl.arange(0, BLOCK_N)
             valid = pos < end
-            # Tiles never cross the partition's end (BLOCK_N divides PARTITION), so every
-            # index is below TABLE_SPAN; past ``end`` it picks a masked id.
-            row = tl.gather(bases, pos // BLOCK_SIZE - first, 0) + (pos % BLOCK_SIZE) * stride_co
-            # Without the hint the gathered offsets have no known alignment, and the loads
-            # are neither vectorized nor pipelined.
-            row = tl.multiple_of(row, ROW_ALIGN)
+            row = _span_rows(bases, first, pos, stride_co, BLOCK_SIZE, ROW_ALIGN)
             k, v = _load_kv_rows(k_cache_ptr, v_cache_ptr, row, valid, HEAD_DIM, BLOCK_D,
                                  q.dtype)
         else:
@@ -252,14 +275,17 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, table_ptr, query_s
                     stride_cb, stride_co, stride_ch,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, FP16: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, FP16: tl.constexpr, CHUNK: tl.constexpr,
+                    CHUNK_SPAN: tl.constexpr, ROW_ALIGN: tl.constexpr):
     """Program (tile, kv head): causal attention of BLOCK_M // GROUP query tokens of one
     sequence; the step's tiles are listed in ``tile_seq`` / ``tile_idx`` (sequence, tile of it),
     so a mixed step launches no programs for the empty tiles of its short sequences.
 
     The tile's rows are (token, query head) pairs over the GROUP heads of one KV head, so each
     K/V tile is loaded once for the whole group. The queries are the last ``query_len``
-    positions of the sequence; keys are read from the cache up to the tile's last position.
+    positions of the sequence; keys are read from the cache up to the tile's last position,
+    CHUNK of them at a time: a chunk's block ids (at most CHUNK_SPAN) are read once, and the
+    loop over its tiles loads only K and V, which the pipeliner keeps in flight.
     """
     tile = tl.program_id(0)
     b = tl.load(tile_seq_ptr + tile)
@@ -289,13 +315,19 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, table_ptr, query_s
     denom = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
     table = table_ptr + b * stride_bt
-    for n0 in range(0, end, BLOCK_N):
-        k, v, pos, valid = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, n0, end, kv_head,
-                                         stride_cb, stride_co, stride_ch,
-                                         HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m, denom, acc = _softmax_step(s, v, m, denom, acc, DOT_PRECISION)
+    for c0 in range(0, end, CHUNK):
+        c_end = tl.minimum(c0 + CHUNK, end)
+        first, bases = _span_bases(table, c0, c_end, kv_head, stride_cb, stride_ch,
+                                   BLOCK_SIZE, CHUNK_SPAN)
+        for n0 in range(c0, c_end, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            valid = pos < end
+            row = _span_rows(bases, first, pos, stride_co, BLOCK_SIZE, ROW_ALIGN)
+            k, v = _load_kv_rows(k_cache_ptr, v_cache_ptr, row, valid, HEAD_DIM, BLOCK_D,
+                                 q.dtype)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+            m, denom, acc = _softmax_step(s, v, m, denom, acc, DOT_PRECISION)
 
     out = acc / denom[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -388,9 +420,6 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     block_d = max(_MIN_DOT, triton.next_power_of_2(head_dim))
     block_size = k_cache.shape[1]
-    # A partition's positions start..start+P-1 touch cdiv(P, block size) blocks when the block
-    # size divides P (partitions start on a block), one more when it does not.
-    blocks = triton.cdiv(partition_size, block_size) + (partition_size % block_size != 0)
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out, scale * _LOG2E,
@@ -400,8 +429,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         PARTITION=partition_size, BLOCK_G=max(_MIN_DOT, triton.next_power_of_2(group)),
         BLOCK_N=min(block_n, partition_size), BLOCK_D=block_d,
         DOT_PRECISION=_dot_precision(q), FP16=widens_to_fp16(q, kv_cache, fp8_compute),
-        TABLE_SPAN=triton.next_power_of_2(blocks) if preload_table else 0,
-        ROW_ALIGN=16 if all(st % 16 == 0 for st in cache_strides) else 1, DIRECT=direct,
+        TABLE_SPAN=_span(partition_size, block_size) if preload_table else 0,
+        ROW_ALIGN=_row_align(cache_strides), DIRECT=direct,
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
         **({} if max_registers is None else {"maxnreg": max_registers}))
     if not direct:
@@ -469,15 +498,34 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     if tiles is None:
         tiles = prefill_tiles(query_lens, num_heads, num_kv_heads, q.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    # A chunk holds whole tiles (both are powers of two), so no tile reaches past its span.
+    chunk = max(_PREFILL_CHUNK, _PREFILL_BLOCK_N)
     _prefill_kernel[(tiles.shape[1], num_kv_heads)](
         q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, tiles[0], tiles[1],
         scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), *cache_strides,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=prefill_block_m(num_heads, num_kv_heads), BLOCK_N=_PREFILL_BLOCK_N,
         BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)),
-        DOT_PRECISION=_dot_precision(q), FP16=widens_to_fp16(q, kv_cache), num_warps=NUM_WARPS)
+        DOT_PRECISION=_dot_precision(q), FP16=widens_to_fp16(q, kv_cache),
+        CHUNK=chunk, CHUNK_SPAN=_span(chunk, k_cache.shape[1]),
+        ROW_ALIGN=_row_align(cache_strides), num_warps=NUM_WARPS)
     return out
+
+
+def _span(length: int, block_size: int) -> int:
+    """Block ids a run of ``length`` positions starting at a multiple of ``length`` can touch,
+    rounded up to a power of two: cdiv(length, block size) when the block size divides the
+    length (the run starts on a block), one more when it does not."""
+    return triton.next_power_of_2(triton.cdiv(length, block_size)
+                                  + (length % block_size != 0))
+
+
+def _row_align(cache_strides: Sequence[int]) -> int:
+    """What every cache row's element offset is a multiple of, as the kernels' hint: 16 where
+    the strides are (Triton then vectorizes and pipelines the loads), else 1."""
+    return 16 if all(st % 16 == 0 for st in cache_strides) else 1
 
 
 def widens_to_fp16(q: torch.Tensor, kv_cache: torch.Tensor,
