@@ -11,7 +11,8 @@ Where an fp8 linear reads the output (``quant.fp8.Fp8Linear``), the norm and SiL
 kernels can also quantize it per row to e4m3 on the way out (``rms_norm_fp8``,
 ``silu_and_mul_fp8``): the same bytes and scales as the unfused output quantized by
 ``quant/fp8_kernels.py``, whose kernel shares the arithmetic here (``fp8_scale``,
-``fp8_quantize``), one kernel and one round trip less per linear.
+``fp8_quantize``, and ``quantize_row``, which the SiLU-and-mul kernel runs over its products
+and that one over loaded values), one kernel and one round trip less per linear.
 
 The layers call them for CUDA tensors only (``layers.cuda_kernels``, which imports this module
 on first use); the tests run them in Triton's interpreter on the CPU against the PyTorch code.
@@ -119,37 +120,45 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_out,
 
 
 @triton.jit
-def _silu_and_mul_fp8_kernel(x_ptr, out_ptr, scale_ptr, n_cols, stride_x, stride_out, fp8_max,
-                             BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
-    """One program per row: silu(gate) * up as _silu_and_mul_kernel computes it, quantized to
-    e4m3 with the row's scale. The row's absmax must be known before the first value is
-    written: with ONE_PASS (BLOCK covers the row) the products stay in registers; otherwise
-    they are computed twice, the second time from L2 (same bits)."""
-    row = tl.program_id(0)
-    x_row = x_ptr + row * stride_x
-    out_row = out_ptr + row * stride_out
+def quantize_row(x_row, out_row, scale_ptr, n_cols, fp8_max, VALUES: tl.constexpr,
+                 BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+    """The row of ``VALUES(x_row, cols, mask, n_cols)`` (a Triton function: a load, or a
+    product computed from loads) quantized to e4m3 at ``out_row`` with the row's scale, written
+    to ``scale_ptr``. The absmax must be known before the first value is written: with
+    ONE_PASS (BLOCK covers the row) the values stay in registers; otherwise they are produced
+    twice, the second time from L2 (same bits)."""
     if ONE_PASS:
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
-        act = _silu_mul(x_row, cols, mask, n_cols).to(tl.float32)
-        scale = fp8_scale(tl.max(tl.abs(act), axis=0), fp8_max)
-        tl.store(scale_ptr + row, scale)
-        tl.store(out_row + cols, fp8_quantize(act, scale, fp8_max).to(out_ptr.dtype.element_ty),
+        x = VALUES(x_row, cols, mask, n_cols).to(tl.float32)
+        scale = fp8_scale(tl.max(tl.abs(x), axis=0), fp8_max)
+        tl.store(scale_ptr, scale)
+        tl.store(out_row + cols, fp8_quantize(x, scale, fp8_max).to(out_row.dtype.element_ty),
                  mask=mask)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for c0 in range(0, n_cols, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
-            act = _silu_mul(x_row, cols, cols < n_cols, n_cols).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(act))
+            x = VALUES(x_row, cols, cols < n_cols, n_cols).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
         scale = fp8_scale(tl.max(amax, axis=0), fp8_max)
-        tl.store(scale_ptr + row, scale)
+        tl.store(scale_ptr, scale)
         for c0 in range(0, n_cols, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
             mask = cols < n_cols
-            act = _silu_mul(x_row, cols, mask, n_cols).to(tl.float32)
+            x = VALUES(x_row, cols, mask, n_cols).to(tl.float32)
             tl.store(out_row + cols,
-                     fp8_quantize(act, scale, fp8_max).to(out_ptr.dtype.element_ty), mask=mask)
+                     fp8_quantize(x, scale, fp8_max).to(out_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(x_ptr, out_ptr, scale_ptr, n_cols, stride_x, stride_out, fp8_max,
+                             BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+    """One program per row: silu(gate) * up as _silu_and_mul_kernel computes it, quantized to
+    e4m3 with the row's scale (:func:`quantize_row`)."""
+    row = tl.program_id(0)
+    quantize_row(x_ptr + row * stride_x, out_ptr + row * stride_out, scale_ptr + row, n_cols,
+                 fp8_max, _silu_mul, BLOCK, ONE_PASS)
 
 
 @triton.jit

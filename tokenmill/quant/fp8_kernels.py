@@ -10,9 +10,10 @@ same arithmetic as ``packing.scale_rows_absmax`` followed by the clamp and cast 
 IEEE division), so both paths give the same bytes. ``Fp8Linear`` calls it for CUDA tensors
 only; the tests run it in Triton's interpreter against the PyTorch ops.
 
-The scale and the quantization are ``fused_ops``' helpers, which its norm and SiLU-and-mul
-kernels also use to write e4m3 for an fp8 linear directly: inputs quantized there skip this
-kernel, with the same bytes.
+The row's quantization is ``fused_ops.quantize_row``, which the SiLU-and-mul kernel also runs
+(over its products instead of loaded values), and whose scale and rounding the norm kernel
+shares, to write e4m3 for an fp8 linear directly: inputs quantized there skip this kernel,
+with the same bytes.
 """
 
 from __future__ import annotations
@@ -21,39 +22,21 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.models.fused_ops import fp8_quantize, fp8_row_launch, fp8_scale
+from tokenmill.models.fused_ops import fp8_row_launch, quantize_row
+
+
+@triton.jit
+def _load_row(x_row, cols, mask, n_cols):
+    return tl.load(x_row + cols, mask=mask, other=0.0)
 
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, n_cols, stride_x, stride_q, max_value,
                           BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
-    """One program per row; with ONE_PASS (BLOCK covers the row) it is read once and kept in
-    registers, otherwise twice (the absmax, then the quantization, mostly from L2)."""
+    """One program per row (``fused_ops.quantize_row`` of the loaded row)."""
     row = tl.program_id(0)
-    x_row = x_ptr + row * stride_x
-    q_row = q_ptr + row * stride_q
-    if ONE_PASS:
-        cols = tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        scale = fp8_scale(tl.max(tl.abs(x), axis=0), max_value)
-        tl.store(scale_ptr + row, scale)
-        tl.store(q_row + cols, fp8_quantize(x, scale, max_value).to(q_ptr.dtype.element_ty),
-                 mask=mask)
-    else:
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for c0 in range(0, n_cols, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        scale = fp8_scale(tl.max(amax, axis=0), max_value)
-        tl.store(scale_ptr + row, scale)
-        for c0 in range(0, n_cols, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            mask = cols < n_cols
-            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-            y = fp8_quantize(x, scale, max_value)
-            tl.store(q_row + cols, y.to(q_ptr.dtype.element_ty), mask=mask)
+    quantize_row(x_ptr + row * stride_x, q_ptr + row * stride_q, scale_ptr + row, n_cols,
+                 max_value, _load_row, BLOCK, ONE_PASS)
 
 
 def quantize_rows_fp8(x: torch.Tensor, max_value: float,
