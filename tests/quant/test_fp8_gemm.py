@@ -96,6 +96,10 @@ def test_the_environment_names_the_tuning_file(tmp_path: Path,
         fg.tuning_for_device.cache_clear()
         monkeypatch.setenv(fg.ENV_FILE, str(path))
         assert fg.tuning_for_device("Some GPU").tile_for(8, 16, 16) == fg.GemmTile(block_m=16)
+        fg.tuning_for_device.cache_clear()
+        monkeypatch.setenv(fg.ENV_FILE, str(tmp_path / "missing.json"))
+        with pytest.raises(ValueError, match=r"\$TOKENMILL_FP8_GEMM_TUNING=.*: no such file"):
+            fg.tuning_for_device("Some GPU")
     finally:
         fg.tuning_for_device.cache_clear()
 

@@ -202,12 +202,16 @@ def parse_tuning(data: Any, source: str) -> DecodeTuning:
 
 def load_tuning(path: str | os.PathLike[str]) -> DecodeTuning:
     """Read a tuning file (see the module's docstring)."""
+    return parse_tuning(read_json(path), str(path))
+
+
+def read_json(path: str | os.PathLike[str]) -> Any:
+    """A tuning file's JSON; ValueError naming the file where it is not JSON."""
     try:
         with open(path) as f:
-            data = json.load(f)
+            return json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not JSON ({e})") from None
-    return parse_tuning(data, str(path))
 
 
 def device_slug(device_name: str) -> str:
@@ -215,14 +219,21 @@ def device_slug(device_name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
 
 
+def tuned_file(env_var: str, tuned_dir: Path, device_name: str) -> Path | None:
+    """The tuning file for a GPU model: ``$env_var`` if set (ValueError if it names no file),
+    else ``tuned_dir``'s file for the device if there is one, else None."""
+    explicit = os.environ.get(env_var)
+    if explicit:
+        if not os.path.isfile(explicit):
+            raise ValueError(f"${env_var}={explicit}: no such file")
+        return Path(explicit)
+    path = tuned_dir / f"{device_slug(device_name)}.json"
+    return path if path.is_file() else None
+
+
 @functools.cache
 def tuning_for_device(device_name: str) -> DecodeTuning:
     """The tuning for a GPU model: ``$TOKENMILL_DECODE_TUNING`` if set, else the packaged
     file for the device, else the defaults."""
-    explicit = os.environ.get(ENV_FILE)
-    if explicit:
-        if not os.path.isfile(explicit):
-            raise ValueError(f"${ENV_FILE}={explicit}: no such file")
-        return load_tuning(explicit)
-    path = TUNED_DIR / f"{device_slug(device_name)}.json"
-    return load_tuning(path) if path.is_file() else DecodeTuning()
+    path = tuned_file(ENV_FILE, TUNED_DIR, device_name)
+    return DecodeTuning() if path is None else load_tuning(path)

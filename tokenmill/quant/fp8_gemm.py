@@ -26,7 +26,6 @@ matches, or without a file, cuBLAS computes it, as before this module existed.
 from __future__ import annotations
 
 import functools
-import json
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -36,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.attention.decode_tuning import read_json, tuned_file
 from tokenmill.utils import optional_positive_ints
 
 ENV_FILE = "TOKENMILL_FP8_GEMM_TUNING"
@@ -167,24 +167,15 @@ def parse_tuning(data: Any, source: str) -> GemmTuning:
 
 
 def load_tuning(path: str | os.PathLike[str]) -> GemmTuning:
-    with open(path) as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not JSON ({e})") from None
-    return parse_tuning(data, str(path))
+    return parse_tuning(read_json(path), str(path))
 
 
 @functools.cache
 def tuning_for_device(device_name: str) -> GemmTuning:
-    """The tuning of a GPU model: ``$TOKENMILL_FP8_GEMM_TUNING``, else the shipped file of
-    ``device_name``, else none (cuBLAS for every product)."""
-    from tokenmill.attention.decode_tuning import device_slug
-
-    path = os.environ.get(ENV_FILE) or TUNED_DIR / f"{device_slug(device_name)}.json"
-    if os.path.isfile(path):
-        return load_tuning(path)
-    return GemmTuning()
+    """The tuning of a GPU model: ``$TOKENMILL_FP8_GEMM_TUNING`` if set, else the shipped file
+    of ``device_name``, else none (cuBLAS for every product)."""
+    path = tuned_file(ENV_FILE, TUNED_DIR, device_name)
+    return GemmTuning() if path is None else load_tuning(path)
 
 
 def scaled_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,
