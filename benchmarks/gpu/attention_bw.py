@@ -37,7 +37,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tokenmill.attention import triton_kernels as tk  # noqa: E402
+from tokenmill.attention import triton_decode  # noqa: E402
 from tokenmill.attention.decode_tuning import DEFAULT_LAUNCH, FP8_COMPUTE  # noqa: E402
 from tokenmill.bench.report import markdown_table, now_iso, write_json  # noqa: E402
 
@@ -68,7 +68,7 @@ def make_case(batch: int, ctx: int, bound: int, device: torch.device, dtype: tor
 
 
 def run(case: dict[str, Any], **settings: Any) -> torch.Tensor:
-    return tk.decode_attention(case["q"], case["cache"], case["tables"], case["lens"],
+    return triton_decode.decode_attention(case["q"], case["cache"], case["tables"], case["lens"],
                                D ** -0.5, case["max_len"], **settings)
 
 

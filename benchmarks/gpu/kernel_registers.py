@@ -32,7 +32,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from tokenmill.attention import triton_decode as td
 from tokenmill.attention import triton_kernels as tk
+from tokenmill.attention import triton_prefill as tp
 from tokenmill.attention.decode_tuning import DEFAULT_LAUNCH
 from tokenmill.models import fused_ops as fo
 from tokenmill.quant import fp8_gemm as fg
@@ -50,8 +52,8 @@ ALIGNED_INTS = re.compile(r"^(stride_\w+|n_cols|N|K)$")
 ATTN = dict(HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_D=128, DOT_PRECISION="tf32")
 DECODE = dict(ATTN, NUM_HEADS=32, GROUP=4, BLOCK_G=16, FP16=False, TABLE_SPAN=0, ROW_ALIGN=16,
               DIRECT=False)
-PREFILL = dict(ATTN, GROUP=4, FP16=False, CHUNK=tk._PREFILL_CHUNK,
-               CHUNK_SPAN=tk._PREFILL_CHUNK // 16, ROW_ALIGN=16)
+PREFILL = dict(ATTN, GROUP=4, FP16=False, CHUNK=tp._PREFILL_CHUNK,
+               CHUNK_SPAN=tp._PREFILL_CHUNK // 16, ROW_ALIGN=16)
 # An fp8 (e4m3) cache, widened to fp16 (FP16) or to the queries' bf16.
 FP8 = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
 # An SM of compute capability 9.0: registers, shared memory (of which 1 KB is reserved a
@@ -70,7 +72,7 @@ def decode(partition: int, block_n: int, warps: int, stages: int | None = None,
                       TABLE_SPAN=partition // 16 if preload else 0)
     options = {"num_warps": warps, **({"num_stages": stages} if stages else {}),
                **({"maxnreg": maxnreg} if maxnreg else {})}
-    return label, tk._decode_split_kernel, constexprs, options, FP8 if fp8 else {}
+    return label, td._decode_split_kernel, constexprs, options, FP8 if fp8 else {}
 
 
 # (label, kernel, constexprs, launch options, pointer types): the launches in use on an
@@ -92,19 +94,19 @@ CASES = [
     decode(1024, 64, 4, 3, fp8=True, preload=True),
     decode(1024, 64, 4, 4, fp8=True, preload=True),
     decode(1024, 64, 8, 3, fp8=True, preload=True),
-    ("decode reduce", tk._decode_reduce_kernel,
+    ("decode reduce", td._decode_reduce_kernel,
      dict(NUM_HEADS=32, HEAD_DIM=128, PARTITION=1024, BLOCK_D=128), {"num_warps": 4}, {}),
-    ("prefill (in use)", tk._prefill_kernel,
-     dict(PREFILL, BLOCK_M=tk._PREFILL_BLOCK_M, BLOCK_N=tk._PREFILL_BLOCK_N),
-     {"num_warps": tk.NUM_WARPS}, {}),
-    ("prefill (in use), fp8 cache to fp16", tk._prefill_kernel,
-     dict(PREFILL, BLOCK_M=tk._PREFILL_BLOCK_M, BLOCK_N=tk._PREFILL_BLOCK_N, FP16=True),
-     {"num_warps": tk.NUM_WARPS}, FP8),
-    ("prefill 64 x 32, 4 warps", tk._prefill_kernel, dict(PREFILL, BLOCK_M=64, BLOCK_N=32),
+    ("prefill (in use)", tp._prefill_kernel,
+     dict(PREFILL, BLOCK_M=tp._PREFILL_BLOCK_M, BLOCK_N=tp._PREFILL_BLOCK_N),
+     {"num_warps": tp.NUM_WARPS}, {}),
+    ("prefill (in use), fp8 cache to fp16", tp._prefill_kernel,
+     dict(PREFILL, BLOCK_M=tp._PREFILL_BLOCK_M, BLOCK_N=tp._PREFILL_BLOCK_N, FP16=True),
+     {"num_warps": tp.NUM_WARPS}, FP8),
+    ("prefill 64 x 32, 4 warps", tp._prefill_kernel, dict(PREFILL, BLOCK_M=64, BLOCK_N=32),
      {"num_warps": 4}, {}),
-    ("prefill 64 x 64, 4 warps", tk._prefill_kernel, dict(PREFILL, BLOCK_M=64, BLOCK_N=64),
+    ("prefill 64 x 64, 4 warps", tp._prefill_kernel, dict(PREFILL, BLOCK_M=64, BLOCK_N=64),
      {"num_warps": 4}, {}),
-    ("prefill 128 x 64, 8 warps", tk._prefill_kernel, dict(PREFILL, BLOCK_M=128, BLOCK_N=64),
+    ("prefill 128 x 64, 8 warps", tp._prefill_kernel, dict(PREFILL, BLOCK_M=128, BLOCK_N=64),
      {"num_warps": 8}, {}),
     ("add + rms_norm", fo._rms_norm_kernel, dict(HAS_RESIDUAL=True, FP8_OUT=False, BLOCK=4096),
      {"num_warps": 4}, {}),
@@ -130,6 +132,11 @@ CASES = [
 ] + [
     ("rotary", fo._rotary_kernel, dict(NUM_HEADS=48, HALF=64, BLOCK_H=64, BLOCK_D=64),
      {"num_warps": 4}, {}),
+] + [
+    (f"rotary + store_kv{', fp8 cache' if fp8 else ''}", tk._rotary_store_kv_kernel,
+     dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_HQ=32,
+          BLOCK_HKV=8, BLOCK_HALF=64, SATURATE=fp8), {"num_warps": 4}, FP8 if fp8 else {})
+    for fp8 in (False, True)
 ]
 
 

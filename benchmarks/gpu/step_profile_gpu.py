@@ -27,7 +27,8 @@ from tokenmill.bench.report import markdown_table, now_iso, write_json
 
 PROMPT_TOKENS = 128
 ACTIVITIES = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-# Kernel name fragments -> group (first match wins).
+# Kernel name fragments -> group (first match wins): the rotary embedding of q and k, done in
+# the K/V store's kernel (_rotary_store_kv_kernel), counts as attention.
 GROUPS = [
     ("fp8 activation quantization", ("quantize",)),
     ("matmul (cuBLAS/cutlass GEMM)", ("gemm", "gemv", "cutlass", "sm90_xmma", "nvjet", "splitk",

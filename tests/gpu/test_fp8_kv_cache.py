@@ -19,6 +19,7 @@ pytestmark = [pytest.mark.gpu,
 @pytest.mark.parametrize("fp8_compute", ["fp16", "query"])
 def test_fp8_store_rounds_as_torch_and_attention_reads_it(fp8_compute: str) -> None:
     """Stores, then bf16 queries over the cache widened to fp16 (the default) or to bf16."""
+    from tokenmill.attention import triton_decode as td
     from tokenmill.attention import triton_kernels as tk
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -39,7 +40,7 @@ def test_fp8_store_rounds_as_torch_and_attention_reads_it(fp8_compute: str) -> N
     table = torch.arange(32, dtype=torch.int32, device="cuda")[None]
     q = torch.randn(1, hq, d, generator=gen, device="cuda").bfloat16()
     lens = torch.tensor([n], dtype=torch.int32, device="cuda")
-    out = tk.decode_attention(q, seq, table, lens, d ** -0.5, 512, fp8_compute=fp8_compute)
+    out = td.decode_attention(q, seq, table, lens, d ** -0.5, 512, fp8_compute=fp8_compute)
     assert tk.widens_to_fp16(q, seq, fp8_compute) == (fp8_compute == "fp16")
     kk, vv = (seq[i].view(-1, hkv, d)[:n].float().repeat_interleave(hq // hkv, 1)
               for i in range(2))

@@ -25,6 +25,7 @@ from paged import PagedKVCache  # noqa: E402
 from tokenmill.attention.backend import AttentionBackend, TorchAttentionBackend  # noqa: E402
 from tokenmill.attention.decode_tuning import DEFAULT_LAUNCH, parse_tuning  # noqa: E402
 from tokenmill.attention.metadata import AttentionMetadata  # noqa: E402
+from tokenmill.models.layers import RotaryEmbedding, apply_rotary  # noqa: E402
 from tokenmill.runner.batch import FlatBatch  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -55,8 +56,8 @@ def interpreted_on_cpu() -> Iterator[None]:
             os.environ["TRITON_INTERPRET"] = saved
 
 
-def _import_triton_modules() -> tuple[ModuleType, ModuleType]:
-    """The kernels and backend modules, interpreted when there is no GPU."""
+def _import_triton_modules() -> tuple[ModuleType, ...]:
+    """The kernels' and backend's modules, interpreted when there is no GPU."""
     triton = sys.modules.get("triton")
     if DEVICE.type == "cpu" and triton is not None and not triton.knobs.runtime.interpret:
         # Its own @triton.jit helpers (tl.sum, tl.max) were built for the compiler.
@@ -64,11 +65,11 @@ def _import_triton_modules() -> tuple[ModuleType, ModuleType]:
                     "module on its own", allow_module_level=True)
     with interpreted_on_cpu():
         pytest.importorskip("triton")
-        return (importlib.import_module("tokenmill.attention.triton_kernels"),
-                importlib.import_module("tokenmill.attention.triton_backend"))
+        return tuple(importlib.import_module(f"tokenmill.attention.triton_{name}")
+                     for name in ("kernels", "decode", "prefill", "backend"))
 
 
-kernels, triton_backend = _import_triton_modules()
+kernels, decode, prefill, triton_backend = _import_triton_modules()
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -141,6 +142,67 @@ def test_store_kv_writes_slots_and_skips_padding() -> None:
     assert torch.equal(kv_cache, expected)
 
 
+def rope_tables(positions: torch.Tensor, d: int, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``RotaryEmbedding.cos_sin``'s ``[T, 1, D]`` tables for ``positions``."""
+    rope = RotaryEmbedding(d, 512, 10000.0, None)
+    return rope.cos_sin(positions, dtype)
+
+
+def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding as the kernels compute it, op for op (``apply_rotary``'s addcmul
+    may fuse a multiply-add): in fp32, rounded to x's dtype."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    c, s = cos[..., :half].float(), sin[..., half:].float()
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 16), (6, 2, 32), (4, 4, 80)])
+def test_rotary_store_rotates_q_in_place_and_stores_k_rotated(
+        hq: int, hkv: int, d: int, dtype: torch.dtype, cache_dtype: torch.dtype | None) -> None:
+    """One kernel for the rotary embedding and the K/V store: q rotated in place, and the cache
+    holding the same bytes as after rotating k and then :func:`store_kv` (an fp8 cache too:
+    rounded to k's dtype first); padding slots write nothing; k is left alone."""
+    gen = torch.Generator().manual_seed(5)
+    n = 6
+    # q, k and v as the model passes them: views of one fused projection.
+    qkv = torch.randn(n, hq + 2 * hkv, d, generator=gen).to(dtype).to(DEVICE)
+    q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    cos, sin = (t.to(DEVICE) for t in rope_tables(torch.tensor([0, 3, 7, 100, 1, 511]), d,
+                                                  dtype))
+    slots = torch.tensor([9, -1, 0, 31, 17, -1], device=DEVICE)
+    kv_cache = torch.randn(2, 8, 4, hkv, d, generator=gen).to(cache_dtype or dtype).to(DEVICE)
+    expected = kv_cache.clone()
+    kernels.store_kv(rotated(k, cos, sin), v, expected, slots)
+    want_q, k_before = rotated(q, cos, sin), k.clone()
+    kernels.rotary_store_kv(q, k, v, kv_cache, slots, cos, sin)
+    assert torch.equal(k, k_before)
+    if DEVICE.type == "cpu":  # the interpreter: the same fp32 arithmetic as torch's
+        assert torch.equal(q, want_q)
+        assert torch.equal(kv_cache.view(torch.uint8), expected.view(torch.uint8))
+    else:  # the compiled kernel may fuse a multiply-add: a rounding apart at most
+        torch.testing.assert_close(q.float(), want_q.float(), rtol=2e-3, atol=2e-3)
+        # (e4m3 keeps 3 bits of mantissa: one step is an eighth of the value)
+        torch.testing.assert_close(kv_cache.float(), expected.float(), atol=2e-3,
+                                   rtol=0.13 if cache_dtype else 2e-3)
+    untouched = torch.ones(kv_cache[0].view(-1, hkv, d).shape[0], dtype=torch.bool)
+    untouched[slots[slots >= 0].cpu()] = False
+    for i in range(2):
+        assert torch.equal(kv_cache[i].view(-1, hkv, d)[untouched.to(DEVICE)].view(torch.uint8),
+                           expected[i].view(-1, hkv, d)[untouched.to(DEVICE)].view(torch.uint8))
+
+
+def test_rotary_store_rejects_an_odd_head_dim() -> None:
+    q, k = torch.zeros(1, 2, 5, device=DEVICE), torch.zeros(1, 1, 5, device=DEVICE)
+    cos = sin = torch.zeros(1, 1, 5, device=DEVICE)
+    with pytest.raises(ValueError, match="even head dim"):
+        kernels.rotary_store_kv(q, k, k, torch.zeros(2, 2, 4, 1, 5, device=DEVICE),
+                                torch.zeros(1, dtype=torch.long, device=DEVICE), cos, sin)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("hq,hkv,d,block_size", SHAPES + [(4, 4, 80, 16)])
 def test_decode_matches_dense(hq: int, hkv: int, d: int, block_size: int,
@@ -152,7 +214,7 @@ def test_decode_matches_dense(hq: int, hkv: int, d: int, block_size: int,
     meta = fill(cache, lens, gen)
     q = torch.randn(len(lens), hq, d, generator=gen).to(dtype).to(DEVICE)
     # A bound well past the longest context: most programs of the short rows have no keys.
-    out = kernels.decode_attention(q, cache.kv_caches[0], meta.block_tables, meta.seq_lens,
+    out = decode.decode_attention(q, cache.kv_caches[0], meta.block_tables, meta.seq_lens,
                                    d ** -0.5, max_seq_len=400, partition_size=32)
     ref = dense(q, cache.kv_caches[0], meta.block_tables, [1] * len(lens), lens, d ** -0.5)
     assert out.dtype == dtype
@@ -174,18 +236,18 @@ def test_decode_in_one_partition_writes_the_output_without_a_reduction(
     meta = fill(cache, lens, gen)
     q = torch.randn(len(lens), hq, d, generator=gen).to(dtype).to(DEVICE)
     args = (q, cache.kv_caches[0], meta.block_tables, meta.seq_lens, d ** -0.5)
-    combined = kernels.decode_attention(*args, 64, partition_size=32)
+    combined = decode.decode_attention(*args, 64, partition_size=32)
     out = torch.full_like(q, float("nan"))  # every row written, the padding row too
     with monkeypatch.context() as patch:
-        patch.setattr(kernels, "_decode_reduce_kernel", None)  # launched: a TypeError
-        kernels.decode_attention(*args, 64, partition_size=64, block_n=32, out=out)
+        patch.setattr(decode, "_decode_reduce_kernel", None)  # launched: a TypeError
+        decode.decode_attention(*args, 64, partition_size=64, block_n=32, out=out)
     ref = dense(q, cache.kv_caches[0], meta.block_tables, [1] * len(lens), lens, d ** -0.5)
     assert (out.float() - ref).abs().max().item() <= TOLS[dtype]
     assert not out[2].any()
     assert (combined.float() - out.float()).abs().max().item() <= TOLS[dtype]
     # With room for a second (empty) partition the same partitions are combined: the
     # reduction of one partition returns it unchanged.
-    assert torch.equal(out, kernels.decode_attention(*args, 128, partition_size=64, block_n=32))
+    assert torch.equal(out, decode.decode_attention(*args, 128, partition_size=64, block_n=32))
 
 
 @pytest.mark.parametrize("block_size,partition,block_n", [
@@ -210,11 +272,11 @@ def test_decode_with_a_preloaded_table_matches_dense(block_size: int, partition:
         q = torch.randn(len(lens), hq, d, generator=gen).to(dtype).to(DEVICE)
         args = (q, cache.kv_caches[0], meta.block_tables, meta.seq_lens, d ** -0.5, 200)
         launch = dict(partition_size=partition, block_n=block_n, num_warps=4, num_stages=3)
-        out = kernels.decode_attention(*args, **launch, preload_table=True)
+        out = decode.decode_attention(*args, **launch, preload_table=True)
         ref = dense(q, cache.kv_caches[0], meta.block_tables, [1] * len(lens), lens, d ** -0.5)
         assert (out.float() - ref).abs().max().item() <= TOLS[dtype], d
         if DEVICE.type == "cpu":  # the interpreter runs the same arithmetic on the same rows
-            assert torch.equal(out, kernels.decode_attention(*args, **launch))
+            assert torch.equal(out, decode.decode_attention(*args, **launch))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -229,7 +291,7 @@ def test_prefill_matches_dense(hq: int, hkv: int, d: int, block_size: int,
     meta = fill(cache, seq_lens, gen)
     q = torch.randn(sum(query_lens), hq, d, generator=gen).to(dtype).to(DEVICE)
     starts = torch.tensor([0, *query_lens], device=DEVICE).cumsum(0).to(torch.int32)
-    out = kernels.prefill_attention(q, cache.kv_caches[0], meta.block_tables, starts,
+    out = prefill.prefill_attention(q, cache.kv_caches[0], meta.block_tables, starts,
                                     meta.seq_lens, d ** -0.5, query_lens)
     ref = dense(q, cache.kv_caches[0], meta.block_tables, query_lens, seq_lens, d ** -0.5)
     assert out.dtype == dtype
@@ -253,9 +315,9 @@ def test_prefill_reads_the_context_a_chunk_at_a_time(block_size: int, chunk: int
     starts = torch.tensor([0, *query_lens], device=DEVICE).cumsum(0).to(torch.int32)
     args = (q, cache.kv_caches[0], meta.block_tables, starts, meta.seq_lens, d ** -0.5,
             query_lens)
-    whole = kernels.prefill_attention(*args)  # one chunk of 512 covers every context here
-    monkeypatch.setattr(kernels, "_PREFILL_CHUNK", chunk)
-    out = kernels.prefill_attention(*args)
+    whole = prefill.prefill_attention(*args)  # one chunk of 512 covers every context here
+    monkeypatch.setattr(prefill, "_PREFILL_CHUNK", chunk)
+    out = prefill.prefill_attention(*args)
     ref = dense(q, cache.kv_caches[0], meta.block_tables, query_lens, seq_lens, d ** -0.5)
     assert (out - ref).abs().max().item() <= TOLS[torch.float32]
     if DEVICE.type == "cpu":  # the interpreter: the same arithmetic over the same keys
@@ -329,6 +391,37 @@ def test_backend_matches_torch_backend(hq: int, hkv: int, d: int, block_size: in
         assert out.dtype == dtype and out.shape == ref.shape
         assert (out.float() - ref).abs().max().item() <= TOLS[dtype], chunks
         assert (out.float() - torch_out.float()).abs().max().item() <= TOLS[dtype], chunks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_backend_rotates_q_and_k_as_it_stores(dtype: torch.dtype) -> None:
+    """``forward_rotary`` of unrotated q and k (what the model's attention layer passes the
+    Triton backend) equals the torch backend's ``forward`` of q and k rotated by the model's
+    :func:`apply_rotary`: the outputs, and the caches after prefills, decodes and a
+    continued chunk."""
+    gen = torch.Generator().manual_seed(9)
+    hq, hkv, d = 8, 2, 32
+    tri, ref_cache = twin_caches(hkv, d, 4, dtype, num_blocks=64, partition_size=16)
+    assert tri.backend.fuses_rotary and not ref_cache.backend.fuses_rotary
+    for chunks in ([(0, 9), (1, 1)], [(0, 1), (1, 1)], [(1, 20), (0, 1)], [(0, 1), (1, 1)]):
+        metas = [batch_step(c, chunks) for c in (tri, ref_cache)]
+        n = len(metas[0].slot_mapping)
+        positions = torch.cat([torch.arange(total - q, total) for q, total
+                               in zip(metas[0].query_lens_cpu, metas[0].seq_lens_cpu,
+                                      strict=True)])
+        cos, sin = (t.to(DEVICE) for t in rope_tables(positions, d, dtype))
+        qkv = torch.randn(n, hq + 2 * hkv, d, generator=gen).to(dtype).to(DEVICE)
+        q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+        want = ref_cache.backend.forward(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin),
+                                         v, ref_cache.kv_caches[0], metas[1], d ** -0.5)
+        out = tri.backend.forward_rotary(q, k, v, tri.kv_caches[0], metas[0], d ** -0.5,
+                                         cos, sin)
+        assert (out.float() - want.float()).abs().max().item() <= TOLS[dtype], chunks
+        stored = (tri.kv_caches[0].float() - ref_cache.kv_caches[0].float()).abs().max()
+        assert stored.item() <= TOLS[dtype], chunks
+    with pytest.raises(NotImplementedError, match="torch attention backend"):
+        ref_cache.backend.forward_rotary(q, k, v, ref_cache.kv_caches[0], metas[1], 1.0, cos,
+                                         sin)
 
 
 def test_backend_padded_decode_as_in_a_cuda_graph() -> None:
@@ -504,7 +597,7 @@ def test_prefill_tiles_list_only_the_tiles_sequences_have() -> None:
     """A mixed step launches one program per (sequence, query tile) that has queries, not
     the longest chunk's tile count for every sequence."""
     # 8 query heads over 2 KV heads: groups of 4, so tiles of 64 rows hold 16 tokens.
-    tiles = kernels.prefill_tiles([1, 40, 1, 17], 8, 2, torch.device("cpu"))
+    tiles = prefill.prefill_tiles([1, 40, 1, 17], 8, 2, torch.device("cpu"))
     assert tiles.tolist() == [[0, 1, 1, 1, 2, 3, 3], [0, 0, 1, 2, 0, 0, 1]]
-    assert kernels.prefill_tiles([], 8, 2, torch.device("cpu")).shape == (2, 0)
+    assert prefill.prefill_tiles([], 8, 2, torch.device("cpu")).shape == (2, 0)
 

@@ -21,7 +21,9 @@ import re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from tokenmill.attention import triton_decode as td
 from tokenmill.attention import triton_kernels as tk
+from tokenmill.attention import triton_prefill as tp
 from tokenmill.attention.decode_tuning import DEFAULT_LAUNCH, TUNED_DIR, load_tuning
 from tokenmill.models import fused_ops as fo
 from tokenmill.quant import fp8_gemm as fg
@@ -34,7 +36,7 @@ POINTERS = {"table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i3
             "scale_ptr": "*fp32"}
 # bf16, 32 query heads over 8 KV heads, a head dim of 80 (padded to 128 inside the kernels),
 # the attention kernels with the warps they are launched with.
-W = {"num_warps": tk.NUM_WARPS}
+W = {"num_warps": tp.NUM_WARPS}
 
 
 def decode(head_dim=128, partition=512, block_n=DEFAULT_LAUNCH.block_n, fp16=False,
@@ -49,18 +51,22 @@ def decode(head_dim=128, partition=512, block_n=DEFAULT_LAUNCH.block_n, fp16=Fal
 def prefill(head_dim=128, fp16=False):
     # The prefill kernel's constexprs for GQA groups of 4, as prefill_attention launches it.
     return dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=32,
-                BLOCK_D=128, DOT_PRECISION="tf32", FP16=fp16, CHUNK=tk._PREFILL_CHUNK,
-                CHUNK_SPAN=tk._PREFILL_CHUNK // 16, ROW_ALIGN=16)
+                BLOCK_D=128, DOT_PRECISION="tf32", FP16=fp16, CHUNK=tp._PREFILL_CHUNK,
+                CHUNK_SPAN=tp._PREFILL_CHUNK // 16, ROW_ALIGN=16)
 
 
 KERNELS = [
     (tk._store_kv_kernel, dict(NUM_HEADS=8, HEAD_DIM=80, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128,
                                SATURATE=False)),
-    (tk._decode_split_kernel, decode(head_dim=80), W),
+    # The rotary embedding in the store's kernel (what the model's layers launch).
+    (tk._rotary_store_kv_kernel, dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=80,
+                                      BLOCK_SIZE=16, BLOCK_HQ=32, BLOCK_HKV=8, BLOCK_HALF=64,
+                                      SATURATE=False)),
+    (td._decode_split_kernel, decode(head_dim=80), W),
     # One partition for every context: the output written by the split kernel itself.
-    (tk._decode_split_kernel, decode(head_dim=80, direct=True), W),
-    (tk._decode_reduce_kernel, dict(NUM_HEADS=32, HEAD_DIM=80, PARTITION=512, BLOCK_D=128)),
-    (tk._prefill_kernel, prefill(head_dim=80), W),
+    (td._decode_split_kernel, decode(head_dim=80, direct=True), W),
+    (td._decode_reduce_kernel, dict(NUM_HEADS=32, HEAD_DIM=80, PARTITION=512, BLOCK_D=128)),
+    (tp._prefill_kernel, prefill(head_dim=80), W),
     # The layers' fused kernels, at Llama-3.1-8B's widths.
     (fo._rms_norm_kernel, dict(HAS_RESIDUAL=True, FP8_OUT=False, BLOCK=4096)),
     (fo._silu_and_mul_kernel, dict(BLOCK=1024)),
@@ -88,7 +94,7 @@ for path in sorted(TUNED_DIR.glob("*.json")):
     tuning = load_tuning(path)
     for fp8, rules in ((False, tuning.rules), (True, tuning.fp8_rules)):
         for launch in (rule.launch for rule in rules):
-            KERNELS.append((tk._decode_split_kernel, decode(
+            KERNELS.append((td._decode_split_kernel, decode(
                 partition=launch.partition_size, block_n=launch.block_n,
                 fp16=fp8 and launch.fp8_compute == "fp16", preload=launch.preload_table),
                 {"num_warps": launch.num_warps, **(
@@ -98,23 +104,26 @@ for path in sorted(TUNED_DIR.glob("*.json")):
 KERNELS += [
     (tk._store_kv_kernel, dict(NUM_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128,
                                SATURATE=True), None, FP8),
+    (tk._rotary_store_kv_kernel, dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128,
+                                      BLOCK_SIZE=16, BLOCK_HQ=32, BLOCK_HKV=8, BLOCK_HALF=64,
+                                      SATURATE=True), None, FP8),
 ] + [
-    (tk._decode_split_kernel, decode(fp16=fp16, direct=direct), W, FP8)
+    (td._decode_split_kernel, decode(fp16=fp16, direct=direct), W, FP8)
     for fp16 in (True, False) for direct in (False, True)
 ] + [
     # A register cap (decode tuning's max_registers, Triton's maxnreg) on the fp8 cache's
     # long tile: the compiler spills instead of failing.
-    (tk._decode_split_kernel, decode(partition=1024, block_n=128, fp16=True),
+    (td._decode_split_kernel, decode(partition=1024, block_n=128, fp16=True),
      {"num_warps": 4, "num_stages": 2, "maxnreg": 128}, FP8),
 ] + [
     # The partition's block ids read before the loop (decode tuning's preload_table), on
     # caches whose strides are multiples of 16 (ROW_ALIGN) and on others.
-    (tk._decode_split_kernel, dict(decode(partition=1024, block_n=64, fp16=fp8, preload=True),
+    (td._decode_split_kernel, dict(decode(partition=1024, block_n=64, fp16=fp8, preload=True),
                                    ROW_ALIGN=align), {"num_warps": 4, "num_stages": 3},
      FP8 if fp8 else {})
     for fp8 in (True, False) for align in (16, 1)
 ] + [
-    (tk._prefill_kernel, prefill(fp16=fp16), W, FP8)
+    (tp._prefill_kernel, prefill(fp16=fp16), W, FP8)
     for fp16 in (True, False)
 ]
 # The fp8 matmul (quant/fp8_gemm.py) at the tiles its sweep tries, with and without a bias.
@@ -170,9 +179,9 @@ for fn, constexprs, *extra in KERNELS:
 # The prefill kernel reads a chunk's block ids before the loop over its tiles, for the same
 # reason.
 for kernel, constexprs, in_flight in (
-        (tk._decode_split_kernel, decode(partition=1024, block_n=64, preload=True), True),
-        (tk._decode_split_kernel, decode(partition=1024, block_n=64), False),
-        (tk._prefill_kernel, prefill(), True)):
+        (td._decode_split_kernel, decode(partition=1024, block_n=64, preload=True), True),
+        (td._decode_split_kernel, decode(partition=1024, block_n=64), False),
+        (tp._prefill_kernel, prefill(), True)):
     ttgir = compile_kernel(kernel, constexprs, {"num_warps": 4, "num_stages": 3},
                            aligned=True).asm["ttgir"]
     waits = [int(n) for n in re.findall(r"async_wait[^}]*num = ([0-9]+)", ttgir)]

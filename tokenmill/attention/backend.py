@@ -38,6 +38,19 @@ class AttentionBackend(ABC):
             ``[T, Hq * D]`` attention output in the dtype of ``q``.
         """
 
+    # Whether forward_rotary() takes q and k before the rotary embedding and rotates them in
+    # the kernel that stores the step's K/V (one kernel a layer fewer than rotating first).
+    fuses_rotary = False
+
+    def forward_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                       cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` of ``q`` and ``k`` not yet rotated: ``cos`` and ``sin`` are the
+        step's ``[T, 1, D]`` tables (``RotaryEmbedding.cos_sin``'s). ``q`` is rotated in place
+        and ``k`` goes to the cache rotated; ``k`` itself may be left as it was. Only where
+        :attr:`fuses_rotary` is set."""
+        raise NotImplementedError(f"the {self.name} attention backend does not rotate q and k")
+
     def decode_context_classes(self, batch: int, kv_cache: torch.Tensor) -> tuple[int | None, ...]:
         """The longest-context bounds (ascending, then None: any) at which this backend's
         decode launch for ``batch`` sequences over ``kv_cache`` changes: a CUDA-graph runner

@@ -11,17 +11,16 @@ import torch
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.attention.decode_tuning import DecodeTuning
 from tokenmill.attention.metadata import AttentionMetadata
-from tokenmill.attention.triton_kernels import (
-    FP8_CACHE_DTYPES,
-    decode_attention,
-    prefill_attention,
-    prefill_tiles,
-    store_kv,
-)
+from tokenmill.attention.triton_decode import decode_attention
+from tokenmill.attention.triton_kernels import FP8_CACHE_DTYPES, rotary_store_kv, store_kv
+from tokenmill.attention.triton_prefill import prefill_attention, prefill_tiles
 
 
 class TritonAttentionBackend(AttentionBackend):
     """Stores the step's K/V, then runs split-K decode or variable-length prefill kernels.
+
+    ``forward_rotary`` applies the rotary embedding in the store's kernel: q in place, the keys
+    as they are written (every attention kernel reads them back from the cache).
 
     A decode-only step (every sequence adds one token) uses flash decoding, whose launch
     depends only on shapes and ``meta.max_seq_len_bound`` (when set), so it can be captured in
@@ -32,6 +31,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     # Decode steps may be captured in CUDA graphs (tokenmill.runner.cuda_graphs).
     supports_cuda_graphs = True
+    fuses_rotary = True
 
     def __init__(self, decode_partition_size: int | None = None,
                  decode_tuning: DecodeTuning | None = None) -> None:
@@ -46,8 +46,20 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        num_tokens, num_heads, head_dim = q.shape
         store_kv(k, v, kv_cache, meta.slot_mapping)
+        return self._attend(q, kv_cache, meta, scale)
+
+    def forward_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                       cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # Every kernel below reads the keys from the cache, so k need not be rotated itself.
+        rotary_store_kv(q, k, v, kv_cache, meta.slot_mapping, cos, sin)
+        return self._attend(q, kv_cache, meta, scale)
+
+    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """The attention of ``q`` over the cache, which already holds the step's K/V."""
+        num_tokens, num_heads, head_dim = q.shape
         out = q.new_empty(num_tokens, num_heads, head_dim)
         if meta.decode_only:
             bound = meta.max_seq_len_bound
@@ -72,7 +84,8 @@ class TritonAttentionBackend(AttentionBackend):
             # The tile list is the same for every layer: built on the first, kept on meta.
             tiles = meta.backend_plan
             if not isinstance(tiles, torch.Tensor):
-                tiles = prefill_tiles(meta.query_lens_cpu, num_heads, k.shape[1], q.device)
+                tiles = prefill_tiles(meta.query_lens_cpu, num_heads, kv_cache.shape[3],
+                                      q.device)
                 meta.backend_plan = tiles
             prefill_attention(q, kv_cache, meta.block_tables, meta.query_start_loc,
                               meta.seq_lens, scale, meta.query_lens_cpu, out=out, tiles=tiles)

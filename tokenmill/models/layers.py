@@ -252,13 +252,17 @@ class Attention(nn.Module):
                                                       self.head_dim)
         if self.qk_norm:
             qk = torch.cat([self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])], dim=1)
-        if qk.stride(2) == 1 and (ops := cuda_kernels(qk)) is not None:
-            qk = ops.rotary_(qk, cos, sin)  # in place, one kernel
-        else:
-            qk = apply_rotary(qk, cos, sin)
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = meta.backend.forward(qk[:, :hq], qk[:, hq:], v, meta.kv_caches[self.layer_idx],
-                                   meta, self.scale)
+        backend, cache = meta.backend, meta.kv_caches[self.layer_idx]
+        if backend.fuses_rotary:  # rotated in the kernel that stores K/V
+            out = backend.forward_rotary(qk[:, :hq], qk[:, hq:], v, cache, meta, self.scale,
+                                         cos, sin)
+        else:
+            if qk.stride(2) == 1 and (ops := cuda_kernels(qk)) is not None:
+                qk = ops.rotary_(qk, cos, sin)  # in place, one kernel
+            else:
+                qk = apply_rotary(qk, cos, sin)
+            out = backend.forward(qk[:, :hq], qk[:, hq:], v, cache, meta, self.scale)
         out = self.o_proj(out)
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
 
