@@ -60,15 +60,21 @@ def test_scaled_mm_checks_its_operands() -> None:
 
 
 def test_rules_by_rows_and_shape() -> None:
-    tuning = fg.parse_tuning({"fp8_gemm": [
+    data = {"fp8_gemm": [
         {"max_m": 64, "n": 4096, "k": 14336, "block_m": 64, "block_n": 32},
         {"max_m": 64, "impl": "cublas"},
-        {"max_m": 512, "block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}]}, "t")
+        {"max_m": 512, "block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}]}
+    tuning = fg.parse_tuning(data, "t")
     assert tuning.tile_for(16, 4096, 14336) == fg.GemmTile(block_m=64, block_n=32)
     assert tuning.tile_for(16, 6144, 4096) is None  # cuBLAS, by the second rule
     assert tuning.tile_for(256, 6144, 4096) == fg.GemmTile(128, 64, 128, 8, 8, 3)
     assert tuning.tile_for(513, 6144, 4096) is None  # no rule: cuBLAS
     assert fg.GemmTuning().tile_for(1, 16, 16) is None
+    # Asked again (kept per shape): the same picks, and another tuning keeps its own.
+    assert tuning.tile_for(16, 4096, 14336) == fg.GemmTile(block_m=64, block_n=32)
+    assert tuning.tile_for(16, 6144, 4096) is None
+    assert fg.GemmTuning().tile_for(16, 4096, 14336) is None
+    assert tuning == fg.parse_tuning(data, "t")  # what it has picked is not compared
 
 
 @pytest.mark.parametrize("data,message", [

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -133,13 +133,17 @@ class GemmTuning:
 
     rules: tuple[GemmRule, ...] = ()
     source: str = "defaults"
+    # Each shape's pick, kept: an eager step asks once a linear layer (~130 times for 8B).
+    _picked: dict[tuple[int, int, int], GemmTile | None] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
     def tile_for(self, m: int, n: int, k: int) -> GemmTile | None:
         """The Triton launch for an ``[m, k] x [n, k]^T`` product, or None for cuBLAS."""
-        for rule in self.rules:
-            if rule.applies(m, n, k):
-                return rule.tile
-        return None
+        shape = (m, n, k)
+        if shape not in self._picked:
+            self._picked[shape] = next(
+                (rule.tile for rule in self.rules if rule.applies(m, n, k)), None)
+        return self._picked[shape]
 
 
 def parse_tuning(data: Any, source: str) -> GemmTuning:
