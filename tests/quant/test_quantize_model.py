@@ -10,6 +10,7 @@ from quant_helpers import PagedKVCache, logits_of, run_step, tiny_arch, tiny_mod
 from torch import nn
 
 from tokenmill.config import ModelConfig
+from tokenmill.models.layers import RotaryEmbedding
 from tokenmill.quant import (
     Int4WeightOnlyLinear,
     Int8WeightOnlyLinear,
@@ -17,6 +18,7 @@ from tokenmill.quant import (
     QuantizedHead,
     quantize_model,
 )
+from tokenmill.quant.model import decode_read_bytes, model_weight_bytes
 
 PROMPT = torch.randint(0, 320, (48,), generator=torch.Generator().manual_seed(1)).tolist()
 # method -> (max relative L2 error of the logits, min share of equal argmax tokens)
@@ -120,3 +122,20 @@ def test_fp8_is_refused_where_there_are_no_fp8_matmuls() -> None:
     with pytest.raises(ValueError, match="fp8.*compute capability 8.9"):
         quantize_model(model, "fp8")
     assert torch.device("meta") == next(model.parameters()).device
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_decode_read_bytes_leave_out_the_tables_a_step_reads_a_row_of(tied: bool) -> None:
+    """The roofline's bytes per token: every tensor but the rotary tables and an untied token
+    embedding; a tied one is the head (read whole). Quantized, the head and the layers count
+    at their packed size."""
+    model = tiny_model(tiny_arch(tied=tied))
+    rotary = sum(b.numel() * b.element_size() for m in model.modules()
+                 if isinstance(m, RotaryEmbedding) for b in m.buffers())
+    embedding = model.model.embed_tokens.weight
+    lookup = 0 if tied else embedding.numel() * embedding.element_size()
+    assert rotary > 0
+    assert decode_read_bytes(model) == model_weight_bytes(model) - rotary - lookup
+    quantized = copy.deepcopy(model)
+    quantize_model(quantized, "int8")
+    assert decode_read_bytes(quantized) < decode_read_bytes(model) / 2

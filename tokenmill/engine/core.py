@@ -19,7 +19,7 @@ from tokenmill.metrics.economics import EnergyMeter, StepAccountant
 from tokenmill.metrics.stats import SchedulerStats, SpecDecodingStats
 from tokenmill.model_loader import LoadedModel
 from tokenmill.models.config import ArchConfig
-from tokenmill.quant.model import count_parameters, model_weight_bytes
+from tokenmill.quant.model import count_parameters, decode_read_bytes, model_weight_bytes
 from tokenmill.request import Request, RequestStatus
 from tokenmill.runner.kv_memory import KVCachePlan
 from tokenmill.runner.launched import LaunchedStep
@@ -41,6 +41,9 @@ class ModelInfo:
     vocab_size: int
     num_parameters: int
     weight_bytes: int
+    # What one decode step reads of them: the memory roofline's bytes per token
+    # (tokenmill.quant.model.decode_read_bytes).
+    decode_read_bytes: int
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
@@ -271,6 +274,7 @@ class EngineCore:
             device=str(self.platform.device), max_model_len=self.max_model_len,
             vocab_size=arch.vocab_size, num_parameters=count_parameters(runner.model),
             weight_bytes=model_weight_bytes(runner.model),
+            decode_read_bytes=decode_read_bytes(runner.model),
             num_hidden_layers=arch.num_hidden_layers,
             num_attention_heads=arch.num_attention_heads,
             num_key_value_heads=arch.num_key_value_heads, head_dim=arch.head_dim,

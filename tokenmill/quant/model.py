@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from tokenmill.config import QUANTIZATIONS
-from tokenmill.models.layers import DecoderLayer
+from tokenmill.models.layers import DecoderLayer, RotaryEmbedding
 from tokenmill.quant.fp8 import Fp8Linear, fp8_supported, fp8_unsupported_reason
 from tokenmill.quant.head import QuantizedEmbedding, QuantizedHead, QuantizedLinear
 from tokenmill.quant.kernel_choice import INT4_ACT_BITS, NEVER_DENSE
@@ -103,7 +103,29 @@ def count_parameters(model: nn.Module) -> int:
 
 def model_weight_bytes(model: nn.Module) -> int:
     """Bytes of every parameter and buffer (each tensor counted once)."""
-    seen: set[int] = set()
+    return _tensor_bytes(model, skip=set())
+
+
+def decode_read_bytes(model: nn.Module) -> int:
+    """Bytes of the model's tensors that one decode step reads, each once: what
+    :func:`model_weight_bytes` counts but the tables a step reads one row of, the rotary
+    embedding's positions and, where the model has an output head of its own, the token
+    embedding (a tied one is the head's weight: read whole). The memory roofline's bytes per
+    token, counted as ``tokenmill/bench/roofline.py`` counts a GGUF file's."""
+    untied = getattr(model, "lm_head", None) is not None
+    lookups: set[int] = set()
+    read: set[int] = set()
+    for module in model.modules():
+        own = {id(t) for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]}
+        if isinstance(module, RotaryEmbedding) or (untied and isinstance(module, nn.Embedding)):
+            lookups |= own
+        else:
+            read |= own
+    return _tensor_bytes(model, skip=lookups - read)
+
+
+def _tensor_bytes(model: nn.Module, skip: set[int]) -> int:
+    seen = set(skip)
     total = 0
     for t in [*model.parameters(), *model.buffers()]:
         if id(t) not in seen:
