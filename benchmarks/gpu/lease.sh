@@ -10,7 +10,10 @@
 #   one call, carry .device/whl .device/vocab.gguf:  DEADLINE=555 bash benchmarks/gpu/lease.sh fp8
 #   one call, carry .device/whl .device/vocab.gguf:  DEADLINE=380 bash benchmarks/gpu/lease.sh fp8b
 #   one call, carry .device/whl .device/vocab.gguf:  DEADLINE=570 bash benchmarks/gpu/lease.sh ctx
-#   one call, carry .device/whl .device/vocab.gguf:  DEADLINE=570 bash benchmarks/gpu/lease.sh next
+#   one call, carry .device/whl .device/vocab.gguf:  DEADLINE=470 bash benchmarks/gpu/lease.sh next
+#   then on the warm machine, with the time left:   DEADLINE=380 bash benchmarks/gpu/lease.sh next-fp8
+#     (first unpack phasenext.tgz here: each call runs on a fresh copy of this working tree,
+#     so the tuning files the first call wrote reach the second only that way)
 #
 # Phase 1 needs only the tokenizer (dummy-weight presets): the kernel and graph tests, decode
 # and throughput on Llama-3.1-8B's shape, nano-vllm's workload. Phase 2 has the whole embedded
@@ -34,7 +37,7 @@ GPU=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).split()[-1].
 REPO=$PWD
 pack() {
   tar czf "$OUTDIR/phase$PHASE.tgz" -C /tmp lease-logs -C "$REPO" "$RES" tokenmill/attention/tuned \
-    $(cd "$REPO" && ls -d tokenmill/quant/tuned 2>/dev/null)
+    $(cd "$REPO" && ls -d tokenmill/models/tuned 2>/dev/null)
 }
 step() {  # step NAME CAP_SECONDS COMMAND...
   local name=$1 cap=$2 t0=$SECONDS rc
@@ -60,6 +63,36 @@ profiles_1500() {
   step profile-bf16-1500 "$1" python3 benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b \
     --batches 256 --steps 10 --prompt-tokens 1500 \
     --result-file "$RES/$GPU-llama-3.1-8b-step-profile-1500-bf16.json"
+}
+
+next_setup() {  # the phases "next" and "next-fp8" (run 6)
+  # After run 5 (2026-11-28 evening: bf16 9,763 tok/s, fp8 13,288 at 256 sequences and 13,497
+  # at 384, batch 1 196.7 = 69.8% of the roofline counted as a step reads it), prepared
+  # without a GPU on 2026-11-28 and 29. Two calls, most important first in each (DEADLINE
+  # cuts the tail): "next" for bf16 and batch 1, then "next-fp8" with the time left.
+  # next:
+  # - bf16 decode attention with 2,048-token partitions: one partition per context up to
+  #   2,048 writes the output with no reduction (0.3 ms a step at 256 x 1,500 in run 4);
+  # - the 1,000 x 1,000 bf16 run with 334 sequences (3 full waves instead of 4), the rotary
+  #   embedding now in the K/V store's kernel;
+  # - the Triton matmul at a decode step's few rows against cuBLAS (which read the weights at
+  #   91% of the copy bandwidth at batch 1), written as this GPU's 16-bit matmul rules;
+  # - batch 1: short partitions and a 512-token class with no reduction; its decode bench
+  #   and step profile.
+  # next-fp8:
+  # - fp8 cache attention with the block ids read before the loop (preload_table), so that
+  #   its cache loads pipeline (compiled as the launcher does, every wait drained all copies);
+  # - the Triton fp8 matmul against cuBLAS by rows and shape (cuBLAS's 128 x 128 tiles give
+  #   a 4,096-wide output 64 programs at 256 rows, on 132 SMs);
+  # - the 1,000 x 1,000 fp8 run with 334 sequences; where its step goes now; the fp8
+  #   activation kernels read once against twice.
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  python3 -c "import torch, triton, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__)"
+  SLUG=$(python3 -c "import torch; from tokenmill.attention.decode_tuning import device_slug; print(device_slug(torch.cuda.get_device_name(0)))")
+  TUNED=tokenmill/attention/tuned/$SLUG.json
+  GEMM_TUNED=tokenmill/models/tuned/$SLUG.json
+  mkdir -p tokenmill/models/tuned
+  cp "$TUNED" /tmp/tuned-before.json
 }
 
 if [ "$PHASE" = 1 ]; then
@@ -187,27 +220,11 @@ json.dump(new, open('$TUNED', 'w'), indent=2)"
   step throughput-bf16-ctx 150 $BENCH --suite throughput --model llama-3.1-8b --max-model-len 2048 \
     --result-file "$RES/$GPU-llama-3.1-8b-throughput-bf16-ctx.json"
 elif [ "$PHASE" = next ]; then
-  # After run 5 (2026-11-28 evening: bf16 9,763 tok/s, fp8 13,288 at 256 sequences and 13,497
-  # at 384, batch 1 196.7), prepared without a GPU on 2026-11-28 (night), most important
-  # first (DEADLINE cuts the tail):
-  # - bf16 decode attention with 2,048-token partitions: one partition per context up to
-  #   2,048 writes the output with no reduction (0.3 ms a step at 256 x 1,500 in run 4);
-  # - fp8 cache attention with the block ids read before the loop (preload_table), so that
-  #   its cache loads pipeline (compiled as the launcher does, every wait drained all copies);
-  # - the Triton fp8 matmul against cuBLAS by rows and shape (cuBLAS's 128 x 128 tiles give
-  #   a 4,096-wide output 64 programs at 256 rows, on 132 SMs);
-  # - both 1,000 x 1,000 runs with 334 sequences (3 full waves instead of 4);
-  # - batch 1: short partitions and a 512-token class with no reduction; its decode bench;
-  # - where the fp8 step goes now; the fp8 activation kernels read once against twice.
-  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
-  python3 -c "import torch, triton, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__)"
-  step tests-next 60 python3 -m pytest -q -p no:cacheprovider -rfE -x \
+  next_setup
+  step tests-next 70 python3 -m pytest -q -p no:cacheprovider -rfE -x \
     tests/unit/test_triton_attention.py tests/unit/test_cuda_graphs.py \
-    tests/quant/test_fp8_gemm.py tests/quant/test_fp8_kernels.py tests/unit/test_fused_ops.py \
+    tests/models/test_triton_gemm.py tests/quant/test_fp8_kernels.py tests/unit/test_fused_ops.py \
     tests/gpu/test_fp8_fusion_cuda.py tests/gpu/test_greedy_kernels_cuda.py
-  SLUG=$(python3 -c "import torch; from tokenmill.attention.decode_tuning import device_slug; print(device_slug(torch.cuda.get_device_name(0)))")
-  TUNED=tokenmill/attention/tuned/$SLUG.json
-  cp "$TUNED" /tmp/tuned-before.json
   # Batches above 8, bf16, contexts up to 2,048 as a class of their own (its graphs size the
   # grid for 2,048 tokens). The file keeps its small-batch rules; the new rules replace the
   # larger batches' only if the sweep ran.
@@ -224,27 +241,13 @@ json.dump(old, open(os.environ["TUNED"], "w"), indent=2)
 from tokenmill.attention.decode_tuning import load_tuning
 load_tuning(os.environ["TUNED"])
 PY
-  # The fp8 cache: written to the file only if the sweep ran (it keeps the current launch,
-  # 1,024 / 128 / 4 warps / 2 stages, among its candidates).
-  cp "$TUNED" /tmp/tuned-mid.json
-  step attention-sweep-fp8-preload 75 python3 benchmarks/gpu/attention_bw.py --kv-cache-dtype fp8 \
-    --shapes 256x512,256x1500,64x4000 --context-split 2048 --partitions 1024,2048 \
-    --block-ns 64,128 --warps 4 --stages 2,3 --fp8-computes fp16 --preload-tables 0,1 \
-    --result-file "$RES/$GPU-decode-attention-bw-fp8-preload.json" --write-tuning "$TUNED"
-  TUNED=$TUNED python3 -c "import os; from tokenmill.attention.decode_tuning import load_tuning; assert load_tuning(os.environ['TUNED']).fp8_rules" \
-    || cp /tmp/tuned-mid.json "$TUNED"
-  cat "$TUNED"
-  # The fp8 linears: the faster of cuBLAS and the Triton kernel by rows and shape, written
-  # as this GPU's fp8 matmul tuning (the engine reads it at the next start).
-  mkdir -p tokenmill/quant/tuned
-  step fp8-gemm-sweep 90 python3 benchmarks/gpu/fp8_gemm_bw.py \
-    --result-file "$RES/$GPU-fp8-gemm-bw.json" --write-tuning "tokenmill/quant/tuned/$SLUG.json"
   step throughput-bf16-334 140 $BENCH --suite throughput --model llama-3.1-8b \
     --max-model-len 2048 --max-num-seqs 334 \
     --result-file "$RES/$GPU-llama-3.1-8b-throughput-bf16-334.json"
-  step throughput-fp8-334 110 $BENCH --suite throughput --model llama-3.1-8b \
-    --max-model-len 2048 --quantization fp8 --kv-cache-dtype fp8 --max-num-seqs 334 \
-    --result-file "$RES/$GPU-llama-3.1-8b-throughput-fp8-kvfp8-334.json"
+  # The 16-bit linears at 1, 8 and 16 rows, the LM head too: the faster of cuBLAS and the
+  # Triton matmul, written as this GPU's "gemm" rules (read at the engine's next start).
+  step gemm-sweep-bf16 60 python3 benchmarks/gpu/gemm_bw.py --dtype bf16 \
+    --result-file "$RES/$GPU-gemm-bw-bf16.json" --write-tuning "$GEMM_TUNED"
   # Batch 1: short partitions and tiles, split at 512-token contexts (up to 512 a graph sizes
   # its grid for 512 tokens: one partition of 512 needs no reduction). Only the small-batch
   # rules are taken from this sweep.
@@ -265,6 +268,26 @@ load_tuning(os.environ["TUNED"])
 PY
   step decode-bf16-next 50 $BENCH --suite decode --model llama-3.1-8b --max-model-len 4096 \
     --max-num-seqs 8 --result-file "$RES/$GPU-llama-3.1-8b-decode-bf16-next.json"
+  step profile-b1-next 40 python3 benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b \
+    --batches 1 --steps 10 --result-file "$RES/$GPU-llama-3.1-8b-step-profile-b1-next.json"
+elif [ "$PHASE" = next-fp8 ]; then
+  next_setup
+  # The fp8 cache: written to the file only if the sweep ran (it keeps the current launch,
+  # 1,024 / 128 / 4 warps / 2 stages, among its candidates).
+  step attention-sweep-fp8-preload 75 python3 benchmarks/gpu/attention_bw.py --kv-cache-dtype fp8 \
+    --shapes 256x512,256x1500,64x4000 --context-split 2048 --partitions 1024,2048 \
+    --block-ns 64,128 --warps 4 --stages 2,3 --fp8-computes fp16 --preload-tables 0,1 \
+    --result-file "$RES/$GPU-decode-attention-bw-fp8-preload.json" --write-tuning "$TUNED"
+  TUNED=$TUNED python3 -c "import os; from tokenmill.attention.decode_tuning import load_tuning; assert load_tuning(os.environ['TUNED']).fp8_rules" \
+    || cp /tmp/tuned-before.json "$TUNED"
+  cat "$TUNED"
+  # The fp8 linears: the faster of cuBLAS and the Triton kernel by rows and shape, written
+  # as this GPU's "fp8_gemm" rules (the file's 16-bit rules kept).
+  step gemm-sweep-fp8 90 python3 benchmarks/gpu/gemm_bw.py --dtype fp8 \
+    --result-file "$RES/$GPU-gemm-bw-fp8.json" --write-tuning "$GEMM_TUNED"
+  step throughput-fp8-334 110 $BENCH --suite throughput --model llama-3.1-8b \
+    --max-model-len 2048 --quantization fp8 --kv-cache-dtype fp8 --max-num-seqs 334 \
+    --result-file "$RES/$GPU-llama-3.1-8b-throughput-fp8-kvfp8-334.json"
   step profile-fp8-1500-next 70 python3 benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b \
     --batches 256 --steps 10 --prompt-tokens 1500 --quantization fp8 --kv-cache-dtype fp8 \
     --result-file "$RES/$GPU-llama-3.1-8b-step-profile-1500-fp8-next.json"

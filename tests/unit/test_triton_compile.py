@@ -26,7 +26,7 @@ from tokenmill.attention import triton_kernels as tk
 from tokenmill.attention import triton_prefill as tp
 from tokenmill.attention.decode_tuning import DEFAULT_LAUNCH, TUNED_DIR, load_tuning
 from tokenmill.models import fused_ops as fo
-from tokenmill.quant import fp8_gemm as fg
+from tokenmill.models import triton_gemm as tg
 from tokenmill.quant import fp8_kernels as fk
 from tokenmill.runner import greedy_kernels as gk
 
@@ -126,13 +126,19 @@ KERNELS += [
     (tp._prefill_kernel, prefill(fp16=fp16), W, FP8)
     for fp16 in (True, False)
 ]
-# The fp8 matmul (quant/fp8_gemm.py) at the tiles its sweep tries, with and without a bias.
+# The matmul (models/triton_gemm.py) at tiles its sweeps try: fp8 with scales, with and
+# without a bias; bf16 without scales, a decode step's 16-row tiles.
 KERNELS += [
-    (fg._scaled_mm_kernel, dict(HAS_BIAS=bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8),
+    (tg._matmul_kernel, dict(HAS_SCALES=True, HAS_BIAS=bias, BLOCK_M=bm, BLOCK_N=bn,
+                             BLOCK_K=bk, GROUP_M=8),
      {"num_warps": w, "num_stages": st},
      {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "scale_a_ptr": "*fp32", "scale_b_ptr": "*fp32"})
     for bm, bn, bk, w, st in ((16, 32, 256, 4, 4), (64, 64, 128, 4, 4), (128, 128, 128, 8, 3))
     for bias in (False, True)
+] + [
+    (tg._matmul_kernel, dict(HAS_SCALES=False, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=bn,
+                             BLOCK_K=bk, GROUP_M=1), {"num_warps": w, "num_stages": st})
+    for bn, bk, w, st in ((16, 1024, 4, 2), (32, 256, 2, 5), (128, 128, 4, 4))
 ]
 # The sampler's greedy step (argmax + its logprob), as greedy_with_logprobs launches it: on
 # logits of each dtype, a whole row per program (FINAL: the ids stand in for the unused

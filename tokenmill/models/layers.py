@@ -15,6 +15,7 @@ from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.distributed import tensor_model_parallel_all_reduce, tp_rank, tp_size
 from tokenmill.models.config import ArchConfig
 from tokenmill.models.fp8_activation import QuantizedActivation
+from tokenmill.models.linear import linear
 from tokenmill.models.parallel import VocabParallelEmbedding, divide
 from tokenmill.utils import triton_module
 
@@ -22,11 +23,16 @@ from tokenmill.utils import triton_module
 class Linear(nn.Linear):
     """``nn.Linear`` that skips the random init: weights are loaded or dummy-filled later.
 
-    Kaiming init of an 8B model costs tens of seconds on CPU only to be overwritten.
+    Kaiming init of an 8B model costs tens of seconds on CPU only to be overwritten. The
+    product is :func:`tokenmill.models.linear.linear`'s: on a GPU, cuBLAS or a tuned Triton
+    matmul.
     """
 
     def reset_parameters(self) -> None:
         pass
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class Bf16MatmulLinear(nn.Module):

@@ -6,13 +6,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.distributed import tensor_model_parallel_all_gather, tp_rank, tp_size
 from tokenmill.models.config import ArchConfig
 from tokenmill.models.layers import AttentionOptions, DecoderModel, Linear, RotaryEmbedding
+from tokenmill.models.linear import linear
 from tokenmill.models.parallel import VocabShard, copy_rank_slice
 
 # Checkpoint tensors that live in one fused parameter here: (fused module, HF module, shard).
@@ -95,7 +95,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, vocab]`` fp32 logits of the given hidden states (every rank gets them all)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight)
+        logits = linear(hidden, weight)
         if self.tp_size > 1:
             vocab = self.config.vocab_size
             logits = tensor_model_parallel_all_gather(logits, dim=-1)[..., :vocab].contiguous()

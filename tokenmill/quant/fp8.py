@@ -1,6 +1,6 @@
 """fp8 (e4m3) linear layers: weights per output channel, activations per token, one
 ``torch._scaled_mm`` (Hopper/Ada GPUs, and the CPU), or on a GPU whose tuning picks it for a
-shape, the Triton kernel of ``fp8_gemm.py``. On CUDA the activations are quantized by one
+shape, the Triton kernel of ``models/triton_gemm.py``. On CUDA the activations are quantized by one
 Triton kernel (``fp8_kernels.py``), unless the kernel that produced them already did
 (``models.fp8_activation``); elsewhere by the same arithmetic in PyTorch ops."""
 
@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import functools
 from types import ModuleType
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from tokenmill.models.fp8_activation import FP8_MAX, QuantizedActivation
+from tokenmill.models.linear import gemm_tile
 from tokenmill.quant.packing import KERNEL_DTYPE, QUANTIZE_ROWS, scale_rows_absmax
 from tokenmill.utils import triton_module
-
-if TYPE_CHECKING:
-    from tokenmill.quant.fp8_gemm import GemmTile, GemmTuning
 
 # _scaled_mm wants both matrix dimensions of the weight to be multiples of this.
 FP8_DIM_MULTIPLE = 16
@@ -70,24 +67,6 @@ def cuda_kernels(x: torch.Tensor) -> ModuleType | None:
     return triton_module("tokenmill.quant.fp8_kernels") if x.is_cuda else None
 
 
-@functools.cache
-def _gemm_tuning(device_index: int) -> GemmTuning | None:
-    """The fp8 matmul tuning of a CUDA device (``fp8_gemm.tuning_for_device``), or None where
-    Triton is not installed."""
-    gemm = triton_module("tokenmill.quant.fp8_gemm")
-    return None if gemm is None else gemm.tuning_for_device(
-        torch.cuda.get_device_name(device_index))
-
-
-def gemm_tile(a: torch.Tensor, n: int) -> GemmTile | None:
-    """The Triton launch for ``a`` (e4m3 ``[M, K]``) times a ``[n, K]`` weight where the
-    GPU's tuning gives one; None: ``torch._scaled_mm`` (always off CUDA)."""
-    if not a.is_cuda:
-        return None
-    tuning = _gemm_tuning(a.device.index or 0)
-    return None if tuning is None else tuning.tile_for(a.shape[0], n, a.shape[1])
-
-
 def quantize_activation(x: torch.Tensor) -> QuantizedActivation:
     """Rows of a 2-D ``x`` scaled onto e4m3 per row: one kernel on CUDA, PyTorch ops
     elsewhere, the same bytes either way."""
@@ -137,12 +116,12 @@ class Fp8Linear(nn.Module):
 
     def _scaled_mm(self, x: QuantizedActivation) -> torch.Tensor:
         """``[T, out]`` in the activations' dtype: cuBLAS (``torch._scaled_mm``), or on a GPU
-        whose fp8 matmul tuning says so for this shape, the Triton kernel of ``fp8_gemm``."""
+        whose matmul tuning says so for this shape, the Triton kernel of ``triton_gemm``."""
         bias = None if self.bias is None else self.bias.to(KERNEL_DTYPE)
-        if (tile := gemm_tile(x.values, self.out_features)) is not None:
-            from tokenmill.quant import fp8_gemm
+        if (tile := gemm_tile(x.values, self.out_features, fp8=True)) is not None:
+            from tokenmill.models import triton_gemm
 
-            y = fp8_gemm.scaled_mm(x.values, x.scale, self.weight, self.weight_scale, bias,
+            y = triton_gemm.scaled_mm(x.values, x.scale, self.weight, self.weight_scale, bias,
                                    KERNEL_DTYPE, tile)
         else:
             y = torch._scaled_mm(x.values, self.weight.t(), scale_a=x.scale,

@@ -1,26 +1,34 @@
-"""An fp8 (e4m3) matmul with row-wise scales in Triton, and the per-GPU choice between it and
-``torch._scaled_mm`` (cuBLAS).
+"""A Triton matmul for the linear layers, and the per-GPU choice between it and cuBLAS.
 
-At decode batch sizes cuBLAS runs the fp8 linears of Llama-3.1-8B with 128 x 128 tiles: at
-256 tokens a 4,096-wide output is 2 x 32 = 64 tiles, one program each, on a GPU of 132 SMs
-(the H200's profile at batch 256 had the fp8 GEMMs at 4.2 ms of a 14.8 ms step, about half of
-the tensor cores' rate). This kernel takes its tile shape from a rule by batch size and
-matrix shape, as vLLM's CUTLASS fp8 kernels dispatch by M, so a 64-row tile can fill the GPU
-where a 128-row one leaves half of it idle.
+Two products run through the same kernel, each with its own rules:
+
+- **fp8** (``Fp8Linear``): e4m3 operands with row-wise scales, in place of
+  ``torch._scaled_mm``. At decode batch sizes cuBLAS runs Llama-3.1-8B's fp8 linears with
+  128 x 128 tiles: at 256 tokens a 4,096-wide output is 2 x 32 = 64 tiles, one program each,
+  on a GPU of 132 SMs (the H200's profile at batch 256 had them at 4.2 ms of a 14.8 ms step,
+  about half of the tensor cores' rate). A tile shape chosen by batch size and matrix shape,
+  as vLLM's CUTLASS fp8 kernels dispatch by M, can fill the GPU where a 128-row one leaves
+  half of it idle.
+- **16-bit** (bf16/fp16 ``Linear``): in place of ``F.linear`` for a few rows. A batch-1
+  decode step is the weights read once, and cuBLAS's products read Llama-3.1-8B's 15 GB at
+  91% of the H200's copy bandwidth (3.90 ms of a 4.81 ms step); a 16-row tile with narrow
+  columns (the rows padded, the tensor cores idle anyway) gives every SM many programs to
+  keep the reads in flight.
 
 Which implementation and tile serve a product is the GPU's tuning file's call
-(``tokenmill/quant/tuned/<gpu>.json``, written by ``benchmarks/gpu/fp8_gemm_bw.py
---write-tuning``; ``$TOKENMILL_FP8_GEMM_TUNING`` names another file):
+(``tokenmill/models/tuned/<gpu>.json``, written by ``benchmarks/gpu/gemm_bw.py
+--write-tuning``; ``$TOKENMILL_GEMM_TUNING`` names another file):
 
     {"device": "NVIDIA H200",
      "fp8_gemm": [{"max_m": 64, "n": 4096, "k": 14336, "block_m": 64, "block_n": 64,
                    "block_k": 128, "num_warps": 4, "num_stages": 4},
                   {"max_m": 512, "block_m": 128, "block_n": 64, ...},
-                  {"max_m": null, "impl": "cublas"}]}
+                  {"max_m": null, "impl": "cublas"}],
+     "gemm": [{"max_m": 1, "block_m": 16, "block_n": 32, "block_k": 256, ...}]}
 
-A product of M rows by an ``[N, K]`` weight takes the first rule whose ``max_m`` is at least
-M (null: any) and whose ``n`` and ``k`` (optional, null: any) match; with no rule that
-matches, or without a file, cuBLAS computes it, as before this module existed.
+A product of M rows by an ``[N, K]`` weight takes the first rule of its list whose ``max_m``
+is at least M (null: any) and whose ``n`` and ``k`` (optional, null: any) match; with no rule
+that matches, or without a file, cuBLAS computes it, as before this module existed.
 """
 
 from __future__ import annotations
@@ -38,19 +46,22 @@ import triton.language as tl
 from tokenmill.attention.decode_tuning import read_json, tuned_file
 from tokenmill.utils import optional_positive_ints
 
-ENV_FILE = "TOKENMILL_FP8_GEMM_TUNING"
+ENV_FILE = "TOKENMILL_GEMM_TUNING"
 TUNED_DIR = Path(__file__).with_name("tuned")
 IMPLS = ("triton", "cublas")
+# The file's rule lists: fp8 products, 16-bit ones.
+LISTS = ("fp8_gemm", "gemm")
 
 
 @triton.jit
-def _scaled_mm_kernel(a_ptr, b_ptr, c_ptr, scale_a_ptr, scale_b_ptr, bias_ptr, M, N, K,
-                      stride_am, stride_bn, stride_cm,
-                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """One program per ``[BLOCK_M, BLOCK_N]`` tile of ``c = (a @ b.T) * scale_a * scale_b
-    (+ bias)``: a ``[M, K]`` and b ``[N, K]`` in e4m3 (K contiguous in both, so both operands
-    are K-major as Hopper's fp8 tensor cores want them), fp32 accumulation, c in its dtype.
+def _matmul_kernel(a_ptr, b_ptr, c_ptr, scale_a_ptr, scale_b_ptr, bias_ptr, M, N, K,
+                   stride_am, stride_bn, stride_cm,
+                   HAS_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """One program per ``[BLOCK_M, BLOCK_N]`` tile of ``c = a @ b.T`` (HAS_SCALES: times
+    ``scale_a`` per row and ``scale_b`` per column; HAS_BIAS: plus ``bias``): a ``[M, K]`` and
+    b ``[N, K]`` with K contiguous in both (so both operands are K-major, as Hopper's fp8
+    tensor cores want them), fp32 accumulation, c in its dtype.
 
     Programs are ordered in groups of GROUP_M row tiles, so that the programs running together
     share the columns of b they read (through L2)."""
@@ -78,9 +89,10 @@ def _scaled_mm_kernel(a_ptr, b_ptr, c_ptr, scale_a_ptr, scale_b_ptr, bias_ptr, M
         acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    scale_a = tl.load(scale_a_ptr + rows, mask=row_ok, other=0.0)
-    scale_b = tl.load(scale_b_ptr + cols, mask=col_ok, other=0.0)
-    acc = acc * scale_a[:, None] * scale_b[None, :]
+    if HAS_SCALES:
+        scale_a = tl.load(scale_a_ptr + rows, mask=row_ok, other=0.0)
+        scale_b = tl.load(scale_b_ptr + cols, mask=col_ok, other=0.0)
+        acc = acc * scale_a[:, None] * scale_b[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :],
@@ -129,32 +141,44 @@ class GemmRule:
 
 @dataclass(frozen=True)
 class GemmTuning:
-    """The rules of a GPU model, matched in order; none: every product goes to cuBLAS."""
+    """The rules of a GPU model for fp8 products and for 16-bit ones, each list matched in
+    order; none: every product goes to cuBLAS."""
 
+    fp8_rules: tuple[GemmRule, ...] = ()
     rules: tuple[GemmRule, ...] = ()
     source: str = "defaults"
     # Each shape's pick, kept: an eager step asks once a linear layer (~130 times for 8B).
-    _picked: dict[tuple[int, int, int], GemmTile | None] = field(
+    _picked: dict[tuple[int, int, int, bool], GemmTile | None] = field(
         default_factory=dict, init=False, repr=False, compare=False)
 
-    def tile_for(self, m: int, n: int, k: int) -> GemmTile | None:
-        """The Triton launch for an ``[m, k] x [n, k]^T`` product, or None for cuBLAS."""
-        shape = (m, n, k)
-        if shape not in self._picked:
-            self._picked[shape] = next(
-                (rule.tile for rule in self.rules if rule.applies(m, n, k)), None)
-        return self._picked[shape]
+    def tile_for(self, m: int, n: int, k: int, fp8: bool = False) -> GemmTile | None:
+        """The Triton launch for an ``[m, k] x [n, k]^T`` product (in fp8, or 16-bit), or
+        None for cuBLAS."""
+        key = (m, n, k, fp8)
+        if key not in self._picked:
+            rules = self.fp8_rules if fp8 else self.rules
+            self._picked[key] = next((rule.tile for rule in rules if rule.applies(m, n, k)),
+                                     None)
+        return self._picked[key]
 
 
 def parse_tuning(data: Any, source: str) -> GemmTuning:
     """A tuning from a file's JSON; ValueError naming ``source`` and the entry."""
-    entries = data.get("fp8_gemm") if isinstance(data, dict) else None
-    if not isinstance(entries, list) or not entries:
-        raise ValueError(f"{source}: expected an object with a non-empty list 'fp8_gemm'")
+    if not isinstance(data, dict) or not any(data.get(name) for name in LISTS):
+        raise ValueError(f"{source}: expected an object with a non-empty list "
+                         f"{' or '.join(repr(name) for name in LISTS)}")
+    fp8_rules, rules = (_parse_rules(data.get(name) or [], f"{source}: {name}")
+                        for name in LISTS)
+    return GemmTuning(fp8_rules, rules, source)
+
+
+def _parse_rules(entries: Any, at_list: str) -> tuple[GemmRule, ...]:
+    if not isinstance(entries, list):
+        raise ValueError(f"{at_list} must be a list")
     names = {f.name for f in fields(GemmTile)}
     rules = []
     for i, entry in enumerate(entries):
-        at = f"{source}: fp8_gemm[{i}]"
+        at = f"{at_list}[{i}]"
         if not isinstance(entry, dict):
             raise ValueError(f"{at} must be an object")
         bounds = optional_positive_ints(entry, ("max_m", "n", "k"), at)
@@ -167,7 +191,7 @@ def parse_tuning(data: Any, source: str) -> GemmTuning:
         except (TypeError, ValueError) as e:
             raise ValueError(f"{at}: {e}") from None
         rules.append(GemmRule(bounds["max_m"], tile, bounds["n"], bounds["k"]))
-    return GemmTuning(tuple(rules), source)
+    return tuple(rules)
 
 
 def load_tuning(path: str | os.PathLike[str]) -> GemmTuning:
@@ -176,8 +200,8 @@ def load_tuning(path: str | os.PathLike[str]) -> GemmTuning:
 
 @functools.cache
 def tuning_for_device(device_name: str) -> GemmTuning:
-    """The tuning of a GPU model: ``$TOKENMILL_FP8_GEMM_TUNING`` if set, else the shipped file
-    of ``device_name``, else none (cuBLAS for every product)."""
+    """The tuning of a GPU model: ``$TOKENMILL_GEMM_TUNING`` if set, else the shipped file of
+    ``device_name``, else none (cuBLAS for every product)."""
     path = tuned_file(ENV_FILE, TUNED_DIR, device_name)
     return GemmTuning() if path is None else load_tuning(path)
 
@@ -188,19 +212,37 @@ def scaled_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: 
     """``(a @ b.T) * scale_a * scale_b (+ bias)`` in ``out_dtype``, as ``torch._scaled_mm``
     computes it with row-wise scales: ``a`` ``[M, K]`` and ``b`` ``[N, K]`` in e4m3 with
     contiguous rows, ``scale_a`` ``[M, 1]``, ``scale_b`` ``[1, N]``, ``bias`` ``[N]``."""
+    return _launch(a, b, (scale_a.reshape(-1), scale_b.reshape(-1)), bias, out_dtype, tile,
+                   "scaled_mm")
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+           tile: GemmTile) -> torch.Tensor:
+    """``a @ b.T (+ bias)`` in a's dtype, as ``F.linear(a, b, bias)``: ``a`` ``[M, K]`` and
+    ``b`` ``[N, K]`` with contiguous rows, ``bias`` ``[N]``."""
+    if a.dtype != b.dtype:
+        raise ValueError(f"matmul takes a and b of one dtype, got {a.dtype} and {b.dtype}")
+    return _launch(a, b, None, bias, a.dtype, tile, "matmul")
+
+
+def _launch(a: torch.Tensor, b: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None,
+            bias: torch.Tensor | None, out_dtype: torch.dtype, tile: GemmTile,
+            name: str) -> torch.Tensor:
     m, k = a.shape
     n = b.shape[0]
     if b.shape[1] != k or a.stride(1) != 1 or b.stride(1) != 1:
-        raise ValueError(f"scaled_mm takes a [M, K] and b [N, K] with contiguous rows, got "
+        raise ValueError(f"{name} takes a [M, K] and b [N, K] with contiguous rows, got "
                          f"{tuple(a.shape)} strides {a.stride()} and {tuple(b.shape)} strides "
                          f"{b.stride()}")
     c = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0:
         return c
+    scale_a, scale_b = (c, c) if scales is None else scales  # (unread without scales)
     grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n),)
-    _scaled_mm_kernel[grid](
-        a, b, c, scale_a.reshape(-1), scale_b.reshape(-1), c if bias is None else bias,
-        m, n, k, a.stride(0), b.stride(0), c.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+    _matmul_kernel[grid](
+        a, b, c, scale_a, scale_b, c if bias is None else bias,
+        m, n, k, a.stride(0), b.stride(0), c.stride(0), HAS_SCALES=scales is not None,
+        HAS_BIAS=bias is not None, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, GROUP_M=tile.group_m, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
     return c

@@ -1,0 +1,251 @@
+"""The Triton matmul (tokenmill/models/triton_gemm.py), fp8 and 16-bit, against the products
+it replaces, and the tuning that picks it per GPU and shape. Without a GPU the kernel runs in
+Triton's interpreter on CPU tensors, with fp32 or fp16 outputs (the interpreter gets bf16
+wrong); on CUDA it is checked against ``torch._scaled_mm`` and ``F.linear`` in bf16."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import torch.nn.functional as F  # noqa: E402
+
+from tokenmill.models import linear as lin  # noqa: E402
+from tokenmill.models import triton_gemm as fg  # noqa: E402
+from tokenmill.models.layers import Linear  # noqa: E402
+from tokenmill.quant import fp8  # noqa: E402
+from tokenmill.quant.fp8 import FP8_MAX, Fp8Linear  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+OUT = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+
+
+def _operands(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    a = (torch.randn(m, k, generator=gen) * 100).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    b = (torch.randn(n, k, generator=gen) * 100).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    scale_a = torch.rand(m, 1, generator=gen) / 100 + 1e-3
+    scale_b = torch.rand(1, n, generator=gen) / 100 + 1e-3
+    bias = torch.randn(n, generator=gen)
+    return tuple(t.to(DEVICE) for t in (a, b, scale_a, scale_b, bias))
+
+
+@pytest.mark.parametrize("m,n,k,tile", [
+    (1, 48, 96, fg.GemmTile(block_m=16, block_n=16, block_k=32, num_warps=1, num_stages=2)),
+    (70, 48, 80, fg.GemmTile(block_m=32, block_n=16, block_k=32, group_m=2)),  # K masked
+    (33, 40, 64, fg.GemmTile(block_m=16, block_n=32, block_k=64, group_m=3)),  # N masked
+])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_scaled_mm_matches_the_scaled_product(m: int, n: int, k: int, tile: fg.GemmTile,
+                                              with_bias: bool) -> None:
+    a, b, scale_a, scale_b, bias = _operands(m, n, k, m + n + k)
+    bias = bias if with_bias else None
+    got = fg.scaled_mm(a, scale_a, b, scale_b, bias, OUT, tile)
+    want = (a.float() @ b.float().T) * scale_a * scale_b + (0 if bias is None else bias)
+    assert got.dtype == OUT and got.shape == (m, n)
+    tol = 1e-5 if OUT == torch.float32 else 1e-2
+    assert ((got.float() - want).norm() / want.norm()).item() <= tol
+    if DEVICE.type == "cuda":
+        ref = torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=OUT,
+                               bias=None if bias is None else bias.to(OUT))
+        assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() <= 1e-2
+
+
+# The 16-bit products: fp16 in the interpreter, bf16 on a GPU.
+HALF = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16
+
+
+@pytest.mark.parametrize("m,n,k,tile", [
+    (1, 48, 96, fg.GemmTile(block_m=16, block_n=16, block_k=32, num_warps=1, num_stages=2)),
+    (3, 40, 80, fg.GemmTile(block_m=16, block_n=32, block_k=64)),  # N and K masked
+    (17, 48, 64, fg.GemmTile(block_m=16, block_n=16, block_k=64, group_m=2)),  # two row tiles
+])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matmul_matches_linear(m: int, n: int, k: int, tile: fg.GemmTile,
+                               with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(m + n + k)
+    a, b = (torch.randn(*shape, generator=gen).to(HALF).to(DEVICE) for shape in ((m, k), (n, k)))
+    bias = torch.randn(n, generator=gen).to(HALF).to(DEVICE) if with_bias else None
+    got = fg.matmul(a, b, bias, tile)
+    want = F.linear(a.float(), b.float(), None if bias is None else bias.float())
+    assert got.dtype == HALF and got.shape == (m, n)
+    assert ((got.float() - want).norm() / want.norm()).item() <= 1e-2
+
+
+def test_matmul_checks_its_operands() -> None:
+    a = torch.zeros(2, 32, dtype=HALF, device=DEVICE)
+    with pytest.raises(ValueError, match="one dtype"):
+        fg.matmul(a, a.float(), None, fg.GemmTile())
+    with pytest.raises(ValueError, match=r"a \[M, K\] and b \[N, K\]"):
+        fg.matmul(a, a[:, :16], None, fg.GemmTile())
+
+
+def test_linear_layers_run_the_tuned_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the tuning gives a tile for a 16-bit product (on a GPU; patched in here), a
+    Linear layer's product and the head's are the Triton kernel's, asked with the rows and
+    the weight's shape; fp32 products, and tiles of None, go to F.linear."""
+    gen = torch.Generator().manual_seed(4)
+    layer = Linear(64, 48, bias=True).to(HALF).to(DEVICE)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(48, 64, generator=gen))
+        layer.bias.copy_(torch.randn(48, generator=gen))
+    x = torch.randn(3, 64, generator=gen).to(HALF).to(DEVICE)
+    asked: list[tuple[int, int, int, bool]] = []
+    tile = fg.GemmTile(block_m=16, block_n=16, block_k=32, num_warps=2, num_stages=2)
+
+    def gemm_tile(a: torch.Tensor, n: int, fp8: bool = False) -> fg.GemmTile | None:
+        asked.append((a.shape[0], n, a.shape[1], fp8))
+        return tile if a.shape[0] < 4 else None
+
+    monkeypatch.setattr(lin, "gemm_tile", gemm_tile)
+    launched: list[fg.GemmTile] = []
+    matmul = fg.matmul
+    monkeypatch.setattr(fg, "matmul", lambda *args: launched.append(args[-1]) or matmul(*args))
+    got = layer(x)
+    want = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+    assert ((got.float() - want).norm() / want.norm()).item() <= 1e-2
+    assert asked == [(3, 48, 64, False)] and launched == [tile]
+    layer(torch.randn(5, 64, generator=gen).to(HALF).to(DEVICE))  # no tile: F.linear
+    layer.float()(x.float())  # fp32: F.linear, the tuning not asked
+    assert len(asked) == 2 and launched == [tile]
+
+
+def test_scaled_mm_checks_its_operands() -> None:
+    a, b, scale_a, scale_b, _ = _operands(4, 32, 64, 0)
+    with pytest.raises(ValueError, match=r"a \[M, K\] and b \[N, K\]"):
+        fg.scaled_mm(a, scale_a, b[:, :32], scale_b, None, OUT, fg.GemmTile())
+    assert fg.scaled_mm(a[:0], scale_a[:0], b, scale_b, None, OUT, fg.GemmTile()).shape == (0, 32)
+
+
+def test_rules_by_rows_and_shape() -> None:
+    data = {"fp8_gemm": [
+        {"max_m": 64, "n": 4096, "k": 14336, "block_m": 64, "block_n": 32},
+        {"max_m": 64, "impl": "cublas"},
+        {"max_m": 512, "block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}],
+        "gemm": [{"max_m": 1, "n": 4096, "block_m": 16, "block_n": 16, "block_k": 512}]}
+    tuning = fg.parse_tuning(data, "t")
+    assert tuning.tile_for(16, 4096, 14336, fp8=True) == fg.GemmTile(block_m=64, block_n=32)
+    assert tuning.tile_for(16, 6144, 4096, fp8=True) is None  # cuBLAS, by the second rule
+    assert tuning.tile_for(256, 6144, 4096, fp8=True) == fg.GemmTile(128, 64, 128, 8, 8, 3)
+    assert tuning.tile_for(513, 6144, 4096, fp8=True) is None  # no rule: cuBLAS
+    # The 16-bit list is the other one.
+    assert tuning.tile_for(1, 4096, 14336) == fg.GemmTile(16, 16, 512)
+    assert tuning.tile_for(2, 4096, 14336) is None
+    assert tuning.tile_for(16, 4096, 14336) is None
+    assert fg.GemmTuning().tile_for(1, 16, 16) is None
+    # Asked again (kept per shape): the same picks, and another tuning keeps its own.
+    assert tuning.tile_for(16, 4096, 14336, fp8=True) == fg.GemmTile(block_m=64, block_n=32)
+    assert tuning.tile_for(1, 4096, 14336) == fg.GemmTile(16, 16, 512)
+    assert fg.GemmTuning().tile_for(16, 4096, 14336, fp8=True) is None
+    assert tuning == fg.parse_tuning(data, "t")  # what it has picked is not compared
+    # Either list alone is a tuning.
+    assert fg.parse_tuning({"gemm": data["gemm"]}, "t").fp8_rules == ()
+    assert fg.parse_tuning({"fp8_gemm": data["fp8_gemm"]}, "t").rules == ()
+
+
+@pytest.mark.parametrize("data,message", [
+    ({}, "non-empty list 'fp8_gemm' or 'gemm'"),
+    ({"fp8_gemm": [], "gemm": []}, "non-empty list 'fp8_gemm' or 'gemm'"),
+    ({"fp8_gemm": [{"max_m": 0}]}, r"fp8_gemm\[0\]: max_m must be null or a positive integer"),
+    ({"fp8_gemm": [{"block_m": 48}]}, r"fp8_gemm\[0\]: block_m must be a power of two"),
+    ({"fp8_gemm": [{}, {"impl": "cutlass"}]}, r"fp8_gemm\[1\]: impl must be one of"),
+    ({"gemm": [{"num_stages": 0}]}, r"gemm\[0\]: num_stages must be 1..8"),
+    ({"gemm": {"max_m": 1}}, "gemm must be a list"),
+])
+def test_bad_files_name_the_entry(tmp_path: Path, data: object, message: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=message) as e:
+        fg.load_tuning(path)
+    assert str(path) in str(e.value)
+
+
+def test_the_environment_names_the_tuning_file(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"fp8_gemm": [{"max_m": 8, "block_m": 16}]}))
+    fg.tuning_for_device.cache_clear()
+    try:
+        assert fg.tuning_for_device("Some GPU") == fg.GemmTuning()  # no file for it: cuBLAS
+        fg.tuning_for_device.cache_clear()
+        monkeypatch.setenv(fg.ENV_FILE, str(path))
+        assert (fg.tuning_for_device("Some GPU").tile_for(8, 16, 16, fp8=True)
+                == fg.GemmTile(block_m=16))
+        fg.tuning_for_device.cache_clear()
+        monkeypatch.setenv(fg.ENV_FILE, str(tmp_path / "missing.json"))
+        with pytest.raises(ValueError, match=r"\$TOKENMILL_GEMM_TUNING=.*: no such file"):
+            fg.tuning_for_device("Some GPU")
+    finally:
+        fg.tuning_for_device.cache_clear()
+
+
+def test_fp8_linear_runs_the_tuned_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the tuning gives a tile, Fp8Linear's product is the Triton kernel's (asked with
+    the activations' rows and the weight's shape), and equals the scaled product."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(48, 64, generator=gen)
+    layer = Fp8Linear(*fp8.quantize_fp8(weight), torch.randn(48, generator=gen)).to(DEVICE)
+    x = torch.randn(5, 64, generator=gen).to(DEVICE)
+    asked: list[tuple[int, int, int]] = []
+    tile = fg.GemmTile(block_m=16, block_n=16, block_k=32, num_warps=2, num_stages=2)
+
+    def gemm_tile(a: torch.Tensor, n: int, fp8: bool = False) -> fg.GemmTile:
+        asked.append((a.shape[0], n, a.shape[1], fp8))
+        return tile
+
+    monkeypatch.setattr(fp8, "gemm_tile", gemm_tile)
+    monkeypatch.setattr(fp8, "KERNEL_DTYPE", OUT)
+    got = layer(x)
+    assert asked == [(5, 48, 64, True)]
+    q = fp8.quantize_activation(x)
+    want = ((q.values.float() @ layer.weight.float().T) * q.scale * layer.weight_scale
+            + layer.bias)
+    assert ((got.float() - want).norm() / want.norm()).item() <= 1e-2
+
+def test_off_cuda_the_tuning_is_never_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_tuning(index: int) -> None:
+        raise AssertionError("read a GPU's tuning for a CPU tensor")
+
+    monkeypatch.setattr(lin, "_gemm_tuning", no_tuning)
+    assert lin.gemm_tile(torch.zeros(2, 16, dtype=torch.float8_e4m3fn), 16, fp8=True) is None
+    assert lin.gemm_tile(torch.zeros(2, 16, dtype=torch.bfloat16), 16) is None
+    layer = Linear(16, 8)
+    x = torch.randn(2, 16)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not fp8.fp8_supported(torch.device("cpu")),
+                    reason="the script's CPU run needs a CPU _scaled_mm with per-row scales "
+                           "(torch 2.13 has one; a GPU image's 2.11 does not)")
+def test_sweep_script_writes_a_tuning_file_the_engine_reads(tmp_path: Path) -> None:
+    """benchmarks/gpu/gemm_bw.py in the interpreter (no timings there, so cuBLAS is kept
+    everywhere): every tile computed and compared with cuBLAS, a rule per class and shape, the
+    fp8 and 16-bit sweeps each writing their list of one file."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).parents[2]
+    tuning = tmp_path / "t.json"
+    for dtype in ("fp8", "bf16"):
+        result = tmp_path / f"r-{dtype}.json"
+        done = subprocess.run([sys.executable, str(root / "benchmarks/gpu/gemm_bw.py"),
+                               "--dtype", dtype, "--write-tuning", str(tuning),
+                               "--result-file", str(result)],
+                              capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "PYTHONPATH": str(root),
+                                   # the toy sizes in the interpreter, on a GPU machine too
+                                   "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"})
+        assert done.returncode == 0, done.stderr[-3000:]
+        rows = json.loads(result.read_text())["results"]
+        assert all(t["rel_err_vs_cublas"] < 1e-3 for r in rows for t in r["triton"])
+    loaded = fg.load_tuning(tuning)
+    for rules in (loaded.fp8_rules, loaded.rules):
+        assert [(r.max_m, r.n, r.k, r.tile) for r in rules] == [(16, 48, 64, None),
+                                                                (None, 48, 64, None)]

@@ -1,0 +1,53 @@
+"""Where a linear layer's product runs: ``F.linear`` (cuBLAS on a GPU, oneDNN on the CPU), or
+on a GPU whose tuning file picks it for the product's rows and weight shape, the Triton matmul
+of :mod:`tokenmill.models.triton_gemm`. Nothing here imports Triton: a run on the CPU never
+does."""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.utils import triton_module
+
+if TYPE_CHECKING:
+    from tokenmill.models.triton_gemm import GemmTile, GemmTuning
+
+# The 16-bit products the Triton matmul computes; fp8 ones go through Fp8Linear.
+MATMUL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def _gemm_tuning(device_index: int) -> GemmTuning | None:
+    """The matmul tuning of a CUDA device (``triton_gemm.tuning_for_device``), or None where
+    Triton is not installed."""
+    gemm = triton_module("tokenmill.models.triton_gemm")
+    return None if gemm is None else gemm.tuning_for_device(
+        torch.cuda.get_device_name(device_index))
+
+
+def gemm_tile(a: torch.Tensor, n: int, fp8: bool = False) -> GemmTile | None:
+    """The Triton launch for ``a`` (``[M, K]``; e4m3 with ``fp8``) times a ``[n, K]`` weight
+    where the GPU's tuning gives one; None: cuBLAS (always off CUDA)."""
+    if not a.is_cuda:
+        return None
+    tuning = _gemm_tuning(a.device.index or 0)
+    return None if tuning is None else tuning.tile_for(a.shape[0], n, a.shape[1], fp8)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; a 2-D 16-bit product on CUDA goes to the Triton matmul
+    where the GPU's tuning picks it (a decode step's few rows). ``weight`` may be a stand-in
+    that ``F.linear`` dispatches (``quant.head.QuantizedMatrix``): that goes to F.linear."""
+    if (x.ndim == 2 and x.dtype in MATMUL_DTYPES
+            and isinstance(weight, torch.Tensor) and weight.dtype == x.dtype
+            and x.stride(1) == 1 and weight.stride(1) == 1
+            and (tile := gemm_tile(x, weight.shape[0])) is not None):
+        from tokenmill.models import triton_gemm
+
+        return triton_gemm.matmul(x, weight, bias, tile)
+    return F.linear(x, weight, bias)
