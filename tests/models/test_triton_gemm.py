@@ -215,6 +215,9 @@ def test_off_cuda_the_tuning_is_never_read(monkeypatch: pytest.MonkeyPatch) -> N
     assert lin.gemm_tile(torch.zeros(2, 16, dtype=torch.float8_e4m3fn), 16, fp8=True) is None
     assert lin.gemm_tile(torch.zeros(2, 16, dtype=torch.bfloat16), 16) is None
     layer = Linear(16, 8)
+    with torch.no_grad():  # (Linear leaves its weights uninitialized)
+        layer.weight.normal_()
+        layer.bias.normal_()
     x = torch.randn(2, 16)
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
 

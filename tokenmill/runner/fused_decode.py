@@ -111,7 +111,9 @@ class LinearParts:
 
 def linear_parts(module: nn.Module, dtype: torch.dtype) -> LinearParts:
     """The kind and tensors of a projection module; UnsupportedModel for unknown modules."""
-    if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
+    # (layers.Linear's product is F.linear's wherever this stack runs: off CUDA.)
+    if isinstance(module, nn.Linear) and type(module).forward in (nn.Linear.forward,
+                                                                  layers.Linear.forward):
         if module.weight.dtype != dtype:
             raise UnsupportedModel(f"linear weight is {module.weight.dtype}, activations {dtype}")
         return LinearParts(KIND_FLOAT, module.weight, module.bias)
