@@ -3,7 +3,9 @@
 checked against cuBLAS's. ``--dtype fp8`` times the fp8 products (``torch._scaled_mm``,
 row-wise scales) at decode and prefill batches; ``--dtype bf16`` the 16-bit ones
 (``F.linear``) at decode's few rows, the LM head too, with the weights' read rate against the
-copy bandwidth (a batch-1 step is the weights read once). With ``--write-tuning`` it writes,
+copy bandwidth (a batch-1 step is the weights read once); the down projection as the model
+runs it, its SiLU in the Triton kernel's prologue against the SiLU-and-mul kernel and then
+cuBLAS. With ``--write-tuning`` it writes,
 for every class of rows and every weight shape, the faster implementation into the GPU's
 matmul tuning file (that dtype's list; the other list, if the file has one, is kept).
 
@@ -37,6 +39,7 @@ if not torch.cuda.is_available():
 import attention_bw  # noqa: E402
 
 from tokenmill.bench.report import markdown_table, now_iso, write_json  # noqa: E402
+from tokenmill.models import fused_ops  # noqa: E402
 from tokenmill.models import triton_gemm as tg  # noqa: E402
 from tokenmill.models.fp8_activation import FP8_MAX  # noqa: E402
 
@@ -44,6 +47,10 @@ from tokenmill.models.fp8_activation import FP8_MAX  # noqa: E402
 SHAPES = [("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 28672, 4096),
           ("down_proj", 4096, 14336)]
 HEAD = [("lm_head", 128256, 4096)]
+# The 16-bit down projection runs with its SiLU prologue where Triton computes it (GatedMLP):
+# timed that way, against the SiLU-and-mul kernel and then cuBLAS.
+SILU_SHAPES = ("down_proj", "toy down_proj")
+TOY_SHAPES = {"fp8": [("toy", 48, 64)], "bf16": [("toy", 48, 64), ("toy down_proj", 48, 32)]}
 # (max rows of the class, rows it is timed at); None: any number of rows.
 CLASSES = {"fp8": [(16, 1), (64, 64), (256, 256), (512, 334), (None, 8192)],
            "bf16": [(1, 1), (8, 8), (16, 16)]}
@@ -65,10 +72,10 @@ LIST = {"fp8": "fp8_gemm", "bf16": "gemm"}
 
 
 def operands(fp8: bool, m: int, n: int, k: int, copies: int, device: torch.device,
-             gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor],
-                                            torch.Tensor]:
-    """``(x, scale_a, weights, scale_b)``: activations, ``copies`` weights of one shape, and
-    their scales (ones for 16-bit, unused)."""
+             gen: torch.Generator, halves: int = 1
+             ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """``(x, scale_a, weights, scale_b)``: activations (``[m, halves * k]``), ``copies``
+    weights of one shape, and their scales (unused for 16-bit)."""
     def values(*shape: int) -> torch.Tensor:
         x = torch.randn(*shape, generator=gen, device=device)
         if fp8:
@@ -77,16 +84,21 @@ def operands(fp8: bool, m: int, n: int, k: int, copies: int, device: torch.devic
 
     scale_a = torch.rand(m, 1, generator=gen, device=device) / 100 + 1e-3
     scale_b = torch.rand(1, n, generator=gen, device=device) / 100 + 1e-3
-    return values(m, k), scale_a, [values(n, k) for _ in range(copies)], scale_b
+    return values(m, halves * k), scale_a, [values(n, k) for _ in range(copies)], scale_b
 
 
-def products(fp8: bool, x: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-             out_dtype: torch.dtype) -> tuple[Any, Any]:
-    """``(cuBLAS's product of a weight, Triton's product of a weight at a tile)``."""
+def products(fp8: bool, silu: bool, x: torch.Tensor, scale_a: torch.Tensor,
+             scale_b: torch.Tensor, out_dtype: torch.dtype) -> tuple[Any, Any]:
+    """``(cuBLAS's product of a weight, Triton's product of a weight at a tile)``; with
+    ``silu``, of ``silu(gate) * up`` for x's two halves (the SiLU-and-mul kernel first, or
+    Triton's prologue)."""
     if fp8:
         return (lambda w: torch._scaled_mm(x, w.t(), scale_a=scale_a, scale_b=scale_b,
                                            out_dtype=out_dtype),
                 lambda w, tile: tg.scaled_mm(x, scale_a, w, scale_b, None, out_dtype, tile))
+    if silu:
+        return (lambda w: F.linear(fused_ops.silu_and_mul(x), w),
+                lambda w, tile: tg.matmul(x, w, None, tile, silu_mul=True))
     return (lambda w: F.linear(x, w), lambda w, tile: tg.matmul(x, w, None, tile))
 
 
@@ -109,7 +121,7 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gpu = device.type == "cuda"
     out_dtype = torch.bfloat16 if gpu else torch.float32 if fp8 else torch.float16
-    shapes = (SHAPES if fp8 else SHAPES + HEAD) if gpu else [("toy", 48, 64)]
+    shapes = (SHAPES if fp8 else SHAPES + HEAD) if gpu else TOY_SHAPES[a.dtype]
     classes = CLASSES[a.dtype] if gpu else [(16, 3), (None, 20)]
     tiles = TILES[a.dtype] if gpu else TOY_TILES
     copy_gb_s = attention_bw.copy_bandwidth(device) / 1e9
@@ -121,12 +133,14 @@ def main() -> None:
         copies = max(1, min(8, int(4e8 // (n * k)))) if gpu else 1
         weight_bytes = n * k * (1 if fp8 else 2)
         for max_m, m in classes:
-            x, scale_a, weights, scale_b = operands(fp8, m, n, k, copies, device, gen)
-            cublas, triton_mm = products(fp8, x, scale_a, scale_b, out_dtype)
+            silu = not fp8 and name in SILU_SHAPES
+            x, scale_a, weights, scale_b = operands(fp8, m, n, k, copies, device, gen,
+                                                    2 if silu else 1)
+            cublas, triton_mm = products(fp8, silu, x, scale_a, scale_b, out_dtype)
             ref = cublas(weights[0]).float()
             cublas_ms = attention_bw.time_ms([functools.partial(cublas, w) for w in weights],
                                              device)
-            row = {"shape": name, "n": n, "k": k, "m": m, "max_m": max_m,
+            row = {"shape": name, "n": n, "k": k, "m": m, "max_m": max_m, "silu_prologue": silu,
                    "cublas_ms": cublas_ms, "triton": []}
             best = ("cublas", cublas_ms, None)
             for tile in tiles:

@@ -124,7 +124,8 @@ CASES = [
 ] + [
     # The matmul's tiles (tokenmill/models/triton_gemm.py): fp8 at Llama-3.1-8B's o_proj.
     (f"fp8 scaled_mm {bm} x {bn} x {bk}, {st} stages", tg._matmul_kernel,
-     dict(HAS_SCALES=True, HAS_BIAS=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8),
+     dict(HAS_SCALES=True, HAS_BIAS=False, SILU_MUL=False, BLOCK_M=bm, BLOCK_N=bn,
+          BLOCK_K=bk, GROUP_M=8),
      {"num_warps": w, "num_stages": st},
      {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "scale_a_ptr": "*fp32", "scale_b_ptr": "*fp32"})
     for bm, bn, bk, w, st in ((64, 64, 128, 4, 4), (64, 128, 128, 4, 4), (128, 64, 128, 4, 4),
@@ -132,13 +133,14 @@ CASES = [
 ] + [
     # bf16 at a decode step's few rows (one 16-row tile), some of gemm_bw.py's tiles.
     (f"bf16 matmul {tile.block_m} x {tile.block_n} x {tile.block_k}, {tile.num_warps}w, "
-     f"{tile.num_stages} stages", tg._matmul_kernel,
-     dict(HAS_SCALES=False, HAS_BIAS=False, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-          BLOCK_K=tile.block_k, GROUP_M=tile.group_m),
+     f"{tile.num_stages} stages" + (", SiLU prologue" if silu else ""), tg._matmul_kernel,
+     dict(HAS_SCALES=False, HAS_BIAS=False, SILU_MUL=silu, BLOCK_M=tile.block_m,
+          BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m),
      {"num_warps": tile.num_warps, "num_stages": tile.num_stages}, {})
     for tile in (tg.GemmTile(16, 16, 512, 1, 4, 3), tg.GemmTile(16, 32, 256, 1, 4, 4),
                  tg.GemmTile(16, 32, 256, 1, 2, 5), tg.GemmTile(16, 64, 128, 1, 4, 5),
                  tg.GemmTile(16, 128, 128, 1, 4, 4))
+    for silu in (False, True)
 ] + [
     ("rotary", fo._rotary_kernel, dict(NUM_HEADS=48, HALF=64, BLOCK_H=64, BLOCK_D=64),
      {"num_warps": 4}, {}),

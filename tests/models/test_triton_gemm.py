@@ -98,8 +98,9 @@ def test_linear_layers_run_the_tuned_matmul(monkeypatch: pytest.MonkeyPatch) -> 
     asked: list[tuple[int, int, int, bool]] = []
     tile = fg.GemmTile(block_m=16, block_n=16, block_k=32, num_warps=2, num_stages=2)
 
-    def gemm_tile(a: torch.Tensor, n: int, fp8: bool = False) -> fg.GemmTile | None:
-        asked.append((a.shape[0], n, a.shape[1], fp8))
+    def gemm_tile(a: torch.Tensor, n: int, fp8: bool = False,
+                  k: int | None = None) -> fg.GemmTile | None:
+        asked.append((a.shape[0], n, a.shape[1] if k is None else k, fp8))
         return tile if a.shape[0] < 4 else None
 
     monkeypatch.setattr(lin, "gemm_tile", gemm_tile)
@@ -113,6 +114,61 @@ def test_linear_layers_run_the_tuned_matmul(monkeypatch: pytest.MonkeyPatch) -> 
     layer(torch.randn(5, 64, generator=gen).to(HALF).to(DEVICE))  # no tile: F.linear
     layer.float()(x.float())  # fp32: F.linear, the tuning not asked
     assert len(asked) == 2 and launched == [tile]
+
+
+@pytest.mark.parametrize("m,n,k,tile", [
+    (1, 48, 96, fg.GemmTile(block_m=16, block_n=16, block_k=32, num_warps=1, num_stages=2)),
+    (5, 40, 80, fg.GemmTile(block_m=16, block_n=32, block_k=64)),  # N and K masked
+])
+def test_matmul_with_the_silu_prologue_equals_the_two_kernels(m: int, n: int, k: int,
+                                                               tile: fg.GemmTile) -> None:
+    """``silu_mul``: the down projection of a gated MLP's ``[M, 2K]`` gate and up halves,
+    the SiLU-and-mul kernel's arithmetic done as the product loads its operand."""
+    from tokenmill.models import fused_ops
+
+    gen = torch.Generator().manual_seed(m * n)
+    gate_up = (torch.randn(m, 2 * k, generator=gen) * 3).to(HALF).to(DEVICE)
+    w = torch.randn(n, k, generator=gen).to(HALF).to(DEVICE)
+    bias = torch.randn(n, generator=gen).to(HALF).to(DEVICE)
+    got = fg.matmul(gate_up, w, bias, tile, silu_mul=True)
+    two = fg.matmul(fused_ops.silu_and_mul(gate_up), w, bias, tile)
+    if DEVICE.type == "cpu":  # the interpreter: the same arithmetic, op for op
+        assert torch.equal(got, two)
+    gate, up = gate_up.float().chunk(2, dim=1)
+    want = F.linear((F.silu(gate).to(HALF).float() * up), w.float(), bias.float())
+    assert ((got.float() - want).norm() / want.norm()).item() <= 1e-2
+    with pytest.raises(ValueError, match=r"a \[M, 2K\] and b \[N, K\]"):
+        fg.matmul(gate_up[:, :k], w, None, tile, silu_mul=True)
+
+
+def test_gated_mlp_computes_the_silu_in_the_down_projection(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the down projection's 16-bit product has a Triton tile (a GPU's tuning; patched
+    in here), GatedMLP launches no SiLU kernel: the down projection computes it, with the
+    same result as SiLU then product."""
+    from tokenmill.models.layers import GatedMLP
+
+    gen = torch.Generator().manual_seed(6)
+    mlp = GatedMLP(32, 48, bias=False).to(HALF).to(DEVICE)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / 4)
+    x = torch.randn(3, 32, generator=gen).to(HALF).to(DEVICE)
+    tile = fg.GemmTile(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=2)
+    prologues: list[bool] = []
+    matmul = fg.matmul
+
+    def counted(*args: object, silu_mul: bool = False) -> torch.Tensor:
+        prologues.append(silu_mul)
+        return matmul(*args, silu_mul=silu_mul)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fg, "matmul", counted)
+    unfused = mlp(x)  # no tuning: cuBLAS (F.linear) and the SiLU apart
+    assert prologues == []
+    monkeypatch.setattr(lin, "gemm_tile", lambda a, n, fp8=False, k=None: tile)
+    fused = mlp(x)
+    assert prologues == [False, True]  # gate_up, then down with the SiLU
+    assert ((fused.float() - unfused.float()).norm() / unfused.float().norm()).item() <= 1e-2
 
 
 def test_scaled_mm_checks_its_operands() -> None:
@@ -249,6 +305,7 @@ def test_sweep_script_writes_a_tuning_file_the_engine_reads(tmp_path: Path) -> N
         rows = json.loads(result.read_text())["results"]
         assert all(t["rel_err_vs_cublas"] < 1e-3 for r in rows for t in r["triton"])
     loaded = fg.load_tuning(tuning)
-    for rules in (loaded.fp8_rules, loaded.rules):
-        assert [(r.max_m, r.n, r.k, r.tile) for r in rules] == [(16, 48, 64, None),
-                                                                (None, 48, 64, None)]
+    assert [(r.max_m, r.n, r.k, r.tile) for r in loaded.fp8_rules] == [
+        (16, 48, 64, None), (None, 48, 64, None)]
+    assert [(r.max_m, r.n, r.k, r.tile) for r in loaded.rules] == [
+        (16, 48, 64, None), (None, 48, 64, None), (16, 48, 32, None), (None, 48, 32, None)]

@@ -129,16 +129,17 @@ KERNELS += [
 # The matmul (models/triton_gemm.py) at tiles its sweeps try: fp8 with scales, with and
 # without a bias; bf16 without scales, a decode step's 16-row tiles.
 KERNELS += [
-    (tg._matmul_kernel, dict(HAS_SCALES=True, HAS_BIAS=bias, BLOCK_M=bm, BLOCK_N=bn,
-                             BLOCK_K=bk, GROUP_M=8),
+    (tg._matmul_kernel, dict(HAS_SCALES=True, HAS_BIAS=bias, SILU_MUL=False, BLOCK_M=bm,
+                             BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8),
      {"num_warps": w, "num_stages": st},
      {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "scale_a_ptr": "*fp32", "scale_b_ptr": "*fp32"})
     for bm, bn, bk, w, st in ((16, 32, 256, 4, 4), (64, 64, 128, 4, 4), (128, 128, 128, 8, 3))
     for bias in (False, True)
 ] + [
-    (tg._matmul_kernel, dict(HAS_SCALES=False, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=bn,
-                             BLOCK_K=bk, GROUP_M=1), {"num_warps": w, "num_stages": st})
+    (tg._matmul_kernel, dict(HAS_SCALES=False, HAS_BIAS=False, SILU_MUL=silu, BLOCK_M=16,
+                             BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1), {"num_warps": w, "num_stages": st})
     for bn, bk, w, st in ((16, 1024, 4, 2), (32, 256, 2, 5), (128, 128, 4, 4))
+    for silu in (False, True)
 ]
 # The sampler's greedy step (argmax + its logprob), as greedy_with_logprobs launches it: on
 # logits of each dtype, a whole row per program (FINAL: the ids stand in for the unused

@@ -98,14 +98,20 @@ def _rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, scale_ptr, n_c
 
 
 @triton.jit
-def _silu_mul(x_row, cols, mask, n_cols):
-    """``silu(gate) * up`` at ``cols`` of the row of gate (then up) halves at ``x_row``, in
-    the activations' dtype: silu rounded to it before the product, as eager does."""
-    dtype = x_row.dtype.element_ty
-    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_row + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+def silu_mul_values(gate, up, dtype: tl.constexpr):
+    """``silu(gate) * up`` in ``dtype``, the activations': silu rounded to it before the
+    product, as eager does (the matmul's SiLU prologue computes the same)."""
+    gate = gate.to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    return (act * up).to(dtype)
+    return (act * up.to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _silu_mul(x_row, cols, mask, n_cols):
+    """``silu(gate) * up`` at ``cols`` of the row of gate (then up) halves at ``x_row``."""
+    gate = tl.load(x_row + cols, mask=mask, other=0.0)
+    up = tl.load(x_row + n_cols + cols, mask=mask, other=0.0)
+    return silu_mul_values(gate, up, x_row.dtype.element_ty)
 
 
 @triton.jit

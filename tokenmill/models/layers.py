@@ -15,7 +15,7 @@ from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.distributed import tensor_model_parallel_all_reduce, tp_rank, tp_size
 from tokenmill.models.config import ArchConfig
 from tokenmill.models.fp8_activation import QuantizedActivation
-from tokenmill.models.linear import linear
+from tokenmill.models.linear import linear, silu_mul_linear
 from tokenmill.models.parallel import VocabParallelEmbedding, divide
 from tokenmill.utils import triton_module
 
@@ -201,6 +201,12 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if type(self.down_proj) is Linear and (
+                out := silu_mul_linear(gate_up, self.down_proj.weight,
+                                       self.down_proj.bias)) is not None:
+            # A decode step's few rows on a GPU whose tuning says so: the SiLU in the down
+            # projection's kernel.
+            return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
         act: torch.Tensor | QuantizedActivation
         if gate_up.ndim == 2 and (ops := cuda_kernels(gate_up)) is not None:
             act = ops.silu_and_mul_fp8(gate_up) if self.fp8_act else ops.silu_and_mul(gate_up)

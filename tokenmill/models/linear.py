@@ -29,13 +29,26 @@ def _gemm_tuning(device_index: int) -> GemmTuning | None:
         torch.cuda.get_device_name(device_index))
 
 
-def gemm_tile(a: torch.Tensor, n: int, fp8: bool = False) -> GemmTile | None:
+def gemm_tile(a: torch.Tensor, n: int, fp8: bool = False, k: int | None = None
+              ) -> GemmTile | None:
     """The Triton launch for ``a`` (``[M, K]``; e4m3 with ``fp8``) times a ``[n, K]`` weight
-    where the GPU's tuning gives one; None: cuBLAS (always off CUDA)."""
+    where the GPU's tuning gives one; None: cuBLAS (always off CUDA). ``k``: K, where ``a``
+    is wider (the gate and up halves of a SiLU prologue)."""
     if not a.is_cuda:
         return None
     tuning = _gemm_tuning(a.device.index or 0)
-    return None if tuning is None else tuning.tile_for(a.shape[0], n, a.shape[1], fp8)
+    return None if tuning is None else tuning.tile_for(
+        a.shape[0], n, a.shape[1] if k is None else k, fp8)
+
+
+def _matmul_tile(x: torch.Tensor, weight: torch.Tensor, halves: int = 1) -> GemmTile | None:
+    """The tuned Triton tile for ``x`` times a 16-bit ``weight`` ``[N, K]``, or None: cuBLAS.
+    ``x`` is ``[M, K]``, or with ``halves`` 2 the ``[M, 2K]`` of a SiLU prologue."""
+    if (x.ndim == 2 and x.dtype in MATMUL_DTYPES and isinstance(weight, torch.Tensor)
+            and weight.dtype == x.dtype and x.shape[1] == halves * weight.shape[1]
+            and x.stride(1) == 1 and weight.stride(1) == 1):
+        return gemm_tile(x, weight.shape[0], k=weight.shape[1])
+    return None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
@@ -43,11 +56,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     """``F.linear(x, weight, bias)``; a 2-D 16-bit product on CUDA goes to the Triton matmul
     where the GPU's tuning picks it (a decode step's few rows). ``weight`` may be a stand-in
     that ``F.linear`` dispatches (``quant.head.QuantizedMatrix``): that goes to F.linear."""
-    if (x.ndim == 2 and x.dtype in MATMUL_DTYPES
-            and isinstance(weight, torch.Tensor) and weight.dtype == x.dtype
-            and x.stride(1) == 1 and weight.stride(1) == 1
-            and (tile := gemm_tile(x, weight.shape[0])) is not None):
+    if (tile := _matmul_tile(x, weight)) is not None:
         from tokenmill.models import triton_gemm
 
         return triton_gemm.matmul(x, weight, bias, tile)
     return F.linear(x, weight, bias)
+
+
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """A gated MLP's down projection of ``silu(gate) * up`` (``gate_up`` ``[M, 2K]``) in one
+    Triton kernel, where the GPU's tuning picks the Triton matmul for ``[M, K]`` by
+    ``weight``: the SiLU is computed as the product loads its operand, and the SiLU kernel is
+    not launched. None elsewhere: the caller runs the two kernels."""
+    if (tile := _matmul_tile(gate_up, weight, halves=2)) is None:
+        return None
+    from tokenmill.models import triton_gemm
+
+    return triton_gemm.matmul(gate_up, weight, bias, tile, silu_mul=True)

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.attention.decode_tuning import read_json, tuned_file
+from tokenmill.models.fused_ops import silu_mul_values
 from tokenmill.utils import optional_positive_ints
 
 ENV_FILE = "TOKENMILL_GEMM_TUNING"
@@ -56,12 +57,16 @@ LISTS = ("fp8_gemm", "gemm")
 @triton.jit
 def _matmul_kernel(a_ptr, b_ptr, c_ptr, scale_a_ptr, scale_b_ptr, bias_ptr, M, N, K,
                    stride_am, stride_bn, stride_cm,
-                   HAS_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                   HAS_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr):
     """One program per ``[BLOCK_M, BLOCK_N]`` tile of ``c = a @ b.T`` (HAS_SCALES: times
     ``scale_a`` per row and ``scale_b`` per column; HAS_BIAS: plus ``bias``): a ``[M, K]`` and
     b ``[N, K]`` with K contiguous in both (so both operands are K-major, as Hopper's fp8
-    tensor cores want them), fp32 accumulation, c in its dtype.
+    tensor cores want them), fp32 accumulation, c in its dtype. With SILU_MUL, a is a gated
+    MLP's ``[M, 2K]`` gate and up halves, and the product's left operand is
+    ``silu(gate) * up``, computed as each tile of it is loaded (the SiLU-and-mul kernel's
+    arithmetic, so no kernel of its own writes it first).
 
     Programs are ordered in groups of GROUP_M row tiles, so that the programs running together
     share the columns of b they read (through L2)."""
@@ -85,6 +90,9 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, scale_a_ptr, scale_b_ptr, bias_ptr, M, N
     for k0 in range(0, K, BLOCK_K):
         k_ok = k0 + ks < K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if SILU_MUL:
+            up = tl.load(a_ptrs + K, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            a = silu_mul_values(a, up, a_ptr.dtype.element_ty)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
@@ -217,23 +225,26 @@ def scaled_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: 
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-           tile: GemmTile) -> torch.Tensor:
+           tile: GemmTile, silu_mul: bool = False) -> torch.Tensor:
     """``a @ b.T (+ bias)`` in a's dtype, as ``F.linear(a, b, bias)``: ``a`` ``[M, K]`` and
-    ``b`` ``[N, K]`` with contiguous rows, ``bias`` ``[N]``."""
+    ``b`` ``[N, K]`` with contiguous rows, ``bias`` ``[N]``. With ``silu_mul``, ``a`` is
+    ``[M, 2K]``, a gated MLP's gate and up halves, and the product is
+    ``F.linear(silu_and_mul(a), b, bias)``."""
     if a.dtype != b.dtype:
         raise ValueError(f"matmul takes a and b of one dtype, got {a.dtype} and {b.dtype}")
-    return _launch(a, b, None, bias, a.dtype, tile, "matmul")
+    return _launch(a, b, None, bias, a.dtype, tile, "matmul", silu_mul)
 
 
 def _launch(a: torch.Tensor, b: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None,
             bias: torch.Tensor | None, out_dtype: torch.dtype, tile: GemmTile,
-            name: str) -> torch.Tensor:
-    m, k = a.shape
-    n = b.shape[0]
-    if b.shape[1] != k or a.stride(1) != 1 or b.stride(1) != 1:
-        raise ValueError(f"{name} takes a [M, K] and b [N, K] with contiguous rows, got "
-                         f"{tuple(a.shape)} strides {a.stride()} and {tuple(b.shape)} strides "
-                         f"{b.stride()}")
+            name: str, silu_mul: bool = False) -> torch.Tensor:
+    m = a.shape[0]
+    n, k = b.shape
+    width = 2 * k if silu_mul else k
+    if a.shape[1] != width or a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError(f"{name} takes a [M, {'2K' if silu_mul else 'K'}] and b [N, K] with "
+                         f"contiguous rows, got {tuple(a.shape)} strides {a.stride()} and "
+                         f"{tuple(b.shape)} strides {b.stride()}")
     c = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0:
         return c
@@ -242,7 +253,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, scales: tuple[torch.Tensor, torch.
     _matmul_kernel[grid](
         a, b, c, scale_a, scale_b, c if bias is None else bias,
         m, n, k, a.stride(0), b.stride(0), c.stride(0), HAS_SCALES=scales is not None,
-        HAS_BIAS=bias is not None, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, GROUP_M=tile.group_m, num_warps=tile.num_warps,
         num_stages=tile.num_stages)
     return c
