@@ -55,15 +55,33 @@ def test_triton_backend_matches_torch_backend_on_cuda() -> None:
     assert triton_out == torch_out
 
 
+def _first_decode_step(prompts: list[str]) -> tuple[list[int], list[float]]:
+    """Greedy on dummy weights of Qwen3-0.6B's shape (bf16, CUDA graphs): each prompt's
+    first token (the prefill's) and the logprob of its second (the first decode step's)."""
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(model="qwen3-0.6b", load_format="dummy", device="cuda", dtype="bfloat16",
+              max_model_len=256, max_num_seqs=8, gpu_memory_utilization=0.3)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=0)
+    outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.engine.close()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return [o.token_ids[0] for o in outs], [o.logprobs[1].logprob for o in outs]
+
+
 def test_tuned_triton_matmul_in_cuda_graphs(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tuning file that sends every 16-bit product of up to 16 rows to the Triton matmul
     (the decode steps' linears, the head, the down projection with its SiLU prologue),
-    captured in the CUDA graphs: the tokens agree with cuBLAS's, as bf16 runs do."""
+    captured in the CUDA graphs: the first decode step's logprobs agree with cuBLAS's to
+    bf16's rounding (the prefills, of more rows, are cuBLAS's in both)."""
     import json
 
     from tokenmill.models import linear, triton_gemm
 
-    want = _generate(dtype="bfloat16", quantization="none")
+    prompts = PROMPTS * 2  # more than 16 prompt tokens in the prefill step
+    first, want = _first_decode_step(prompts)
     tuning = tmp_path / "gemm.json"
     tuning.write_text(json.dumps({"gemm": [{"max_m": 16, "block_m": 16, "block_n": 32,
                                             "block_k": 256, "num_warps": 4,
@@ -80,12 +98,13 @@ def test_tuned_triton_matmul_in_cuda_graphs(tmp_path, monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(triton_gemm, "matmul", counted)
     try:
-        got = _generate(dtype="bfloat16", quantization="none")
+        first_tuned, got = _first_decode_step(prompts)
     finally:
         triton_gemm.tuning_for_device.cache_clear()
         linear._gemm_tuning.cache_clear()
     assert True in launches and False in launches  # SiLU prologues and plain products
-    assert sum(g[:4] == w[:4] for g, w in zip(got, want, strict=True)) >= 3
+    assert first_tuned == first
+    assert max(abs(g - w) for g, w in zip(got, want, strict=True)) <= 0.05
 
 
 def test_gpu_memory_utilization_bounds_the_engine() -> None:
