@@ -6,6 +6,7 @@ wrong); on CUDA it is checked against ``torch._scaled_mm`` and ``F.linear`` in b
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -169,6 +170,62 @@ def test_gated_mlp_computes_the_silu_in_the_down_projection(
     fused = mlp(x)
     assert prologues == [False, True]  # gate_up, then down with the SiLU
     assert ((fused.float() - unfused.float()).norm() / unfused.float().norm()).item() <= 1e-2
+
+
+@pytest.mark.parametrize("arch_name,tied", [("LlamaForCausalLM", False),
+                                             ("Qwen3ForCausalLM", True)])
+def test_a_decode_step_through_the_tuned_matmul(monkeypatch: pytest.MonkeyPatch,
+                                                arch_name: str, tied: bool) -> None:
+    """A whole model's decode step with every product of up to 16 rows sent to the Triton
+    matmul (a GPU's tuning; patched in here): the projections, the down projection with its
+    SiLU prologue and the head give the logits of F.linear's step, to fp16's rounding. The
+    prefill (more rows) is F.linear's in both."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "quant"))
+    from paged import PagedKVCache
+    from quant_helpers import tiny_arch, tiny_model
+
+    model = tiny_model(tiny_arch(arch_name, tied=tied)).to(HALF).to(DEVICE)
+    arch = model.config
+    tile = fg.GemmTile(block_m=16, block_n=32, block_k=32, num_warps=2, num_stages=2)
+    launches: list[bool] = []
+    matmul = fg.matmul
+
+    def counted(*args: object, silu_mul: bool = False) -> torch.Tensor:
+        launches.append(silu_mul)
+        return matmul(*args, silu_mul=silu_mul)  # type: ignore[arg-type]
+
+    def logits(tuned: bool) -> torch.Tensor:
+        cache = PagedKVCache(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim,
+                             dtype=HALF)
+        cache.kv_caches = [t.to(DEVICE) for t in cache.kv_caches]
+        with monkeypatch.context() as patch:
+            patch.setattr(fg, "matmul", counted)
+            if tuned:
+                patch.setattr(lin, "gemm_tile", lambda a, n, fp8=False, k=None:
+                              tile if a.shape[0] <= 16 else None)
+            out = None
+            for batch in ([(0, list(range(3, 14))), (1, list(range(40, 49)))],
+                          [(0, [12]), (1, [70])]):
+                ids = torch.tensor([t for _, seq in batch for t in seq], device=DEVICE)
+                meta, positions = cache.step([(seq_id, len(seq)) for seq_id, seq in batch])
+                meta = replace(meta, slot_mapping=meta.slot_mapping.to(DEVICE),
+                               query_start_loc=meta.query_start_loc.to(DEVICE),
+                               seq_lens=meta.seq_lens.to(DEVICE),
+                               block_tables=meta.block_tables.to(DEVICE))
+                with torch.no_grad():
+                    out = model.compute_logits(model(ids, positions.to(DEVICE), meta))
+        assert out is not None
+        return out
+
+    want = logits(tuned=False)
+    assert launches == []
+    got = logits(tuned=True)
+    # The decode step: qkv, o and down (with the SiLU) per layer, gate_up, then the head.
+    assert launches.count(True) == arch.num_hidden_layers
+    assert len(launches) == 4 * arch.num_hidden_layers + 1
+    assert ((got - want).norm() / want.norm()).item() <= 1e-2
 
 
 def test_scaled_mm_checks_its_operands() -> None:
