@@ -156,10 +156,14 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def compile_like_runtime(fn: triton.JITFunction, constexprs: dict, options: dict,
-                         pointers: dict | None = None) -> Any:
-    """``fn`` compiled for sm_90 as the launcher would: aligned pointers, and the integer
-    arguments ALIGNED_INTS names marked as multiples of 16."""
+def compile_like_runtime(fn: triton.JITFunction, constexprs: dict, options: dict | None,
+                         pointers: dict | None = None, arch: int = 90,
+                         aligned: bool = True) -> Any:
+    """``fn`` compiled for sm_<arch> as the launcher would: with ``aligned``, pointers
+    16-byte aligned and the integer arguments ALIGNED_INTS names marked as multiples of 16;
+    without, nothing marked (a launch whose pointers or strides are not). Pointers are bf16
+    unless POINTERS or ``pointers`` say otherwise. The slow compile test
+    (tests/unit/test_triton_compile.py) compiles every kernel through this too."""
     types = {**POINTERS, **(pointers or {})}
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -168,10 +172,10 @@ def compile_like_runtime(fn: triton.JITFunction, constexprs: dict, options: dict
             continue
         signature[name] = (types.get(name, "*bf16") if name.endswith("_ptr")
                            else "fp32" if name in FLOATS else "i32")
-        if name.endswith("_ptr") or ALIGNED_INTS.match(name):
+        if aligned and (name.endswith("_ptr") or ALIGNED_INTS.match(name)):
             attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(fn, signature, constexprs, attrs),
-                          target=GPUTarget("cuda", 90, 32), options=options)
+                          target=GPUTarget("cuda", arch, 32), options=options)
 
 
 def programs_per_sm(registers: int, shared: int, warps: int) -> int:

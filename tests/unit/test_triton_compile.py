@@ -18,9 +18,7 @@ import pytest
 _COMPILE_CHECK = """
 import re
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from kernel_registers import compile_like_runtime
 from tokenmill.attention import triton_decode as td
 from tokenmill.attention import triton_kernels as tk
 from tokenmill.attention import triton_prefill as tp
@@ -30,10 +28,6 @@ from tokenmill.models import triton_gemm as tg
 from tokenmill.quant import fp8_kernels as fk
 from tokenmill.runner import greedy_kernels as gk
 
-POINTERS = {"table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32",
-            "tile_seq_ptr": "*i32", "tile_idx_ptr": "*i32",
-            "slot_ptr": "*i64", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
-            "scale_ptr": "*fp32"}
 # bf16, 32 query heads over 8 KV heads, a head dim of 80 (padded to 128 inside the kernels),
 # the attention kernels with the warps they are launched with.
 W = {"num_warps": tp.NUM_WARPS}
@@ -153,32 +147,16 @@ KERNELS += [
 ] + [(gk._greedy_combine_kernel, dict(BLOCK_P=64), {"num_warps": 1}, GREEDY)]
 
 
-def compile_kernel(fn, constexprs, options=None, pointers=None, arch=90, aligned=False):
-    # fn compiled for sm_<arch>; aligned: as the launcher compiles it for aligned pointers
-    # and strides that are multiples of 16 (it specializes on both), the code that
-    # vectorizes and pipelines its loads.
-    pointers = dict(POINTERS, **(pointers or {}))
-    signature, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-            continue
-        signature[name] = (pointers.get(name, "*bf16") if name.endswith("_ptr")
-                           else "fp32" if name in ("qk_scale", "eps", "fp8_max", "max_value")
-                           else "i32")
-        if aligned and (name.endswith("_ptr") or name.startswith("stride")):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs),
-                          target=GPUTarget("cuda", arch, 32), options=options)
-
-
+# Each kernel as the launcher compiles it (benchmarks/gpu/kernel_registers.py): with its
+# pointers and strides marked aligned (the code that vectorizes and pipelines its loads), and
+# without (a launch whose pointers or strides are not).
 for fn, constexprs, *extra in KERNELS:
     options = extra[0] if extra else None
     pointers = extra[1] if len(extra) > 1 else {}
     # fp8 (e4m3) needs sm_89 or later: the engine refuses an fp8 cache below that.
     for arch in (90,) if "*fp8e4nv" in pointers.values() else (80, 90):
         for aligned in (False, True):
-            compile_kernel(fn, constexprs, options, pointers, arch, aligned)
+            compile_like_runtime(fn, constexprs, options, pointers, arch, aligned)
 
 # The point of preload_table: with the block ids read before the loop, the pipeliner keeps
 # the next tile's copies in flight at each wait (num > 0); reading them in the loop, each
@@ -189,8 +167,8 @@ for kernel, constexprs, in_flight in (
         (td._decode_split_kernel, decode(partition=1024, block_n=64, preload=True), True),
         (td._decode_split_kernel, decode(partition=1024, block_n=64), False),
         (tp._prefill_kernel, prefill(), True)):
-    ttgir = compile_kernel(kernel, constexprs, {"num_warps": 4, "num_stages": 3},
-                           aligned=True).asm["ttgir"]
+    ttgir = compile_like_runtime(kernel, constexprs,
+                                 {"num_warps": 4, "num_stages": 3}).asm["ttgir"]
     waits = [int(n) for n in re.findall(r"async_wait[^}]*num = ([0-9]+)", ttgir)]
     assert waits and (max(waits) > 0) == in_flight, (kernel, waits)
 """
@@ -207,7 +185,8 @@ def test_kernels_compile_for_cuda(tmp_path: Path) -> None:
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(tokenmill.__file__).parents[1]),
+    root = Path(tokenmill.__file__).parents[1]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "benchmarks" / "gpu"),
                                          env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, "-c", _COMPILE_CHECK], env=env, capture_output=True,
                           text=True, timeout=300)
