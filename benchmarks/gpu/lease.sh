@@ -247,7 +247,7 @@ PY
     --result-file "$RES/$GPU-llama-3.1-8b-throughput-bf16-334.json"
   # The 16-bit linears at 1, 8 and 16 rows, the LM head too: the faster of cuBLAS and the
   # Triton matmul, written as this GPU's "gemm" rules (read at the engine's next start).
-  step gemm-sweep-bf16 50 python3 benchmarks/gpu/gemm_bw.py --dtype bf16 \
+  step gemm-sweep-bf16 60 python3 benchmarks/gpu/gemm_bw.py --dtype bf16 \
     --result-file "$RES/$GPU-gemm-bw-bf16.json" --write-tuning "$GEMM_TUNED"
   # Batch 1: short partitions and tiles, split at 512-token contexts (up to 512 a graph sizes
   # its grid for 512 tokens: one partition of 512 needs no reduction). Only the small-batch
