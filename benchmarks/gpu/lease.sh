@@ -84,8 +84,8 @@ next_setup() {  # the phases "next" and "next-fp8" (run 6)
   #   its cache loads pipeline (compiled as the launcher does, every wait drained all copies);
   # - the Triton fp8 matmul against cuBLAS by rows and shape (cuBLAS's 128 x 128 tiles give
   #   a 4,096-wide output 64 programs at 256 rows, on 132 SMs);
-  # - the 1,000 x 1,000 fp8 run with 334 sequences; where its step goes now; the fp8
-  #   activation kernels read once against twice.
+  # - the 1,000 x 1,000 fp8 run with 334 sequences; where its decode and prefill steps go
+  #   now; the fp8 activation kernels read once against twice.
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -c "import torch, triton, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__)"
   SLUG=$(python3 -c "import torch; from tokenmill.attention.decode_tuning import device_slug; print(device_slug(torch.cuda.get_device_name(0)))")
@@ -271,6 +271,10 @@ PY
     --max-num-seqs 8 --result-file "$RES/$GPU-llama-3.1-8b-decode-bf16-next.json"
   step profile-b1-next 40 python3 benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b \
     --batches 1 --steps 10 --result-file "$RES/$GPU-llama-3.1-8b-step-profile-b1-next.json"
+  # The 1,000 x 1,000 runs' prefill between waves: a full chunk's kernels and matmul rate.
+  step profile-prefill-bf16 50 python3 benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b \
+    --prefill --prompt-tokens 1000 --steps 5 \
+    --result-file "$RES/$GPU-llama-3.1-8b-prefill-profile-bf16.json"
 elif [ "$PHASE" = next-fp8 ]; then
   next_setup
   # The fp8 cache: written to the file only if the sweep ran (it keeps the current launch,
@@ -292,6 +296,9 @@ elif [ "$PHASE" = next-fp8 ]; then
   step profile-fp8-1500-next 70 python3 benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b \
     --batches 256 --steps 10 --prompt-tokens 1500 --quantization fp8 --kv-cache-dtype fp8 \
     --result-file "$RES/$GPU-llama-3.1-8b-step-profile-1500-fp8-next.json"
+  step profile-prefill-fp8 50 python3 benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b \
+    --prefill --prompt-tokens 1000 --steps 5 --quantization fp8 --kv-cache-dtype fp8 \
+    --result-file "$RES/$GPU-llama-3.1-8b-prefill-profile-fp8.json"
   step row-quant-next 40 python3 benchmarks/gpu/row_quant_bw.py \
     --result-file "$RES/$GPU-fp8-row-quant-bw.json"
 elif [ "$PHASE" = tune ]; then

@@ -8,7 +8,10 @@ input building, output processing, launch gaps).
 
     python benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b --batches 1,256 \
         [--steps 20] [--prompt-tokens 128] [--quantization fp8] [--kv-cache-dtype fp8]
-        [--result-file FILE]
+        [--prefill] [--result-file FILE]
+
+With ``--prefill`` it profiles full prefill chunks instead (``--max-num-batched-tokens``
+prompt tokens a step), with the linear layers' matmul rate.
 """
 
 from __future__ import annotations
@@ -88,6 +91,47 @@ def run_steps(llm: LLM, batch: int, steps: int, seed: int, prof: bool,
     return seconds, p
 
 
+def run_prefill_steps(llm: LLM, prompt_tokens: int, steps: int, seed: int
+                      ) -> tuple[float, int, Any]:
+    """(seconds a prefill step, prompt tokens a step, the profile of ``steps`` more): enough
+    prompts of ``prompt_tokens`` (one output token each) that every timed step is a full
+    chunk of ``max_num_batched_tokens`` prompt tokens, after two untimed ones."""
+    from tokenmill.sampling_params import SamplingParams
+
+    engine = llm.engine
+    budget = engine.core.scheduler.config.max_num_batched_tokens
+    prompts = -(-(2 * steps + 3) * budget // prompt_tokens)
+    gen = torch.Generator().manual_seed(seed)
+    vocab = engine.tokenizer.vocab_size
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    for i in range(prompts):
+        ids = torch.randint(100, vocab - 100, (prompt_tokens,), generator=gen).tolist()
+        engine.add_request(f"prefill{seed}-{i}", {"prompt_token_ids": ids}, params)
+    for _ in range(2):
+        engine.step()
+    sync()
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    seconds = (time.perf_counter() - t) / steps
+    with profile(activities=ACTIVITIES) as p:
+        for _ in range(steps):
+            engine.step()
+        sync()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return seconds, budget, p
+
+
+def linear_params(model: torch.nn.Module) -> int:
+    """Weights of the layers' linear products (not the head, which a prefill step runs for
+    its finished prompts' last rows only): 2 x this x tokens is a step's matmul FLOPs."""
+    return sum(m.in_features * m.out_features for name, m in model.named_modules()
+               if hasattr(m, "in_features") and hasattr(m, "out_features")
+               and name.split(".")[-1] != "lm_head")
+
+
 def kernel_groups(p: Any, steps: int) -> tuple[dict[str, float], list[tuple[str, float]]]:
     """(ms per step by group, top kernels) from the profile's device-side events."""
     groups: dict[str, float] = {}
@@ -100,6 +144,28 @@ def kernel_groups(p: Any, steps: int) -> tuple[dict[str, float], list[tuple[str,
         kernels[evt.name] = kernels.get(evt.name, 0.0) + ms
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
     return groups, top
+
+
+def profile_prefill(llm: LLM, prompt_tokens: int, steps: int) -> dict[str, Any]:
+    """A prefill step's time, its groups of kernels, and the matmuls' rate (printed too)."""
+    seconds, tokens, p = run_prefill_steps(llm, prompt_tokens, steps, seed=0)
+    step_ms = seconds * 1000
+    groups, top = kernel_groups(p, steps)
+    busy = sum(groups.values())
+    rows = sorted(groups.items(), key=lambda kv: -kv[1])
+    rows.append(("GPU idle (host work, launch gaps)", max(step_ms - busy, 0.0)))
+    flops = 2 * linear_params(llm.engine.core.executor.runner.model) * tokens
+    matmul_ms = next((ms for g, ms in groups.items() if g.startswith("matmul")), 0.0)
+    tflops = flops / (matmul_ms / 1000) / 1e12 if matmul_ms else None
+    print(f"\nprefill: step {step_ms:.2f} ms for {tokens} prompt tokens "
+          f"({tokens / step_ms * 1000:.0f} tok/s), GPU busy {busy:.2f} ms, matmuls "
+          + (f"{tflops:.0f} TFLOP/s" if tflops else "not timed"))
+    print(markdown_table(["where", "ms per step", "share"],
+                         [[g, ms, f"{ms / step_ms:.0%}"] for g, ms in rows]))
+    print(markdown_table(["kernel", "ms per step"], [[k[:70], ms] for k, ms in top]))
+    return {"step_ms": step_ms, "prompt_tokens_per_step": tokens,
+            "tokens_per_s": tokens / step_ms * 1000, "gpu_busy_ms": busy,
+            "matmul_tflops": tflops, "groups_ms": dict(rows), "top_kernels": top}
 
 
 def main() -> None:
@@ -115,6 +181,10 @@ def main() -> None:
                     help="chunked prefill's budget a step, as `bench gpu` runs the workloads")
     ap.add_argument("--quantization", default="none")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
+    ap.add_argument("--prefill", action="store_true",
+                    help="profile prefill steps instead: full chunks of "
+                         "--max-num-batched-tokens prompt tokens, prompts of --prompt-tokens "
+                         "(where the 1,000 x 1,000 runs spend their time between waves)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--result-file", default=None)
     a = ap.parse_args()
@@ -124,6 +194,9 @@ def main() -> None:
               max_num_batched_tokens=a.max_num_batched_tokens,
               kv_cache_dtype=a.kv_cache_dtype)
     results: dict[str, Any] = {}
+    if a.prefill:
+        results["prefill"] = profile_prefill(llm, a.prompt_tokens, a.steps)
+        batches = []
     for n, batch in enumerate(batches):
         run_steps(llm, batch, 3, seed=100 + n, prof=False,  # warm-up at this batch size
                   prompt_tokens=a.prompt_tokens)
@@ -142,7 +215,7 @@ def main() -> None:
                              [[g, ms, f"{ms / step_ms:.0%}"] for g, ms in rows]))
         print(markdown_table(["kernel", "ms per step"], [[k[:70], ms] for k, ms in top]))
     if a.result_file:
-        write_json(a.result_file, {"created": now_iso(), "model": a.model,
+        write_json(a.result_file, {"created": now_iso(), "model": a.model, "prefill": a.prefill,
                                    "prompt_tokens": a.prompt_tokens,
                                    "quantization": a.quantization,
                                    "kv_cache_dtype": a.kv_cache_dtype,
