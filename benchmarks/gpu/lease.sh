@@ -301,6 +301,11 @@ elif [ "$PHASE" = next-fp8 ]; then
     --result-file "$RES/$GPU-llama-3.1-8b-prefill-profile-fp8.json"
   step row-quant-next 40 python3 benchmarks/gpu/row_quant_bw.py \
     --result-file "$RES/$GPU-fp8-row-quant-bw.json"
+  # Two full waves of 500 instead of three of 334 (an fp8 cache holds 500 x 2,000 tokens in
+  # 64 GB): fewer, larger decode steps, if the time is left.
+  step throughput-fp8-500 110 $BENCH --suite throughput --model llama-3.1-8b \
+    --max-model-len 2048 --quantization fp8 --kv-cache-dtype fp8 --max-num-seqs 500 \
+    --result-file "$RES/$GPU-llama-3.1-8b-throughput-fp8-kvfp8-500.json"
 elif [ "$PHASE" = tune ]; then
   # 2026-11-27's run of this phase took 565 s (tests 39, sweep 66 with do_bench, bf16
   # throughput 153, decode 19, then the fp8-cache runs were cut at their caps). Next: the sweep
