@@ -73,6 +73,13 @@ def run_steps(llm: LLM, batch: int, steps: int, seed: int, prof: bool,
     """
     engine = llm.engine
     start_decoding(engine, batch, prompt_tokens, 2 * steps + 9, seed)
+    return timed_steps(engine, steps, prof)
+
+
+def timed_steps(engine: Any, steps: int, prof: bool) -> tuple[float, Any]:
+    """(seconds a step over a run of ``steps``, the profile of as many more or None), the
+    clock started with one step already launched (see :func:`run_steps`); then the engine's
+    requests are run to the end."""
     sync()
     engine.step()
     t = time.perf_counter()
@@ -107,20 +114,8 @@ def run_prefill_steps(llm: LLM, prompt_tokens: int, steps: int, seed: int
     for i in range(prompts):
         ids = torch.randint(100, vocab - 100, (prompt_tokens,), generator=gen).tolist()
         engine.add_request(f"prefill{seed}-{i}", {"prompt_token_ids": ids}, params)
-    for _ in range(2):
-        engine.step()
-    sync()
-    t = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    sync()
-    seconds = (time.perf_counter() - t) / steps
-    with profile(activities=ACTIVITIES) as p:
-        for _ in range(steps):
-            engine.step()
-        sync()
-    while engine.has_unfinished_requests():
-        engine.step()
+    engine.step()  # (the second untimed step is timed_steps')
+    seconds, p = timed_steps(engine, steps, prof=True)
     return seconds, budget, p
 
 
@@ -146,26 +141,41 @@ def kernel_groups(p: Any, steps: int) -> tuple[dict[str, float], list[tuple[str,
     return groups, top
 
 
-def profile_prefill(llm: LLM, prompt_tokens: int, steps: int) -> dict[str, Any]:
-    """A prefill step's time, its groups of kernels, and the matmuls' rate (printed too)."""
-    seconds, tokens, p = run_prefill_steps(llm, prompt_tokens, steps, seed=0)
-    step_ms = seconds * 1000
+def step_report(step_ms: float, p: Any, steps: int) -> dict[str, Any]:
+    """A profiled step's kernel groups (with the GPU's idle time), busy time and top
+    kernels."""
     groups, top = kernel_groups(p, steps)
     busy = sum(groups.values())
     rows = sorted(groups.items(), key=lambda kv: -kv[1])
     rows.append(("GPU idle (host work, launch gaps)", max(step_ms - busy, 0.0)))
-    flops = 2 * linear_params(llm.engine.core.executor.runner.model) * tokens
-    matmul_ms = next((ms for g, ms in groups.items() if g.startswith("matmul")), 0.0)
-    tflops = flops / (matmul_ms / 1000) / 1e12 if matmul_ms else None
-    print(f"\nprefill: step {step_ms:.2f} ms for {tokens} prompt tokens "
-          f"({tokens / step_ms * 1000:.0f} tok/s), GPU busy {busy:.2f} ms, matmuls "
-          + (f"{tflops:.0f} TFLOP/s" if tflops else "not timed"))
+    return {"step_ms": step_ms, "gpu_busy_ms": busy, "groups_ms": dict(rows),
+            "top_kernels": top}
+
+
+def print_report(headline: str, report: dict[str, Any]) -> None:
+    step_ms = report["step_ms"]
+    print(f"\n{headline}, GPU busy {report['gpu_busy_ms']:.2f} ms")
     print(markdown_table(["where", "ms per step", "share"],
-                         [[g, ms, f"{ms / step_ms:.0%}"] for g, ms in rows]))
-    print(markdown_table(["kernel", "ms per step"], [[k[:70], ms] for k, ms in top]))
-    return {"step_ms": step_ms, "prompt_tokens_per_step": tokens,
-            "tokens_per_s": tokens / step_ms * 1000, "gpu_busy_ms": busy,
-            "matmul_tflops": tflops, "groups_ms": dict(rows), "top_kernels": top}
+                         [[g, ms, f"{ms / step_ms:.0%}"]
+                          for g, ms in report["groups_ms"].items()]))
+    print(markdown_table(["kernel", "ms per step"],
+                         [[k[:70], ms] for k, ms in report["top_kernels"]]))
+
+
+def profile_prefill(llm: LLM, prompt_tokens: int, steps: int) -> dict[str, Any]:
+    """A prefill step's time, its groups of kernels, and the matmuls' rate (printed too)."""
+    seconds, tokens, p = run_prefill_steps(llm, prompt_tokens, steps, seed=0)
+    step_ms = seconds * 1000
+    report = step_report(step_ms, p, steps)
+    flops = 2 * linear_params(llm.engine.core.executor.runner.model) * tokens
+    matmul_ms = next((ms for g, ms in report["groups_ms"].items() if g.startswith("matmul")),
+                     0.0)
+    tflops = flops / (matmul_ms / 1000) / 1e12 if matmul_ms else None
+    print_report(f"prefill: step {step_ms:.2f} ms for {tokens} prompt tokens "
+                 f"({tokens / step_ms * 1000:.0f} tok/s), matmuls "
+                 + (f"{tflops:.0f} TFLOP/s" if tflops else "not timed"), report)
+    return {**report, "prompt_tokens_per_step": tokens,
+            "tokens_per_s": tokens / step_ms * 1000, "matmul_tflops": tflops}
 
 
 def main() -> None:
@@ -203,17 +213,10 @@ def main() -> None:
         seconds, p = run_steps(llm, batch, a.steps, seed=n, prof=True,
                                prompt_tokens=a.prompt_tokens)
         step_ms = seconds * 1000
-        groups, top = kernel_groups(p, a.steps)
-        busy = sum(groups.values())
-        rows = sorted(groups.items(), key=lambda kv: -kv[1])
-        rows.append(("GPU idle (host work, launch gaps)", max(step_ms - busy, 0.0)))
-        results[str(batch)] = {"step_ms": step_ms, "tokens_per_s": batch / step_ms * 1000,
-                               "gpu_busy_ms": busy, "groups_ms": dict(rows), "top_kernels": top}
-        print(f"\nbatch {batch}: step {step_ms:.2f} ms (a run of {a.steps}), "
-              f"{batch / step_ms * 1000:.1f} tok/s, GPU busy {busy:.2f} ms")
-        print(markdown_table(["where", "ms per step", "share"],
-                             [[g, ms, f"{ms / step_ms:.0%}"] for g, ms in rows]))
-        print(markdown_table(["kernel", "ms per step"], [[k[:70], ms] for k, ms in top]))
+        report = step_report(step_ms, p, a.steps)
+        results[str(batch)] = {**report, "tokens_per_s": batch / step_ms * 1000}
+        print_report(f"batch {batch}: step {step_ms:.2f} ms (a run of {a.steps}), "
+                     f"{batch / step_ms * 1000:.1f} tok/s", report)
     if a.result_file:
         write_json(a.result_file, {"created": now_iso(), "model": a.model, "prefill": a.prefill,
                                    "prompt_tokens": a.prompt_tokens,
