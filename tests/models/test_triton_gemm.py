@@ -117,6 +117,20 @@ def test_linear_layers_run_the_tuned_matmul(monkeypatch: pytest.MonkeyPatch) -> 
     assert len(asked) == 2 and launched == [tile]
 
 
+def count_matmuls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """The 16-bit Triton matmuls launched from now on, each as whether it had the SiLU
+    prologue."""
+    launches: list[bool] = []
+    matmul = fg.matmul
+
+    def counted(*args: object, silu_mul: bool = False) -> torch.Tensor:
+        launches.append(silu_mul)
+        return matmul(*args, silu_mul=silu_mul)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fg, "matmul", counted)
+    return launches
+
+
 @pytest.mark.parametrize("m,n,k,tile", [
     (1, 48, 96, fg.GemmTile(block_m=16, block_n=16, block_k=32, num_warps=1, num_stages=2)),
     (5, 40, 80, fg.GemmTile(block_m=16, block_n=32, block_k=64)),  # N and K masked
@@ -156,14 +170,7 @@ def test_gated_mlp_computes_the_silu_in_the_down_projection(
             p.copy_(torch.randn(p.shape, generator=gen) / 4)
     x = torch.randn(3, 32, generator=gen).to(HALF).to(DEVICE)
     tile = fg.GemmTile(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=2)
-    prologues: list[bool] = []
-    matmul = fg.matmul
-
-    def counted(*args: object, silu_mul: bool = False) -> torch.Tensor:
-        prologues.append(silu_mul)
-        return matmul(*args, silu_mul=silu_mul)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(fg, "matmul", counted)
+    prologues = count_matmuls(monkeypatch)
     unfused = mlp(x)  # no tuning: cuBLAS (F.linear) and the SiLU apart
     assert prologues == []
     monkeypatch.setattr(lin, "gemm_tile", lambda a, n, fp8=False, k=None: tile)
@@ -189,19 +196,13 @@ def test_a_decode_step_through_the_tuned_matmul(monkeypatch: pytest.MonkeyPatch,
     model = tiny_model(tiny_arch(arch_name, tied=tied)).to(HALF).to(DEVICE)
     arch = model.config
     tile = fg.GemmTile(block_m=16, block_n=32, block_k=32, num_warps=2, num_stages=2)
-    launches: list[bool] = []
-    matmul = fg.matmul
-
-    def counted(*args: object, silu_mul: bool = False) -> torch.Tensor:
-        launches.append(silu_mul)
-        return matmul(*args, silu_mul=silu_mul)  # type: ignore[arg-type]
+    launches = count_matmuls(monkeypatch)
 
     def logits(tuned: bool) -> torch.Tensor:
         cache = PagedKVCache(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim,
                              dtype=HALF)
         cache.kv_caches = [t.to(DEVICE) for t in cache.kv_caches]
         with monkeypatch.context() as patch:
-            patch.setattr(fg, "matmul", counted)
             if tuned:
                 patch.setattr(lin, "gemm_tile", lambda a, n, fp8=False, k=None:
                               tile if a.shape[0] <= 16 else None)
