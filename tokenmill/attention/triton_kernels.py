@@ -56,6 +56,27 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
 
 
 @triton.jit
+def rope_factors(cos_row, sin_row, d, mask, HALF: tl.constexpr):
+    """A token's rotary factors at half-dims ``d``, in fp32, from its rows of
+    ``RotaryEmbedding.cos_sin``'s tables: cos, and sin from the second half of the sign-folded
+    table (its first half holds -sin)."""
+    cos = tl.load(cos_row + d, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_row + HALF + d, mask=mask, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
+def rotated_halves(x, mask, cos, sin, HALF: tl.constexpr):
+    """The two halves of the heads at ``x`` (pointers to their first halves) rotated
+    (rotate-half layout) in fp32, rounded to x's dtype: ``x1 cos - x2 sin``,
+    ``x2 cos + x1 sin``."""
+    x1 = tl.load(x, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x + HALF, mask=mask, other=0.0).to(tl.float32)
+    dtype = x.dtype.element_ty
+    return (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype)
+
+
+@triton.jit
 def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                             cos_ptr, sin_ptr,
                             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -74,17 +95,14 @@ def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_
     HALF: tl.constexpr = HEAD_DIM // 2
     d = tl.arange(0, BLOCK_HALF)[None, :]
     d_mask = d < HALF
-    cos = tl.load(cos_ptr + t * stride_ct + d, mask=d_mask, other=0.0).to(tl.float32)
-    # The table's first half holds -sin, its second half +sin: read the second.
-    sin = tl.load(sin_ptr + t * stride_st + HALF + d, mask=d_mask, other=0.0).to(tl.float32)
+    cos, sin = rope_factors(cos_ptr + t * stride_ct, sin_ptr + t * stride_st, d, d_mask, HALF)
 
     hq = tl.arange(0, BLOCK_HQ)[:, None]
     q_mask = (hq < NUM_Q_HEADS) & d_mask
     q = q_ptr + t * stride_qt + hq * stride_qh + d
-    x1 = tl.load(q, mask=q_mask, other=0.0).to(tl.float32)
-    x2 = tl.load(q + HALF, mask=q_mask, other=0.0).to(tl.float32)
-    tl.store(q, (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty), mask=q_mask)
-    tl.store(q + HALF, (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty), mask=q_mask)
+    q1, q2 = rotated_halves(q, q_mask, cos, sin, HALF)
+    tl.store(q, q1, mask=q_mask)
+    tl.store(q + HALF, q2, mask=q_mask)
 
     slot = tl.load(slot_ptr + t).to(tl.int64)
     # A negative slot is a padding row (CUDA graphs pad the batch with -1): write nothing.
@@ -93,11 +111,8 @@ def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_
     hk = tl.arange(0, BLOCK_HKV)[:, None]
     kv_mask = (hk < NUM_KV_HEADS) & d_mask
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co + hk * stride_ch + d
-    k = k_ptr + t * stride_kt + hk * stride_kh + d
-    x1 = tl.load(k, mask=kv_mask, other=0.0).to(tl.float32)
-    x2 = tl.load(k + HALF, mask=kv_mask, other=0.0).to(tl.float32)
-    k1 = (x1 * cos - x2 * sin).to(k_ptr.dtype.element_ty)
-    k2 = (x2 * cos + x1 * sin).to(k_ptr.dtype.element_ty)
+    k1, k2 = rotated_halves(k_ptr + t * stride_kt + hk * stride_kh + d, kv_mask, cos, sin,
+                            HALF)
     tl.store(k_cache_ptr + dst, _to_cache(k1, k_cache_ptr, SATURATE), mask=kv_mask)
     tl.store(k_cache_ptr + dst + HALF, _to_cache(k2, k_cache_ptr, SATURATE), mask=kv_mask)
     v = v_ptr + t * stride_vt + hk * stride_vh + d

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.attention.triton_kernels import rope_factors, rotated_halves
 from tokenmill.models.fp8_activation import FP8_MAX, QuantizedActivation
 
 # Row quantization for fp8 (the SiLU-and-mul kernel here, quant/fp8_kernels.py's): a row of
@@ -177,15 +178,11 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_ct, str
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < NUM_HEADS) & (d < HALF)
-    cos = tl.load(cos_ptr + t * stride_ct + d, mask=d < HALF, other=0.0).to(tl.float32)
-    # The table's first half holds -sin, its second half +sin: read the second.
-    sin = tl.load(sin_ptr + t * stride_st + HALF + d, mask=d < HALF, other=0.0)
-    sin = sin.to(tl.float32)
+    cos, sin = rope_factors(cos_ptr + t * stride_ct, sin_ptr + t * stride_st, d, d < HALF, HALF)
     base = x_ptr + t * stride_xt + h * stride_xh + d
-    x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(base, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(base + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    x1, x2 = rotated_halves(base, mask, cos, sin, HALF)
+    tl.store(base, x1, mask=mask)
+    tl.store(base + HALF, x2, mask=mask)
 
 
 def _launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
