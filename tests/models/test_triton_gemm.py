@@ -84,6 +84,10 @@ def test_matmul_checks_its_operands() -> None:
         fg.matmul(a, a.float(), None, fg.GemmTile())
     with pytest.raises(ValueError, match=r"a \[M, K\] and b \[N, K\]"):
         fg.matmul(a, a[:, :16], None, fg.GemmTile())
+    # The next product of valid operands is computed as before.
+    b = torch.eye(32, dtype=HALF, device=DEVICE)
+    x = torch.arange(64, dtype=torch.float32).view(2, 32).to(HALF).to(DEVICE)
+    assert torch.equal(fg.matmul(x, b, None, fg.GemmTile(16, 16, 32, 1, 2, 2)), x)
 
 
 def test_linear_layers_run_the_tuned_matmul(monkeypatch: pytest.MonkeyPatch) -> None:

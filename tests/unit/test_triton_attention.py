@@ -201,6 +201,14 @@ def test_rotary_store_rejects_an_odd_head_dim() -> None:
     with pytest.raises(ValueError, match="even head dim"):
         kernels.rotary_store_kv(q, k, k, torch.zeros(2, 2, 4, 1, 5, device=DEVICE),
                                 torch.zeros(1, dtype=torch.long, device=DEVICE), cos, sin)
+    # The next call of a valid shape is served as before (nothing was left half done).
+    q, k = torch.ones(1, 2, 4, device=DEVICE), torch.ones(1, 1, 4, device=DEVICE)
+    cos, sin = torch.ones(1, 1, 4, device=DEVICE), torch.zeros(1, 1, 4, device=DEVICE)
+    cache = torch.zeros(2, 2, 4, 1, 4, device=DEVICE)
+    kernels.rotary_store_kv(q, k, 2 * k, cache, torch.zeros(1, dtype=torch.long, device=DEVICE),
+                            cos, sin)
+    assert torch.equal(q, torch.ones_like(q))  # cos 1, sin 0: unrotated
+    assert torch.equal(cache[0, 0, 0], k[0]) and torch.equal(cache[1, 0, 0], 2 * k[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
