@@ -4,6 +4,7 @@ driven one step at a time."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -264,6 +265,14 @@ class EngineCore:
              for r in candidates})
         self._draft_probs = {rid: p.probs for rid, p in proposals.items() if p.probs is not None}
 
+    @functools.cached_property
+    def _weight_tallies(self) -> tuple[int, int, int]:
+        """The model's parameter count, weight bytes and bytes a decode step reads: walks of
+        every module, done once (the weights of an engine never change; a swap is a new
+        engine), since the Ollama routes ask for them with each request."""
+        model = self.executor.runner.model
+        return count_parameters(model), model_weight_bytes(model), decode_read_bytes(model)
+
     def model_info(self) -> ModelInfo:
         """The model, its weights and the KV cache as this engine (rank 0) holds them."""
         arch, runner = self.arch, self.executor.runner
@@ -272,9 +281,8 @@ class EngineCore:
             path=self.model_path, architecture=arch.architecture,
             quantization=self.quantization, dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.platform.device), max_model_len=self.max_model_len,
-            vocab_size=arch.vocab_size, num_parameters=count_parameters(runner.model),
-            weight_bytes=model_weight_bytes(runner.model),
-            decode_read_bytes=decode_read_bytes(runner.model),
+            vocab_size=arch.vocab_size, num_parameters=self._weight_tallies[0],
+            weight_bytes=self._weight_tallies[1], decode_read_bytes=self._weight_tallies[2],
             num_hidden_layers=arch.num_hidden_layers,
             num_attention_heads=arch.num_attention_heads,
             num_key_value_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
