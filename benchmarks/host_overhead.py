@@ -20,6 +20,7 @@ from tokenmill.bench.latency import start_decoding
 from tokenmill.bench.report import hardware, hardware_line, markdown_table, now_iso, write_json
 from tokenmill.engine.output_processor import OutputKind
 from tokenmill.runner.launched import SampledRows
+from tokenmill.utils import freeze_startup_heap
 
 
 class _Timer:
@@ -27,6 +28,11 @@ class _Timer:
 
     def __init__(self, fn: Any) -> None:
         self.fn, self.seconds = fn, 0.0
+        self.per_step: list[float] = []  # seconds in each timed step (see lap)
+
+    def lap(self) -> None:
+        """End a step: its seconds go to ``per_step``."""
+        self.per_step.append(self.seconds - sum(self.per_step))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         t = time.perf_counter()
@@ -81,10 +87,10 @@ def measure(batch: int, context: int, steps: int,
     engine.core.scheduler.update = phases["update"]
     engine.processor.process = phases["process outputs"]
     start_decoding(engine, batch, context, steps + 8, seed=0, kind=kind)
+    freeze_startup_heap()  # as `tokenmill serve`, `batch` and the offline benchmarks do
     totals, hosts = [], []
-    for t in phases.values():
+    for t in [*phases.values(), *timers]:
         t.seconds = 0.0
-    sampler_before = timers[2].seconds
     for _ in range(steps):
         before = sum(t.seconds for t in timers)
         t0 = time.perf_counter()
@@ -92,11 +98,16 @@ def measure(batch: int, context: int, steps: int,
         total = time.perf_counter() - t0
         totals.append(total)
         hosts.append(total - (sum(t.seconds for t in timers) - before))
+        for t in [*phases.values(), *timers]:
+            t.lap()
     while engine.has_unfinished_requests():
         engine.step()
     SampledRows.finish = finish_timer.fn  # type: ignore[method-assign]
-    per_step = {name: t.seconds / steps * 1000 for name, t in phases.items()}
-    per_step["sample (host part)"] -= (timers[2].seconds - sampler_before) / steps * 1000
+    # Medians of each phase over the steps (a collector's pause in one step would swing a mean).
+    sampler = timers[2].per_step
+    phases["sample (host part)"].per_step = [
+        s - t for s, t in zip(phases["sample (host part)"].per_step, sampler, strict=True)]
+    per_step = {name: statistics.median(t.per_step) * 1000 for name, t in phases.items()}
     return {"step_ms": statistics.median(totals) * 1000,
             "host_ms": statistics.median(hosts) * 1000, "phases_ms": per_step}
 
