@@ -6,6 +6,11 @@ forward, logits and sampling calls are timed and subtracted from the step.
 
     python benchmarks/host_overhead.py [--batches 1,64,256] [--context 1000] [--steps 20]
         [--output-kind delta|final|cumulative] [--result-file FILE]
+
+``--workload nano-vllm`` instead runs a whole workload (nano-vllm's: 256 requests, 100-1,024
+tokens in and out, on Qwen3-0.6B's shape) with the model's forward pass, head and sampler
+stubbed out: the seconds it takes are the engine's host work alone, and its tokens/s the most
+the host allows on this CPU (a GPU's host does more: graph replays, copies to the device).
 """
 
 from __future__ import annotations
@@ -112,6 +117,50 @@ def measure(batch: int, context: int, steps: int,
             "host_ms": statistics.median(hosts) * 1000, "phases_ms": per_step}
 
 
+# --workload: name -> (model preset, requests, prompt lengths, output lengths), as
+# `tokenmill bench gpu` runs them.
+WORKLOADS = {"nano-vllm": ("qwen3-0.6b", 256, "100:1024", "100:1024")}
+
+
+def host_only_run(workload: str) -> dict[str, Any]:
+    """``workload`` through the engine with the forward pass, head and sampler stubbed out
+    (zeros: every sampled token is id 0, and EOS is ignored as the benchmarks do)."""
+    import torch
+
+    from tokenmill.bench.datasets import random_requests
+    from tokenmill.bench.throughput import run_throughput
+    from tokenmill.runner.sampler import SamplerOutput
+
+    model, num, input_len, output_len = WORKLOADS[workload]
+    llm = LLM(model=model, load_format="dummy", device="cpu", max_num_seqs=256,
+              max_model_len=2048, num_kv_blocks=256 * 2048 // 16, max_num_batched_tokens=8192)
+    engine = llm.engine
+    runner = engine.core.executor.runner
+    rows = 8192
+    hidden, logits = torch.zeros(rows, 8), torch.zeros(rows, 8)
+    ids, logprobs = torch.zeros(rows, dtype=torch.int64), torch.zeros(rows)
+    runner._forward = lambda inputs: hidden[:inputs.input_ids.shape[0]]
+    runner._compute_logits = lambda h: logits[:h.shape[0]]
+    runner.sampler.greedy = lambda lg: SamplerOutput(sampled_token_ids=ids[:lg.shape[0]],
+                                                     chosen_logprobs=logprobs[:lg.shape[0]])
+    requests = random_requests(engine.tokenizer, num, input_len, output_len, seed=0)
+    steps = 0
+    step = engine.step
+
+    def counted_step() -> Any:
+        nonlocal steps
+        steps += 1
+        return step()
+
+    engine.step = counted_step  # type: ignore[method-assign]
+    freeze_startup_heap()
+    r = run_throughput(engine, requests, 0.0, progress=False)
+    return {"workload": workload, "model": model, "steps": steps, "host_s": r["elapsed_s"],
+            "output_tokens": r["total_output_tokens"],
+            "host_ceiling_out_tok_s": r["output_tokens_per_s"],
+            "host_ms_per_step": r["elapsed_s"] / steps * 1000}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,64,256")
@@ -121,8 +170,21 @@ def main() -> None:
                     default=OutputKind.DELTA.value,
                     help="how the requests' outputs are reported: delta (streamed, the "
                          "server's streams), final (LLM.generate, batch jobs)")
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default=None,
+                    help="run this workload host-only instead (see the module's notes)")
     ap.add_argument("--result-file", default=None)
     a = ap.parse_args()
+    if a.workload:
+        r = host_only_run(a.workload)
+        print(markdown_table(["workload", "steps", "host s", "host ms per step",
+                              "out tok/s the host allows"],
+                             [[f"{r['workload']} ({r['model']})", r["steps"], r["host_s"],
+                               r["host_ms_per_step"], r["host_ceiling_out_tok_s"]]]))
+        hw = hardware()
+        print(hardware_line(hw))
+        if a.result_file:
+            write_json(a.result_file, {"created": now_iso(), "hardware": hw, **r})
+        return
     kind = OutputKind(a.output_kind)
     results = {}
     for b in (int(x) for x in a.batches.split(",")):

@@ -306,6 +306,15 @@ elif [ "$PHASE" = next-fp8 ]; then
   step throughput-fp8-500 110 $BENCH --suite throughput --model llama-3.1-8b \
     --max-model-len 2048 --quantization fp8 --kv-cache-dtype fp8 --max-num-seqs 500 \
     --result-file "$RES/$GPU-llama-3.1-8b-throughput-fp8-kvfp8-500.json"
+  # nano-vllm's workload (last measured in run 3: 15,295 tok/s in 9.6 s over 1,040 steps,
+  # 9.2 ms a step). The host alone runs it in ~3 s on a 2-core Xeon with the model stubbed
+  # out (2026-11-29), and the bytes a step reads make ~4-5 ms: the profile says where the
+  # rest goes, at batch 128 and ~600-token contexts (the workload's middle).
+  step nano-vllm-next 45 $BENCH --suite nano-vllm --model qwen3-0.6b --max-model-len 2048 \
+    --result-file "$RES/$GPU-qwen3-0.6b-nano-vllm-next.json"
+  step profile-qwen3-next 40 python3 benchmarks/gpu/step_profile_gpu.py --model qwen3-0.6b \
+    --batches 1,128 --steps 10 --prompt-tokens 600 \
+    --result-file "$RES/$GPU-qwen3-0.6b-step-profile-next.json"
 elif [ "$PHASE" = tune ]; then
   # 2026-11-27's run of this phase took 565 s (tests 39, sweep 66 with do_bench, bf16
   # throughput 153, decode 19, then the fp8-cache runs were cut at their caps). Next: the sweep
