@@ -71,6 +71,43 @@ def test_rotary_in_place_on_a_strided_view(dtype: torch.dtype, heads: int, dim: 
     assert torch.equal(fused[:, heads * dim:], tail)  # nothing outside the view written
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_heads,k_heads,dim", [(16, 8, 128), (6, 3, 80), (2, 2, 64)])
+def test_head_rms_norm_in_place_on_a_strided_view(dtype: torch.dtype, q_heads: int,
+                                                  k_heads: int, dim: int) -> None:
+    """Qwen3's per-head norms of q and k, in place on their columns of the fused projection,
+    against the layer's PyTorch code (two RMSNorms and a concatenation)."""
+    gen = torch.Generator().manual_seed(q_heads * dim)
+    norms = []
+    for _ in range(2):
+        norm = RMSNorm(dim, 1e-6)
+        norm.weight.data = torch.rand(dim, generator=gen) + 0.5
+        norms.append(norm.to(DEVICE, dtype))
+    heads = q_heads + k_heads
+    # q, k and v columns of 5 tokens, the v heads after the view; values far from unit scale.
+    fused = (3 * torch.randn(5, (heads + k_heads) * dim, generator=gen)).to(DEVICE, dtype)
+    qk = fused[:, :heads * dim].view(5, heads, dim)
+    want = torch.cat([norms[0](qk[:, :q_heads]), norms[1](qk[:, q_heads:])], dim=1)
+    v = fused[:, heads * dim:].clone()
+    assert fused_ops.head_rms_norm_(qk, norms[0].weight, norms[1].weight, q_heads,
+                                    1e-6) is qk
+    _close(qk, want, dtype)
+    assert torch.equal(fused[:, heads * dim:], v)  # nothing outside the view written
+
+
+def test_head_rms_norm_names_what_it_cannot_take() -> None:
+    qk = torch.zeros(2, 6, 8, device=DEVICE)
+    w = torch.ones(8, device=DEVICE)
+    with pytest.raises(ValueError, match="contiguous"):
+        fused_ops.head_rms_norm_(qk.transpose(1, 2), w, w, 2, 1e-6)
+    with pytest.raises(ValueError, match="7 query heads of 6"):
+        fused_ops.head_rms_norm_(qk, w, w, 7, 1e-6)
+    with pytest.raises(ValueError, match=r"weights \(4,\)"):
+        fused_ops.head_rms_norm_(qk, w[:4], w, 2, 1e-6)
+    # No tokens: nothing to launch.
+    assert fused_ops.head_rms_norm_(qk[:0], w, w, 2, 1e-6).shape == (0, 6, 8)
+
+
 def test_cuda_kernels_only_for_cuda_tensors() -> None:
     from tokenmill.models.layers import cuda_kernels
 

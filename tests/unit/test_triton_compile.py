@@ -65,6 +65,8 @@ KERNELS = [
     (fo._rms_norm_kernel, dict(HAS_RESIDUAL=True, FP8_OUT=False, BLOCK=4096)),
     (fo._silu_and_mul_kernel, dict(BLOCK=1024)),
     (fo._rotary_kernel, dict(NUM_HEADS=48, HALF=64, BLOCK_H=64, BLOCK_D=64)),
+    # Qwen3-0.6B's per-head norm of q and k: 16 + 8 heads of 128.
+    (fo._head_rms_norm_kernel, dict(NUM_Q=16, NUM_HEADS=24, DIM=128, BLOCK_H=32, BLOCK_D=128)),
 ]
 # An fp8 KV cache (--kv-cache-dtype fp8): stored with saturation, widened to fp16 (FP16) or
 # to the queries' bf16 when read.

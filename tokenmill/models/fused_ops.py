@@ -1,4 +1,4 @@
-"""Fused elementwise kernels for CUDA: residual add + RMSNorm, SiLU-and-mul, rotary embedding.
+"""Fused elementwise kernels for CUDA: add + RMSNorm, per-head RMSNorm, SiLU-and-mul, rotary.
 
 A decode step of a large model at small batch is bound by reading the weights; everything else
 should cost nothing. In eager PyTorch each of these is several kernels (an RMSNorm in bf16 is an
@@ -58,6 +58,16 @@ def fp8_quantize(x, scale, fp8_max):
 
 
 @triton.jit
+def rms_norm_values(x, w, n_cols, eps, dtype: tl.constexpr, AXIS: tl.constexpr):
+    """RMSNorm of fp32 ``x`` along ``AXIS`` (``n_cols`` long, masked entries 0), times the fp32
+    weight ``w``, in ``dtype``: normalized in fp32, rounded, then scaled and rounded again,
+    as ``layers.RMSNorm`` (and HF) compute low-precision activations."""
+    var = tl.sum(x * x, axis=AXIS, keep_dims=True) / n_cols
+    y = (x * (1.0 / tl.sqrt(var + eps))).to(dtype).to(tl.float32)
+    return (y * w).to(dtype)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, scale_ptr, n_cols, eps,
                      fp8_max, stride_x, stride_res, stride_res_out, stride_out,
                      HAS_RESIDUAL: tl.constexpr, FP8_OUT: tl.constexpr, BLOCK: tl.constexpr):
@@ -74,12 +84,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, scale_ptr, n_c
         x = (x + r).to(dtype)
         tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
         x = x.to(tl.float32)
-    var = tl.sum(x * x, axis=0) / n_cols
-    y = x * (1.0 / tl.sqrt(var + eps))
-    # Low-precision activations: normalized in fp32, rounded, then scaled (as HF does).
-    y = y.to(dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (y * w).to(dtype)
+    y = rms_norm_values(x, w, n_cols, eps, dtype, 0)
     if FP8_OUT:
         # The rounded output, quantized as quant/fp8_kernels.py quantizes it (masked columns
         # are 0 and leave the absmax alone).
@@ -185,6 +191,25 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_ct, str
     tl.store(base + HALF, x2, mask=mask)
 
 
+@triton.jit
+def _head_rms_norm_kernel(x_ptr, wq_ptr, wk_ptr, stride_xt, stride_xh, eps,
+                          NUM_Q: tl.constexpr, NUM_HEADS: tl.constexpr, DIM: tl.constexpr,
+                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per token: each of its heads RMS-normed in place over the head dimension,
+    the first NUM_Q (the queries) scaled by wq, the others (the keys) by wk."""
+    t = tl.program_id(0)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    dmask = d < DIM
+    mask = (h < NUM_HEADS) & dmask
+    ptrs = x_ptr + t * stride_xt + h * stride_xh + d
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    wq = tl.load(wq_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+    wk = tl.load(wk_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+    y = rms_norm_values(x, tl.where(h < NUM_Q, wq, wk), DIM, eps, x_ptr.dtype.element_ty, 1)
+    tl.store(ptrs, y, mask=mask)
+
+
 def _launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                      residual: torch.Tensor | None, out: torch.Tensor,
                      scale: torch.Tensor | None) -> torch.Tensor:
@@ -262,3 +287,24 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
                               BLOCK_H=triton.next_power_of_2(heads),
                               BLOCK_D=triton.next_power_of_2(half))
     return x
+
+
+def head_rms_norm_(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                   num_q_heads: int, eps: float) -> torch.Tensor:
+    """Qwen3's per-head RMSNorm of q and k in place, one kernel: ``qk`` ``[T, Hq + Hk, D]``
+    holds the queries' heads then the keys'; each head is normed as :class:`layers.RMSNorm`
+    norms it, with ``q_weight`` for the first ``num_q_heads`` and ``k_weight`` for the rest.
+    ``qk`` may be a strided view (the q and k columns of the fused projection) whose head
+    dimension is contiguous. Eager, the two norms and the concatenation took ~10 kernels."""
+    tokens, heads, dim = qk.shape
+    if qk.stride(2) != 1:
+        raise ValueError("head_rms_norm_ needs the head dimension to be contiguous")
+    if not 0 <= num_q_heads <= heads or q_weight.shape != (dim,) or k_weight.shape != (dim,):
+        raise ValueError(f"head_rms_norm_: {num_q_heads} query heads of {heads}, weights "
+                         f"{tuple(q_weight.shape)} and {tuple(k_weight.shape)} for head dim {dim}")
+    if tokens:
+        _head_rms_norm_kernel[(tokens,)](qk, q_weight, k_weight, qk.stride(0), qk.stride(1), eps,
+                                         NUM_Q=num_q_heads, NUM_HEADS=heads, DIM=dim,
+                                         BLOCK_H=triton.next_power_of_2(heads),
+                                         BLOCK_D=triton.next_power_of_2(dim))
+    return qk

@@ -263,7 +263,11 @@ class Attention(nn.Module):
         qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, hq + self.num_kv_heads,
                                                       self.head_dim)
         if self.qk_norm:
-            qk = torch.cat([self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])], dim=1)
+            if qk.stride(2) == 1 and (ops := cuda_kernels(qk)) is not None:
+                ops.head_rms_norm_(qk, self.q_norm.weight, self.k_norm.weight, hq,
+                                   self.q_norm.eps)  # in place, one kernel
+            else:
+                qk = torch.cat([self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])], dim=1)
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         backend, cache = meta.backend, meta.kv_caches[self.layer_idx]
         if backend.fuses_rotary:  # rotated in the kernel that stores K/V
