@@ -225,7 +225,8 @@ elif [ "$PHASE" = next ]; then
     tests/unit/test_triton_attention.py tests/unit/test_cuda_graphs.py \
     tests/models/test_triton_gemm.py tests/quant/test_fp8_kernels.py tests/unit/test_fused_ops.py \
     tests/gpu/test_fp8_fusion_cuda.py tests/gpu/test_greedy_kernels_cuda.py \
-    tests/gpu/test_cuda_engine.py::test_tuned_triton_matmul_in_cuda_graphs
+    tests/gpu/test_cuda_engine.py::test_tuned_triton_matmul_in_cuda_graphs \
+    tests/gpu/test_cuda_engine.py::test_step_logits_stay_in_the_heads_dtype
   # Batches above 8, bf16, contexts up to 2,048 as a class of their own (its graphs size the
   # grid for 2,048 tokens). The file keeps its small-batch rules; the new rules replace the
   # larger batches' only if the sweep ran.

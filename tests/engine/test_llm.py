@@ -93,8 +93,8 @@ def test_chunked_prefill_gives_the_same_logits(llm: LLM) -> None:
         captured: list[torch.Tensor] = []
         original = model.compute_logits
 
-        def capture(hidden: torch.Tensor) -> torch.Tensor:
-            logits = original(hidden)
+        def capture(hidden: torch.Tensor, **kwargs: bool) -> torch.Tensor:
+            logits = original(hidden, **kwargs)
             captured.append(logits)
             return logits
 
@@ -208,3 +208,15 @@ def test_model_info_walks_the_modules_once(monkeypatch: pytest.MonkeyPatch) -> N
     assert llm.engine.model_info() == first
     assert sorted(walks) == ["count_parameters", "decode_read_bytes", "model_weight_bytes"]
     assert first.num_parameters > 0 and 0 < first.decode_read_bytes <= first.weight_bytes
+
+
+def test_compute_logits_in_the_heads_dtype() -> None:
+    """The logits of a bf16 model: fp32 by default, bf16 when asked (the CUDA runner's step
+    hands those to the greedy kernel), the same values."""
+    llm = LLM(model="tiny-llama", load_format="dummy", device="cpu", dtype="bfloat16")
+    model = llm.engine.core.executor.runner.model
+    hidden = torch.randn(3, model.config.hidden_size, dtype=torch.bfloat16)
+    want = model.compute_logits(hidden)
+    got = model.compute_logits(hidden, float32=False)
+    assert want.dtype == torch.float32 and got.dtype == torch.bfloat16
+    assert torch.equal(got.float(), want)

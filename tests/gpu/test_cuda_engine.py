@@ -151,3 +151,34 @@ def test_quantized_engine_on_cuda(method: str) -> None:
         pytest.skip("fp8 needs compute capability 8.9+")
     out = _generate(dtype="bfloat16", quantization=method)
     assert all(len(ids) == 24 for ids in out)
+
+
+def test_step_logits_stay_in_the_heads_dtype() -> None:
+    """A CUDA step's logits reach the greedy kernel in bf16 (no fp32 copy of them), and its
+    tokens and logprobs are those of the fp32 logits."""
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.runner.sampler import logprobs_of
+
+    llm = LLM(model="qwen3-0.6b", load_format="dummy", device="cuda", dtype="bfloat16",
+              max_model_len=256, max_num_seqs=4, gpu_memory_utilization=0.3,
+              enforce_eager=True)
+    runner = llm.engine.core.executor.runner
+    greedy, seen = runner.sampler.greedy, []
+
+    def spy(logits: torch.Tensor):  # noqa: ANN202
+        out = greedy(logits)
+        seen.append((logits.dtype, logits.float().argmax(-1), logprobs_of(
+            logits.float(), out.sampled_token_ids), out))
+        return out
+
+    runner.sampler.greedy = spy
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    llm.generate(PROMPTS, params, use_tqdm=False)
+    llm.engine.close()
+    assert seen and all(dtype == torch.bfloat16 for dtype, *_ in seen)
+    for _, want, want_lps, out in seen:
+        assert torch.equal(out.sampled_token_ids, want)
+        torch.testing.assert_close(out.chosen_logprobs, want_lps, rtol=1e-4, atol=1e-4)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()

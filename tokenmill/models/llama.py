@@ -92,14 +92,16 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, self.model.norm.weight.dtype)
         return self.model(input_ids, cos, sin, attn_meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, vocab]`` fp32 logits of the given hidden states (every rank gets them all)."""
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """``[N, vocab]`` fp32 logits of the given hidden states (every rank gets them all);
+        with ``float32`` False, in the head's dtype (the GPU's greedy kernel reads them so:
+        no fp32 copy of the step's logits)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = linear(hidden, weight)
         if self.tp_size > 1:
             vocab = self.config.vocab_size
             logits = tensor_model_parallel_all_gather(logits, dim=-1)[..., :vocab].contiguous()
-        return logits.float()
+        return logits.float() if float32 else logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face named tensors into the (fused) parameters.
