@@ -146,6 +146,8 @@ CASES = [
      {"num_warps": 4}, {}),
     ("q/k head rms_norm (Qwen3-0.6B)", fo._head_rms_norm_kernel,
      dict(NUM_Q=16, NUM_HEADS=24, DIM=128, BLOCK_H=32, BLOCK_D=128), {"num_warps": 4}, {}),
+    ("q/k head rms_norm (Qwen3-32B)", fo._head_rms_norm_kernel,
+     dict(NUM_Q=64, NUM_HEADS=72, DIM=128, BLOCK_H=128, BLOCK_D=128), {"num_warps": 16}, {}),
 ] + [
     (f"rotary + store_kv{', fp8 cache' if fp8 else ''}", tk._rotary_store_kv_kernel,
      dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_HQ=32,

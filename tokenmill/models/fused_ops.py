@@ -303,8 +303,11 @@ def head_rms_norm_(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Ten
         raise ValueError(f"head_rms_norm_: {num_q_heads} query heads of {heads}, weights "
                          f"{tuple(q_weight.shape)} and {tuple(k_weight.shape)} for head dim {dim}")
     if tokens:
+        block_h, block_d = triton.next_power_of_2(heads), triton.next_power_of_2(dim)
+        # A warp per 1,024 values of the token's heads (32 a thread), 4 to 16 of them: Qwen3's
+        # 64 + 8 heads of 128 would otherwise hold 128 fp32 values a thread.
         _head_rms_norm_kernel[(tokens,)](qk, q_weight, k_weight, qk.stride(0), qk.stride(1), eps,
                                          NUM_Q=num_q_heads, NUM_HEADS=heads, DIM=dim,
-                                         BLOCK_H=triton.next_power_of_2(heads),
-                                         BLOCK_D=triton.next_power_of_2(dim))
+                                         BLOCK_H=block_h, BLOCK_D=block_d,
+                                         num_warps=min(16, max(4, block_h * block_d // 1024)))
     return qk
