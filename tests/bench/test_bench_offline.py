@@ -17,6 +17,11 @@ def test_throughput_counts_every_token(llm) -> None:
     assert r["total_input_tokens"] == sum(q.prompt_len for q in reqs)
     assert r["total_output_tokens"] == sum(q.output_len for q in reqs)  # EOS is ignored
     assert r["output_tokens_per_s"] * r["elapsed_s"] == pytest.approx(r["total_output_tokens"])
+    # Every request's first token comes from a step of its own or shared ones; its last from
+    # the step of the longest output: at least that many steps, at most one a token.
+    assert max(q.output_len for q in reqs) <= r["engine_steps"] <= sum(
+        q.prompt_len + q.output_len for q in reqs)
+    assert r["ms_per_step"] * r["engine_steps"] == pytest.approx(r["elapsed_s"] * 1000)
     assert not engine.has_unfinished_requests()
 
 

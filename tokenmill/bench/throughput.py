@@ -34,11 +34,12 @@ def run_throughput(engine: LLMEngine, requests: list[SampleRequest], temperature
 
     for i, req in enumerate(requests):
         engine.add_request(f"tp-{i}", req.prompt, sampling(req, temperature))
-    out_tokens = in_tokens = done = 0
+    out_tokens = in_tokens = done = steps = 0
     usage_before = engine.stats().usage_total
     start = time.perf_counter()
     with tqdm(total=len(requests), desc="bench throughput", unit="req", disable=not progress) as bar:
         while engine.has_unfinished_requests():
+            steps += 1
             for out in engine.step():
                 if out.finished:
                     done += 1
@@ -46,7 +47,8 @@ def run_throughput(engine: LLMEngine, requests: list[SampleRequest], temperature
                     out_tokens += sum(len(c.token_ids) for c in out.outputs)
                     bar.update(1)
     elapsed = time.perf_counter() - start
-    return {"num_requests": done, "elapsed_s": elapsed,
+    return {"num_requests": done, "elapsed_s": elapsed, "engine_steps": steps,
+            "ms_per_step": elapsed / max(steps, 1) * 1000,
             "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
             "requests_per_s": done / elapsed, "output_tokens_per_s": out_tokens / elapsed,
             "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
