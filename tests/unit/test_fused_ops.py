@@ -106,6 +106,12 @@ def test_head_rms_norm_names_what_it_cannot_take() -> None:
         fused_ops.head_rms_norm_(qk, w[:4], w, 2, 1e-6)
     # No tokens: nothing to launch.
     assert fused_ops.head_rms_norm_(qk[:0], w, w, 2, 1e-6).shape == (0, 6, 8)
+    # After the refusals, a valid call is normed as before.
+    norm = RMSNorm(8, 1e-6).to(DEVICE)
+    qk = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    want = norm(qk)
+    _close(fused_ops.head_rms_norm_(qk, norm.weight, norm.weight, 2, 1e-6), want,
+           torch.float32)
 
 
 def test_cuda_kernels_only_for_cuda_tensors() -> None:
