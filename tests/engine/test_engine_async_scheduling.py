@@ -13,21 +13,12 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from engine_workload import CHOICE_ROW, PROMPTS, assert_same_outputs, feature_workload, summarize
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.args import add_engine_args, engine_config_from_args
 from tokenmill.runner.launched import LaunchedStep
 from tokenmill.runner.model_runner import ModelRunner
-from tokenmill.sampling_params import StructuredOutputsParams
-
-PROMPTS = [
-    "The capital of France is",
-    "Write a poem about the sea",
-    "1, 2, 3, 4,",
-    "Hello, my name is",
-    "Q: What do bees make?\nA:",
-    "import numpy as np\nx = np.arange(10)\n",
-]
 
 
 def _engine(async_scheduling: bool, **kw: object) -> LLM:
@@ -46,42 +37,14 @@ def pipelined() -> LLM:
     return _engine(True)
 
 
-def _workload() -> tuple[list[str], list[SamplingParams]]:
-    params = [SamplingParams(temperature=0.0, max_tokens=20 + 9 * i, ignore_eos=True)
-              for i in range(len(PROMPTS))]
-    params += [
-        SamplingParams(temperature=0.0, max_tokens=40),  # may stop at EOS
-        SamplingParams(temperature=0.9, seed=7, max_tokens=30),  # seeded: its own generator
-        SamplingParams(temperature=0.0, max_tokens=1),  # done at its prefill
-        SamplingParams(temperature=0.0, max_tokens=30, stop=[" the"]),  # a stop string
-        SamplingParams(temperature=0.0, max_tokens=15, logprobs=3),  # top logprobs: no overlap
-        SamplingParams(temperature=0.0, max_tokens=25, repetition_penalty=1.4),  # history
-        SamplingParams(temperature=0.0, max_tokens=12, min_tokens=10),
-        SamplingParams(temperature=0.0, max_tokens=30,
-                       structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
-        SamplingParams(temperature=0.0, max_tokens=8, n=2, seed=3),
-    ]
-    prompts = PROMPTS + [PROMPTS[i % len(PROMPTS)] for i in range(len(params) - len(PROMPTS))]
-    return prompts, params
-
-
-def _summary(llm: LLM) -> list[tuple]:
-    prompts, params = _workload()
-    rows = []
-    for out in llm.generate(prompts, params, use_tqdm=False):
-        for c in out.outputs:
-            lps = None if c.logprobs is None else [
-                (lp.token_id, round(lp.logprob, 4), sorted(lp.top)) for lp in c.logprobs]
-            rows.append((c.token_ids, c.text, c.finish_reason, lps))
-    return rows
-
-
 def test_pipelined_engine_gives_the_step_by_step_outputs(step_by_step: LLM,
                                                          pipelined: LLM) -> None:
     assert pipelined.engine.core.async_scheduling
     assert not step_by_step.engine.core.async_scheduling
-    expected = _summary(step_by_step)
-    assert _summary(pipelined) == expected
+    prompts, params = feature_workload()
+    expected = summarize(step_by_step.generate(prompts, params, use_tqdm=False))
+    assert_same_outputs(summarize(pipelined.generate(prompts, params, use_tqdm=False)),
+                        expected)
     assert pipelined.engine.core.scheduler.num_preemptions_total > 0
     # Every block is back, and nothing is left in flight.
     kv = pipelined.engine.core.scheduler.kv
@@ -89,7 +52,7 @@ def test_pipelined_engine_gives_the_step_by_step_outputs(step_by_step: LLM,
     assert not pipelined.engine.has_unfinished_requests()
     # The workload stops requests every way: by length, EOS or stop string, and a grammar.
     assert {"length", "stop"} <= {row[2] for row in expected}
-    assert expected[len(PROMPTS) + 7][1] in ("yes", "no")
+    assert expected[CHOICE_ROW][1] in ("yes", "no")
 
 
 class _Trace:
