@@ -276,6 +276,11 @@ PY
   step profile-prefill-bf16 50 python3 benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b \
     --prefill --prompt-tokens 1000 --steps 5 \
     --result-file "$RES/$GPU-llama-3.1-8b-prefill-profile-bf16.json"
+  # The engine's features on the GPU path (Triton, CUDA graphs, asynchronous scheduling):
+  # preemption, chunked prefill, prefix hits, forks, a grammar, logprobs, speculative
+  # decoding, against a step-by-step PyTorch-attention engine; Qwen3 against transformers.
+  step tests-features 90 python3 -m pytest -q -p no:cacheprovider -rfE \
+    tests/engine/test_triton_engine_features.py tests/gpu/test_qwen3_cuda.py
 elif [ "$PHASE" = next-fp8 ]; then
   next_setup
   # The fp8 cache: written to the file only if the sweep ran (it keeps the current launch,

@@ -26,7 +26,9 @@ from tokenmill.model_loader.gguf import embedded_model_path
 OUT = ".device"
 # Imported by tokenmill but absent from the device image (its package list, KINDS.md).
 WHEELS = ["gguf==0.19.0", "pydantic==2.13.4", "pydantic-core==2.46.4", "annotated-types==0.7.0",
-          "typing-inspection==0.4.2", "typing-extensions==4.15.0"]
+          "typing-inspection==0.4.2", "typing-extensions==4.15.0",
+          # structured outputs (grammars' token bitmasks), and the FFI library it loads
+          "xgrammar==0.2.8", "apache-tvm-ffi==0.1.15.post2"]
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64"]
 

@@ -19,7 +19,8 @@ for suite in $SUITES; do
   case $suite in
     tests)
       python -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_triton_attention.py \
-        tests/unit/test_cuda_graphs.py 2>&1 | tee "$OUT/$GPU-tests.log" ;;
+        tests/unit/test_cuda_graphs.py tests/engine/test_triton_engine_features.py \
+        2>&1 | tee "$OUT/$GPU-tests.log" ;;
     decode)
       # Single stream, batch 1: >= 90% of (copy bandwidth / weight bytes); SGLang: 158 tok/s.
       bench --suite decode --model llama-3.1-8b --max-model-len 4096 \
