@@ -280,7 +280,8 @@ PY
   # preemption, chunked prefill, prefix hits, forks, a grammar, logprobs, speculative
   # decoding, against a step-by-step PyTorch-attention engine; Qwen3 against transformers.
   step tests-features 90 python3 -m pytest -q -p no:cacheprovider -rfE \
-    tests/engine/test_triton_engine_features.py tests/gpu/test_qwen3_cuda.py
+    tests/engine/test_triton_engine_features.py tests/gpu/test_qwen3_cuda.py \
+    tests/gpu/test_embeddings_cuda.py
 elif [ "$PHASE" = next-fp8 ]; then
   next_setup
   # The fp8 cache: written to the file only if the sweep ran (it keeps the current launch,
