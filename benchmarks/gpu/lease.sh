@@ -227,6 +227,13 @@ elif [ "$PHASE" = next ]; then
     tests/gpu/test_fp8_fusion_cuda.py tests/gpu/test_greedy_kernels_cuda.py \
     tests/gpu/test_cuda_engine.py::test_tuned_triton_matmul_in_cuda_graphs \
     tests/gpu/test_cuda_engine.py::test_step_logits_stay_in_the_heads_dtype
+  # The engine's features on the GPU path (Triton, CUDA graphs, asynchronous scheduling):
+  # preemption, chunked prefill, prefix hits, forks, a grammar, logprobs, speculative
+  # decoding, against a step-by-step PyTorch-attention engine; Qwen3 and BERT against
+  # transformers. First contact for all of them: before the measurements.
+  step tests-features 75 python3 -m pytest -q -p no:cacheprovider -rfE \
+    tests/engine/test_triton_engine_features.py tests/gpu/test_qwen3_cuda.py \
+    tests/gpu/test_embeddings_cuda.py
   # Batches above 8, bf16, contexts up to 2,048 as a class of their own (its graphs size the
   # grid for 2,048 tokens). The file keeps its small-batch rules; the new rules replace the
   # larger batches' only if the sweep ran.
@@ -276,12 +283,6 @@ PY
   step profile-prefill-bf16 50 python3 benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b \
     --prefill --prompt-tokens 1000 --steps 5 \
     --result-file "$RES/$GPU-llama-3.1-8b-prefill-profile-bf16.json"
-  # The engine's features on the GPU path (Triton, CUDA graphs, asynchronous scheduling):
-  # preemption, chunked prefill, prefix hits, forks, a grammar, logprobs, speculative
-  # decoding, against a step-by-step PyTorch-attention engine; Qwen3 against transformers.
-  step tests-features 90 python3 -m pytest -q -p no:cacheprovider -rfE \
-    tests/engine/test_triton_engine_features.py tests/gpu/test_qwen3_cuda.py \
-    tests/gpu/test_embeddings_cuda.py
 elif [ "$PHASE" = next-fp8 ]; then
   next_setup
   # The fp8 cache: written to the file only if the sweep ran (it keeps the current launch,
