@@ -230,10 +230,11 @@ elif [ "$PHASE" = next ]; then
   # The engine's features on the GPU path (Triton, CUDA graphs, asynchronous scheduling):
   # preemption, chunked prefill, prefix hits, forks, a grammar, logprobs, speculative
   # decoding, against a step-by-step PyTorch-attention engine; Qwen3 and BERT against
-  # transformers. First contact for all of them: before the measurements.
-  step tests-features 75 python3 -m pytest -q -p no:cacheprovider -rfE \
+  # transformers; the server's streams. First contact for all of them: before the
+  # measurements.
+  step tests-features 100 python3 -m pytest -q -p no:cacheprovider -rfE \
     tests/engine/test_triton_engine_features.py tests/gpu/test_qwen3_cuda.py \
-    tests/gpu/test_embeddings_cuda.py
+    tests/gpu/test_embeddings_cuda.py tests/gpu/test_server_cuda.py
   # Batches above 8, bf16, contexts up to 2,048 as a class of their own (its graphs size the
   # grid for 2,048 tokens). The file keeps its small-batch rules; the new rules replace the
   # larger batches' only if the sweep ran.
