@@ -31,7 +31,9 @@ WHEELS = ["gguf==0.19.0", "pydantic==2.13.4", "pydantic-core==2.46.4", "annotate
           "xgrammar==0.2.8", "apache-tvm-ffi==0.1.15.post2",
           # the server (tests/gpu/test_server_cuda.py); fastapi imports opentelemetry's API
           "fastapi==0.165.0", "starlette==1.10.0", "uvicorn==0.54.0", "python-multipart==0.0.34",
-          "platformdirs==4.14.8", "annotated-doc==0.0.7", "opentelemetry-api==1.45.2"]
+          "platformdirs==4.14.8", "annotated-doc==0.0.7", "opentelemetry-api==1.45.2",
+          # the GPU's energy counter (NVML through Zeus): joules a request in the results
+          "zeus==0.16.0"]
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64"]
 
