@@ -230,11 +230,12 @@ elif [ "$PHASE" = next ]; then
   # The engine's features on the GPU path (Triton, CUDA graphs, asynchronous scheduling):
   # preemption, chunked prefill, prefix hits, forks, a grammar, logprobs, speculative
   # decoding, against a step-by-step PyTorch-attention engine; Qwen3 and BERT against
-  # transformers; the server's streams. First contact for all of them: before the
-  # measurements.
+  # transformers; the server's streams; the GPU's joules in the requests' usage (Zeus now
+  # carried). First contact for all of them: before the measurements.
   step tests-features 100 python3 -m pytest -q -p no:cacheprovider -rfE \
     tests/engine/test_triton_engine_features.py tests/gpu/test_qwen3_cuda.py \
-    tests/gpu/test_embeddings_cuda.py tests/gpu/test_server_cuda.py
+    tests/gpu/test_embeddings_cuda.py tests/gpu/test_server_cuda.py \
+    tests/gpu/test_cuda_engine.py::test_requests_are_charged_the_gpus_joules
   # Batches above 8, bf16, contexts up to 2,048 as a class of their own (its graphs size the
   # grid for 2,048 tokens). The file keeps its small-batch rules; the new rules replace the
   # larger batches' only if the sweep ran.

@@ -207,3 +207,26 @@ def test_step_logits_stay_in_the_heads_dtype() -> None:
     del llm
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def test_requests_are_charged_the_gpus_joules() -> None:
+    """On a GPU machine the meter reads the GPU's energy counter (NVML, through Zeus), and
+    every request gets a share of the joules it was computed in."""
+    from tokenmill import LLM, SamplingParams
+
+    pytest.importorskip("zeus")
+    llm = LLM(model="tiny-llama", load_format="dummy", device="cuda", max_model_len=256,
+              num_kv_blocks=64)
+    meter = llm.engine.core.accountant.meter
+    assert "gpu" in meter.sources
+    before = meter.read()
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(["The capital of France is"] * 8, params, use_tqdm=False)
+    spent = meter.read() - before
+    charged = [o.metrics.usage.energy_joules for o in outs]
+    assert spent > 0 and all(j > 0 for j in charged)
+    assert sum(charged) <= spent * 1.01
+    llm.engine.close()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
