@@ -16,6 +16,27 @@ PROMPTS = [
     "Q: What do bees make?\nA:",
     "import numpy as np\nx = np.arange(10)\n",
 ]
+# Sixteen prompts of 1 to 20 tokens, 152 together, short and long mixed: batches whose rows
+# need different numbers of steps.
+MIXED_PROMPTS = [
+    "Hi",
+    "What is 2 + 2?",
+    "Write a short poem about the moon and the stars shining over a quiet lake at night.",
+    "Translate to French: good morning",
+    "The quick brown fox",
+    "Explain photosynthesis in simple words for a child who is seven years old and curious.",
+    "1, 2, 3, 4,",
+    "Name a planet.",
+    "import numpy as np\nx = np.arange(10)\n",
+    "Why is the sky blue? Give a detailed answer with the physics involved, please.",
+    "Paris is",
+    "Q: What do bees make?\nA:",
+    "The best way to learn programming is",
+    "Summer",
+    "Roses are red, violets are blue,",
+    "A long time ago in a galaxy far, far away, there lived a young farmer who dreamed of",
+]
+
 # Where the grammar-constrained request sits in the workload (its text is "yes" or "no").
 CHOICE_ROW = len(PROMPTS) + 7
 

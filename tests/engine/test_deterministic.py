@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from engine_workload import MIXED_PROMPTS
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig, ParallelConfig
@@ -19,24 +20,7 @@ from tokenmill.engine.args import add_engine_args, engine_config_from_args
 
 # 16 prompts of 1 to 20 tokens: together 152, past the 96 rows from which the int4 layers'
 # default path switches to the dense bf16 matmul.
-PROMPTS = [
-    "Hi",
-    "What is 2 + 2?",
-    "Write a short poem about the moon and the stars shining over a quiet lake at night.",
-    "Translate to French: good morning",
-    "The quick brown fox",
-    "Explain photosynthesis in simple words for a child who is seven years old and curious.",
-    "1, 2, 3, 4,",
-    "Name a planet.",
-    "import numpy as np\nx = np.arange(10)\n",
-    "Why is the sky blue? Give a detailed answer with the physics involved, please.",
-    "Paris is",
-    "Q: What do bees make?\nA:",
-    "The best way to learn programming is",
-    "Summer",
-    "Roses are red, violets are blue,",
-    "A long time ago in a galaxy far, far away, there lived a young farmer who dreamed of",
-]
+PROMPTS = MIXED_PROMPTS
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_workload import MIXED_PROMPTS as MIXED
 
 from tokenmill import LLM, SamplingParams
 
@@ -13,25 +14,6 @@ PROMPTS = [
     "Once upon a time, in a small village by the sea,",
     "List three colors:",
     "The theory of relativity says that",
-]
-
-MIXED = [
-    "Hi",
-    "What is 2 + 2?",
-    "Write a short poem about the moon and the stars shining over a quiet lake at night.",
-    "Translate to French: good morning",
-    "The quick brown fox",
-    "Explain photosynthesis in simple words for a child who is seven years old and curious.",
-    "1, 2, 3, 4,",
-    "Name a planet.",
-    "import numpy as np\nx = np.arange(10)\n",
-    "Why is the sky blue? Give a detailed answer with the physics involved, please.",
-    "Paris is",
-    "Q: What do bees make?\nA:",
-    "The best way to learn programming is",
-    "Summer",
-    "Roses are red, violets are blue,",
-    "A long time ago in a galaxy far, far away, there lived a young farmer who dreamed of",
 ]
 
 
