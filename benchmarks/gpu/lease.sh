@@ -279,12 +279,20 @@ load_tuning(os.environ["TUNED"])
 PY
   step decode-bf16-next 50 $BENCH --suite decode --model llama-3.1-8b --max-model-len 4096 \
     --max-num-seqs 8 --result-file "$RES/$GPU-llama-3.1-8b-decode-bf16-next.json"
+  # The experimental L2 prefetch (tokenmill/runner/l2_prefetch.py): the same bench with the
+  # next matmul's first 32 MB read on a side stream while the small kernels run.
+  step decode-bf16-l2 40 env TOKENMILL_L2_PREFETCH=32 $BENCH --suite decode \
+    --model llama-3.1-8b --max-model-len 4096 --max-num-seqs 8 \
+    --result-file "$RES/$GPU-llama-3.1-8b-decode-bf16-l2.json"
   step profile-b1-next 40 python3 benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b \
     --batches 1 --steps 10 --result-file "$RES/$GPU-llama-3.1-8b-step-profile-b1-next.json"
   # The 1,000 x 1,000 runs' prefill between waves: a full chunk's kernels and matmul rate.
   step profile-prefill-bf16 50 python3 benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b \
     --prefill --prompt-tokens 1000 --steps 5 \
     --result-file "$RES/$GPU-llama-3.1-8b-prefill-profile-bf16.json"
+  step profile-b1-l2 40 env TOKENMILL_L2_PREFETCH=32 python3 benchmarks/gpu/step_profile_gpu.py \
+    --model llama-3.1-8b --batches 1 --steps 10 \
+    --result-file "$RES/$GPU-llama-3.1-8b-step-profile-b1-l2.json"
 elif [ "$PHASE" = next-fp8 ]; then
   next_setup
   # The fp8 cache: written to the file only if the sweep ran (it keeps the current launch,

@@ -33,6 +33,9 @@ ACTIVITIES = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_
 # Kernel name fragments -> group (first match wins): the rotary embedding of q and k, done in
 # the K/V store's kernel (_rotary_store_kv_kernel), counts as attention.
 GROUPS = [
+    # TOKENMILL_L2_PREFETCH's reads, on a side stream beside the other kernels: their time
+    # overlaps the rest, so with them on the busy time overstates and the idle understates.
+    ("L2 prefetch (side stream)", ("_touch_kernel",)),
     ("fp8 activation quantization", ("quantize",)),
     ("matmul (cuBLAS/cutlass GEMM)", ("gemm", "gemv", "cutlass", "sm90_xmma", "nvjet", "splitk",
                                        "matmul", "_mm")),

@@ -3,7 +3,7 @@ from captured graphs, asynchronous scheduling. A workload that preempts, chunks 
 hits the prefix cache, forks (n=2), samples with seeds, penalties, logprobs and a grammar
 (its bitmask applied to the device's logits), and stops every way, gives the outputs of a
 step-by-step eager reference; speculative decoding, whose verification rows go through the
-decode graphs, gives plain decoding's tokens.
+decode kernel, gives plain decoding's tokens.
 
 On a GPU this is the real thing: the engine's own backend, graphs and scheduling, against a
 reference with PyTorch's attention. Without one, the kernels run in Triton's interpreter,
@@ -114,7 +114,8 @@ def test_the_workload_through_triton_gives_the_reference_outputs() -> None:
                          ids=["ngram", "self-draft"])
 def test_speculative_decoding_through_triton_gives_the_plain_tokens(spec: dict) -> None:
     """Each verified position is a row of its own in a decode step (the sequence's length up
-    to it), so the drafts go through the decode kernel and its graphs."""
+    to it), so the drafts go through the decode kernel, and through its graphs when the rows
+    fit the largest one."""
     prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7, 8] * 6, [11, 12, 13],
                                                  [21, 22] * 10 + [23])]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

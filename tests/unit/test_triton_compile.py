@@ -27,6 +27,7 @@ from tokenmill.models import fused_ops as fo
 from tokenmill.models import triton_gemm as tg
 from tokenmill.quant import fp8_kernels as fk
 from tokenmill.runner import greedy_kernels as gk
+from tokenmill.runner import l2_prefetch as l2
 
 # bf16, 32 query heads over 8 KV heads, a head dim of 80 (padded to 128 inside the kernels),
 # the attention kernels with the warps they are launched with.
@@ -147,6 +148,8 @@ KERNELS += [
      dict(GREEDY, x_ptr=x, part_idx_ptr="*i64" if final else "*i32"))
     for final in (True, False) for x in ("*bf16", "*fp16", "*fp32")
 ] + [(gk._greedy_combine_kernel, dict(BLOCK_P=64), {"num_warps": 1}, GREEDY)]
+# The experimental L2 prefetch's read (runner/l2_prefetch.py), on a bf16 weight.
+KERNELS.append((l2._touch_kernel, dict(BLOCK=l2.BLOCK), {"num_warps": 4}, {"out_ptr": "*fp32"}))
 
 
 # Each kernel as the launcher compiles it (benchmarks/gpu/kernel_registers.py): with its

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 from torch import nn
 
@@ -34,6 +37,8 @@ from tokenmill.runner.spec_verify import SpecRequest, verify_drafts
 from tokenmill.runner.step_inputs import SpecRows, StepInputs, prepare_inputs
 from tokenmill.structured.matcher import GrammarState, allocate_bitmask, fill_rows
 from tokenmill.utils import ListSlice, env_switch, host_tensor
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -135,8 +140,27 @@ class ModelRunner:
         cache is allocated). ``capturer`` replaces the CUDA capture (tests on the CPU)."""
         graphs = DecodeGraphs(self.model, self.backend, self.kv_caches, self.block_size,
                               max_batch_size, max_model_len, self.device, capturer)
-        graphs.capture()
+        prefetch = self._l2_prefetch() if capturer is None else None
+        try:
+            graphs.capture()
+        finally:
+            if prefetch is not None:  # its reads are in the small batches' graphs now
+                prefetch.remove()
         self.decode_graphs = graphs
+
+    def _l2_prefetch(self):  # noqa: ANN202 - the module needs Triton: imported here only
+        """The experimental L2 prefetch of the next matmul's weights in small batches' graphs
+        (tokenmill/runner/l2_prefetch.py), when $TOKENMILL_L2_PREFETCH asks for it."""
+        if self.device.type != "cuda" or not os.environ.get("TOKENMILL_L2_PREFETCH"):
+            return None
+        from tokenmill.runner.l2_prefetch import L2Prefetch, prefetch_bytes_from_env
+
+        max_bytes = prefetch_bytes_from_env()
+        if not max_bytes:
+            return None
+        logger.info("L2 prefetch: %d MB of each next matmul's weight in decode graphs of up "
+                    "to 8 sequences", max_bytes >> 20)
+        return L2Prefetch(self.model, max_bytes, torch.cuda.Stream(self.device))
 
     # ------------------------------------------------------------------------ one step
 

@@ -1,0 +1,142 @@
+"""Warm the GPU's L2 cache with a matmul's weights while the small kernels before it run: an
+experiment for batch-1 decode, on with ``TOKENMILL_L2_PREFETCH=<MB>`` (off by default).
+
+At batch 1 a decode step is its matmuls streaming the weights from HBM (91% of the copy
+bandwidth in the fifth GPU run) plus ~0.7 ms of small kernels between them (norms, rotary,
+attention, SiLU), during which HBM is nearly idle. Hopper's L2 holds 50 MB, more than
+Llama-3.1-8B's o_proj (32 MB). So as soon as one linear layer's product has been queued, a
+side stream waits for it and reads the first bytes of the next linear layer's weight; the
+small kernels in between run beside that read, and the next product finds the weight's first
+rows in L2. Only inside captured decode graphs of small batches (the fork and the join become
+edges of the graph); eager steps never fork.
+
+Needs Triton (import it only where it is installed); the read is a Triton kernel whose
+programs sum their slices into one float each, so that the compiler keeps the loads.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+from tokenmill.models.layers import Linear
+
+ENV = "TOKENMILL_L2_PREFETCH"
+# The read's programs: four an SM of an H100/H200 (132 SMs), each with a block of 4,096
+# values (8 KB in bf16) in flight, ~32 KB an SM (48 registers, 10 programs an SM fit: compiled
+# for sm_90 under Triton 3.6).
+NUM_PROGRAMS = 528
+BLOCK = 4096
+
+
+def prefetch_bytes_from_env() -> int:
+    """The bytes read ahead of each matmul that ``TOKENMILL_L2_PREFETCH`` asks for (in MB);
+    0 when it is unset or 0. ValueError naming the variable for anything but a whole number."""
+    raw = os.environ.get(ENV, "").strip()
+    if not raw:
+        return 0
+    try:
+        mb = int(raw)
+    except ValueError:
+        raise ValueError(f"{ENV} must be a whole number of MB, got {raw!r}") from None
+    if mb < 0:
+        raise ValueError(f"{ENV} must be >= 0, got {mb}")
+    return mb << 20
+
+
+@triton.jit(do_not_specialize=["n", "iters"])
+def _touch_kernel(x_ptr, out_ptr, n, iters, BLOCK: tl.constexpr):
+    """Program p sums blocks p, p + P, p + 2P, ... of ``x[:n]`` (P programs, ``iters`` blocks
+    each) into ``out[p]``. Sizes are runtime arguments: one compiled kernel serves every
+    weight (a compile inside a graph's capture would fail)."""
+    pid = tl.program_id(0)
+    step = tl.num_programs(0) * BLOCK
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for _ in range(iters):
+        acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0,
+                       eviction_policy="evict_last").to(tl.float32)
+        offs += step
+    tl.store(out_ptr + pid, tl.sum(acc, 0))
+
+
+def touch_prefix(weight: torch.Tensor, max_bytes: int, out: torch.Tensor) -> None:
+    """Read the first ``max_bytes`` of ``weight`` (all of it if smaller), each program's sum
+    into ``out`` (``NUM_PROGRAMS`` floats)."""
+    flat = weight.reshape(-1)
+    n = min(flat.numel(), max_bytes // flat.element_size())
+    if n == 0:
+        return
+    iters = triton.cdiv(n, NUM_PROGRAMS * BLOCK)
+    _touch_kernel[(NUM_PROGRAMS,)](flat, out, n, iters, BLOCK=BLOCK, num_warps=4)
+
+
+class L2Prefetch:
+    """Forward hooks on ``model``: after each 16-bit linear layer's product is queued, read
+    the first ``max_bytes`` of the next one's weight (in the order the layers are registered,
+    which is the order a decoder runs them) on ``stream``, which waits for that product
+    first; the model's forward joins the stream again before it returns.
+
+    ``stream`` None reads on the current stream (tests on the CPU); ``active`` says whether a
+    forward pass should prefetch at all (by default: while a CUDA graph is being captured),
+    and only passes of at most ``max_batch`` tokens do (the model's first argument).
+    """
+
+    def __init__(self, model: nn.Module, max_bytes: int, stream: torch.cuda.Stream | None,
+                 max_batch: int = 8,
+                 active: Callable[[], bool] = torch.cuda.is_current_stream_capturing) -> None:
+        self.max_bytes = max_bytes
+        self.stream = stream
+        # Only forward passes of at most this many tokens prefetch: at larger batches the
+        # products are long enough that the weights' reads are not the whole of them.
+        self.max_batch = max_batch
+        self.active = active
+        self._on = False
+        linears = [m for m in model.modules() if type(m) is Linear]
+        self.next_of = {a: b for a, b in zip(linears, linears[1:], strict=False)}
+        device = linears[0].weight.device if linears else torch.device("cpu")
+        self.sums = torch.zeros(NUM_PROGRAMS, dtype=torch.float32, device=device)
+        if linears:  # compile and load the kernel now, outside any capture
+            touch_prefix(linears[0].weight, BLOCK * 2, self.sums)
+        self.forked = False
+        # Each prefetch of the latest forward pass, as (layer read, its bytes): for tests.
+        self.log: list[tuple[nn.Module, int]] = []
+        self._handles = [m.register_forward_hook(self._after_product) for m in self.next_of]
+        self._handles += [model.register_forward_pre_hook(self._begin),
+                          model.register_forward_hook(self._join)]
+
+    def remove(self) -> None:
+        """Take the hooks off the model."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _begin(self, module: nn.Module, args: tuple) -> None:
+        self.log = []
+        self.forked = False
+        tokens = args[0].shape[0] if args and isinstance(args[0], torch.Tensor) else None
+        self._on = tokens is not None and tokens <= self.max_batch and self.active()
+
+    def _after_product(self, module: nn.Module, args: object, output: object) -> None:
+        if not self._on:
+            return
+        nxt = self.next_of[module]
+        weight = nxt.weight
+        self.log.append((nxt, min(weight.numel() * weight.element_size(), self.max_bytes)))
+        if self.stream is None:
+            touch_prefix(weight, self.max_bytes, self.sums)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            touch_prefix(weight, self.max_bytes, self.sums)
+        self.forked = True
+
+    def _join(self, module: nn.Module, args: object, output: object) -> None:
+        if self.forked and self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+        self.forked = False
