@@ -235,7 +235,8 @@ elif [ "$PHASE" = next ]; then
   step tests-features 100 python3 -m pytest -q -p no:cacheprovider -rfE \
     tests/engine/test_triton_engine_features.py tests/gpu/test_qwen3_cuda.py \
     tests/gpu/test_embeddings_cuda.py tests/gpu/test_server_cuda.py \
-    tests/gpu/test_cuda_engine.py::test_requests_are_charged_the_gpus_joules
+    tests/gpu/test_cuda_engine.py::test_requests_are_charged_the_gpus_joules \
+    tests/gpu/test_cuda_engine.py::test_l2_prefetch_is_captured_and_keeps_the_tokens
   # Batches above 8, bf16, contexts up to 2,048 as a class of their own (its graphs size the
   # grid for 2,048 tokens). The file keeps its small-batch rules; the new rules replace the
   # larger batches' only if the sweep ran.

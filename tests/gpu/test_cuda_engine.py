@@ -230,3 +230,35 @@ def test_requests_are_charged_the_gpus_joules() -> None:
     del llm
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def test_l2_prefetch_is_captured_and_keeps_the_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TOKENMILL_L2_PREFETCH (tokenmill/runner/l2_prefetch.py): the small batches' graphs
+    read the next matmul's weights on a side stream, and the tokens stay those without."""
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.runner import l2_prefetch
+
+    def tokens() -> list[list[int]]:
+        llm = LLM(model="qwen3-0.6b", load_format="dummy", device="cuda", dtype="bfloat16",
+                  max_model_len=256, max_num_seqs=16, gpu_memory_utilization=0.3)
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        llm.engine.close()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+        return out
+
+    want = tokens()
+    reads = []
+    touch = l2_prefetch.touch_prefix
+
+    def counted(weight: torch.Tensor, max_bytes: int, out: torch.Tensor) -> None:
+        reads.append(torch.cuda.is_current_stream_capturing())
+        touch(weight, max_bytes, out)
+
+    monkeypatch.setattr(l2_prefetch, "touch_prefix", counted)
+    monkeypatch.setenv(l2_prefetch.ENV, "8")
+    got = tokens()
+    assert sum(reads) > 0  # read inside captures: one graph per small batch size
+    assert got == want
