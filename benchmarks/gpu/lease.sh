@@ -229,13 +229,11 @@ elif [ "$PHASE" = next ]; then
     tests/gpu/test_cuda_engine.py::test_step_logits_stay_in_the_heads_dtype
   # The engine's features on the GPU path (Triton, CUDA graphs, asynchronous scheduling):
   # preemption, chunked prefill, prefix hits, forks, a grammar, logprobs, speculative
-  # decoding, against a step-by-step PyTorch-attention engine; Qwen3 and BERT against
-  # transformers; the server's streams; the GPU's joules in the requests' usage (Zeus now
-  # carried). First contact for all of them: before the measurements.
-  step tests-features 100 python3 -m pytest -q -p no:cacheprovider -rfE \
+  # decoding, against a step-by-step PyTorch-attention engine; Qwen3 against transformers;
+  # the L2 prefetch that decode-bf16-l2 times. First contact, before the measurements (the
+  # server, BERT and energy tests end next-fp8: this call's measurements come first).
+  step tests-features 75 python3 -m pytest -q -p no:cacheprovider -rfE \
     tests/engine/test_triton_engine_features.py tests/gpu/test_qwen3_cuda.py \
-    tests/gpu/test_embeddings_cuda.py tests/gpu/test_server_cuda.py \
-    tests/gpu/test_cuda_engine.py::test_requests_are_charged_the_gpus_joules \
     tests/gpu/test_cuda_engine.py::test_l2_prefetch_is_captured_and_keeps_the_tokens
   # Batches above 8, bf16, contexts up to 2,048 as a class of their own (its graphs size the
   # grid for 2,048 tokens). The file keeps its small-batch rules; the new rules replace the
@@ -334,6 +332,11 @@ elif [ "$PHASE" = next-fp8 ]; then
   step profile-qwen3-next 40 python3 benchmarks/gpu/step_profile_gpu.py --model qwen3-0.6b \
     --batches 1,128 --steps 10 --prompt-tokens 600 \
     --result-file "$RES/$GPU-qwen3-0.6b-step-profile-next.json"
+  # The rest of the new GPU tests: the server's streams, BERT against transformers, the
+  # GPU's joules in the requests' usage (Zeus now carried).
+  step tests-more 90 python3 -m pytest -q -p no:cacheprovider -rfE \
+    tests/gpu/test_server_cuda.py tests/gpu/test_embeddings_cuda.py \
+    tests/gpu/test_cuda_engine.py::test_requests_are_charged_the_gpus_joules
 elif [ "$PHASE" = tune ]; then
   # 2026-11-27's run of this phase took 565 s (tests 39, sweep 66 with do_bench, bf16
   # throughput 153, decode 19, then the fp8-cache runs were cut at their caps). Next: the sweep
