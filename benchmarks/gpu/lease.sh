@@ -235,6 +235,14 @@ elif [ "$PHASE" = next ]; then
   step tests-features 75 python3 -m pytest -q -p no:cacheprovider -rfE \
     tests/engine/test_triton_engine_features.py tests/gpu/test_qwen3_cuda.py \
     tests/gpu/test_cuda_engine.py::test_l2_prefetch_is_captured_and_keeps_the_tokens
+  # The experimental L2 prefetch (tokenmill/runner/l2_prefetch.py) at batch 1, early and in
+  # a pair (~16 s each; the tuning as it stands): the decode bench without, then with the next
+  # matmul's first 32 MB read on a side stream while the small kernels run.
+  step decode-bf16-pre 40 $BENCH --suite decode --model llama-3.1-8b --max-model-len 4096 \
+    --max-num-seqs 8 --result-file "$RES/$GPU-llama-3.1-8b-decode-bf16-pre.json"
+  step decode-bf16-l2 40 env TOKENMILL_L2_PREFETCH=32 $BENCH --suite decode \
+    --model llama-3.1-8b --max-model-len 4096 --max-num-seqs 8 \
+    --result-file "$RES/$GPU-llama-3.1-8b-decode-bf16-l2.json"
   # Batches above 8, bf16, contexts up to 2,048 as a class of their own (its graphs size the
   # grid for 2,048 tokens). The file keeps its small-batch rules; the new rules replace the
   # larger batches' only if the sweep ran.
@@ -278,11 +286,6 @@ load_tuning(os.environ["TUNED"])
 PY
   step decode-bf16-next 50 $BENCH --suite decode --model llama-3.1-8b --max-model-len 4096 \
     --max-num-seqs 8 --result-file "$RES/$GPU-llama-3.1-8b-decode-bf16-next.json"
-  # The experimental L2 prefetch (tokenmill/runner/l2_prefetch.py): the same bench with the
-  # next matmul's first 32 MB read on a side stream while the small kernels run.
-  step decode-bf16-l2 40 env TOKENMILL_L2_PREFETCH=32 $BENCH --suite decode \
-    --model llama-3.1-8b --max-model-len 4096 --max-num-seqs 8 \
-    --result-file "$RES/$GPU-llama-3.1-8b-decode-bf16-l2.json"
   step profile-b1-next 40 python3 benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b \
     --batches 1 --steps 10 --result-file "$RES/$GPU-llama-3.1-8b-step-profile-b1-next.json"
   # The 1,000 x 1,000 runs' prefill between waves: a full chunk's kernels and matmul rate.
