@@ -77,7 +77,7 @@ def touch_prefix(weight: torch.Tensor, max_bytes: int, out: torch.Tensor) -> Non
 
 
 class L2Prefetch:
-    """Forward hooks on ``model``: after each 16-bit linear layer's product is queued, read
+    """Forward hooks on ``model``: after each unquantized linear layer's product is queued, read
     the first ``max_bytes`` of the next one's weight (in the order the layers are registered,
     which is the order a decoder runs them) on ``stream``, which waits for that product
     first; the model's forward joins the stream again before it returns.
