@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.gpu,
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "server"))
 
-from server_harness import Server, idle, start_server, wait_for  # noqa: E402
+from server_harness import Server, idle, leave_mid_stream, start_server, wait_for  # noqa: E402
 
 DEVICE = "cuda"
 MODEL = ["--model", "tiny-llama", "--load-format", "dummy", "--dtype", "float32",
@@ -62,21 +62,9 @@ async def _structured(http: httpx.AsyncClient, server: Server) -> tuple[str, str
     return choice["message"]["content"], choice["finish_reason"]
 
 
-async def _leave_early(http: httpx.AsyncClient, server: Server) -> None:
-    """A client that reads two chunks of a long stream and hangs up."""
-    body = {"model": server.model, "prompt": "A long story:", "max_tokens": 200,
-            "temperature": 0.0, "stream": True, "ignore_eos": True}
-    async with http.stream("POST", f"{server.url}/v1/completions", json=body) as resp:
-        seen = 0
-        async for line in resp.aiter_lines():
-            seen += line.startswith("data:")
-            if seen >= 2:
-                break
-
-
 async def _run(server: Server) -> list[tuple[str, str]]:
     async with httpx.AsyncClient(timeout=120) as http:
-        results = await asyncio.gather(_leave_early(http, server), _structured(http, server),
+        results = await asyncio.gather(leave_mid_stream(server), _structured(http, server),
                                        *[_stream(http, server, i) for i in range(6)])
     return list(results[1:])
 

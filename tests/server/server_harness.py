@@ -109,3 +109,16 @@ def idle(server: Server) -> bool:
     return (m["tokenmill:num_requests_running"] == 0
             and m["tokenmill:num_requests_waiting"] == 0
             and m["tokenmill:kv_cache_usage_perc"] == 0)
+
+
+async def leave_mid_stream(server: Server, chunks: int = 2) -> None:
+    """A client that reads ``chunks`` chunks of a long completion stream and hangs up."""
+    body = {"model": server.model, "prompt": "A long story:", "max_tokens": 200,
+            "temperature": 0.0, "stream": True, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=60) as http, http.stream(
+            "POST", f"{server.url}/v1/completions", json=body) as resp:
+        seen = 0
+        async for line in resp.aiter_lines():
+            seen += line.startswith("data:")
+            if seen >= chunks:
+                break

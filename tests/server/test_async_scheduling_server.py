@@ -8,10 +8,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 
-import httpx
 import openai
 import pytest
-from server_harness import Server, idle, start_server, wait_for
+from server_harness import Server, idle, leave_mid_stream, start_server, wait_for
 
 PROMPTS = [f"Story {i}: once upon a time" for i in range(6)]
 
@@ -30,22 +29,9 @@ async def _stream(client: openai.AsyncOpenAI, model: str, i: int) -> tuple[str, 
     return text, finish
 
 
-async def _leave_early(server: Server) -> None:
-    """A client that reads two chunks of a long stream and hangs up."""
-    body = {"model": server.model, "prompt": "A long story:", "max_tokens": 200,
-            "temperature": 0.0, "stream": True, "ignore_eos": True}
-    async with httpx.AsyncClient(timeout=60) as http, http.stream(
-            "POST", f"{server.url}/v1/completions", json=body) as resp:
-        seen = 0
-        async for line in resp.aiter_lines():
-            seen += line.startswith("data:")
-            if seen >= 2:
-                break
-
-
 async def _run(server: Server) -> list[tuple[str, str]]:
     client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-    results = await asyncio.gather(_leave_early(server),
+    results = await asyncio.gather(leave_mid_stream(server),
                                    *[_stream(client, server.model, i) for i in range(6)])
     await client.close()
     return list(results[1:])
