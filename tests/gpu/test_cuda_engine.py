@@ -15,6 +15,12 @@ pytestmark = [pytest.mark.gpu,
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,", "Once upon a time"]
 
 
+def _free_cuda_memory() -> None:
+    """Give back what dropped engines held (they may sit in reference cycles)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def _generate(**kwargs: object) -> list[list[int]]:
     from tokenmill import LLM, SamplingParams
 
@@ -66,8 +72,7 @@ def _first_decode_step(prompts: list[str]) -> tuple[list[int], list[float]]:
     outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     llm.engine.close()
     del llm
-    gc.collect()
-    torch.cuda.empty_cache()
+    _free_cuda_memory()
     return [o.token_ids[0] for o in outs], [o.logprobs[1].logprob for o in outs]
 
 
@@ -116,8 +121,7 @@ def test_gpu_memory_utilization_bounds_the_engine() -> None:
     total = torch.cuda.get_device_properties(0).total_memory
     plans = {}
     for util in (0.3, 0.6):
-        gc.collect()  # engines of earlier tests hold memory the budget would count
-        torch.cuda.empty_cache()
+        _free_cuda_memory()  # engines of earlier tests hold memory the budget would count
         plans[util] = LLM(device="cuda", gpu_memory_utilization=util,
                           quantization="none").engine.core.kv_plan
     assert 1 < plans[0.3].num_blocks < plans[0.6].num_blocks
@@ -158,8 +162,7 @@ def _prompt_logprobs(quantization: str) -> list[float]:
     assert len(out.outputs[0].token_ids) == 24
     llm.engine.close()
     del llm
-    gc.collect()
-    torch.cuda.empty_cache()
+    _free_cuda_memory()
     return [lp.logprob for lp in out.prompt_logprobs[1:]]  # type: ignore[index]
 
 
@@ -205,8 +208,7 @@ def test_step_logits_stay_in_the_heads_dtype() -> None:
         assert torch.equal(out.sampled_token_ids, want)
         torch.testing.assert_close(out.chosen_logprobs, want_lps, rtol=1e-4, atol=1e-4)
     del llm
-    gc.collect()
-    torch.cuda.empty_cache()
+    _free_cuda_memory()
 
 
 def test_requests_are_charged_the_gpus_joules() -> None:
@@ -228,8 +230,7 @@ def test_requests_are_charged_the_gpus_joules() -> None:
     assert sum(charged) <= spent * 1.01
     llm.engine.close()
     del llm
-    gc.collect()
-    torch.cuda.empty_cache()
+    _free_cuda_memory()
 
 
 def test_l2_prefetch_is_captured_and_keeps_the_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -245,8 +246,7 @@ def test_l2_prefetch_is_captured_and_keeps_the_tokens(monkeypatch: pytest.Monkey
         out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
         llm.engine.close()
         del llm
-        gc.collect()
-        torch.cuda.empty_cache()
+        _free_cuda_memory()
         return out
 
     want = tokens()
