@@ -158,9 +158,10 @@ class ModelRunner:
         max_bytes = prefetch_bytes_from_env()
         if not max_bytes:
             return None
+        prefetch = L2Prefetch(self.model, max_bytes, torch.cuda.Stream(self.device))
         logger.info("L2 prefetch: %d MB of each next matmul's weight in decode graphs of up "
-                    "to 8 sequences", max_bytes >> 20)
-        return L2Prefetch(self.model, max_bytes, torch.cuda.Stream(self.device))
+                    "to %d sequences", max_bytes >> 20, prefetch.max_batch)
+        return prefetch
 
     # ------------------------------------------------------------------------ one step
 
