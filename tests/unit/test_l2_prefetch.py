@@ -36,6 +36,8 @@ def test_the_size_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) ->
         monkeypatch.setenv(l2_prefetch.ENV, bad)
         with pytest.raises(ValueError, match=l2_prefetch.ENV):
             prefetch_bytes_from_env()
+    monkeypatch.setenv(l2_prefetch.ENV, "16")  # a refused value leaves nothing behind
+    assert prefetch_bytes_from_env() == 16 << 20
 
 
 def test_hooks_read_the_next_layer_in_decoder_order_and_change_nothing(
