@@ -3,9 +3,11 @@
 checked against cuBLAS's. ``--dtype fp8`` times the fp8 products (``torch._scaled_mm``,
 row-wise scales) at decode and prefill batches; ``--dtype bf16`` the 16-bit ones
 (``F.linear``) at decode's few rows, the LM head too, with the weights' read rate against the
-copy bandwidth (a batch-1 step is the weights read once); the down projection as the model
-runs it, its SiLU in the Triton kernel's prologue against the SiLU-and-mul kernel and then
-cuBLAS. With ``--write-tuning`` it writes,
+copy bandwidth (a batch-1 step is the weights read once). Each 16-bit product is timed as
+the model runs it: the down projection with its SiLU in the Triton kernel's prologue, against
+the SiLU-and-mul kernel and then cuBLAS; qkv and gate_up with the residual add and RMSNorm
+before them in the Triton kernel's prologue, against the add + norm kernel and then cuBLAS.
+With ``--write-tuning`` it writes,
 for every class of rows and every weight shape, the faster implementation into the GPU's
 matmul tuning file (that dtype's list; the other list, if the file has one, is kept).
 
@@ -47,10 +49,14 @@ from tokenmill.models.fp8_activation import FP8_MAX  # noqa: E402
 SHAPES = [("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 28672, 4096),
           ("down_proj", 4096, 14336)]
 HEAD = [("lm_head", 128256, 4096)]
-# The 16-bit down projection runs with its SiLU prologue where Triton computes it (GatedMLP):
-# timed that way, against the SiLU-and-mul kernel and then cuBLAS.
-SILU_SHAPES = ("down_proj", "toy down_proj")
-TOY_SHAPES = {"fp8": [("toy", 48, 64)], "bf16": [("toy", 48, 64), ("toy down_proj", 48, 32)]}
+# The 16-bit products whose input the model computes in the Triton kernel's prologue, where
+# Triton computes them: the down projection's SiLU-and-mul (GatedMLP), the add + RMSNorm
+# before qkv and gate_up (RMSNorm.linear_forward). Each is timed that way, against the
+# prologue's own kernel and then cuBLAS.
+PROLOGUES = {"down_proj": "silu", "toy down_proj": "silu", "qkv_proj": "norm",
+             "gate_up_proj": "norm", "toy qkv_proj": "norm"}
+TOY_SHAPES = {"fp8": [("toy", 48, 64)],
+              "bf16": [("toy", 48, 64), ("toy down_proj", 48, 32), ("toy qkv_proj", 40, 64)]}
 # (max rows of the class, rows it is timed at); None: any number of rows.
 CLASSES = {"fp8": [(16, 1), (64, 64), (256, 256), (512, 334), (None, 8192)],
            "bf16": [(1, 1), (8, 8), (16, 16)]}
@@ -87,18 +93,30 @@ def operands(fp8: bool, m: int, n: int, k: int, copies: int, device: torch.devic
     return values(m, halves * k), scale_a, [values(n, k) for _ in range(copies)], scale_b
 
 
-def products(fp8: bool, silu: bool, x: torch.Tensor, scale_a: torch.Tensor,
+def products(fp8: bool, prologue: str | None, x: torch.Tensor, scale_a: torch.Tensor,
              scale_b: torch.Tensor, out_dtype: torch.dtype) -> tuple[Any, Any]:
     """``(cuBLAS's product of a weight, Triton's product of a weight at a tile)``; with
-    ``silu``, of ``silu(gate) * up`` for x's two halves (the SiLU-and-mul kernel first, or
-    Triton's prologue)."""
+    prologue "silu", of ``silu(gate) * up`` for x's two halves (the SiLU-and-mul kernel
+    first, or Triton's prologue); with "norm", of ``rms_norm(x + residual)`` (the add + norm
+    kernel first, or Triton's prologue, each writing the sum as the model's layers do)."""
     if fp8:
         return (lambda w: torch._scaled_mm(x, w.t(), scale_a=scale_a, scale_b=scale_b,
                                            out_dtype=out_dtype),
                 lambda w, tile: tg.scaled_mm(x, scale_a, w, scale_b, None, out_dtype, tile))
-    if silu:
+    if prologue == "silu":
         return (lambda w: F.linear(fused_ops.silu_and_mul(x), w),
                 lambda w, tile: tg.matmul(x, w, None, tile, silu_mul=True))
+    if prologue == "norm":
+        residual = torch.randn_like(x)
+        norm_w = torch.ones(x.shape[1], dtype=x.dtype, device=x.device)
+        eps = 1e-5
+
+        def triton_norm(w: torch.Tensor, tile: tg.GemmTile) -> torch.Tensor:
+            norm = tg.NormPrologue(norm_w, eps, residual, torch.empty_like(x))
+            return tg.matmul(x, w, None, tile, norm=norm)
+
+        return (lambda w: F.linear(fused_ops.rms_norm(x, norm_w, eps, residual=residual)[0],
+                                   w), triton_norm)
     return (lambda w: F.linear(x, w), lambda w, tile: tg.matmul(x, w, None, tile))
 
 
@@ -133,14 +151,14 @@ def main() -> None:
         copies = max(1, min(8, int(4e8 // (n * k)))) if gpu else 1
         weight_bytes = n * k * (1 if fp8 else 2)
         for max_m, m in classes:
-            silu = not fp8 and name in SILU_SHAPES
+            prologue = None if fp8 else PROLOGUES.get(name)
             x, scale_a, weights, scale_b = operands(fp8, m, n, k, copies, device, gen,
-                                                    2 if silu else 1)
-            cublas, triton_mm = products(fp8, silu, x, scale_a, scale_b, out_dtype)
+                                                    2 if prologue == "silu" else 1)
+            cublas, triton_mm = products(fp8, prologue, x, scale_a, scale_b, out_dtype)
             ref = cublas(weights[0]).float()
             cublas_ms = attention_bw.time_ms([functools.partial(cublas, w) for w in weights],
                                              device)
-            row = {"shape": name, "n": n, "k": k, "m": m, "max_m": max_m, "silu_prologue": silu,
+            row = {"shape": name, "n": n, "k": k, "m": m, "max_m": max_m, "prologue": prologue,
                    "cublas_ms": cublas_ms, "triton": []}
             best = ("cublas", cublas_ms, None)
             for tile in tiles:
@@ -161,7 +179,9 @@ def main() -> None:
                           **(asdict(tile) if tile else {}), "ms": ms, "cublas_ms": cublas_ms})
             # fp8: the tensor cores' rate; 16-bit at a few rows: the weights' read rate.
             per_ms = (2 * m * n * k / 1e9 if fp8 else 100 * weight_bytes / 1e6 / copy_gb_s)
-            table.append([name, m, cublas_ms * 1000, per_ms / cublas_ms, ms * 1000, per_ms / ms,
+            label = name + {"silu": " (SiLU in)", "norm": " (add + norm in)"}.get(
+                prologue or "", "")
+            table.append([label, m, cublas_ms * 1000, per_ms / cublas_ms, ms * 1000, per_ms / ms,
                           "cuBLAS" if tile is None else
                           f"{tile.block_m}x{tile.block_n}x{tile.block_k}/{tile.num_warps}w"
                           f"/{tile.num_stages}s"])

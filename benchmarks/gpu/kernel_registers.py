@@ -124,23 +124,27 @@ CASES = [
 ] + [
     # The matmul's tiles (tokenmill/models/triton_gemm.py): fp8 at Llama-3.1-8B's o_proj.
     (f"fp8 scaled_mm {bm} x {bn} x {bk}, {st} stages", tg._matmul_kernel,
-     dict(HAS_SCALES=True, HAS_BIAS=False, SILU_MUL=False, BLOCK_M=bm, BLOCK_N=bn,
-          BLOCK_K=bk, GROUP_M=8),
+     dict(HAS_SCALES=True, HAS_BIAS=False, SILU_MUL=False, NORM=False, HAS_RESIDUAL=False,
+          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8),
      {"num_warps": w, "num_stages": st},
      {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "scale_a_ptr": "*fp32", "scale_b_ptr": "*fp32"})
     for bm, bn, bk, w, st in ((64, 64, 128, 4, 4), (64, 128, 128, 4, 4), (128, 64, 128, 4, 4),
                               (128, 128, 128, 8, 3), (64, 256, 128, 8, 3))
 ] + [
-    # bf16 at a decode step's few rows (one 16-row tile), some of gemm_bw.py's tiles.
+    # bf16 at a decode step's few rows (one 16-row tile), some of gemm_bw.py's tiles: plain,
+    # with the down projection's SiLU prologue, with qkv's and gate_up's add + norm prologue.
     (f"bf16 matmul {tile.block_m} x {tile.block_n} x {tile.block_k}, {tile.num_warps}w, "
-     f"{tile.num_stages} stages" + (", SiLU prologue" if silu else ""), tg._matmul_kernel,
-     dict(HAS_SCALES=False, HAS_BIAS=False, SILU_MUL=silu, BLOCK_M=tile.block_m,
+     f"{tile.num_stages} stages" + {None: "", "silu": ", SiLU prologue",
+                                    "norm": ", add + norm prologue"}[prologue],
+     tg._matmul_kernel,
+     dict(HAS_SCALES=False, HAS_BIAS=False, SILU_MUL=prologue == "silu",
+          NORM=prologue == "norm", HAS_RESIDUAL=prologue == "norm", BLOCK_M=tile.block_m,
           BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m),
      {"num_warps": tile.num_warps, "num_stages": tile.num_stages}, {})
     for tile in (tg.GemmTile(16, 16, 512, 1, 4, 3), tg.GemmTile(16, 32, 256, 1, 4, 4),
                  tg.GemmTile(16, 32, 256, 1, 2, 5), tg.GemmTile(16, 64, 128, 1, 4, 5),
                  tg.GemmTile(16, 128, 128, 1, 4, 4))
-    for silu in (False, True)
+    for prologue in (None, "silu", "norm")
 ] + [
     ("rotary", fo._rotary_kernel, dict(NUM_HEADS=48, HALF=64, BLOCK_H=64, BLOCK_D=64),
      {"num_warps": 4}, {}),
@@ -166,9 +170,12 @@ def compile_like_runtime(fn: triton.JITFunction, constexprs: dict, options: dict
     """``fn`` compiled for sm_<arch> as the launcher would: with ``aligned``, pointers
     16-byte aligned and the integer arguments ALIGNED_INTS names marked as multiples of 16;
     without, nothing marked (a launch whose pointers or strides are not). Pointers are bf16
-    unless POINTERS or ``pointers`` say otherwise. The slow compile test
-    (tests/unit/test_triton_compile.py) compiles every kernel through this too."""
+    unless POINTERS or ``pointers`` say otherwise; a constexpr not in ``constexprs`` takes its
+    default (``PDL``: off). The slow compile test (tests/unit/test_triton_compile.py)
+    compiles every kernel through this too."""
     types = {**POINTERS, **(pointers or {})}
+    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default},
+                  **constexprs}
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:

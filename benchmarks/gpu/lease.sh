@@ -77,8 +77,8 @@ next_setup() {  # the phases "next" and "next-fp8" (run 6)
   #   embedding now in the K/V store's kernel;
   # - the Triton matmul at a decode step's few rows against cuBLAS (which read the weights at
   #   91% of the copy bandwidth at batch 1), written as this GPU's 16-bit matmul rules;
-  # - batch 1: short partitions and a 512-token class with no reduction; its decode bench
-  #   and step profile.
+  # - batch 1: short partitions and a 512-token class with no reduction; its decode bench,
+  #   then the same with programmatic dependent launch (TOKENMILL_PDL=1), and the step profile.
   # next-fp8:
   # - fp8 cache attention with the block ids read before the loop (preload_table), so that
   #   its cache loads pipeline (compiled as the launcher does, every wait drained all copies);
@@ -234,7 +234,8 @@ elif [ "$PHASE" = next ]; then
   # server, BERT and energy tests end next-fp8: this call's measurements come first).
   step tests-features 75 python3 -m pytest -q -p no:cacheprovider -rfE \
     tests/engine/test_triton_engine_features.py tests/gpu/test_qwen3_cuda.py \
-    tests/gpu/test_cuda_engine.py::test_l2_prefetch_is_captured_and_keeps_the_tokens
+    tests/gpu/test_cuda_engine.py::test_l2_prefetch_is_captured_and_keeps_the_tokens \
+    tests/gpu/test_cuda_engine.py::test_pdl_keeps_the_tokens
   # The experimental L2 prefetch (tokenmill/runner/l2_prefetch.py) at batch 1, early and in
   # a pair (~16 s each; the tuning as it stands): the decode bench without, then with the next
   # matmul's first 32 MB read on a side stream while the small kernels run.
@@ -286,6 +287,17 @@ load_tuning(os.environ["TUNED"])
 PY
   step decode-bf16-next 50 $BENCH --suite decode --model llama-3.1-8b --max-model-len 4096 \
     --max-num-seqs 8 --result-file "$RES/$GPU-llama-3.1-8b-decode-bf16-next.json"
+  # The same with programmatic dependent launch (tokenmill/pdl.py): each Triton kernel may be
+  # launched while the one before it finishes, and waits for it on the GPU. With the sweep's
+  # Triton matmuls a layer is a chain of such kernels.
+  # The matmuls' programs also ask L2 for 64 KB of their weight rows before they wait (the
+  # default); the second run without that.
+  step decode-bf16-pdl 40 env TOKENMILL_PDL=1 $BENCH --suite decode --model llama-3.1-8b \
+    --max-model-len 4096 --max-num-seqs 8 \
+    --result-file "$RES/$GPU-llama-3.1-8b-decode-bf16-pdl.json"
+  step decode-bf16-pdl-nopf 40 env TOKENMILL_PDL=1 TOKENMILL_PDL_PREFETCH_KB=0 $BENCH \
+    --suite decode --model llama-3.1-8b --max-model-len 4096 --max-num-seqs 8 \
+    --result-file "$RES/$GPU-llama-3.1-8b-decode-bf16-pdl-nopf.json"
   step profile-b1-next 40 python3 benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b \
     --batches 1 --steps 10 --result-file "$RES/$GPU-llama-3.1-8b-step-profile-b1-next.json"
   # The 1,000 x 1,000 runs' prefill between waves: a full chunk's kernels and matmul rate.
@@ -295,6 +307,9 @@ PY
   step profile-b1-l2 40 env TOKENMILL_L2_PREFETCH=32 python3 benchmarks/gpu/step_profile_gpu.py \
     --model llama-3.1-8b --batches 1 --steps 10 \
     --result-file "$RES/$GPU-llama-3.1-8b-step-profile-b1-l2.json"
+  step profile-b1-pdl 40 env TOKENMILL_PDL=1 python3 benchmarks/gpu/step_profile_gpu.py \
+    --model llama-3.1-8b --batches 1 --steps 10 \
+    --result-file "$RES/$GPU-llama-3.1-8b-step-profile-b1-pdl.json"
 elif [ "$PHASE" = next-fp8 ]; then
   next_setup
   # The fp8 cache: written to the file only if the sweep ran (it keeps the current launch,

@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from tokenmill import LLM
 from tokenmill.bench.latency import start_decoding
-from tokenmill.bench.report import markdown_table, now_iso, write_json
+from tokenmill.bench.report import command_line, markdown_table, now_iso, write_json
 
 PROMPT_TOKENS = 128
 ACTIVITIES = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -227,7 +227,7 @@ def main() -> None:
                                    "kv_cache_dtype": a.kv_cache_dtype,
                                    "device": (torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"),
                                    "torch": torch.__version__,
-                                   "command": " ".join(["python", *sys.argv]),
+                                   "command": command_line("python", sys.argv),
                                    "results": results})
 
 

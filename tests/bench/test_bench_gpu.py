@@ -62,3 +62,16 @@ def test_copy_bandwidth_and_facts_on_cpu() -> None:
     assert copy_bandwidth(torch.device("cpu"), 1 << 20, iters=3) > 0
     facts = device_facts(torch.device("cpu"))
     assert facts["device"] == "cpu" and facts["torch"] == torch.__version__
+
+
+def test_the_command_names_the_variables_it_ran_with(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Experiments that are off by default are turned on by TOKENMILL_* variables: a result's
+    command gives them, ready to run again."""
+    monkeypatch.setenv("TOKENMILL_PDL", "0")
+    r = _run(tmp_path, "decode", "--num-prompts", "1", "--input-len", "4", "--output-len", "2",
+             "--copy-bytes", str(1 << 20))
+    words = r["command"].split()
+    program = words.index("tokenmill")
+    assert "TOKENMILL_PDL=0" in words[:program]
+    assert all(w.startswith("TOKENMILL_") for w in words[:program])

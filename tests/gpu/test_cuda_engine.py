@@ -78,9 +78,10 @@ def _first_decode_step(prompts: list[str]) -> tuple[list[int], list[float]]:
 
 def test_tuned_triton_matmul_in_cuda_graphs(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tuning file that sends every 16-bit product of up to 16 rows to the Triton matmul
-    (the decode steps' linears, the head, the down projection with its SiLU prologue),
-    captured in the CUDA graphs: the first decode step's logprobs agree with cuBLAS's to
-    bf16's rounding (the prefills' layers, of more rows, are cuBLAS's in both)."""
+    (the decode steps' linears, the head, the down projection with its SiLU prologue, qkv
+    and gate_up with their norms in theirs), captured in the CUDA graphs: the first decode
+    step's logprobs agree with cuBLAS's to bf16's rounding (the prefills' layers, of more
+    rows, are cuBLAS's in both)."""
     import json
 
     from tokenmill.models import linear, triton_gemm
@@ -94,12 +95,12 @@ def test_tuned_triton_matmul_in_cuda_graphs(tmp_path, monkeypatch: pytest.Monkey
     monkeypatch.setenv(triton_gemm.ENV_FILE, str(tuning))
     triton_gemm.tuning_for_device.cache_clear()
     linear._gemm_tuning.cache_clear()
-    launches: list[bool] = []
+    launches: list[str | None] = []
     matmul = triton_gemm.matmul
 
-    def counted(*args, silu_mul: bool = False):
-        launches.append(silu_mul)
-        return matmul(*args, silu_mul=silu_mul)
+    def counted(*args, silu_mul: bool = False, norm=None):
+        launches.append("silu" if silu_mul else None if norm is None else "norm")
+        return matmul(*args, silu_mul=silu_mul, norm=norm)
 
     monkeypatch.setattr(triton_gemm, "matmul", counted)
     try:
@@ -107,7 +108,7 @@ def test_tuned_triton_matmul_in_cuda_graphs(tmp_path, monkeypatch: pytest.Monkey
     finally:
         triton_gemm.tuning_for_device.cache_clear()
         linear._gemm_tuning.cache_clear()
-    assert True in launches and False in launches  # SiLU prologues and plain products
+    assert {"silu", "norm", None} <= set(launches)  # both prologues and plain products
     # The head's product of the prefill's last rows (8 rows) is Triton's too: a near tie of
     # random weights' logits may flip a first token; the decode step is compared where not.
     same = [i for i, (a, b) in enumerate(zip(first_tuned, first, strict=True)) if a == b]
@@ -231,6 +232,55 @@ def test_requests_are_charged_the_gpus_joules() -> None:
     llm.engine.close()
     del llm
     _free_cuda_memory()
+
+
+def test_pdl_keeps_the_tokens(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TOKENMILL_PDL=1 (tokenmill/pdl.py): every Triton kernel launched with programmatic
+    dependent launch, in the CUDA graphs and in the eager prefills, the decode steps' matmuls
+    too (a tuning file sends them to the Triton matmul, so that a whole layer is a chain of
+    kernels that wait for each other), gives the tokens and logprobs of the same run without
+    it."""
+    import json
+
+    from tokenmill import LLM, SamplingParams, pdl
+    from tokenmill.models import linear, triton_gemm
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    tuning = tmp_path / "gemm.json"
+    tuning.write_text(json.dumps({"gemm": [{"max_m": 16, "block_m": 16, "block_n": 32,
+                                            "block_k": 256, "num_warps": 4,
+                                            "num_stages": 4}]}))
+    monkeypatch.setenv(triton_gemm.ENV_FILE, str(tuning))
+
+    def run() -> list[tuple[list[int], list[float]]]:
+        pdl.reset()
+        triton_gemm.tuning_for_device.cache_clear()
+        linear._gemm_tuning.cache_clear()
+        llm = LLM(model="qwen3-0.6b", load_format="dummy", device="cuda", dtype="bfloat16",
+                  max_model_len=256, max_num_seqs=16, gpu_memory_utilization=0.3)
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
+        outs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        llm.engine.close()
+        del llm
+        _free_cuda_memory()
+        return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
+
+    try:
+        want = run()
+        monkeypatch.setenv(pdl.ENV, "1")
+        pdl.reset()
+        assert pdl.launch_options(torch.device("cuda")) == {"PDL": True, "launch_pdl": True}
+        got = run()
+    finally:
+        monkeypatch.delenv(pdl.ENV, raising=False)
+        monkeypatch.delenv(triton_gemm.ENV_FILE, raising=False)
+        pdl.reset()
+        triton_gemm.tuning_for_device.cache_clear()
+        linear._gemm_tuning.cache_clear()
+    assert [t for t, _ in got] == [t for t, _ in want]
+    # The same kernels on the same inputs: the waits change when they run, not what they do.
+    assert got == want
 
 
 def test_l2_prefetch_is_captured_and_keeps_the_tokens(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -121,15 +121,17 @@ def test_linear_layers_run_the_tuned_matmul(monkeypatch: pytest.MonkeyPatch) -> 
     assert len(asked) == 2 and launched == [tile]
 
 
-def count_matmuls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """The 16-bit Triton matmuls launched from now on, each as whether it had the SiLU
-    prologue."""
-    launches: list[bool] = []
+def count_matmuls(monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
+    """The 16-bit Triton matmuls launched from now on, each as its prologue: "silu", "norm"
+    (with a residual: "add+norm") or None."""
+    launches: list[str | None] = []
     matmul = fg.matmul
 
-    def counted(*args: object, silu_mul: bool = False) -> torch.Tensor:
-        launches.append(silu_mul)
-        return matmul(*args, silu_mul=silu_mul)  # type: ignore[arg-type]
+    def counted(*args: object, silu_mul: bool = False,
+                norm: fg.NormPrologue | None = None) -> torch.Tensor:
+        launches.append("silu" if silu_mul else None if norm is None else
+                        "norm" if norm.residual is None else "add+norm")
+        return matmul(*args, silu_mul=silu_mul, norm=norm)  # type: ignore[arg-type]
 
     monkeypatch.setattr(fg, "matmul", counted)
     return launches
@@ -160,6 +162,112 @@ def test_matmul_with_the_silu_prologue_equals_the_two_kernels(m: int, n: int, k:
         fg.matmul(gate_up[:, :k], w, None, tile, silu_mul=True)
 
 
+def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """layers.RMSNorm's low-precision arithmetic: normed in fp32, rounded, scaled, rounded."""
+    y = F.rms_norm(x.float(), (x.shape[1],), None, eps).to(x.dtype)
+    return y * weight.to(x.dtype)
+
+
+@pytest.mark.parametrize("m,n,k,tile", [
+    (1, 48, 96, fg.GemmTile(block_m=16, block_n=16, block_k=32, num_warps=1, num_stages=2)),
+    (5, 40, 80, fg.GemmTile(block_m=16, block_n=32, block_k=64)),  # N and K masked
+    (19, 48, 64, fg.GemmTile(block_m=16, block_n=16, block_k=32, group_m=2)),  # two row tiles
+])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_matmul_with_the_norm_prologue_equals_norm_then_product(
+        m: int, n: int, k: int, tile: fg.GemmTile, with_residual: bool) -> None:
+    """``norm``: the product of ``rms_norm(a + residual) * weight``, the sum written out
+    exactly as the eager add rounds it (by the first column tile's programs only, while the
+    others read a and the residual), the RMS taken over all K columns though each program
+    loads them a tile at a time."""
+    gen = torch.Generator().manual_seed(m * n + with_residual)
+    x = (torch.randn(m, k, generator=gen) * 3).to(HALF).to(DEVICE)
+    residual = (torch.randn(m, k, generator=gen) * 5).to(HALF).to(DEVICE)
+    norm_w = (1 + torch.randn(k, generator=gen) / 4).to(HALF).to(DEVICE)
+    w = torch.randn(n, k, generator=gen).to(HALF).to(DEVICE)
+    bias = torch.randn(n, generator=gen).to(HALF).to(DEVICE)
+    eps = 1e-5
+    summed = torch.full_like(x, float("nan"))
+    norm = (fg.NormPrologue(norm_w, eps, residual, summed) if with_residual
+            else fg.NormPrologue(norm_w, eps))
+    got = fg.matmul(x, w, bias, tile, norm=norm)
+    s = x + residual if with_residual else x
+    if with_residual:
+        assert torch.equal(summed, s)
+    want = F.linear(_rms_norm_reference(s, norm_w, eps).float(), w.float(), bias.float())
+    assert got.dtype == HALF and got.shape == (m, n)
+    assert ((got.float() - want).norm() / want.norm()).item() <= 1e-2
+    # Each row is normed on its own: scaling one row of the input leaves the others' outputs
+    # as they were, and that row's too (the RMS divides the scale out).
+    if not with_residual and m > 1:
+        x2 = x.clone()
+        x2[0] *= 4
+        again = fg.matmul(x2, w, bias, tile, norm=norm)
+        assert torch.equal(again[1:], got[1:])
+        assert ((again[0].float() - got[0].float()).norm() / got[0].float().norm()) <= 1e-2
+
+
+def test_the_norm_prologue_checks_its_operands() -> None:
+    a = torch.zeros(2, 32, dtype=HALF, device=DEVICE)
+    w = torch.zeros(16, 32, dtype=HALF, device=DEVICE)
+    tile = fg.GemmTile(16, 16, 32, 1, 1, 2)
+    ones = torch.ones(32, dtype=HALF, device=DEVICE)
+    cases = [
+        (fg.NormPrologue(ones[:16], 1e-5), r"norm's weight must be a contiguous \[32\]"),
+        (fg.NormPrologue(ones, 1e-5, a.clone()), "both a residual and sum_out, or neither"),
+        (fg.NormPrologue(ones, 1e-5, a[:1].clone(), a.clone()), r"residual must be \(2, 32\)"),
+        (fg.NormPrologue(ones, 1e-5, a.clone(), a.float()), "sum_out must be"),
+        (fg.NormPrologue(ones, 1e-5, a.clone(), a), "must not be a or the residual"),
+    ]
+    for norm, message in cases:
+        with pytest.raises(ValueError, match=message):
+            fg.matmul(a, w, None, tile, norm=norm)
+    with pytest.raises(ValueError, match="not both"):
+        fg.matmul(torch.zeros(2, 64, dtype=HALF, device=DEVICE), w, None, tile, silu_mul=True,
+                  norm=fg.NormPrologue(ones, 1e-5))
+    # A valid call after the refused ones: x = 1 everywhere normalizes to 1, times the norm's
+    # weight 2, times the identity.
+    x = torch.ones(2, 16, dtype=HALF, device=DEVICE)
+    got = fg.matmul(x, torch.eye(16, dtype=HALF, device=DEVICE), None, fg.GemmTile(16, 16, 16),
+                    norm=fg.NormPrologue(torch.full((16,), 2.0, dtype=HALF, device=DEVICE), 1e-6))
+    assert torch.equal(got, torch.full_like(x, 2.0))
+
+
+def test_norms_hand_their_output_to_the_tuned_projection(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``RMSNorm.linear_forward``: where the projection's product has a Triton tile (patched
+    in here), the norm (and the residual add) run in its kernel, with the outputs of the norm
+    then the product; without one, or for an fp8 projection, the norm runs first. The
+    layer's forward hooks see the call either way (the L2 prefetch hangs on them)."""
+    from tokenmill.models.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(8)
+    rms = RMSNorm(32, 1e-6).to(HALF).to(DEVICE)
+    layer = Linear(32, 48, bias=False).to(HALF).to(DEVICE)
+    with torch.no_grad():
+        rms.weight.copy_(1 + torch.randn(32, generator=gen) / 4)
+        layer.weight.copy_(torch.randn(48, 32, generator=gen) / 4)
+    h, residual = (torch.randn(3, 32, generator=gen).to(HALF).to(DEVICE) for _ in range(2))
+    hooked: list[int] = []
+    layer.register_forward_hook(lambda mod, args, out: hooked.append(args[0].shape[0]))
+    launches = count_matmuls(monkeypatch)
+    plain = [rms.linear_forward(h, r, layer) for r in (None, residual)]
+    assert launches == [] and hooked == [3, 3]
+    assert torch.equal(plain[0][1], h) and torch.equal(plain[1][1], h + residual)
+    tile = fg.GemmTile(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=2)
+    monkeypatch.setattr(lin, "gemm_tile", lambda a, n, fp8=False, k=None: tile)
+    fused = [rms.linear_forward(h, r, layer) for r in (None, residual)]
+    assert launches == ["norm", "add+norm"] and hooked == [3, 3, 3, 3]
+    for (want, want_sum), (got, got_sum) in zip(plain, fused, strict=True):
+        assert torch.equal(got_sum, want_sum)
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() <= 1e-2
+    # A norm that quantizes for an fp8 projection keeps its own kernel: the product after it
+    # has no prologue.
+    rms.fp8_out = True
+    rms.linear_forward(h, residual, layer)
+    assert launches == ["norm", "add+norm", None]
+
+
 def test_gated_mlp_computes_the_silu_in_the_down_projection(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the down projection's 16-bit product has a Triton tile (a GPU's tuning; patched
@@ -179,7 +287,7 @@ def test_gated_mlp_computes_the_silu_in_the_down_projection(
     assert prologues == []
     monkeypatch.setattr(lin, "gemm_tile", lambda a, n, fp8=False, k=None: tile)
     fused = mlp(x)
-    assert prologues == [False, True]  # gate_up, then down with the SiLU
+    assert prologues == [None, "silu"]  # gate_up, then down with the SiLU
     assert ((fused.float() - unfused.float()).norm() / unfused.float().norm()).item() <= 1e-2
 
 
@@ -227,9 +335,11 @@ def test_a_decode_step_through_the_tuned_matmul(monkeypatch: pytest.MonkeyPatch,
     want = logits(tuned=False)
     assert launches == []
     got = logits(tuned=True)
-    # The decode step: qkv, o and down (with the SiLU) per layer, gate_up, then the head.
-    assert launches.count(True) == arch.num_hidden_layers
-    assert len(launches) == 4 * arch.num_hidden_layers + 1
+    # The decode step: per layer qkv (the input norm in it; the first layer's without a
+    # residual), o, gate_up (the add and norm in it) and down (the SiLU), then the head.
+    layers = arch.num_hidden_layers
+    assert launches == ["norm", None, "add+norm", "silu"] + [
+        "add+norm", None, "add+norm", "silu"] * (layers - 1) + [None]
     assert ((got - want).norm() / want.norm()).item() <= 1e-2
 
 
@@ -366,8 +476,12 @@ def test_sweep_script_writes_a_tuning_file_the_engine_reads(tmp_path: Path) -> N
         assert done.returncode == 0, done.stderr[-3000:]
         rows = json.loads(result.read_text())["results"]
         assert all(t["rel_err_vs_cublas"] < 1e-3 for r in rows for t in r["triton"])
+        # The 16-bit sweep times each product with the prologue the model gives it.
+        assert [r["prologue"] for r in rows] == (
+            [None, None] if dtype == "fp8" else [None, None, "silu", "silu", "norm", "norm"])
     loaded = fg.load_tuning(tuning)
     assert [(r.max_m, r.n, r.k, r.tile) for r in loaded.fp8_rules] == [
         (16, 48, 64, None), (None, 48, 64, None)]
     assert [(r.max_m, r.n, r.k, r.tile) for r in loaded.rules] == [
-        (16, 48, 64, None), (None, 48, 64, None), (16, 48, 32, None), (None, 48, 32, None)]
+        (16, 48, 64, None), (None, 48, 64, None), (16, 48, 32, None), (None, 48, 32, None),
+        (16, 40, 64, None), (None, 40, 64, None)]

@@ -124,19 +124,22 @@ KERNELS += [
     for fp16 in (True, False)
 ]
 # The matmul (models/triton_gemm.py) at tiles its sweeps try: fp8 with scales, with and
-# without a bias; bf16 without scales, a decode step's 16-row tiles.
+# without a bias; bf16 without scales, a decode step's 16-row tiles (plain, the SiLU prologue,
+# the norm prologue without and with the residual add).
 KERNELS += [
-    (tg._matmul_kernel, dict(HAS_SCALES=True, HAS_BIAS=bias, SILU_MUL=False, BLOCK_M=bm,
-                             BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8),
+    (tg._matmul_kernel, dict(HAS_SCALES=True, HAS_BIAS=bias, SILU_MUL=False, NORM=False,
+                             HAS_RESIDUAL=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8),
      {"num_warps": w, "num_stages": st},
      {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "scale_a_ptr": "*fp32", "scale_b_ptr": "*fp32"})
     for bm, bn, bk, w, st in ((16, 32, 256, 4, 4), (64, 64, 128, 4, 4), (128, 128, 128, 8, 3))
     for bias in (False, True)
 ] + [
-    (tg._matmul_kernel, dict(HAS_SCALES=False, HAS_BIAS=False, SILU_MUL=silu, BLOCK_M=16,
-                             BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1), {"num_warps": w, "num_stages": st})
+    (tg._matmul_kernel, dict(HAS_SCALES=False, HAS_BIAS=False, SILU_MUL=silu, NORM=norm,
+                             HAS_RESIDUAL=residual, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk,
+                             GROUP_M=1), {"num_warps": w, "num_stages": st})
     for bn, bk, w, st in ((16, 1024, 4, 2), (32, 256, 2, 5), (128, 128, 4, 4))
-    for silu in (False, True)
+    for silu, norm, residual in ((False, False, False), (True, False, False),
+                                 (False, True, False), (False, True, True))
 ]
 # The sampler's greedy step (argmax + its logprob), as greedy_with_logprobs launches it: on
 # logits of each dtype, a whole row per program (FINAL: the ids stand in for the unused
@@ -162,6 +165,41 @@ for fn, constexprs, *extra in KERNELS:
     for arch in (90,) if "*fp8e4nv" in pointers.values() else (80, 90):
         for aligned in (False, True):
             compile_like_runtime(fn, constexprs, options, pointers, arch, aligned)
+
+# With programmatic dependent launch (tokenmill/pdl.py, sm_90), once a kernel: each waits for
+# the kernel before it, then lets the next one launch, before anything else it does.
+with_pdl = set()
+for fn, constexprs, *extra in KERNELS:
+    if fn in with_pdl or "PDL" not in fn.arg_names:
+        continue
+    with_pdl.add(fn)
+    ptx = compile_like_runtime(fn, {**constexprs, "PDL": True}, extra[0] if extra else None,
+                               extra[1] if len(extra) > 1 else {}).asm["ptx"]
+    wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+    first_load = min(i for i in (ptx.find("ld.global"), ptx.find("cp.async"), len(ptx)) if i >= 0)
+    assert 0 <= wait < launch < first_load, fn
+    assert "griddepcontrol" not in compile_like_runtime(
+        fn, constexprs, extra[0] if extra else None, extra[1] if len(extra) > 1 else {}
+    ).asm["ptx"], fn
+# The matmul with PDL may ask L2 for its rows of the weight before it waits (the weight is
+# never written): the prefetches, then the wait, then the loads.
+for constexprs in (dict(HAS_SCALES=False, HAS_BIAS=False, SILU_MUL=False, NORM=True,
+                        HAS_RESIDUAL=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, GROUP_M=1),
+                   dict(HAS_SCALES=True, HAS_BIAS=False, SILU_MUL=False, NORM=False,
+                        HAS_RESIDUAL=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8)):
+    fp8 = constexprs["HAS_SCALES"]
+    ptx = compile_like_runtime(
+        tg._matmul_kernel, dict(constexprs, PDL=True, PREFETCH_LINES=16),
+        {"num_warps": 4, "num_stages": 4},
+        {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "scale_a_ptr": "*fp32",
+         "scale_b_ptr": "*fp32"} if fp8 else {}).asm["ptx"]
+    last_prefetch = ptx.rfind("prefetch.global.L2::evict_last")
+    wait = ptx.find("griddepcontrol.wait")
+    first_load = min(i for i in (ptx.find("ld.global"), ptx.find("cp.async"), len(ptx)) if i >= 0)
+    assert 0 <= last_prefetch < wait < first_load, (fp8, last_prefetch, wait, first_load)
+# Every kernel the engine launches takes the flag (the L2 prefetch's read runs on a stream of
+# its own, outside the chain).
+assert {fn for fn, *_ in KERNELS} - with_pdl == {l2._touch_kernel}, {fn for fn, *_ in KERNELS} - with_pdl
 
 # The point of preload_table: with the block ids read before the loop, the pipeliner keeps
 # the next tile's copies in flight at each wait (num > 0); reading them in the loop, each

@@ -28,6 +28,7 @@ from tokenmill.attention.triton_kernels import (
     span_rows,
     widens_to_fp16,
 )
+from tokenmill.pdl import launch_options, pdl_start
 
 
 @triton.jit
@@ -40,7 +41,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_pt
                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, FP16: tl.constexpr,
                          TABLE_SPAN: tl.constexpr, ROW_ALIGN: tl.constexpr,
-                         DIRECT: tl.constexpr):
+                         DIRECT: tl.constexpr, PDL: tl.constexpr = False):
     """Program (seq, kv head, split): the GROUP query heads of one KV head over one partition.
 
     Writes the partition's normalized output and log2-sum-exp per query head, to be combined by
@@ -52,6 +53,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_pt
     TABLE_SPAN of them, are read before the loop and each tile's rows are gathered from them;
     ROW_ALIGN is what every cache row's element offset is a multiple of (the strides').
     """
+    pdl_start(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -112,12 +114,14 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_pt
 def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, num_splits,
                           stride_ob, stride_oh,
                           NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          PARTITION: tl.constexpr, BLOCK_D: tl.constexpr):
+                          PARTITION: tl.constexpr, BLOCK_D: tl.constexpr,
+                          PDL: tl.constexpr = False):
     """Program (seq, query head): combine the partitions that hold keys, weighted by their sums.
 
     Only the first ``cdiv(seq_len, PARTITION)`` partitions are read, since the others were never
     written; a sequence of length 0 (a padding row) gets zeros.
     """
+    pdl_start(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
@@ -223,9 +227,11 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         TABLE_SPAN=span(partition_size, block_size) if preload_table else 0,
         ROW_ALIGN=row_align(cache_strides), DIRECT=direct,
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
-        **({} if max_registers is None else {"maxnreg": max_registers}))
+        **({} if max_registers is None else {"maxnreg": max_registers}),
+        **launch_options(q.device))
     if not direct:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_out, part_lse, seq_lens, out, num_splits, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, PARTITION=partition_size, BLOCK_D=block_d)
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, PARTITION=partition_size, BLOCK_D=block_d,
+            **launch_options(part_out.device))
     return out

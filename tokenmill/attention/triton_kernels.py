@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.attention.decode_tuning import DEFAULT_LAUNCH
+from tokenmill.pdl import launch_options, pdl_start
 
 LOG2E = 1.4426950408889634
 # An fp8 KV cache (``--kv-cache-dtype fp8``): e4m3, unscaled (a scale of 1, vLLM's default
@@ -37,9 +38,11 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cb, stride_co, stride_ch,
                      NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SATURATE: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SATURATE: tl.constexpr,
+                     PDL: tl.constexpr = False):
     """One program per token: copy its K and V (all heads) to its cache slot, in the cache's
     dtype; with SATURATE (an fp8 cache) values beyond fp8's range are clamped to it."""
+    pdl_start(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     # A negative slot is a padding row (CUDA graphs pad the batch with -1): write nothing.
@@ -84,13 +87,15 @@ def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_
                             NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                             BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
-                            BLOCK_HALF: tl.constexpr, SATURATE: tl.constexpr):
+                            BLOCK_HALF: tl.constexpr, SATURATE: tl.constexpr,
+                            PDL: tl.constexpr = False):
     """One program per token: rotate its queries in place (rotate-half layout, by the token's
     cos and sign-folded sin rows, ``RotaryEmbedding.cos_sin``'s), and write its keys rotated
     and its values to its cache slot. ``k`` itself is left as it was.
 
     The rotated keys are rounded to k's dtype before the cache's, so the cache holds the same
     bytes as after a rotary kernel and ``_store_kv_kernel``."""
+    pdl_start(PDL)
     t = tl.program_id(0)
     HALF: tl.constexpr = HEAD_DIM // 2
     d = tl.arange(0, BLOCK_HALF)[None, :]
@@ -225,7 +230,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        SATURATE=kv_cache.dtype in FP8_CACHE_DTYPES)
+        SATURATE=kv_cache.dtype in FP8_CACHE_DTYPES, **launch_options(k.device))
 
 
 def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -251,7 +256,7 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         BLOCK_SIZE=k_cache.shape[1], BLOCK_HQ=triton.next_power_of_2(num_heads),
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
-        SATURATE=kv_cache.dtype in FP8_CACHE_DTYPES)
+        SATURATE=kv_cache.dtype in FP8_CACHE_DTYPES, **launch_options(q.device))
 
 
 def span(length: int, block_size: int) -> int:

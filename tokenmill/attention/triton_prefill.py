@@ -23,6 +23,7 @@ from tokenmill.attention.triton_kernels import (
     span_rows,
     widens_to_fp16,
 )
+from tokenmill.pdl import launch_options, pdl_start
 from tokenmill.utils import host_tensor
 
 # Prefill tile sizes and warps, chosen from ptxas's register report for sm_90 at head dim 128
@@ -48,7 +49,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, table_ptr, query_s
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, FP16: tl.constexpr, CHUNK: tl.constexpr,
-                    CHUNK_SPAN: tl.constexpr, ROW_ALIGN: tl.constexpr):
+                    CHUNK_SPAN: tl.constexpr, ROW_ALIGN: tl.constexpr, PDL: tl.constexpr = False):
     """Program (tile, kv head): causal attention of BLOCK_M // GROUP query tokens of one
     sequence; the step's tiles are listed in ``tile_seq`` / ``tile_idx`` (sequence, tile of it),
     so a mixed step launches no programs for the empty tiles of its short sequences.
@@ -59,6 +60,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, table_ptr, query_s
     CHUNK of them at a time: a chunk's block ids (at most CHUNK_SPAN) are read once, and the
     loop over its tiles loads only K and V, which the pipeliner keeps in flight.
     """
+    pdl_start(PDL)
     tile = tl.program_id(0)
     b = tl.load(tile_seq_ptr + tile)
     q_tile = tl.load(tile_idx_ptr + tile)
@@ -176,5 +178,5 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
         BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
         DOT_PRECISION=dot_precision(q), FP16=widens_to_fp16(q, kv_cache),
         CHUNK=chunk, CHUNK_SPAN=span(chunk, k_cache.shape[1]),
-        ROW_ALIGN=row_align(cache_strides), num_warps=NUM_WARPS)
+        ROW_ALIGN=row_align(cache_strides), num_warps=NUM_WARPS, **launch_options(q.device))
     return out

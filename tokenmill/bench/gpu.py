@@ -34,7 +34,7 @@ import torch
 from tokenmill.bench.datasets import SampleRequest, random_requests
 from tokenmill.bench.latency import time_one
 from tokenmill.bench.offline import engine_facts, load_engine, warm_up
-from tokenmill.bench.report import hardware, now_iso, write_json
+from tokenmill.bench.report import command_line, hardware, now_iso, write_json
 from tokenmill.bench.throughput import run_throughput
 from tokenmill.engine.args import add_engine_args
 from tokenmill.engine.llm_engine import LLMEngine
@@ -223,7 +223,7 @@ def cmd_gpu(args: argparse.Namespace) -> int:
                          f"{result['speedup']:.2f}x")
     result.update(reference=REFERENCES[args.suite], device=device_facts(device),
                   hardware=hardware(), date=now_iso(),
-                  command=" ".join(["tokenmill", *sys.argv[1:]]))
+                  command=command_line("tokenmill", sys.argv[1:]))
     if "engine" not in result:
         result["engine"] = engine_facts(engine, load_s)
     print(f"[{args.suite}] {args.model} on {result['device']['device']}: {headline}")

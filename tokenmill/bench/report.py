@@ -18,6 +18,14 @@ def now_iso() -> str:
     return dt.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
+def command_line(program: str, args: Sequence[str]) -> str:
+    """The command a result came from, as a shell would run it again: the ``TOKENMILL_*``
+    variables set (experiments that are off by default, tuning files), then ``program`` and
+    ``args``."""
+    env = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("TOKENMILL_")]
+    return " ".join([*env, program, *args])
+
+
 def write_json(path: str, obj: Any) -> None:
     """Write ``obj`` as indented JSON, creating the folder; NaN/inf become null (valid JSON)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

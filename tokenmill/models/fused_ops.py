@@ -26,6 +26,7 @@ import triton.language as tl
 
 from tokenmill.attention.triton_kernels import rope_factors, rotated_halves
 from tokenmill.models.fp8_activation import FP8_MAX, QuantizedActivation
+from tokenmill.pdl import launch_options, pdl_start
 
 # Row quantization for fp8 (the SiLU-and-mul kernel here, quant/fp8_kernels.py's): a row of
 # up to this many elements is held in registers, and read once; a longer one is read in
@@ -72,9 +73,11 @@ def rms_normalized(x, n_cols, eps, dtype: tl.constexpr, AXIS: tl.constexpr):
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, scale_ptr, n_cols, eps,
                      fp8_max, stride_x, stride_res, stride_res_out, stride_out,
-                     HAS_RESIDUAL: tl.constexpr, FP8_OUT: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, FP8_OUT: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = False):
     """One program per row: (s = x + residual, written out), out = norm(s or x) * w; with
     FP8_OUT, out quantized to e4m3 with the row's scale (written to scale_ptr)."""
+    pdl_start(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -126,8 +129,9 @@ def _silu_mul(x_row, cols, mask, n_cols):
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_out,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, column block): out = silu(gate) * up, gate and up halves of x."""
+    pdl_start(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -169,9 +173,11 @@ def quantize_row(x_row, out_row, scale_ptr, n_cols, fp8_max, VALUES: tl.constexp
 
 @triton.jit
 def _silu_and_mul_fp8_kernel(x_ptr, out_ptr, scale_ptr, n_cols, stride_x, stride_out, fp8_max,
-                             BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+                             BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+                             PDL: tl.constexpr = False):
     """One program per row: silu(gate) * up as _silu_and_mul_kernel computes it, quantized to
     e4m3 with the row's scale (:func:`quantize_row`)."""
+    pdl_start(PDL)
     row = tl.program_id(0)
     quantize_row(x_ptr + row * stride_x, out_ptr + row * stride_out, scale_ptr + row, n_cols,
                  fp8_max, _silu_mul, BLOCK, ONE_PASS)
@@ -180,9 +186,10 @@ def _silu_and_mul_fp8_kernel(x_ptr, out_ptr, scale_ptr, n_cols, stride_x, stride
 @triton.jit
 def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_ct, stride_st,
                    NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
+                   BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     """One program per token: rotate every head of x in place (rotate-half layout) by the
     token's cos and sign-folded sin rows (``RotaryEmbedding.cos_sin``'s)."""
+    pdl_start(PDL)
     t = tl.program_id(0)
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
@@ -197,9 +204,10 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_ct, str
 @triton.jit
 def _head_rms_norm_kernel(x_ptr, wq_ptr, wk_ptr, stride_xt, stride_xh, eps,
                           NUM_Q: tl.constexpr, NUM_HEADS: tl.constexpr, DIM: tl.constexpr,
-                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     """One program per token: each of its heads RMS-normed in place over the head dimension,
     the first NUM_Q (the queries) scaled by wq, the others (the keys) by wk."""
+    pdl_start(PDL)
     t = tl.program_id(0)
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
@@ -224,7 +232,7 @@ def _launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         x, res, res_out, weight, out, out if scale is None else scale, cols, eps, FP8_MAX,
         x.stride(0), res.stride(0), res_out.stride(0), out.stride(0),
         HAS_RESIDUAL=residual is not None, FP8_OUT=scale is not None,
-        BLOCK=triton.next_power_of_2(cols))
+        BLOCK=triton.next_power_of_2(cols), **launch_options(x.device))
     return res_out
 
 
@@ -258,7 +266,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block = min(triton.next_power_of_2(n), 1024)
     _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](x, out, n, x.stride(0), out.stride(0),
-                                                        BLOCK=block)
+                                                        BLOCK=block, **launch_options(x.device))
     return out
 
 
@@ -273,7 +281,8 @@ def silu_and_mul_fp8(x: torch.Tensor, out_dtype: torch.dtype = torch.float8_e4m3
     if rows:
         block, warps, one_pass = fp8_row_launch(n)
         _silu_and_mul_fp8_kernel[(rows,)](x, out, scale, n, x.stride(0), out.stride(0), FP8_MAX,
-                                          BLOCK=block, ONE_PASS=one_pass, num_warps=warps)
+                                          BLOCK=block, ONE_PASS=one_pass, num_warps=warps,
+                                          **launch_options(x.device))
     return QuantizedActivation(out, scale, x.dtype)
 
 
@@ -288,7 +297,7 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     _rotary_kernel[(tokens,)](x, cos, sin, x.stride(0), x.stride(1), cos.stride(0),
                               sin.stride(0), NUM_HEADS=heads, HALF=half,
                               BLOCK_H=triton.next_power_of_2(heads),
-                              BLOCK_D=triton.next_power_of_2(half))
+                              BLOCK_D=triton.next_power_of_2(half), **launch_options(x.device))
     return x
 
 
@@ -312,5 +321,6 @@ def head_rms_norm_(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Ten
         _head_rms_norm_kernel[(tokens,)](qk, q_weight, k_weight, qk.stride(0), qk.stride(1), eps,
                                          NUM_Q=num_q_heads, NUM_HEADS=heads, DIM=dim,
                                          BLOCK_H=block_h, BLOCK_D=block_d,
-                                         num_warps=min(16, max(4, block_h * block_d // 1024)))
+                                         num_warps=min(16, max(4, block_h * block_d // 1024)),
+                                         **launch_options(qk.device))
     return qk

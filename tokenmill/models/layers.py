@@ -15,7 +15,7 @@ from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.distributed import tensor_model_parallel_all_reduce, tp_rank, tp_size
 from tokenmill.models.config import ArchConfig
 from tokenmill.models.fp8_activation import QuantizedActivation
-from tokenmill.models.linear import linear, silu_mul_linear
+from tokenmill.models.linear import linear, norm_linear, silu_mul_linear
 from tokenmill.models.parallel import VocabParallelEmbedding, divide
 from tokenmill.utils import triton_module
 
@@ -31,8 +31,20 @@ class Linear(nn.Linear):
     def reset_parameters(self) -> None:
         pass
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, norm: tuple[RMSNorm, torch.Tensor | None] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The product of ``x``; with ``norm`` (an RMSNorm and a residual, or None), the product
+        of ``norm(x + residual)`` and that sum, as :meth:`RMSNorm.linear_forward` returns them:
+        in one kernel where the Triton matmul computes this product, else the norm's kernel
+        first. (A call, not two, so that the module's hooks see the product either way.)"""
+        if norm is None:
+            return linear(x, self.weight, self.bias)
+        rms, residual = norm
+        if (fused := norm_linear(x, residual, rms.weight, rms.eps, self.weight,
+                                 self.bias)) is not None:
+            return fused
+        y, summed = (rms(x), x) if residual is None else rms.add_forward(x, residual)
+        return linear(y, self.weight, self.bias), summed
 
 
 class Bf16MatmulLinear(nn.Module):
@@ -111,6 +123,17 @@ class RMSNorm(nn.Module):
             return norm(x, self.weight, self.eps, residual=residual)
         h = residual + x
         return self(h), h
+
+    def linear_forward(self, x: torch.Tensor, residual: torch.Tensor | None, layer: nn.Module
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(layer(norm(residual + x)), residual + x)`` (residual None: of ``x`` itself). Where
+        ``layer`` is a 16-bit :class:`Linear` whose product runs on the Triton matmul (a
+        decode step's few rows on a GPU whose tuning says so), the norm and the add are
+        computed in the product's kernel: no norm kernel is launched."""
+        if type(layer) is Linear and not self.fp8_out:
+            return layer(x, norm=(self, residual))
+        y, summed = (self(x), x) if residual is None else self.add_forward(x, residual)
+        return layer(y), summed
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -200,7 +223,11 @@ class GatedMLP(nn.Module):
         self.fp8_act = False
 
     def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The down projection of ``silu(gate) * up`` from gate_up's output (all-reduced under
+        tensor parallelism)."""
         if type(self.down_proj) is Linear and (
                 out := silu_mul_linear(gate_up, self.down_proj.weight,
                                        self.down_proj.bias)) is not None:
@@ -256,7 +283,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor | QuantizedActivation, cos: torch.Tensor,
                 sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        return self.attend(self.qkv_proj(x), cos, sin, meta)
+
+    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """The block's output from qkv_proj's: norms of q and k (Qwen3), rotary, the
+        backend's attention, o_proj (all-reduced under tensor parallelism)."""
         num_tokens = qkv.shape[0]
         hq = self.num_heads
         # q and k are rotated together: one set of rope kernels instead of two.
@@ -302,13 +334,14 @@ class DecoderLayer(nn.Module):
                 sin: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mlp output, residual)``, whose sum is the layer's output; ``h`` is the previous
         layer's mlp output, or with ``residual`` None (the first layer) the embeddings."""
-        if residual is None:
-            x, residual = self.input_layernorm(h), h
-        else:
-            x, residual = self.input_layernorm.add_forward(h, residual)
-        attn = self.self_attn(x, cos, sin, meta)
-        x, residual = self.post_attention_layernorm.add_forward(attn, residual)
-        return self.mlp(x), residual
+        # Each norm hands its output to the projection after it in one call: a decode step's
+        # few rows on a GPU may compute the norm in the projection's kernel.
+        attn = self.self_attn
+        qkv, residual = self.input_layernorm.linear_forward(h, residual, attn.qkv_proj)
+        out = attn.attend(qkv, cos, sin, meta)
+        gate_up, residual = self.post_attention_layernorm.linear_forward(
+            out, residual, self.mlp.gate_up_proj)
+        return self.mlp.down(gate_up), residual
 
 
 class DecoderModel(nn.Module):

@@ -74,3 +74,23 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor,
     from tokenmill.models import triton_gemm
 
     return triton_gemm.matmul(gate_up, weight, bias, tile, silu_mul=True)
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(F.linear(rms_norm(s) * norm_weight, weight, bias), s)`` with ``s`` ``x + residual``
+    (``x`` itself for residual None) in one Triton kernel, where the GPU's tuning picks the
+    Triton matmul for ``[M, K]`` by ``weight``: the norm (and the residual add) are computed
+    as the product loads its operand, and no norm kernel is launched. None elsewhere: the
+    caller runs the norm, then the product."""
+    if (tile := _matmul_tile(x, weight)) is None or (
+            residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                      or residual.stride(1) != 1)):
+        return None
+    from tokenmill.models import triton_gemm
+
+    summed = x if residual is None else torch.empty_like(x)
+    norm = triton_gemm.NormPrologue(norm_weight, eps, residual,
+                                    None if residual is None else summed)
+    return triton_gemm.matmul(x, weight, bias, tile, norm=norm), summed

@@ -45,6 +45,7 @@ import triton.language as tl
 
 from tokenmill.attention.decode_tuning import read_json, tuned_file
 from tokenmill.models.fused_ops import silu_mul_values
+from tokenmill.pdl import launch_options, pdl_start, prefetch_l2, prefetch_lines
 from tokenmill.utils import optional_positive_ints
 
 ENV_FILE = "TOKENMILL_GEMM_TUNING"
@@ -55,11 +56,14 @@ LISTS = ("fp8_gemm", "gemm")
 
 
 @triton.jit
-def _matmul_kernel(a_ptr, b_ptr, c_ptr, scale_a_ptr, scale_b_ptr, bias_ptr, M, N, K,
-                   stride_am, stride_bn, stride_cm,
+def _matmul_kernel(a_ptr, b_ptr, c_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
+                   res_ptr, sum_ptr, norm_w_ptr, eps, M, N, K,
+                   stride_am, stride_bn, stride_cm, stride_res, stride_sum,
                    HAS_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+                   NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GROUP_M: tl.constexpr):
+                   GROUP_M: tl.constexpr, PDL: tl.constexpr = False,
+                   PREFETCH_LINES: tl.constexpr = 0):
     """One program per ``[BLOCK_M, BLOCK_N]`` tile of ``c = a @ b.T`` (HAS_SCALES: times
     ``scale_a`` per row and ``scale_b`` per column; HAS_BIAS: plus ``bias``): a ``[M, K]`` and
     b ``[N, K]`` with K contiguous in both (so both operands are K-major, as Hopper's fp8
@@ -68,8 +72,20 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, scale_a_ptr, scale_b_ptr, bias_ptr, M, N
     ``silu(gate) * up``, computed as each tile of it is loaded (the SiLU-and-mul kernel's
     arithmetic, so no kernel of its own writes it first).
 
+    With NORM, the left operand is ``rms_norm(s) * norm_w``, where ``s`` is ``a``, or with
+    HAS_RESIDUAL ``a + res`` rounded to a's dtype (as the eager add rounds it; the programs of
+    the first column tile write it to ``sum``). A row's RMS needs all of its K columns, so the
+    loop multiplies each loaded tile by the norm's weight only, sums the squares of ``s`` as
+    it goes, and scales the row's accumulator by ``1 / rms`` at the end: the same product,
+    with the per-row factor applied after the dot instead of before it (rounded at a
+    different point, as the matmul's own order of additions already differs from cuBLAS's).
+
     Programs are ordered in groups of GROUP_M row tiles, so that the programs running together
-    share the columns of b they read (through L2)."""
+    share the columns of b they read (through L2).
+
+    With PREFETCH_LINES (programmatic dependent launch, tokenmill/pdl.py), a program first asks
+    L2 for that many 128-byte lines of each of its rows of b, then waits for the kernel before
+    it: b is a weight, which no kernel writes."""
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -78,25 +94,55 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, scale_a_ptr, scale_b_ptr, bias_ptr, M, N
     group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
     tile_m = first_m + (pid % per_group) % group_rows
     tile_n = (pid % per_group) // group_rows
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    if PREFETCH_LINES > 0:
+        per_line: tl.constexpr = 128 * 8 // b_ptr.dtype.element_ty.primitive_bitwidth
+        line_ks = tl.arange(0, PREFETCH_LINES) * per_line
+        prefetch_l2(b_ptr + cols[:, None].to(tl.int64) * stride_bn + line_ks[None, :],
+                    col_ok[:, None] & (line_ks < K)[None, :])
+    pdl_start(PDL)
 
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     row_ok = rows < M
-    col_ok = cols < N
     a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :]
     b_ptrs = b_ptr + cols[None, :].to(tl.int64) * stride_bn + ks[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if NORM:
+        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+        res_ptrs = res_ptr + rows[:, None].to(tl.int64) * stride_res + ks[None, :]
+        if HAS_RESIDUAL and tile_n == 0:
+            # The first column tile's programs write the sum, in a pass of their own (in the
+            # product's loop, the store would keep a second copy of every tile live).
+            sum_ptrs = sum_ptr + rows[:, None].to(tl.int64) * stride_sum + ks[None, :]
+            for k0 in range(0, K, BLOCK_K):
+                k_mask = row_ok[:, None] & (k0 + ks < K)[None, :]
+                x = tl.load(a_ptrs + k0, mask=k_mask, other=0.0).to(tl.float32)
+                x += tl.load(res_ptrs + k0, mask=k_mask, other=0.0).to(tl.float32)
+                tl.store(sum_ptrs + k0, x.to(a_ptr.dtype.element_ty), mask=k_mask)
     for k0 in range(0, K, BLOCK_K):
         k_ok = k0 + ks < K
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        a_mask = row_ok[:, None] & k_ok[None, :]
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
         if SILU_MUL:
-            up = tl.load(a_ptrs + K, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            up = tl.load(a_ptrs + K, mask=a_mask, other=0.0)
             a = silu_mul_values(a, up, a_ptr.dtype.element_ty)
+        if NORM:
+            if HAS_RESIDUAL:
+                res = tl.load(res_ptrs, mask=a_mask, other=0.0)
+                a = (a.to(tl.float32) + res.to(tl.float32)).to(a_ptr.dtype.element_ty)
+                res_ptrs += BLOCK_K
+            a32 = a.to(tl.float32)
+            squares += tl.sum(a32 * a32, axis=1)
+            w = tl.load(norm_w_ptr + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+            a = (a32 * w[None, :]).to(a_ptr.dtype.element_ty)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if NORM:
+        acc = acc * (1.0 / tl.sqrt(squares / K + eps))[:, None]
     if HAS_SCALES:
         scale_a = tl.load(scale_a_ptr + rows, mask=row_ok, other=0.0)
         scale_b = tl.load(scale_b_ptr + cols, mask=col_ok, other=0.0)
@@ -214,6 +260,19 @@ def tuning_for_device(device_name: str) -> GemmTuning:
     return GemmTuning() if path is None else load_tuning(path)
 
 
+@dataclass(frozen=True)
+class NormPrologue:
+    """An RMSNorm computed in the matmul's kernel on its left operand ``a``: the product is
+    ``F.linear(rms_norm(a + residual) * weight, b, bias)``, and with ``residual`` the sum
+    ``a + residual`` (rounded to a's dtype) is written to ``sum_out``, the residual stream a
+    decoder layer carries on. Without ``residual`` the norm is of ``a`` itself."""
+
+    weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None = None
+    sum_out: torch.Tensor | None = None
+
+
 def scaled_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,
               bias: torch.Tensor | None, out_dtype: torch.dtype,
               tile: GemmTile) -> torch.Tensor:
@@ -225,19 +284,45 @@ def scaled_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: 
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-           tile: GemmTile, silu_mul: bool = False) -> torch.Tensor:
+           tile: GemmTile, silu_mul: bool = False,
+           norm: NormPrologue | None = None) -> torch.Tensor:
     """``a @ b.T (+ bias)`` in a's dtype, as ``F.linear(a, b, bias)``: ``a`` ``[M, K]`` and
     ``b`` ``[N, K]`` with contiguous rows, ``bias`` ``[N]``. With ``silu_mul``, ``a`` is
     ``[M, 2K]``, a gated MLP's gate and up halves, and the product is
-    ``F.linear(silu_and_mul(a), b, bias)``."""
+    ``F.linear(silu_and_mul(a), b, bias)``. With ``norm``, the product is of ``a`` normed
+    first (:class:`NormPrologue`)."""
     if a.dtype != b.dtype:
         raise ValueError(f"matmul takes a and b of one dtype, got {a.dtype} and {b.dtype}")
-    return _launch(a, b, None, bias, a.dtype, tile, "matmul", silu_mul)
+    if norm is not None:
+        if silu_mul:
+            raise ValueError("matmul takes a SiLU prologue or a norm prologue, not both")
+        _check_norm(a, norm)
+    return _launch(a, b, None, bias, a.dtype, tile, "matmul", silu_mul, norm)
+
+
+def _check_norm(a: torch.Tensor, norm: NormPrologue) -> None:
+    k = a.shape[1]
+    if norm.weight.shape != (k,) or not norm.weight.is_contiguous():
+        raise ValueError(f"the norm's weight must be a contiguous [{k}], "
+                         f"got {tuple(norm.weight.shape)}")
+    if (norm.residual is None) != (norm.sum_out is None):
+        raise ValueError("a norm prologue takes both a residual and sum_out, or neither")
+    for name in ("residual", "sum_out"):
+        t = getattr(norm, name)
+        if t is not None and (t.shape != a.shape or t.dtype != a.dtype or t.stride(1) != 1):
+            raise ValueError(f"the norm's {name} must be {tuple(a.shape)} {a.dtype} with "
+                             f"contiguous rows, got {tuple(t.shape)} {t.dtype} strides "
+                             f"{t.stride()}")
+    if norm.sum_out is not None and norm.sum_out.data_ptr() in (a.data_ptr(),
+                                                                norm.residual.data_ptr()):
+        # Every column tile reads a and the residual while the first one writes the sum.
+        raise ValueError("the norm's sum_out must not be a or the residual")
 
 
 def _launch(a: torch.Tensor, b: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None,
             bias: torch.Tensor | None, out_dtype: torch.dtype, tile: GemmTile,
-            name: str, silu_mul: bool = False) -> torch.Tensor:
+            name: str, silu_mul: bool = False, norm: NormPrologue | None = None
+            ) -> torch.Tensor:
     m = a.shape[0]
     n, k = b.shape
     width = 2 * k if silu_mul else k
@@ -249,11 +334,19 @@ def _launch(a: torch.Tensor, b: torch.Tensor, scales: tuple[torch.Tensor, torch.
     if m == 0:
         return c
     scale_a, scale_b = (c, c) if scales is None else scales  # (unread without scales)
+    residual = sum_out = norm_w = c  # (unread without a norm prologue)
+    eps = 0.0
+    if norm is not None:
+        norm_w, eps = norm.weight, norm.eps
+        if norm.residual is not None:
+            residual, sum_out = norm.residual, norm.sum_out
     grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n),)
     _matmul_kernel[grid](
-        a, b, c, scale_a, scale_b, c if bias is None else bias,
-        m, n, k, a.stride(0), b.stride(0), c.stride(0), HAS_SCALES=scales is not None,
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, GROUP_M=tile.group_m, num_warps=tile.num_warps,
-        num_stages=tile.num_stages)
+        a, b, c, scale_a, scale_b, c if bias is None else bias, residual, sum_out, norm_w, eps,
+        m, n, k, a.stride(0), b.stride(0), c.stride(0), residual.stride(0), sum_out.stride(0),
+        HAS_SCALES=scales is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        NORM=norm is not None, HAS_RESIDUAL=norm is not None and norm.residual is not None,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+        PREFETCH_LINES=prefetch_lines(a.device, tile.block_n, k * b.element_size()),
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(a.device))
     return c

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.models.fused_ops import fp8_row_launch, quantize_row
+from tokenmill.pdl import launch_options, pdl_start
 
 
 @triton.jit
@@ -32,8 +33,9 @@ def _load_row(x_row, cols, mask, n_cols):
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, n_cols, stride_x, stride_q, max_value,
-                          BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+                          BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr = False):
     """One program per row (``fused_ops.quantize_row`` of the loaded row)."""
+    pdl_start(PDL)
     row = tl.program_id(0)
     quantize_row(x_ptr + row * stride_x, q_ptr + row * stride_q, scale_ptr + row, n_cols,
                  max_value, _load_row, BLOCK, ONE_PASS)
@@ -55,5 +57,5 @@ def quantize_rows_fp8(x: torch.Tensor, max_value: float,
         block, warps, one_pass = fp8_row_launch(cols)
         _quantize_rows_kernel[(rows,)](x, q, scale, cols, x.stride(0), q.stride(0),
                                        float(max_value), BLOCK=block, ONE_PASS=one_pass,
-                                       num_warps=warps)
+                                       num_warps=warps, **launch_options(x.device))
     return q, scale

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.pdl import launch_options, pdl_start
 from tokenmill.utils import cdiv
 
 # Columns each program reads per loop iteration: 8 per thread of 8 warps, one 16-byte load
@@ -70,7 +71,9 @@ def _store_result(ids_ptr, lp_ptr, row, m, idx, total):
 
 @triton.jit
 def _greedy_scan_kernel(x_ptr, ids_ptr, lp_ptr, part_max_ptr, part_sum_ptr, part_idx_ptr,
-                        n_cols, stride_x, part_len, BLOCK: tl.constexpr, FINAL: tl.constexpr):
+                        n_cols, stride_x, part_len, BLOCK: tl.constexpr, FINAL: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    pdl_start(PDL)
     row = tl.program_id(0)
     part = tl.program_id(1)
     x_row = x_ptr + row.to(tl.int64) * stride_x
@@ -105,7 +108,8 @@ def _greedy_scan_kernel(x_ptr, ids_ptr, lp_ptr, part_max_ptr, part_sum_ptr, part
 
 @triton.jit
 def _greedy_combine_kernel(part_max_ptr, part_sum_ptr, part_idx_ptr, ids_ptr, lp_ptr,
-                           n_parts, BLOCK_P: tl.constexpr):
+                           n_parts, BLOCK_P: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     row = tl.program_id(0)
     p = tl.arange(0, BLOCK_P)
     mask = p < n_parts
@@ -147,8 +151,10 @@ def greedy_with_logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
         part_idx = torch.empty(rows, parts, dtype=torch.int32, device=logits.device)
     _greedy_scan_kernel[(rows, parts)](logits, ids, lps, part_max, part_sum, part_idx, cols,
                                        logits.stride(0), part_len, BLOCK=block,
-                                       FINAL=parts == 1, num_warps=min(8, max(1, block // 256)))
+                                       FINAL=parts == 1, num_warps=min(8, max(1, block // 256)),
+                                       **launch_options(logits.device))
     if parts > 1:
         _greedy_combine_kernel[(rows,)](part_max, part_sum, part_idx, ids, lps, parts,
-                                        BLOCK_P=triton.next_power_of_2(parts), num_warps=1)
+                                        BLOCK_P=triton.next_power_of_2(parts), num_warps=1,
+                                        **launch_options(part_max.device))
     return ids, lps
