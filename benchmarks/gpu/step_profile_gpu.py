@@ -31,7 +31,10 @@ from tokenmill.bench.report import command_line, markdown_table, now_iso, write_
 PROMPT_TOKENS = 128
 ACTIVITIES = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
 # Kernel name fragments -> group (first match wins): the rotary embedding of q and k, done in
-# the K/V store's kernel (_rotary_store_kv_kernel), counts as attention.
+# the K/V store's kernel (_rotary_store_kv_kernel), counts as attention. With TOKENMILL_PDL a
+# kernel starts before the one before it ends and waits for it on the GPU: its time includes
+# that wait, so the groups add up to more than the step and "GPU idle" reads low; the step
+# time (the host's clock over a run of steps) is what to compare.
 GROUPS = [
     # TOKENMILL_L2_PREFETCH's reads, on a side stream beside the other kernels: their time
     # overlaps the rest, so with them on the busy time overstates and the idle understates.

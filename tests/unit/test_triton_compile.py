@@ -173,8 +173,12 @@ for fn, constexprs, *extra in KERNELS:
     if fn in with_pdl or "PDL" not in fn.arg_names:
         continue
     with_pdl.add(fn)
-    ptx = compile_like_runtime(fn, {**constexprs, "PDL": True}, extra[0] if extra else None,
-                               extra[1] if len(extra) > 1 else {}).asm["ptx"]
+    # As pdl.launch_options launches it: the constexpr, and Triton's launch option.
+    compiled = compile_like_runtime(fn, {**constexprs, "PDL": True},
+                                    {**(extra[0] if extra else {}), "launch_pdl": True},
+                                    extra[1] if len(extra) > 1 else {})
+    assert compiled.metadata.launch_pdl, fn
+    ptx = compiled.asm["ptx"]
     wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
     first_load = min(i for i in (ptx.find("ld.global"), ptx.find("cp.async"), len(ptx)) if i >= 0)
     assert 0 <= wait < launch < first_load, fn
