@@ -29,20 +29,19 @@ Imported by the Triton kernel modules only: it needs Triton.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from tokenmill.utils import env_count, env_flag
+
 ENV = "TOKENMILL_PDL"
 PREFETCH_ENV = "TOKENMILL_PDL_PREFETCH_KB"
 DEFAULT_PREFETCH_KB = 64
 # The bytes one prefetch instruction brings into L2: a cache line.
 LINE = 128
-_ON = ("1", "true", "yes", "on")
-_OFF = ("", "0", "false", "no", "off")
 
 
 @triton.jit
@@ -66,39 +65,13 @@ def prefetch_l2(ptrs, mask):
         "mov.u32 $0, 0; }", "=r,l", [addr], dtype=tl.int32, is_pure=False, pack=1)
 
 
-def requested() -> bool:
-    """Whether ``TOKENMILL_PDL`` asks for PDL; ValueError naming the variable for a value that
-    is neither on nor off."""
-    raw = os.environ.get(ENV, "").strip().lower()
-    if raw in _ON:
-        return True
-    if raw in _OFF:
-        return False
-    raise ValueError(f"{ENV} must be 1 or 0 (true/false, yes/no, on/off), got {raw!r}")
-
-
-def prefetch_bytes() -> int:
-    """The bytes of weight a matmul program asks L2 for before its wait, from
-    ``TOKENMILL_PDL_PREFETCH_KB``; ValueError naming the variable for anything but a whole
-    number >= 0."""
-    raw = os.environ.get(PREFETCH_ENV, "").strip()
-    if not raw:
-        return DEFAULT_PREFETCH_KB << 10
-    try:
-        kb = int(raw)
-    except ValueError:
-        raise ValueError(f"{PREFETCH_ENV} must be a whole number of KB, got {raw!r}") from None
-    if kb < 0:
-        raise ValueError(f"{PREFETCH_ENV} must be >= 0, got {kb}")
-    return kb << 10
-
-
 @functools.cache
 def _device_settings(index: int) -> tuple[bool, int]:
-    """(PDL on, prefetch bytes a matmul program) for a CUDA device."""
-    if not requested() or torch.cuda.get_device_capability(index) < (9, 0):
+    """(PDL on, the bytes a matmul program prefetches) for a CUDA device; the variables'
+    ValueErrors name them."""
+    if not env_flag(ENV, False) or torch.cuda.get_device_capability(index) < (9, 0):
         return False, 0
-    return True, prefetch_bytes()
+    return True, env_count(PREFETCH_ENV, "KB", DEFAULT_PREFETCH_KB) << 10
 
 
 def _settings(device: torch.device) -> tuple[bool, int]:

@@ -35,6 +35,21 @@ def env_flag(name: str, default: bool) -> bool:
     return default if value is None else value
 
 
+def env_count(name: str, unit: str, default: int) -> int:
+    """The whole number >= 0 that ``$name`` gives (of ``unit``, which the error names),
+    ``default`` where it is unset or empty; anything else a ValueError naming the variable."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a whole number of {unit}, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
 def freeze_startup_heap() -> int:
     """Collect once, then move every object alive now into the garbage collector's permanent
     generation; returns how many. Call it where a long-running process has finished starting

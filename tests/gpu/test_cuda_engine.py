@@ -61,18 +61,26 @@ def test_triton_backend_matches_torch_backend_on_cuda() -> None:
     assert triton_out == torch_out
 
 
-def _first_decode_step(prompts: list[str]) -> tuple[list[int], list[float]]:
-    """Greedy on dummy weights of Qwen3-0.6B's shape (bf16, CUDA graphs): each prompt's
-    first token (the prefill's) and the logprob of its second (the first decode step's)."""
+def _qwen3_greedy(prompts: list[str], max_tokens: int, max_num_seqs: int = 8) -> list:
+    """Each prompt's greedy completion (with the sampled tokens' logprobs) on dummy weights of
+    Qwen3-0.6B's shape, bf16, CUDA graphs; the engine is closed and its memory freed after."""
     from tokenmill import LLM, SamplingParams
 
     llm = LLM(model="qwen3-0.6b", load_format="dummy", device="cuda", dtype="bfloat16",
-              max_model_len=256, max_num_seqs=8, gpu_memory_utilization=0.3)
-    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=0)
+              max_model_len=256, max_num_seqs=max_num_seqs, gpu_memory_utilization=0.3)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                            logprobs=0)
     outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     llm.engine.close()
     del llm
     _free_cuda_memory()
+    return outs
+
+
+def _first_decode_step(prompts: list[str]) -> tuple[list[int], list[float]]:
+    """Each prompt's first token (the prefill's) and the logprob of its second (the first
+    decode step's), greedy on Qwen3-0.6B's shape (:func:`_qwen3_greedy`)."""
+    outs = _qwen3_greedy(prompts, max_tokens=2)
     return [o.token_ids[0] for o in outs], [o.logprobs[1].logprob for o in outs]
 
 
@@ -242,7 +250,7 @@ def test_pdl_keeps_the_tokens(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None
     it."""
     import json
 
-    from tokenmill import LLM, SamplingParams, pdl
+    from tokenmill import pdl
     from tokenmill.models import linear, triton_gemm
 
     if torch.cuda.get_device_capability() < (9, 0):
@@ -257,13 +265,7 @@ def test_pdl_keeps_the_tokens(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None
         pdl.reset()
         triton_gemm.tuning_for_device.cache_clear()
         linear._gemm_tuning.cache_clear()
-        llm = LLM(model="qwen3-0.6b", load_format="dummy", device="cuda", dtype="bfloat16",
-                  max_model_len=256, max_num_seqs=16, gpu_memory_utilization=0.3)
-        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
-        outs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-        llm.engine.close()
-        del llm
-        _free_cuda_memory()
+        outs = _qwen3_greedy(PROMPTS, max_tokens=24, max_num_seqs=16)
         return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
 
     try:
@@ -286,18 +288,10 @@ def test_pdl_keeps_the_tokens(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None
 def test_l2_prefetch_is_captured_and_keeps_the_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """TOKENMILL_L2_PREFETCH (tokenmill/runner/l2_prefetch.py): the small batches' graphs
     read the next matmul's weights on a side stream, and the tokens stay those without."""
-    from tokenmill import LLM, SamplingParams
     from tokenmill.runner import l2_prefetch
 
     def tokens() -> list[list[int]]:
-        llm = LLM(model="qwen3-0.6b", load_format="dummy", device="cuda", dtype="bfloat16",
-                  max_model_len=256, max_num_seqs=16, gpu_memory_utilization=0.3)
-        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-        out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-        llm.engine.close()
-        del llm
-        _free_cuda_memory()
-        return out
+        return [o.token_ids for o in _qwen3_greedy(PROMPTS, max_tokens=24, max_num_seqs=16)]
 
     want = tokens()
     reads = []

@@ -15,8 +15,8 @@ PACKAGE_DIR = Path(tokenmill.__file__).parent
 # Lowest first. A unit is a subpackage or a top-level module of `tokenmill`; it may import
 # units of a lower layer only (never one of its own layer, never a higher one).
 LAYERS: list[tuple[str, ...]] = [
-    ("utils", "csrc", "pdl"),
-    ("presets", "sampling_params"),
+    ("utils", "csrc"),
+    ("presets", "sampling_params", "pdl"),
     ("config", "outputs", "chat_template", "gguf_tokenizer"),
     ("request", "metrics", "tokenizer"),
     ("detokenizer", "core", "distributed", "structured"),

@@ -16,7 +16,6 @@ programs sum their slices into one float each, so that the compiler keeps the lo
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -25,6 +24,7 @@ import triton.language as tl
 from torch import nn
 
 from tokenmill.models.layers import Linear
+from tokenmill.utils import env_count
 
 ENV = "TOKENMILL_L2_PREFETCH"
 # The read's programs: four an SM of an H100/H200 (132 SMs), each with a block of 4,096
@@ -37,16 +37,7 @@ BLOCK = 4096
 def prefetch_bytes_from_env() -> int:
     """The bytes read ahead of each matmul that ``TOKENMILL_L2_PREFETCH`` asks for (in MB);
     0 when it is unset or 0. ValueError naming the variable for anything but a whole number."""
-    raw = os.environ.get(ENV, "").strip()
-    if not raw:
-        return 0
-    try:
-        mb = int(raw)
-    except ValueError:
-        raise ValueError(f"{ENV} must be a whole number of MB, got {raw!r}") from None
-    if mb < 0:
-        raise ValueError(f"{ENV} must be >= 0, got {mb}")
-    return mb << 20
+    return env_count(ENV, "MB", 0) << 20
 
 
 @triton.jit(do_not_specialize=["n", "iters"])
