@@ -84,8 +84,9 @@ next_setup() {  # the phases "next" and "next-fp8" (run 6)
   #   its cache loads pipeline (compiled as the launcher does, every wait drained all copies);
   # - the Triton fp8 matmul against cuBLAS by rows and shape (cuBLAS's 128 x 128 tiles give
   #   a 4,096-wide output 64 programs at 256 rows, on 132 SMs);
-  # - the 1,000 x 1,000 fp8 run with 334 sequences; where its decode and prefill steps go
-  #   now; the fp8 activation kernels read once against twice.
+  # - the 1,000 x 1,000 fp8 run with 334 sequences, then again with programmatic dependent
+  #   launch; where its decode and prefill steps go now; the fp8 activation kernels read once
+  #   against twice.
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -c "import torch, triton, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__)"
   SLUG=$(python3 -c "import torch; from tokenmill.attention.decode_tuning import device_slug; print(device_slug(torch.cuda.get_device_name(0)))")
@@ -328,6 +329,12 @@ elif [ "$PHASE" = next-fp8 ]; then
   step throughput-fp8-334 110 $BENCH --suite throughput --model llama-3.1-8b \
     --max-model-len 2048 --quantization fp8 --kv-cache-dtype fp8 --max-num-seqs 334 \
     --result-file "$RES/$GPU-llama-3.1-8b-throughput-fp8-kvfp8-334.json"
+  # The same with programmatic dependent launch (tokenmill/pdl.py): where the sweep picked the
+  # Triton fp8 matmul, a decode step's layer is a chain of Triton kernels only (norm and
+  # quantization, matmuls, K/V store, attention), each launched while the one before ends.
+  step throughput-fp8-334-pdl 110 env TOKENMILL_PDL=1 $BENCH --suite throughput \
+    --model llama-3.1-8b --max-model-len 2048 --quantization fp8 --kv-cache-dtype fp8 \
+    --max-num-seqs 334 --result-file "$RES/$GPU-llama-3.1-8b-throughput-fp8-kvfp8-334-pdl.json"
   step profile-fp8-1500-next 70 python3 benchmarks/gpu/step_profile_gpu.py --model llama-3.1-8b \
     --batches 256 --steps 10 --prompt-tokens 1500 --quantization fp8 --kv-cache-dtype fp8 \
     --result-file "$RES/$GPU-llama-3.1-8b-step-profile-1500-fp8-next.json"
