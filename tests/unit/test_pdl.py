@@ -88,8 +88,9 @@ def test_kernels_run_as_before_without_it() -> None:
     kernels, against its PyTorch arithmetic."""
     from tokenmill.models import fused_ops
 
-    x = torch.randn(3, 64, dtype=torch.float16)
-    w = torch.rand(64, dtype=torch.float16) + 0.5
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(3, 64, dtype=torch.float16, device=device)
+    w = torch.rand(64, dtype=torch.float16, device=device) + 0.5
     got, _ = fused_ops.rms_norm(x, w, 1e-6)
     want = torch.nn.functional.rms_norm(x.float(), (64,), None, 1e-6).to(x.dtype) * w
     assert torch.allclose(got.float(), want.float(), atol=2e-3)
