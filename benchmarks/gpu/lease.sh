@@ -231,9 +231,10 @@ elif [ "$PHASE" = next ]; then
   # The engine's features on the GPU path (Triton, CUDA graphs, asynchronous scheduling):
   # preemption, chunked prefill, prefix hits, forks, a grammar, logprobs, speculative
   # decoding, against a step-by-step PyTorch-attention engine; Qwen3 against transformers;
-  # the L2 prefetch that decode-bf16-l2 times. First contact, before the measurements (the
-  # server, BERT and energy tests end next-fp8: this call's measurements come first).
-  step tests-features 75 python3 -m pytest -q -p no:cacheprovider -rfE \
+  # the L2 prefetch that decode-bf16-l2 times, and PDL (every kernel compiled again with it:
+  # ~15 more compiles, so 100 s). First contact, before the measurements (the server, BERT
+  # and energy tests end next-fp8: this call's measurements come first).
+  step tests-features 100 python3 -m pytest -q -p no:cacheprovider -rfE \
     tests/engine/test_triton_engine_features.py tests/gpu/test_qwen3_cuda.py \
     tests/gpu/test_cuda_engine.py::test_l2_prefetch_is_captured_and_keeps_the_tokens \
     tests/gpu/test_cuda_engine.py::test_pdl_keeps_the_tokens
@@ -293,7 +294,7 @@ PY
   # Triton matmuls a layer is a chain of such kernels.
   # The matmuls' programs also ask L2 for 64 KB of their weight rows before they wait (the
   # default); the second run without that.
-  step decode-bf16-pdl 40 env TOKENMILL_PDL=1 $BENCH --suite decode --model llama-3.1-8b \
+  step decode-bf16-pdl 55 env TOKENMILL_PDL=1 $BENCH --suite decode --model llama-3.1-8b \
     --max-model-len 4096 --max-num-seqs 8 \
     --result-file "$RES/$GPU-llama-3.1-8b-decode-bf16-pdl.json"
   step decode-bf16-pdl-nopf 40 env TOKENMILL_PDL=1 TOKENMILL_PDL_PREFETCH_KB=0 $BENCH \
