@@ -43,7 +43,7 @@ class Linear(nn.Linear):
         if (fused := norm_linear(x, residual, rms.weight, rms.eps, self.weight,
                                  self.bias)) is not None:
             return fused
-        y, summed = (rms(x), x) if residual is None else rms.add_forward(x, residual)
+        y, summed = rms.add_forward(x, residual)
         return linear(y, self.weight, self.bias), summed
 
 
@@ -114,14 +114,15 @@ class RMSNorm(nn.Module):
         y = F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype)
         return y * self.weight
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None
                     ) -> tuple[torch.Tensor | QuantizedActivation, torch.Tensor]:
-        """``(norm(residual + x), residual + x)``: one kernel on CUDA. The sum is rounded to
-        the activations' dtype before the norm, as the eager add rounds it."""
+        """``(norm(residual + x), residual + x)`` (residual None: ``(norm(x), x)``): one kernel
+        on CUDA. The sum is rounded to the activations' dtype before the norm, as the eager
+        add rounds it."""
         if x.ndim == 2 and (ops := cuda_kernels(x)) is not None:
             norm = ops.rms_norm_fp8 if self.fp8_out else ops.rms_norm
             return norm(x, self.weight, self.eps, residual=residual)
-        h = residual + x
+        h = x if residual is None else residual + x
         return self(h), h
 
     def linear_forward(self, x: torch.Tensor, residual: torch.Tensor | None, layer: nn.Module
@@ -132,7 +133,7 @@ class RMSNorm(nn.Module):
         computed in the product's kernel: no norm kernel is launched."""
         if type(layer) is Linear and not self.fp8_out:
             return layer(x, norm=(self, residual))
-        y, summed = (self(x), x) if residual is None else self.add_forward(x, residual)
+        y, summed = self.add_forward(x, residual)
         return layer(y), summed
 
 
@@ -361,4 +362,4 @@ class DecoderModel(nn.Module):
         for layer in self.layers:
             h, residual = layer(h, residual, cos, sin, meta)
         # The last layer's residual add, in the final norm's kernel.
-        return self.norm(h) if residual is None else self.norm.add_forward(h, residual)[0]
+        return self.norm.add_forward(h, residual)[0]
