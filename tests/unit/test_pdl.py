@@ -126,3 +126,6 @@ def test_names_a_bad_prefetch_size(monkeypatch: pytest.MonkeyPatch, raw: str) ->
     monkeypatch.setenv(pdl.PREFETCH_ENV, raw)
     with pytest.raises(ValueError, match="TOKENMILL_PDL_PREFETCH_KB must be"):
         pdl.launch_options(CUDA0)
+    monkeypatch.setenv(pdl.PREFETCH_ENV, "16")  # a good size after it is read as usual
+    assert pdl.launch_options(CUDA0) == ON
+    assert pdl.prefetch_lines(CUDA0, 32, 8192) == 4  # 16 KB over 32 rows: 512 B, 4 lines
