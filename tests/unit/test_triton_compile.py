@@ -17,6 +17,7 @@ import pytest
 # Compiles each kernel for sm_80 and sm_90 with triton's own ptxas: no GPU needed.
 _COMPILE_CHECK = """
 import re
+import sys
 
 from kernel_registers import compile_like_runtime
 from tokenmill.attention import triton_decode as td
@@ -155,16 +156,49 @@ KERNELS += [
 KERNELS.append((l2._touch_kernel, dict(BLOCK=l2.BLOCK), {"num_warps": 4}, {"out_ptr": "*fp32"}))
 
 
+# The checks, each a job; this process runs every SHARDS-th of them from SHARD on (the test
+# starts one process a core: a compile is single-threaded).
+JOBS = []
+
+
+def job(fn):
+    JOBS.append(fn)
+    return fn
+
+
+def options_of(extra):
+    return extra[0] if extra else None
+
+
+def pointers_of(extra):
+    return extra[1] if len(extra) > 1 else {}
+
+
 # Each kernel as the launcher compiles it (benchmarks/gpu/kernel_registers.py): with its
 # pointers and strides marked aligned (the code that vectorizes and pipelines its loads), and
 # without (a launch whose pointers or strides are not).
 for fn, constexprs, *extra in KERNELS:
-    options = extra[0] if extra else None
-    pointers = extra[1] if len(extra) > 1 else {}
     # fp8 (e4m3) needs sm_89 or later: the engine refuses an fp8 cache below that.
-    for arch in (90,) if "*fp8e4nv" in pointers.values() else (80, 90):
+    for arch in (90,) if "*fp8e4nv" in pointers_of(extra).values() else (80, 90):
         for aligned in (False, True):
-            compile_like_runtime(fn, constexprs, options, pointers, arch, aligned)
+            job(lambda fn=fn, constexprs=constexprs, extra=extra, arch=arch, aligned=aligned:
+                compile_like_runtime(fn, constexprs, options_of(extra), pointers_of(extra),
+                                     arch, aligned))
+
+
+def check_pdl(fn, constexprs, extra):
+    # As pdl.launch_options launches it: the constexpr, and Triton's launch option.
+    compiled = compile_like_runtime(fn, {**constexprs, "PDL": True},
+                                    {**(options_of(extra) or {}), "launch_pdl": True},
+                                    pointers_of(extra))
+    assert compiled.metadata.launch_pdl, fn
+    ptx = compiled.asm["ptx"]
+    wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+    first_load = min(i for i in (ptx.find("ld.global"), ptx.find("cp.async"), len(ptx)) if i >= 0)
+    assert 0 <= wait < launch < first_load, fn
+    assert "griddepcontrol" not in compile_like_runtime(
+        fn, constexprs, options_of(extra), pointers_of(extra)).asm["ptx"], fn
+
 
 # With programmatic dependent launch (tokenmill/pdl.py, sm_90), once a kernel: each waits for
 # the kernel before it, then lets the next one launch, before anything else it does.
@@ -173,24 +207,15 @@ for fn, constexprs, *extra in KERNELS:
     if fn in with_pdl or "PDL" not in fn.arg_names:
         continue
     with_pdl.add(fn)
-    # As pdl.launch_options launches it: the constexpr, and Triton's launch option.
-    compiled = compile_like_runtime(fn, {**constexprs, "PDL": True},
-                                    {**(extra[0] if extra else {}), "launch_pdl": True},
-                                    extra[1] if len(extra) > 1 else {})
-    assert compiled.metadata.launch_pdl, fn
-    ptx = compiled.asm["ptx"]
-    wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
-    first_load = min(i for i in (ptx.find("ld.global"), ptx.find("cp.async"), len(ptx)) if i >= 0)
-    assert 0 <= wait < launch < first_load, fn
-    assert "griddepcontrol" not in compile_like_runtime(
-        fn, constexprs, extra[0] if extra else None, extra[1] if len(extra) > 1 else {}
-    ).asm["ptx"], fn
-# The matmul with PDL may ask L2 for its rows of the weight before it waits (the weight is
-# never written): the prefetches, then the wait, then the loads.
-for constexprs in (dict(HAS_SCALES=False, HAS_BIAS=False, SILU_MUL=False, NORM=True,
-                        HAS_RESIDUAL=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, GROUP_M=1),
-                   dict(HAS_SCALES=True, HAS_BIAS=False, SILU_MUL=False, NORM=False,
-                        HAS_RESIDUAL=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8)):
+    job(lambda fn=fn, constexprs=constexprs, extra=extra: check_pdl(fn, constexprs, extra))
+# Every kernel the engine launches takes the flag (the L2 prefetch's read runs on a stream of
+# its own, outside the chain).
+assert {fn for fn, *_ in KERNELS} - with_pdl == {l2._touch_kernel}, {fn for fn, *_ in KERNELS} - with_pdl
+
+
+def check_prefetch(constexprs):
+    # The matmul with PDL may ask L2 for its rows of the weight before it waits (the weight
+    # is never written): the prefetches, then the wait, then the loads.
     fp8 = constexprs["HAS_SCALES"]
     ptx = compile_like_runtime(
         tg._matmul_kernel, dict(constexprs, PDL=True, PREFETCH_LINES=16),
@@ -201,9 +226,21 @@ for constexprs in (dict(HAS_SCALES=False, HAS_BIAS=False, SILU_MUL=False, NORM=T
     wait = ptx.find("griddepcontrol.wait")
     first_load = min(i for i in (ptx.find("ld.global"), ptx.find("cp.async"), len(ptx)) if i >= 0)
     assert 0 <= last_prefetch < wait < first_load, (fp8, last_prefetch, wait, first_load)
-# Every kernel the engine launches takes the flag (the L2 prefetch's read runs on a stream of
-# its own, outside the chain).
-assert {fn for fn, *_ in KERNELS} - with_pdl == {l2._touch_kernel}, {fn for fn, *_ in KERNELS} - with_pdl
+
+
+for constexprs in (dict(HAS_SCALES=False, HAS_BIAS=False, SILU_MUL=False, NORM=True,
+                        HAS_RESIDUAL=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, GROUP_M=1),
+                   dict(HAS_SCALES=True, HAS_BIAS=False, SILU_MUL=False, NORM=False,
+                        HAS_RESIDUAL=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8)):
+    job(lambda constexprs=constexprs: check_prefetch(constexprs))
+
+
+def check_pipelining(kernel, constexprs, in_flight):
+    ttgir = compile_like_runtime(kernel, constexprs,
+                                 {"num_warps": 4, "num_stages": 3}).asm["ttgir"]
+    waits = [int(n) for n in re.findall(r"async_wait[^}]*num = ([0-9]+)", ttgir)]
+    assert waits and (max(waits) > 0) == in_flight, (kernel, waits)
+
 
 # The point of preload_table: with the block ids read before the loop, the pipeliner keeps
 # the next tile's copies in flight at each wait (num > 0); reading them in the loop, each
@@ -214,10 +251,13 @@ for kernel, constexprs, in_flight in (
         (td._decode_split_kernel, decode(partition=1024, block_n=64, preload=True), True),
         (td._decode_split_kernel, decode(partition=1024, block_n=64), False),
         (tp._prefill_kernel, prefill(), True)):
-    ttgir = compile_like_runtime(kernel, constexprs,
-                                 {"num_warps": 4, "num_stages": 3}).asm["ttgir"]
-    waits = [int(n) for n in re.findall(r"async_wait[^}]*num = ([0-9]+)", ttgir)]
-    assert waits and (max(waits) > 0) == in_flight, (kernel, waits)
+    job(lambda kernel=kernel, constexprs=constexprs, in_flight=in_flight:
+        check_pipelining(kernel, constexprs, in_flight))
+
+shard, shards = int(sys.argv[1]), int(sys.argv[2])
+for run in JOBS[shard::shards]:
+    run()
+print(f"shard {shard}/{shards}: {len(JOBS[shard::shards])} of {len(JOBS)} checks passed")
 """
 
 
@@ -235,6 +275,17 @@ def test_kernels_compile_for_cuda(tmp_path: Path) -> None:
     root = Path(tokenmill.__file__).parents[1]
     env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "benchmarks" / "gpu"),
                                          env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", _COMPILE_CHECK], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # One process a core (compiles are single-threaded), sharing the cache directory.
+    shards = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                        else os.cpu_count() or 1))
+    procs = [subprocess.Popen([sys.executable, "-c", _COMPILE_CHECK, str(i), str(shards)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(shards)]
+    try:
+        results = [(p.communicate(timeout=300), p.returncode) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for (out, err), code in results:
+        assert code == 0, err[-3000:]
+        assert "checks passed" in out, out
