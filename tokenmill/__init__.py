@@ -19,9 +19,12 @@ from tokenmill.outputs import (
     EmbeddingRequestOutput,
     RequestMetrics,
     RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
 )
 from tokenmill.sampling_params import PoolingParams, SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics",
-           "ClassificationResult", "PoolingParams", "EmbeddingRequestOutput"]
+           "ClassificationResult", "PoolingParams", "EmbeddingRequestOutput",
+           "ScoringRequestOutput", "ScoringOutput"]
 __version__ = "0.1.0"

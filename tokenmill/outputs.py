@@ -147,3 +147,21 @@ class EmbeddingRequestOutput:
     metrics: RequestMetrics
     finished: bool = True
     finish_reason: str = "stop"
+
+
+@dataclass
+class ScoringOutput:
+    """A pair's score: the cosine similarity of its two texts' embeddings, in [-1, 1]."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """One pair of ``LLM.score``, shaped as vLLM's: ``outputs.score``, and the token ids of
+    both texts, the first's then the second's."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True

@@ -130,20 +130,23 @@ def _pooling_params(req: EmbeddingRequest, served: EmbeddingModel) -> PoolingPar
     if dims is not None and not 1 <= dims <= served.embedding_size:
         raise bad_request(f"dimensions must be between 1 and this model's embedding size "
                           f"{served.embedding_size}, got {dims}", "dimensions")
-    k = req.truncate_prompt_tokens
-    if k is not None and not (k == -1 or 1 <= k <= served.max_model_len):
-        raise bad_request(f"truncate_prompt_tokens must be -1 or between 1 and "
-                          f"{served.max_model_len}, got {k}", "truncate_prompt_tokens")
-    return PoolingParams(dimensions=dims, truncate_prompt_tokens=k)
+    params = truncation_params(req.truncate_prompt_tokens, served)
+    return PoolingParams(dimensions=dims, truncate_prompt_tokens=params.truncate_prompt_tokens)
 
 
-def prepare_embeddings(req: EmbeddingRequest, served: EmbeddingModel) -> EmbeddingCall:
-    """Validate and tokenize (CPU work: run it off the event loop); 400 names the field."""
+def require_embedding_model(served: EmbeddingModel) -> None:
+    """400 unless ``served`` computes embeddings."""
     if served.task != "embed":
         raise bad_request("this model generates text and does not serve embeddings (start an "
                           "engine with --task embed for that)", "model")
-    params = _pooling_params(req, served)
-    inputs = split_inputs(req.input)
+
+
+def embedding_prompts(inputs: Sequence[str | list[int]], params: PoolingParams,
+                      served: EmbeddingModel, param: str = "input",
+                      names: Sequence[str] | None = None) -> list[PromptType]:
+    """The engine prompts of ``inputs`` (texts or token-id lists), truncated as ``params``
+    ask; a 400 naming ``param`` and the entry (``names[i]``, or ``param[i]``) for one the
+    model cannot take."""
     tok = served.tokenizer
 
     def encode(prompt: object) -> tuple[str | None, list[int]]:
@@ -151,16 +154,34 @@ def prepare_embeddings(req: EmbeddingRequest, served: EmbeddingModel) -> Embeddi
 
     prompts: list[PromptType] = []
     for i, item in enumerate(inputs):
-        where = "input" if len(inputs) == 1 else f"input[{i}]"
+        where = (names[i] if names is not None else param if len(inputs) == 1
+                 else f"{param}[{i}]")
         if isinstance(item, list):
             bad = first_invalid_token_id(item, served.vocab_size)
             if bad is not None:
                 raise bad_request(f"{where}: token id {item[bad]!r} at index {bad} is not in "
-                                  f"[0, {served.vocab_size})", "input")
+                                  f"[0, {served.vocab_size})", param)
         try:
             text, ids = embedding_prompt(encode, tok, item, params, served.max_model_len)
         except ValueError as e:
-            raise bad_request(f"{where}: {e}", "input") from None
+            raise bad_request(f"{where}: {e}", param) from None
         prompts.append({"prompt": text, "prompt_token_ids": ids} if text is not None
                        else {"prompt_token_ids": ids})
+    return prompts
+
+
+def truncation_params(k: int | None, served: EmbeddingModel) -> PoolingParams:
+    """PoolingParams cutting inputs to ``k`` tokens (vLLM's ``truncate_prompt_tokens``);
+    400 for a length the model cannot take."""
+    if k is not None and not (k == -1 or 1 <= k <= served.max_model_len):
+        raise bad_request(f"truncate_prompt_tokens must be -1 or between 1 and "
+                          f"{served.max_model_len}, got {k}", "truncate_prompt_tokens")
+    return PoolingParams(truncate_prompt_tokens=k)
+
+
+def prepare_embeddings(req: EmbeddingRequest, served: EmbeddingModel) -> EmbeddingCall:
+    """Validate and tokenize (CPU work: run it off the event loop); 400 names the field."""
+    require_embedding_model(served)
+    params = _pooling_params(req, served)
+    prompts = embedding_prompts(split_inputs(req.input), params, served)
     return EmbeddingCall(prompts, params, req.encoding_format)

@@ -9,16 +9,19 @@ from tokenmill.api.classify import ClassifyRequest
 from tokenmill.api.completions import CompletionCall, prepare_completion
 from tokenmill.api.embeddings import EmbeddingRequest
 from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest
+from tokenmill.api.scores import RerankRequest, ScoreRequest
 from tokenmill.api.validation import ServedModel
 
 # The endpoints that run the model, and the schema of their bodies (/v1/classify is
 # prepared by api/classify.py: it scores labels rather than generating; /v1/embeddings by
-# api/embeddings.py).
+# api/embeddings.py, /v1/score and /v1/rerank by api/scores.py).
 ENDPOINTS: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
     "/v1/classify": ClassifyRequest,
     "/v1/embeddings": EmbeddingRequest,
+    "/v1/score": ScoreRequest,
+    "/v1/rerank": RerankRequest,
 }
 
 

@@ -20,6 +20,14 @@ from tokenmill.api.endpoints import ENDPOINTS, prepare
 from tokenmill.api.errors import APIError, bad_request, validate_body
 from tokenmill.api.protocol import now, random_id
 from tokenmill.api.responses import Call, Collected
+from tokenmill.api.scores import (
+    RerankCall,
+    RerankRequest,
+    ScoreCall,
+    ScoreRequest,
+    prepare_rerank,
+    prepare_score,
+)
 from tokenmill.api.validation import default_model_name
 from tokenmill.batch import DEFAULT_MAX_IN_FLIGHT
 from tokenmill.batch.format import BatchRequest, api_error_line, response_line
@@ -158,10 +166,11 @@ class _ClassifyJob:
 
 @dataclass
 class _EmbedJob:
-    """/v1/embeddings: one embedding request per input, answered when all are computed."""
+    """/v1/embeddings, /v1/score and /v1/rerank: one embedding request per (distinct) input,
+    answered when all are computed."""
 
     request: BatchRequest
-    call: EmbeddingCall
+    call: EmbeddingCall | ScoreCall | RerankCall
     outputs: dict[str, EmbeddingRequestOutput] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -252,6 +261,10 @@ class BatchProcessor:
                 job = _ClassifyJob(req, prepare_classify(body, self.engine))
             elif isinstance(body, EmbeddingRequest):
                 job = _EmbedJob(req, prepare_embeddings(body, self.engine))
+            elif isinstance(body, ScoreRequest):
+                job = _EmbedJob(req, prepare_score(body, self.engine))
+            elif isinstance(body, RerankRequest):
+                job = _EmbedJob(req, prepare_rerank(body, self.engine))
             else:
                 job = _GenerateJob(req, prepare(body, self.engine))  # type: ignore[arg-type]
         except Exception as e:  # noqa: BLE001 - answered as its line's error

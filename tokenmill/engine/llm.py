@@ -19,7 +19,14 @@ from tokenmill.config import (
 )
 from tokenmill.engine.classify import LabelScorer, run_label_scoring
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
-from tokenmill.outputs import ClassificationResult, EmbeddingRequestOutput, RequestOutput
+from tokenmill.engine.scoring import pair_scores, pair_texts
+from tokenmill.outputs import (
+    ClassificationResult,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from tokenmill.sampling_params import PoolingParams, SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
@@ -209,6 +216,28 @@ class LLM:
         if missing:
             raise RuntimeError(f"the engine stopped without embedding inputs {missing}")
         return results  # type: ignore[return-value]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
+              truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = False) -> list[ScoringRequestOutput]:
+        """vLLM's ``score`` on an embedding model: the cosine similarity of each pair's two
+        embeddings, one first text against every second text (1 to N) or the i-th of each
+        (N to N), in the order of ``text_2``. Each distinct text is embedded once.
+        ``truncate_prompt_tokens`` cuts longer texts as ``PoolingParams`` does. ValueError
+        names a bad argument, or an engine that generates text."""
+        if self.engine.task != "embed":
+            raise ValueError(f"score needs an embedding model (task 'embed'); this engine "
+                             f"has task {self.engine.task!r}")
+        pairs = pair_texts(text_1, text_2)
+        embedded = self.embed(pairs.texts,
+                              PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens),
+                              use_tqdm=use_tqdm)
+        scores = pair_scores(pairs, [e.embedding for e in embedded])
+        return [ScoringRequestOutput(
+                    request_id=f"score{next(self._ids)}",
+                    prompt_token_ids=embedded[i].prompt_token_ids + embedded[j].prompt_token_ids,
+                    outputs=ScoringOutput(score))
+                for (i, j), score in zip(pairs.pairs, scores, strict=True)]
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams],
              use_tqdm: bool | None) -> list[RequestOutput]:

@@ -25,6 +25,7 @@ from tokenmill.api.protocol import (
     TokenizeRequest,
 )
 from tokenmill.api.responses_protocol import ResponsesRequest
+from tokenmill.api.scores import RerankRequest, ScoreRequest, prepare_rerank, prepare_score
 from tokenmill.api.tokens import detokenize, tokenize, tokenizer_info
 from tokenmill.retrieval.service import RetrievalService
 from tokenmill.server.admin_routes import admin_router
@@ -73,7 +74,7 @@ def build_app(state: ServerState, manager: ModelManager | None = None,
                   openapi_url="/openapi.json")
     install_openapi(app, [ChatCompletionRequest, CompletionRequest, TokenizeRequest,
                           DetokenizeRequest, ClassifyRequest, EmbeddingRequest,
-                          ResponsesRequest], _version())
+                          ScoreRequest, RerankRequest, ResponsesRequest], _version())
     app.state.tokenmill = state
     install_error_handlers(app)
 
@@ -152,6 +153,20 @@ def _inference_routes(state: ServerState) -> APIRouter:
     async def embeddings(request: Request) -> Response:
         req = await read_json(state, request, EmbeddingRequest)
         return await create_embeddings(state, req, request)
+
+    # vLLM serves both at these paths too (/v2/rerank: Cohere's client).
+    @router.post("/v1/score", openapi_extra=json_body(ScoreRequest))
+    @router.post("/score", openapi_extra=json_body(ScoreRequest))
+    async def score(request: Request) -> Response:
+        req = await read_json(state, request, ScoreRequest)
+        return await create_embeddings(state, req, request, prepare_score)
+
+    @router.post("/v1/rerank", openapi_extra=json_body(RerankRequest))
+    @router.post("/rerank", openapi_extra=json_body(RerankRequest))
+    @router.post("/v2/rerank", openapi_extra=json_body(RerankRequest))
+    async def rerank(request: Request) -> Response:
+        req = await read_json(state, request, RerankRequest)
+        return await create_embeddings(state, req, request, prepare_rerank)
 
     @router.get("/v1/models")
     async def models() -> JSONResponse:

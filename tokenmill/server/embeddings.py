@@ -1,26 +1,44 @@
-"""POST /v1/embeddings: validate and tokenize (in api/, off the event loop), embed every input
-through the engine's scheduler, answer whole."""
+"""POST /v1/embeddings, /v1/score and /v1/rerank: validate and tokenize (in api/, off the event
+loop), embed every input through the engine's scheduler, answer whole."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 
-from tokenmill.api.embeddings import EmbeddingRequest, prepare_embeddings
+from tokenmill.api.embeddings import EmbeddingModel, prepare_embeddings
 from tokenmill.api.errors import APIError
 from tokenmill.engine.async_llm import EngineDeadError, collect_embeddings
+from tokenmill.engine.llm_engine import PromptType
 from tokenmill.outputs import EmbeddingRequestOutput
+from tokenmill.sampling_params import PoolingParams
 from tokenmill.server.serving import submit
 from tokenmill.server.state import EMBED, ServerState
 from tokenmill.server.streaming import until_disconnect
 
 
-async def create_embeddings(state: ServerState, req: EmbeddingRequest, raw: Request) -> Response:
-    """Validate, embed and answer one embeddings request; the engine requests stop if the
-    client goes away first."""
+class EmbeddingsCall(Protocol):
+    """A prepared embeddings, score or rerank request (tokenmill/api/)."""
+
+    prompts: list[PromptType]
+    params: PoolingParams
+    id_prefix: str
+
+    def response(self, outputs: Sequence[EmbeddingRequestOutput], model: str) -> BaseModel: ...
+
+
+async def create_embeddings(state: ServerState, req: Any, raw: Request,
+                            prepare: Callable[[Any, EmbeddingModel], EmbeddingsCall]
+                            = prepare_embeddings) -> Response:
+    """Validate, embed and answer one embeddings request (or a score or rerank request, with
+    its ``prepare``); the engine requests stop if the client goes away first."""
     served = await state.resolve(req.model, task=EMBED)
     with served.lease():
-        call = await state.offload(prepare_embeddings, req, served.client)
+        call = await state.offload(prepare, req, served.client)
         group = await submit(state, served.client, call.prompts, call.params, call.id_prefix)
 
     async def run() -> list[EmbeddingRequestOutput]:
@@ -34,4 +52,5 @@ async def create_embeddings(state: ServerState, req: EmbeddingRequest, raw: Requ
     outputs = await until_disconnect(raw.receive, run())
     if outputs is None:  # the client is gone; nobody reads this
         return Response(status_code=499)
-    return JSONResponse(call.response(outputs, served.name).model_dump())
+    body = await state.offload(call.response, outputs, served.name)
+    return JSONResponse(body.model_dump())
