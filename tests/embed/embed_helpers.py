@@ -1,4 +1,5 @@
-"""Random BERT checkpoints for the embedding tests, saved like Hugging Face saves them."""
+"""Random BERT checkpoints for the embedding tests, saved like Hugging Face saves them; what
+the API's preparation sees of a chat engine."""
 
 from __future__ import annotations
 
@@ -26,3 +27,14 @@ def save_random_bert(folder: Path, tokenizer_from: str, *, masked_lm: bool = Fal
     model.save_pretrained(folder, safe_serialization=True)
     shutil.copy(Path(tokenizer_from) / "tokenizer.json", folder / "tokenizer.json")
     return model.bert if masked_lm else model
+
+
+class ChatModelFacts:
+    """What the embeddings, score and rerank preparations (tokenmill/api/) see of an engine
+    started for text generation."""
+
+    task = "generate"
+    vocab_size = 100
+    max_model_len = 64
+    embedding_size = 16
+    tokenizer = None

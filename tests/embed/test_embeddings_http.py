@@ -12,6 +12,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from embed_helpers import ChatModelFacts
 from server_harness import Server, start_server
 
 from tokenmill import LLM
@@ -130,20 +131,10 @@ def test_chat_to_an_embedding_model_is_a_400(client: openai.OpenAI, server: Serv
         client.completions.create(model=server.model, prompt="hi")
 
 
-class _ChatModel:
-    """What prepare_embeddings sees of an engine started for text generation."""
-
-    task = "generate"
-    vocab_size = 100
-    max_model_len = 64
-    embedding_size = 16
-    tokenizer = None
-
-
 def test_embeddings_from_a_chat_model_are_a_400() -> None:
     req = EmbeddingRequest(input="hello")
     with pytest.raises(APIError) as e:
-        prepare_embeddings(req, _ChatModel())  # type: ignore[arg-type]
+        prepare_embeddings(req, ChatModelFacts())  # type: ignore[arg-type]
     assert e.value.status == 400 and "does not serve embeddings" in e.value.message
 
 

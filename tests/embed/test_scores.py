@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from embed_helpers import ChatModelFacts
 from server_harness import Server, start_server
 
 from tokenmill import LLM
@@ -219,21 +220,11 @@ def test_long_texts_are_cut_with_truncate_prompt_tokens(server: Server) -> None:
     assert r.json()["usage"]["prompt_tokens"] == 3 + 16  # [CLS] a [SEP], then 16
 
 
-class _ChatModel:
-    """What prepare_score sees of an engine started for text generation."""
-
-    task = "generate"
-    vocab_size = 100
-    max_model_len = 64
-    embedding_size = 16
-    tokenizer = None
-
-
 def test_scores_from_a_chat_model_are_a_400() -> None:
     for prepare, req in ((prepare_score, ScoreRequest(text_1="a", text_2="b")),
                          (prepare_rerank, RerankRequest(query="a", documents=["b"]))):
         with pytest.raises(APIError) as e:
-            prepare(req, _ChatModel())  # type: ignore[operator]
+            prepare(req, ChatModelFacts())  # type: ignore[operator]
         assert e.value.status == 400 and "does not serve embeddings" in e.value.message
 
 
