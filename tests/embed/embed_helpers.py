@@ -34,7 +34,27 @@ class ChatModelFacts:
     started for text generation."""
 
     task = "generate"
+    cross_encoder = False
     vocab_size = 100
     max_model_len = 64
     embedding_size = 16
     tokenizer = None
+
+
+def save_random_cross_encoder(folder: Path, tokenizer_from: str, *, seed: int = 0,
+                              num_labels: int = 1) -> Any:
+    """A small random BertForSequenceClassification (a reranker's shape: one label) saved as
+    a Hugging Face folder with all-MiniLM's tokenizer; returns the transformers model."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=96,
+                        max_position_embeddings=128, type_vocab_size=2,
+                        initializer_range=0.3, num_labels=num_labels,
+                        attn_implementation="eager")
+    model = BertForSequenceClassification(config)
+    model.eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    shutil.copy(Path(tokenizer_from) / "tokenizer.json", folder / "tokenizer.json")
+    return model

@@ -66,6 +66,9 @@ class EmbeddingModel(ModelFacts, Protocol):
     @property
     def task(self) -> str: ...
 
+    @property
+    def cross_encoder(self) -> bool: ...
+
 
 def _is_token_ids(value: Any) -> bool:
     return (isinstance(value, list) and bool(value)
@@ -182,6 +185,9 @@ def truncation_params(k: int | None, served: EmbeddingModel) -> PoolingParams:
 def prepare_embeddings(req: EmbeddingRequest, served: EmbeddingModel) -> EmbeddingCall:
     """Validate and tokenize (CPU work: run it off the event loop); 400 names the field."""
     require_embedding_model(served)
+    if served.cross_encoder:
+        raise bad_request("this model is a cross-encoder: it scores pairs of texts (POST "
+                          "/v1/score, /v1/rerank) and computes no embeddings", "model")
     params = _pooling_params(req, served)
     prompts = embedding_prompts(split_inputs(req.input), params, served)
     return EmbeddingCall(prompts, params, req.encoding_format)

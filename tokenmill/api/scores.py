@@ -1,9 +1,11 @@
-"""POST /v1/score and POST /v1/rerank on an embedding model, with vLLM's request and response
-shapes (its /rerank is also Jina's and, for the fields they share, Cohere's): the texts are
-embedded once each through the engine and every pair is scored by the cosine similarity of
-its two embeddings (tokenmill/engine/scoring.py). A call is prepared like an embeddings call
-(its ``prompts`` and ``params``) and answered from the same outputs, so the server and batch
-jobs run it exactly as they run /v1/embeddings. Every refusal is a 400 naming the field."""
+"""POST /v1/score and POST /v1/rerank, with vLLM's request and response shapes (its /rerank is
+also Jina's and, for the fields they share, Cohere's). On an embedding model the texts are
+embedded once each and every pair is scored by the cosine similarity of its two embeddings
+(tokenmill/engine/scoring.py); on a cross-encoder (reranker) each pair is one input, the two
+texts read together, and its head's output is the score. A call is prepared like an
+embeddings call (its ``prompts`` and ``params``) and answered from the same outputs, so the
+server and batch jobs run it exactly as they run /v1/embeddings. Every refusal is a 400
+naming the field."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from tokenmill.api.embeddings import (
 from tokenmill.api.errors import bad_request
 from tokenmill.api.protocol import now, random_id
 from tokenmill.engine.llm_engine import PromptType
+from tokenmill.engine.pooling import pair_prompt_ids
 from tokenmill.engine.scoring import Pairs, pair_scores, pair_texts
 from tokenmill.outputs import EmbeddingRequestOutput
 from tokenmill.sampling_params import PoolingParams
@@ -99,7 +102,12 @@ def _tokens(outputs: Sequence[EmbeddingRequestOutput]) -> int:
     return sum(len(o.prompt_token_ids) for o in outputs)
 
 
-def _scores(pairs: Pairs, outputs: Sequence[EmbeddingRequestOutput]) -> list[float]:
+def _scores(pairs: Pairs, pairwise: bool,
+            outputs: Sequence[EmbeddingRequestOutput]) -> list[float]:
+    """Each pair's score: a cross-encoder's output for the pair (``pairwise``: one output a
+    pair), else the cosine of its texts' embeddings (one output a distinct text)."""
+    if pairwise:
+        return [o.embedding[0] for o in outputs]
     return pair_scores(pairs, [o.embedding for o in outputs])
 
 
@@ -111,11 +119,13 @@ class ScoreCall:
     prompts: list[PromptType]
     params: PoolingParams
     pairs: Pairs
+    pairwise: bool
     id_prefix: str = "score"
 
     def response(self, outputs: Sequence[EmbeddingRequestOutput], model: str) -> ScoreResponse:
         """The response body, ``data`` in the order of ``text_2``."""
-        data = [ScoreData(index=i, score=s) for i, s in enumerate(_scores(self.pairs, outputs))]
+        scores = _scores(self.pairs, self.pairwise, outputs)
+        data = [ScoreData(index=i, score=s) for i, s in enumerate(scores)]
         tokens = _tokens(outputs)
         return ScoreResponse(id=random_id(self.id_prefix), created=now(), model=model,
                              data=data, usage=EmbeddingUsage(prompt_tokens=tokens,
@@ -130,6 +140,7 @@ class RerankCall:
     prompts: list[PromptType]
     params: PoolingParams
     pairs: Pairs
+    pairwise: bool
     documents: list[str]
     top_n: int
     return_documents: bool
@@ -138,7 +149,7 @@ class RerankCall:
     def response(self, outputs: Sequence[EmbeddingRequestOutput], model: str) -> RerankResponse:
         """The response body: the best ``top_n`` documents, highest score first (ties in the
         order given)."""
-        scores = _scores(self.pairs, outputs)
+        scores = _scores(self.pairs, self.pairwise, outputs)
         order = sorted(range(len(scores)), key=lambda i: -scores[i])[:self.top_n]
         results = [RerankResult(index=i, relevance_score=scores[i],
                                 document=RerankDocument(text=self.documents[i])
@@ -159,11 +170,24 @@ def _pairs(text_1: Any, text_2: Any, names: tuple[str, str]) -> Pairs:
 
 
 def _prompts(pairs: Pairs, params: PoolingParams, served: EmbeddingModel) -> list[PromptType]:
-    fields = [name.split("[")[0] for name in pairs.names]
-    prompts: list[PromptType] = []
-    for text, name, field in zip(pairs.texts, pairs.names, fields, strict=True):
-        prompts += embedding_prompts([text], params, served, field, names=[name])
-    return prompts
+    """An embedding model's: each distinct text's prompt. A cross-encoder's: each pair's, its
+    two texts in the tokenizer's pair template."""
+    if not served.cross_encoder:
+        prompts: list[PromptType] = []
+        for text, name in zip(pairs.texts, pairs.names, strict=True):
+            prompts += embedding_prompts([text], params, served, name.split("[")[0],
+                                         names=[name])
+        return prompts
+    out: list[PromptType] = []
+    for i, j in pairs.pairs:
+        try:
+            ids = pair_prompt_ids(served.tokenizer, pairs.texts[i], pairs.texts[j], params,
+                                  served.max_model_len)
+        except ValueError as e:
+            name = pairs.names[j]
+            raise bad_request(f"{name}: {e}", name.split("[")[0]) from None
+        out.append({"prompt_token_ids": ids})
+    return out
 
 
 def prepare_score(req: ScoreRequest, served: EmbeddingModel) -> ScoreCall:
@@ -171,7 +195,7 @@ def prepare_score(req: ScoreRequest, served: EmbeddingModel) -> ScoreCall:
     require_embedding_model(served)
     params = truncation_params(req.truncate_prompt_tokens, served)
     pairs = _pairs(req.text_1, req.text_2, ("text_1", "text_2"))
-    return ScoreCall(_prompts(pairs, params, served), params, pairs)
+    return ScoreCall(_prompts(pairs, params, served), params, pairs, served.cross_encoder)
 
 
 def prepare_rerank(req: RerankRequest, served: EmbeddingModel) -> RerankCall:
@@ -188,5 +212,5 @@ def prepare_rerank(req: RerankRequest, served: EmbeddingModel) -> RerankCall:
     pairs = _pairs(req.query, req.documents, ("query", "documents"))
     documents = list(req.documents)
     top_n = req.top_n or len(documents)
-    return RerankCall(_prompts(pairs, params, served), params, pairs, documents, top_n,
-                      req.return_documents)
+    return RerankCall(_prompts(pairs, params, served), params, pairs, served.cross_encoder,
+                      documents, top_n, req.return_documents)

@@ -308,6 +308,11 @@ class AsyncLLM:
         """Entries of a full embedding."""
         return self.engine.embedding_size
 
+    @property
+    def cross_encoder(self) -> bool:
+        """A cross-encoder: it scores pairs (see LLMEngine.cross_encoder)."""
+        return self.engine.cross_encoder
+
     async def embed(self, prompts: Sequence[PromptType], params: PoolingParams,
                     request_id_prefix: str = "embd") -> list[EmbeddingRequestOutput]:
         """The embedding of every prompt, in order, batched through the scheduler with

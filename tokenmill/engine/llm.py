@@ -19,6 +19,7 @@ from tokenmill.config import (
 )
 from tokenmill.engine.classify import LabelScorer, run_label_scoring
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
+from tokenmill.engine.pooling import pair_prompt_ids
 from tokenmill.engine.scoring import pair_scores, pair_texts
 from tokenmill.outputs import (
     ClassificationResult,
@@ -192,8 +193,14 @@ class LLM:
         the order of the prompts, each with ``.embedding`` and ``.prompt_token_ids``. All go
         through the scheduler together: many share each step. ValueError names a bad input
         (nothing of the call stays queued)."""
-        batch = _as_batch(prompts)
-        params = pooling_params or PoolingParams()
+        if self.engine.cross_encoder:
+            raise ValueError("this model is a cross-encoder: it scores pairs of texts "
+                             "(LLM.score) and computes no embeddings")
+        return self._pool(_as_batch(prompts), pooling_params or PoolingParams(), use_tqdm)
+
+    def _pool(self, batch: list[PromptType], params: PoolingParams,
+              use_tqdm: bool) -> list[EmbeddingRequestOutput]:
+        """The pooled output of every prompt, in order (see :meth:`embed`)."""
         engine = self.engine
         order: dict[str, int] = {}
         try:
@@ -220,18 +227,30 @@ class LLM:
     def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
               truncate_prompt_tokens: int | None = None,
               use_tqdm: bool = False) -> list[ScoringRequestOutput]:
-        """vLLM's ``score`` on an embedding model: the cosine similarity of each pair's two
-        embeddings, one first text against every second text (1 to N) or the i-th of each
-        (N to N), in the order of ``text_2``. Each distinct text is embedded once.
-        ``truncate_prompt_tokens`` cuts longer texts as ``PoolingParams`` does. ValueError
-        names a bad argument, or an engine that generates text."""
-        if self.engine.task != "embed":
-            raise ValueError(f"score needs an embedding model (task 'embed'); this engine "
-                             f"has task {self.engine.task!r}")
+        """vLLM's ``score``: one first text against every second text (1 to N) or the i-th of
+        each (N to N), in the order of ``text_2``. On an embedding model, the cosine
+        similarity of each pair's two embeddings, each distinct text embedded once; on a
+        cross-encoder (reranker), its head's score of the two texts read together.
+        ``truncate_prompt_tokens`` cuts longer inputs as ``PoolingParams`` does (a pair: the
+        longer text first). ValueError names a bad argument, or an engine that generates
+        text."""
+        engine = self.engine
+        if engine.task != "embed":
+            raise ValueError(f"score needs an embedding model or a cross-encoder (task "
+                             f"'embed'); this engine has task {engine.task!r}")
         pairs = pair_texts(text_1, text_2)
-        embedded = self.embed(pairs.texts,
-                              PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens),
-                              use_tqdm=use_tqdm)
+        params = PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
+        params.validate()
+        if engine.cross_encoder:
+            prompts: list[PromptType] = [
+                {"prompt_token_ids": pair_prompt_ids(engine.tokenizer, pairs.texts[i],
+                                                     pairs.texts[j], params,
+                                                     engine.max_model_len)}
+                for i, j in pairs.pairs]
+            outs = self._pool(prompts, params, use_tqdm)
+            return [ScoringRequestOutput(f"score{next(self._ids)}", o.prompt_token_ids,
+                                         ScoringOutput(o.embedding[0])) for o in outs]
+        embedded = self._pool(list(pairs.texts), params, use_tqdm)
         scores = pair_scores(pairs, [e.embedding for e in embedded])
         return [ScoringRequestOutput(
                     request_id=f"score{next(self._ids)}",

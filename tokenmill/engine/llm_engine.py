@@ -42,6 +42,12 @@ class LLMEngine:
         return self.core.arch.hidden_size
 
     @property
+    def cross_encoder(self) -> bool:
+        """A cross-encoder (reranker): it scores pairs of texts read together, and its
+        "embedding" of a pair's prompt is the pair's score."""
+        return self.core.arch.is_cross_encoder
+
+    @property
     def max_model_len(self) -> int:
         return self.core.max_model_len
 

@@ -51,6 +51,46 @@ def truncated_text_ids(tokenizer: Tokenizer, text: str, limit: int) -> list[int]
     return backend.post_process(encoding).ids
 
 
+def _longest_first(n1: int, n2: int, room: int) -> tuple[int, int]:
+    """How many tokens of each text a pair keeps in ``room``: the tokenizers library's
+    "longest_first" truncation (what transformers' ``truncation=True`` does to a pair)."""
+    if n1 + n2 <= room:
+        return n1, n2
+    swap = n1 > n2
+    if swap:
+        n1, n2 = n2, n1
+    n2 = n1 if n1 > room else max(n1, room - n1)
+    if n1 + n2 > room:
+        n1 = room // 2
+        n2 = n1 + room % 2
+    return (n2, n1) if swap else (n1, n2)
+
+
+def pair_prompt_ids(tokenizer: Tokenizer, first: str, second: str,
+                    params: PoolingParams, max_model_len: int) -> list[int]:
+    """A cross-encoder's input for a pair of texts, as the tokenizer's pair template writes
+    it (BERT: ``[CLS] first [SEP] second [SEP]``), cut as ``params`` ask: the longer text
+    loses tokens first, as transformers cuts a pair. ValueError for a pair longer than
+    ``max_model_len`` without truncation."""
+    backend = tokenizer.backend
+    a = backend.encode(first, add_special_tokens=False)
+    b = backend.encode(second, add_special_tokens=False)
+    limit = truncation_limit(params, max_model_len)
+    if limit is not None:
+        room = limit - backend.num_special_tokens_to_add(True)
+        if room < 2:
+            raise ValueError(f"truncate_prompt_tokens {limit} leaves no room for the two texts "
+                             "besides the special tokens the tokenizer adds")
+        n1, n2 = _longest_first(len(a.ids), len(b.ids), room)
+        a.truncate(n1)
+        b.truncate(n2)
+    ids = backend.post_process(a, b).ids
+    if len(ids) > max_model_len:
+        raise ValueError(f"the pair has {len(ids)} tokens, more than this model's maximum of "
+                         f"{max_model_len}; shorten it or set truncate_prompt_tokens")
+    return ids
+
+
 def embedding_prompt(encode: Encoder, tokenizer: Tokenizer, prompt: object,
                      params: PoolingParams, max_model_len: int) -> tuple[str | None, list[int]]:
     """The text and token ids an embedding is computed from, truncated as ``params`` ask;

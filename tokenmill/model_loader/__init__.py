@@ -58,9 +58,14 @@ def resolve_pooler(config: ModelConfig, arch: ArchConfig,
     """The pooling of the model's embeddings and its sentence-transformers length limit:
     ``config.pooling`` if given, else what the folder's sentence-transformers files say, else
     "cls" for encoders and "last" for decoders; normalised unless those files leave the
-    Normalize module out."""
+    Normalize module out. A cross-encoder's head reads the [CLS] state, not normalised."""
     info = read_sentence_transformer(folder) if folder is not None else None
     length = info.max_seq_length if info is not None else None
+    if arch.is_cross_encoder:
+        if config.pooling not in (None, "cls"):
+            raise ValueError(f"pooling {config.pooling!r} does not apply to a cross-encoder, "
+                             "whose head reads the [CLS] token's state")
+        return PoolerConfig("cls", normalize=False), length
     if info is not None and config.pooling is None:
         return info.pooler, length
     normalize = info.pooler.normalize if info is not None else True
@@ -85,6 +90,15 @@ def encoder_bf16_matmuls(config: ModelConfig, model: nn.Module, dtype: torch.dty
     return (config.dtype == "auto" and dtype == torch.float32 and device.type == "cpu"
             and method == "none" and hasattr(model, "use_bf16_matmuls")
             and dense_dtype("cpu") == torch.bfloat16)
+
+
+def _sep_token_id(tokenizer: Tokenizer, path: str) -> int:
+    """The id of the [SEP] token that ends a cross-encoder's first text."""
+    sep = tokenizer.backend.token_to_id("[SEP]")
+    if sep is None:
+        raise ValueError(f"{path!r}: a cross-encoder's tokenizer needs a [SEP] token between "
+                         "the two texts of a pair")
+    return sep
 
 
 def resolve_quantization(requested: str, gguf: GGUFModel | None, device: torch.device) -> str:
@@ -146,6 +160,8 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) ->
         load_gguf_quantized(model, gguf, method, device=device, dtype=dtype)
     else:
         model.load_weights((name, t.to(device=device, dtype=dtype)) for name, t in weights())
+    if arch.is_cross_encoder:
+        model.sep_token_id = _sep_token_id(tokenizer, path)
     if method != "none":
         logger.info(quantize_model(model, method).describe())
     bf16_matmuls = encoder_bf16_matmuls(config, model, dtype, torch.device(device), method)

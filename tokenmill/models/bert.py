@@ -73,10 +73,13 @@ class BertEmbeddings(nn.Module):
         self.token_type_embeddings = Embedding(max(c.type_vocab_size, 1), c.hidden_size)
         self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # Every token is of type 0: one text per sequence, as sentence-transformers encodes it.
-        x = (self.word_embeddings(input_ids) + self.position_embeddings(positions)
-             + self.token_type_embeddings.weight[0])
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_types: torch.Tensor | None = None) -> torch.Tensor:
+        # Without token_types every token is of type 0: one text per sequence, as
+        # sentence-transformers encodes it.
+        types = (self.token_type_embeddings.weight[0] if token_types is None
+                 else self.token_type_embeddings(token_types))
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + types
         return self.LayerNorm(x)
 
 
@@ -145,6 +148,7 @@ class BertModel(nn.Module):
     """
 
     is_encoder = True
+    _unused = _UNUSED
 
     def __init__(self, config: ArchConfig) -> None:
         super().__init__()
@@ -170,12 +174,17 @@ class BertModel(nn.Module):
             rows = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in order])
             rows = rows.to(input_ids.device)
             input_ids, positions = input_ids[rows], positions[rows]
-        x = self.embeddings(input_ids, positions)
+        x = self.embeddings(input_ids, positions, self.token_types(input_ids, positions))
         for layer in self.layers:
             x = layer(x, groups)
         if permuted:
             x = torch.empty_like(x).index_copy_(0, rows, x)
         return x
+
+    def token_types(self, input_ids: torch.Tensor,
+                    positions: torch.Tensor) -> torch.Tensor | None:
+        """Each token's segment; None: all of type 0 (one text a sequence)."""
+        return None
 
     def use_bf16_matmuls(self) -> None:
         """Run every layer's four projections in bf16 (:class:`Bf16MatmulLinear`), keeping
@@ -199,7 +208,7 @@ class BertModel(nn.Module):
                 if raw_name.startswith(_HEAD_PREFIXES):
                     continue
                 name = _hf_leaf(raw_name.removeprefix("bert."))
-                if name in _UNUSED:
+                if name in self._unused:
                     continue
                 target = targets.get(name)
                 if target is None:
@@ -233,4 +242,53 @@ class BertModel(nn.Module):
                     name = f"encoder.layer.{i}.{hf_module}.{leaf}"
                     targets[name] = (_Target(param) if block is None
                                      else _Target(param, block * width, width))
+        return targets
+
+
+def pair_token_types(input_ids: torch.Tensor, positions: torch.Tensor,
+                     sep_token_id: int) -> torch.Tensor:
+    """Token types of a flat batch of pair encodings (``[CLS] a [SEP] b [SEP]``): 0 up to and
+    including each sequence's first ``sep_token_id``, 1 after it, as BERT's tokenizers type a
+    pair. Sequences are contiguous and their positions start at 0."""
+    is_sep = (input_ids == sep_token_id).to(torch.int64)
+    before = torch.cumsum(is_sep, 0) - is_sep  # separators before each row, whole batch
+    starts = torch.nonzero(positions == 0).flatten()
+    seq = torch.cumsum((positions == 0).to(torch.int64), 0) - 1
+    return (before - before[starts][seq] > 0).to(torch.int64)
+
+
+class BertForSequenceClassification(BertModel):
+    """A cross-encoder (reranker): BERT over a pair of texts read together, its [CLS] state
+    through BERT's pooler (dense, tanh) and a one-label classifier, whose sigmoid is the
+    pair's score. Token types come from the ids: the second text starts after the first
+    [SEP] (``sep_token_id``, set by the loader from the tokenizer). The engine pools the
+    [CLS] state and calls :meth:`score_head` on it."""
+
+    # The pooler is this head's first layer here.
+    _unused = ("embeddings.position_ids",)
+
+    def __init__(self, config: ArchConfig) -> None:
+        super().__init__(config)
+        h = config.hidden_size
+        self.pooler = Linear(h, h)
+        self.classifier = Linear(h, config.num_labels)
+        self.sep_token_id: int | None = None
+        self.requires_grad_(False)
+
+    def token_types(self, input_ids: torch.Tensor,
+                    positions: torch.Tensor) -> torch.Tensor | None:
+        if self.sep_token_id is None:
+            raise RuntimeError("a cross-encoder needs its tokenizer's [SEP] id (sep_token_id)")
+        return pair_token_types(input_ids, positions, self.sep_token_id)
+
+    def score_head(self, cls_states: torch.Tensor) -> torch.Tensor:
+        """``[N, 1]`` scores in (0, 1) of ``[N, hidden]`` [CLS] states, in fp32."""
+        x = cls_states.to(self.pooler.weight.dtype)
+        return torch.sigmoid(self.classifier(torch.tanh(self.pooler(x))).float())
+
+    def _hf_targets(self) -> dict[str, _Target]:
+        targets = super()._hf_targets()
+        for hf, ours in (("pooler.dense", self.pooler), ("classifier", self.classifier)):
+            targets[f"{hf}.weight"] = _Target(ours.weight)
+            targets[f"{hf}.bias"] = _Target(ours.bias)
         return targets

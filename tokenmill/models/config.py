@@ -8,8 +8,11 @@ from typing import Any
 # Rope types whose frequencies models/layers.py knows how to compute.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # Bidirectional encoders (the BERT family, models/bert.py): their checkpoints hold a BertModel,
-# bare or under "bert." beside a task head that embeddings do not use.
-ENCODER_ARCHITECTURES = frozenset({"BertModel", "BertForMaskedLM", "BertForPreTraining"})
+# bare or under "bert." beside a task head that embeddings do not use; or, for the
+# cross-encoders (rerankers), beside the one-label classification head that scores a pair.
+CROSS_ENCODER_ARCHITECTURES = frozenset({"BertForSequenceClassification"})
+ENCODER_ARCHITECTURES = frozenset({"BertModel", "BertForMaskedLM", "BertForPreTraining",
+                                   *CROSS_ENCODER_ARCHITECTURES})
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,8 @@ class ArchConfig:
     # Encoders only: LayerNorm epsilon and the number of token types (segment embeddings).
     layer_norm_eps: float = 1e-12
     type_vocab_size: int = 0
+    # Cross-encoders only: the classification head's outputs.
+    num_labels: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -80,11 +85,23 @@ class ArchConfig:
             raise ValueError("an encoder has as many key/value heads as attention heads")
         if self.layer_norm_eps <= 0:
             raise ValueError(f"layer_norm_eps must be > 0, got {self.layer_norm_eps}")
+        if self.is_cross_encoder:
+            if self.num_labels != 1:
+                raise ValueError(f"{self.architecture} with {self.num_labels} labels is not "
+                                 "supported: a cross-encoder (reranker) scores a pair with one")
+            if self.type_vocab_size < 2:
+                raise ValueError(f"a cross-encoder needs two token types for a pair's two "
+                                 f"texts, got type_vocab_size {self.type_vocab_size}")
 
     @property
     def is_encoder(self) -> bool:
         """A bidirectional encoder (embeddings only: no KV cache, no generation)."""
         return self.architecture in ENCODER_ARCHITECTURES
+
+    @property
+    def is_cross_encoder(self) -> bool:
+        """An encoder with a one-label head that scores a pair of texts read together."""
+        return self.architecture in CROSS_ENCODER_ARCHITECTURES
 
     @property
     def num_layers(self) -> int:
@@ -133,7 +150,17 @@ class ArchConfig:
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
             layer_norm_eps=float(d.get("layer_norm_eps", 1e-12)),
             type_vocab_size=int(d.get("type_vocab_size", 0)),
+            num_labels=_num_labels(d),
         )
+
+
+def _num_labels(d: dict[str, Any]) -> int:
+    """A classification head's outputs: ``id2label``'s entries (transformers writes it),
+    else ``num_labels``; 0 for none."""
+    labels = d.get("id2label")
+    if isinstance(labels, dict) and labels:
+        return len(labels)
+    return int(d.get("num_labels") or 0)
 
 
 def _div(a: int, b: int, field: str) -> int:

@@ -20,6 +20,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "BertModel": ("tokenmill.models.bert", "BertModel"),
     "BertForMaskedLM": ("tokenmill.models.bert", "BertModel"),
     "BertForPreTraining": ("tokenmill.models.bert", "BertModel"),
+    # A cross-encoder (reranker): its one-label head scores a pair.
+    "BertForSequenceClassification": ("tokenmill.models.bert", "BertForSequenceClassification"),
 }
 
 

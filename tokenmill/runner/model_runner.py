@@ -198,7 +198,7 @@ class ModelRunner:
         if inputs.pool_spans:
             states = inputs.pool_states
             vectors = pool_embeddings(hidden, inputs.pool_spans, [s.pooling for s in states],
-                                      self.pooler)
+                                      self.pooler, getattr(self.model, "score_head", None))
             out.pooled = {s.request_id: v for s, v in zip(states, vectors, strict=True)}
         if inputs.prompt_lp_rows:
             self._prompt_logprobs(hidden, inputs, out)

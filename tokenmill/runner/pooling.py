@@ -3,7 +3,7 @@ pooled, truncated, normalised vector of each request whose prompt a step compute
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -54,11 +54,16 @@ class EncoderBatch:
 
 
 def pool_embeddings(hidden: torch.Tensor, spans: Sequence[tuple[int, int]],
-                    params: Sequence[PoolingParams | None],
-                    pooler: PoolerConfig) -> list[list[float]]:
+                    params: Sequence[PoolingParams | None], pooler: PoolerConfig,
+                    head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                    ) -> list[list[float]]:
     """Each request's embedding from its rows ``(start, n)`` of ``hidden``: pooled as the
-    model says, cut to its ``dimensions``, normalised unless it says otherwise."""
+    model says, cut to its ``dimensions``, normalised unless it says otherwise. A
+    cross-encoder's ``head`` (``score_head``) turns the pooled states into its pairs' scores,
+    which are given as they are."""
     vectors = pool(hidden, spans, pooler.method)
+    if head is not None:
+        return head(vectors).cpu().tolist()
     out: list[torch.Tensor] = []
     for vector, p in zip(vectors, params, strict=True):
         p = p or PoolingParams()
