@@ -110,8 +110,9 @@ def test_pairs_are_cut_as_transformers_cuts_them(llm: LLM, reranker: tuple[str, 
 
 
 def test_long_pairs_and_embeddings_are_refused(llm: LLM) -> None:
-    with pytest.raises(ValueError, match="more than this model's maximum of 128"):
-        llm.score(QUERY, "word " * 200)
+    with pytest.raises(ValueError, match=r"^text_2\[1\]: the pair has .* more than this "
+                       "model's maximum of 128"):
+        llm.score(QUERY, ["word", "word " * 200])
     with pytest.raises(ValueError, match="leaves no room for the two texts"):
         llm.score(QUERY, "word", truncate_prompt_tokens=3)
     with pytest.raises(ValueError, match="cross-encoder: it scores pairs"):

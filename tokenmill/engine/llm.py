@@ -242,11 +242,14 @@ class LLM:
         params = PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
         params.validate()
         if engine.cross_encoder:
-            prompts: list[PromptType] = [
-                {"prompt_token_ids": pair_prompt_ids(engine.tokenizer, pairs.texts[i],
-                                                     pairs.texts[j], params,
-                                                     engine.max_model_len)}
-                for i, j in pairs.pairs]
+            prompts: list[PromptType] = []
+            for i, j in pairs.pairs:
+                try:
+                    ids = pair_prompt_ids(engine.tokenizer, pairs.texts[i], pairs.texts[j],
+                                          params, engine.max_model_len)
+                except ValueError as e:
+                    raise ValueError(f"{pairs.names[j]}: {e}") from None
+                prompts.append({"prompt_token_ids": ids})
             outs = self._pool(prompts, params, use_tqdm)
             return [ScoringRequestOutput(f"score{next(self._ids)}", o.prompt_token_ids,
                                          ScoringOutput(o.embedding[0])) for o in outs]
