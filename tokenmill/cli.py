@@ -19,6 +19,7 @@ from tokenmill.bench import (
     gpu,
     latency,
     prefix_cache,
+    rerank,
     retrieval,
     spec,
     structured,
@@ -304,7 +305,7 @@ BENCH_SUITES: tuple[Registrar, ...] = (
     compare.add_compare_parser, prefix_cache.add_prefix_cache_parser, spec.add_spec_parser,
     bench_batch.add_batch_bench_parser, gpu.add_gpu_parser, _add_perplexity_parser,
     fuzz.add_fuzz_parser, structured.add_structured_parser, retrieval.add_retrieval_parser,
-    embed.add_embed_parser, contention.add_contention_parser,
+    embed.add_embed_parser, rerank.add_rerank_parser, contention.add_contention_parser,
 )
 
 
