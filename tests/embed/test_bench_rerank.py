@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from embed_helpers import save_random_cross_encoder
 
-from tokenmill.bench.rerank import workload
+from tokenmill.bench.rerank import ranking_agreement, workload
 from tokenmill.cli import main
 
 
@@ -33,7 +33,27 @@ def test_bench_rerank_writes_parity_and_throughput(tmp_path: Path, minilm_path: 
     assert result["tokenmill_matmuls"] == "float32"
     assert result["parity"]["max_abs_diff"] < 1e-5  # fp32 against fp32
     assert result["parity"]["same_order_per_query"] == 1.0
+    assert result["parity"]["same_best_per_query"] == 1.0
+    assert result["parity"]["mean_spearman"] == pytest.approx(1.0)
     t = result["throughput"]
     assert len(t["tokenmill"]["pairs_per_s"]) == 1 and t["speedup_median"] > 0
     assert result["workload"]["num_pairs"] == 6 and result["workload"]["tokens"] > 6 * 10
     assert "speedup (medians) vs sentence-transformers" in capsys.readouterr().out
+
+
+def test_ranking_agreement_counts_what_changed() -> None:
+    import torch
+
+    ref = torch.tensor([0.9, 0.5, 0.1, 0.3, 0.2, 0.8])  # two queries of three documents
+    same = ranking_agreement(ref, ref, 3)
+    assert same == {"same_best_per_query": 1.0, "same_order_per_query": 1.0,
+                    "mean_spearman": pytest.approx(1.0)}
+    # The second query's two worst documents swapped: its best stays, its order does not
+    # (ranks 1, 2, 0 against 2, 1, 0: Spearman 0.5).
+    swapped = ranking_agreement(torch.tensor([0.9, 0.5, 0.1, 0.2, 0.3, 0.8]), ref, 3)
+    assert swapped["same_best_per_query"] == 1.0
+    assert swapped["same_order_per_query"] == 0.5
+    assert swapped["mean_spearman"] == pytest.approx((1.0 + 0.5) / 2)
+    # Its best changed too.
+    moved = ranking_agreement(torch.tensor([0.9, 0.5, 0.1, 0.9, 0.2, 0.8]), ref, 3)
+    assert moved["same_best_per_query"] == 0.5
