@@ -101,6 +101,18 @@ def split_inputs(raw: Any) -> list[str | list[int]]:
     return raw
 
 
+class PoolingCall(Protocol):
+    """A prepared embeddings, score or rerank request (this module, api/scores.py): the
+    engine prompts to pool, their parameters, and how to answer from the pooled outputs.
+    The server and batch jobs run all three the same way."""
+
+    prompts: list[PromptType]
+    params: PoolingParams
+    id_prefix: str
+
+    def response(self, outputs: Sequence[EmbeddingRequestOutput], model: str) -> BaseModel: ...
+
+
 @dataclass
 class EmbeddingCall:
     """A validated embeddings request: engine prompts (token ids), their parameters, and

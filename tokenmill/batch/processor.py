@@ -15,19 +15,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tokenmill.api.classify import ClassifyCall, ClassifyRequest, prepare_classify
-from tokenmill.api.embeddings import EmbeddingCall, EmbeddingRequest, prepare_embeddings
+from tokenmill.api.embeddings import EmbeddingRequest, PoolingCall, prepare_embeddings
 from tokenmill.api.endpoints import ENDPOINTS, prepare
 from tokenmill.api.errors import APIError, bad_request, validate_body
 from tokenmill.api.protocol import now, random_id
 from tokenmill.api.responses import Call, Collected
-from tokenmill.api.scores import (
-    RerankCall,
-    RerankRequest,
-    ScoreCall,
-    ScoreRequest,
-    prepare_rerank,
-    prepare_score,
-)
+from tokenmill.api.scores import RerankRequest, ScoreRequest, prepare_rerank, prepare_score
 from tokenmill.api.validation import default_model_name
 from tokenmill.batch import DEFAULT_MAX_IN_FLIGHT
 from tokenmill.batch.format import BatchRequest, api_error_line, response_line
@@ -170,7 +163,7 @@ class _EmbedJob:
     answered when all are computed."""
 
     request: BatchRequest
-    call: EmbeddingCall | ScoreCall | RerankCall
+    call: PoolingCall
     outputs: dict[str, EmbeddingRequestOutput] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -3,36 +3,23 @@ loop), embed every input through the engine's scheduler, answer whole."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
 
-from tokenmill.api.embeddings import EmbeddingModel, prepare_embeddings
+from tokenmill.api.embeddings import EmbeddingModel, PoolingCall, prepare_embeddings
 from tokenmill.api.errors import APIError
 from tokenmill.engine.async_llm import EngineDeadError, collect_embeddings
-from tokenmill.engine.llm_engine import PromptType
 from tokenmill.outputs import EmbeddingRequestOutput
-from tokenmill.sampling_params import PoolingParams
 from tokenmill.server.serving import submit
 from tokenmill.server.state import EMBED, ServerState
 from tokenmill.server.streaming import until_disconnect
 
 
-class EmbeddingsCall(Protocol):
-    """A prepared embeddings, score or rerank request (tokenmill/api/)."""
-
-    prompts: list[PromptType]
-    params: PoolingParams
-    id_prefix: str
-
-    def response(self, outputs: Sequence[EmbeddingRequestOutput], model: str) -> BaseModel: ...
-
-
 async def create_embeddings(state: ServerState, req: Any, raw: Request,
-                            prepare: Callable[[Any, EmbeddingModel], EmbeddingsCall]
+                            prepare: Callable[[Any, EmbeddingModel], PoolingCall]
                             = prepare_embeddings) -> Response:
     """Validate, embed and answer one embeddings request (or a score or rerank request, with
     its ``prepare``); the engine requests stop if the client goes away first."""
