@@ -151,7 +151,8 @@ class EmbeddingRequestOutput:
 
 @dataclass
 class ScoringOutput:
-    """A pair's score: the cosine similarity of its two texts' embeddings, in [-1, 1]."""
+    """A pair's score: on an embedding model the cosine similarity of its two texts'
+    embeddings, in [-1, 1]; on a cross-encoder its head's sigmoid, in (0, 1)."""
 
     score: float
 

@@ -23,11 +23,10 @@ from tokenmill.api.embeddings import (
     require_embedding_model,
     truncation_params,
 )
-from tokenmill.api.errors import bad_request
+from tokenmill.api.errors import APIError, bad_request
 from tokenmill.api.protocol import now, random_id
 from tokenmill.engine.llm_engine import PromptType
-from tokenmill.engine.pooling import pair_prompt_ids
-from tokenmill.engine.scoring import Pairs, pair_scores, pair_texts
+from tokenmill.engine.scoring import Pairs, cross_encoder_prompts, pair_texts, scores_of
 from tokenmill.outputs import EmbeddingRequestOutput
 from tokenmill.sampling_params import PoolingParams
 
@@ -104,11 +103,7 @@ def _tokens(outputs: Sequence[EmbeddingRequestOutput]) -> int:
 
 def _scores(pairs: Pairs, pairwise: bool,
             outputs: Sequence[EmbeddingRequestOutput]) -> list[float]:
-    """Each pair's score: a cross-encoder's output for the pair (``pairwise``: one output a
-    pair), else the cosine of its texts' embeddings (one output a distinct text)."""
-    if pairwise:
-        return [o.embedding[0] for o in outputs]
-    return pair_scores(pairs, [o.embedding for o in outputs])
+    return scores_of(pairs, pairwise, [o.embedding for o in outputs])
 
 
 @dataclass
@@ -160,16 +155,22 @@ class RerankCall:
                               usage=RerankUsage(prompt_tokens=tokens, total_tokens=tokens))
 
 
+def _refusal(e: ValueError, names: tuple[str, str]) -> APIError:
+    """A 400 for a pairing's ValueError, its field the name the message starts with
+    ("text_2[3] must ...", "documents[1]: the pair has ...")."""
+    field = next(n for n in names if str(e).startswith(n))
+    return bad_request(str(e), field)
+
+
 def _pairs(text_1: Any, text_2: Any, names: tuple[str, str]) -> Pairs:
     try:
         return pair_texts(text_1, text_2, MAX_INPUTS, names)
     except ValueError as e:
-        # The field is the name the message starts with ("text_2[3] must ...").
-        field = next(n for n in names if str(e).startswith(n))
-        raise bad_request(str(e), field) from None
+        raise _refusal(e, names) from None
 
 
-def _prompts(pairs: Pairs, params: PoolingParams, served: EmbeddingModel) -> list[PromptType]:
+def _prompts(pairs: Pairs, params: PoolingParams, served: EmbeddingModel,
+             names: tuple[str, str]) -> list[PromptType]:
     """An embedding model's: each distinct text's prompt. A cross-encoder's: each pair's, its
     two texts in the tokenizer's pair template."""
     if not served.cross_encoder:
@@ -178,24 +179,21 @@ def _prompts(pairs: Pairs, params: PoolingParams, served: EmbeddingModel) -> lis
             prompts += embedding_prompts([text], params, served, name.split("[")[0],
                                          names=[name])
         return prompts
-    out: list[PromptType] = []
-    for i, j in pairs.pairs:
-        try:
-            ids = pair_prompt_ids(served.tokenizer, pairs.texts[i], pairs.texts[j], params,
-                                  served.max_model_len)
-        except ValueError as e:
-            name = pairs.names[j]
-            raise bad_request(f"{name}: {e}", name.split("[")[0]) from None
-        out.append({"prompt_token_ids": ids})
-    return out
+    try:
+        ids = cross_encoder_prompts(pairs, served.tokenizer, params, served.max_model_len)
+    except ValueError as e:
+        raise _refusal(e, names) from None
+    return [{"prompt_token_ids": p} for p in ids]
 
 
 def prepare_score(req: ScoreRequest, served: EmbeddingModel) -> ScoreCall:
     """Validate and tokenize (CPU work: run it off the event loop); 400 names the field."""
     require_embedding_model(served)
     params = truncation_params(req.truncate_prompt_tokens, served)
-    pairs = _pairs(req.text_1, req.text_2, ("text_1", "text_2"))
-    return ScoreCall(_prompts(pairs, params, served), params, pairs, served.cross_encoder)
+    names = ("text_1", "text_2")
+    pairs = _pairs(req.text_1, req.text_2, names)
+    return ScoreCall(_prompts(pairs, params, served, names), params, pairs,
+                     served.cross_encoder)
 
 
 def prepare_rerank(req: RerankRequest, served: EmbeddingModel) -> RerankCall:
@@ -209,8 +207,9 @@ def prepare_rerank(req: RerankRequest, served: EmbeddingModel) -> RerankCall:
                           "top_n")
     if isinstance(req.documents, str):  # one text: a list of one, as the other APIs say
         raise bad_request("documents must be a list of strings, got a string", "documents")
-    pairs = _pairs(req.query, req.documents, ("query", "documents"))
+    names = ("query", "documents")
+    pairs = _pairs(req.query, req.documents, names)
     documents = list(req.documents)
     top_n = req.top_n or len(documents)
-    return RerankCall(_prompts(pairs, params, served), params, pairs, served.cross_encoder,
-                      documents, top_n, req.return_documents)
+    return RerankCall(_prompts(pairs, params, served, names), params, pairs,
+                      served.cross_encoder, documents, top_n, req.return_documents)

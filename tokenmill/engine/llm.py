@@ -19,8 +19,7 @@ from tokenmill.config import (
 )
 from tokenmill.engine.classify import LabelScorer, run_label_scoring
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
-from tokenmill.engine.pooling import pair_prompt_ids
-from tokenmill.engine.scoring import pair_scores, pair_texts
+from tokenmill.engine.scoring import cross_encoder_prompts, pair_texts, scores_of
 from tokenmill.outputs import (
     ClassificationResult,
     EmbeddingRequestOutput,
@@ -242,24 +241,18 @@ class LLM:
         params = PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
         params.validate()
         if engine.cross_encoder:
-            prompts: list[PromptType] = []
-            for i, j in pairs.pairs:
-                try:
-                    ids = pair_prompt_ids(engine.tokenizer, pairs.texts[i], pairs.texts[j],
-                                          params, engine.max_model_len)
-                except ValueError as e:
-                    raise ValueError(f"{pairs.names[j]}: {e}") from None
-                prompts.append({"prompt_token_ids": ids})
-            outs = self._pool(prompts, params, use_tqdm)
-            return [ScoringRequestOutput(f"score{next(self._ids)}", o.prompt_token_ids,
-                                         ScoringOutput(o.embedding[0])) for o in outs]
-        embedded = self._pool(list(pairs.texts), params, use_tqdm)
-        scores = pair_scores(pairs, [e.embedding for e in embedded])
-        return [ScoringRequestOutput(
-                    request_id=f"score{next(self._ids)}",
-                    prompt_token_ids=embedded[i].prompt_token_ids + embedded[j].prompt_token_ids,
-                    outputs=ScoringOutput(score))
-                for (i, j), score in zip(pairs.pairs, scores, strict=True)]
+            prompts: list[PromptType] = [
+                {"prompt_token_ids": ids} for ids in cross_encoder_prompts(
+                    pairs, engine.tokenizer, params, engine.max_model_len)]
+            pooled = self._pool(prompts, params, use_tqdm)
+            token_ids = [o.prompt_token_ids for o in pooled]
+        else:
+            pooled = self._pool(list(pairs.texts), params, use_tqdm)
+            token_ids = [pooled[i].prompt_token_ids + pooled[j].prompt_token_ids
+                         for i, j in pairs.pairs]
+        scores = scores_of(pairs, engine.cross_encoder, [o.embedding for o in pooled])
+        return [ScoringRequestOutput(f"score{next(self._ids)}", ids, ScoringOutput(score))
+                for ids, score in zip(token_ids, scores, strict=True)]
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams],
              use_tqdm: bool | None) -> list[RequestOutput]:

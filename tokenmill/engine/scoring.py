@@ -1,7 +1,9 @@
-"""Scores of text pairs on an embedding model, as vLLM scores them for one: every text is
+"""Scores of text pairs. On an embedding model, as vLLM scores them for one: every text is
 embedded once (a query paired with many documents too), and a pair's score is the cosine
-similarity of its two embeddings, in [-1, 1]. ``LLM.score``, POST /v1/score and POST
-/v1/rerank all pair their texts here.
+similarity of its two embeddings, in [-1, 1]. On a cross-encoder, each pair is one input (the
+tokenizer's pair template) and the model's head gives its score. ``LLM.score``, POST
+/v1/score and POST /v1/rerank all pair their texts, build a cross-encoder's inputs and read
+the scores here.
 
 Pairing follows vLLM's ``score``: one first text against N second texts (1 to N), or N first
 texts against N second texts, pair i being the i-th of each (N to N).
@@ -13,6 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from tokenmill.engine.pooling import pair_prompt_ids
+from tokenmill.sampling_params import PoolingParams
+from tokenmill.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -82,3 +88,27 @@ def pair_scores(pairs: Pairs, embeddings: Sequence[Sequence[float]]) -> list[flo
                                  count=len(pairs.pairs)) for k in (0, 1))
     scores = np.einsum("ij,ij->i", unit[first], unit[second])
     return [float(s) for s in np.clip(scores, -1.0, 1.0)]
+
+
+def cross_encoder_prompts(pairs: Pairs, tokenizer: Tokenizer, params: PoolingParams,
+                          max_model_len: int) -> list[list[int]]:
+    """A cross-encoder's input token ids for each pair (see ``pair_prompt_ids``); ValueError
+    starting with the name of the second text of a pair that is too long (``text_2[3]: ...``)."""
+    out = []
+    for i, j in pairs.pairs:
+        try:
+            out.append(pair_prompt_ids(tokenizer, pairs.texts[i], pairs.texts[j], params,
+                                       max_model_len))
+        except ValueError as e:
+            raise ValueError(f"{pairs.names[j]}: {e}") from None
+    return out
+
+
+def scores_of(pairs: Pairs, cross_encoder: bool,
+              pooled: Sequence[Sequence[float]]) -> list[float]:
+    """Each pair's score from the engine's pooled outputs: a cross-encoder's, one output a
+    pair (its single entry); else the cosine of the pair's embeddings, one output a distinct
+    text."""
+    if cross_encoder:
+        return [p[0] for p in pooled]
+    return pair_scores(pairs, pooled)
