@@ -75,10 +75,30 @@ def parity(ours: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
             "num_below_goal": sum(s < PARITY_GOAL for s in sims), "goal": PARITY_GOAL}
 
 
-def _timed(fn: Any) -> float:
+def timed(fn: Any) -> float:
+    """Seconds ``fn()`` takes."""
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def alternated_rates(engines: dict[str, Any], count: int, repeats: int) -> dict[str, list[float]]:
+    """``count`` items / s of each engine's call, ``repeats`` rounds of one run each in turn,
+    so that a change in the machine's load hits every engine."""
+    runs: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(repeats):
+        for name, fn in engines.items():
+            runs[name].append(count / timed(fn))
+    return runs
+
+
+def matmul_kind(llm: LLM) -> str:
+    """What the engine's model multiplies in: "bf16 (fp32 around them)" for an encoder's
+    bf16 projections, else its parameters' dtype."""
+    model = llm.engine.core.executor.runner.model
+    if any(isinstance(m, Bf16MatmulLinear) for m in model.modules()):
+        return "bf16 (fp32 around them)"
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
 def throughput(llm: LLM, st: Any, sentences: list[str], repeats: int,
@@ -93,12 +113,9 @@ def throughput(llm: LLM, st: Any, sentences: list[str], repeats: int,
     if st_bf16 is not None:
         engines["sentence_transformers_bf16"] = lambda: st_bf16.encode(
             sentences, batch_size=st_batch_size, show_progress_bar=False)
-    runs: dict[str, list[float]] = {name: [] for name in engines}
     for fn in engines.values():  # warm-up: first-call allocations, lazy inits
         fn()
-    for _ in range(repeats):
-        for name, fn in engines.items():
-            runs[name].append(len(sentences) / _timed(fn))
+    runs = alternated_rates(engines, len(sentences), repeats)
     result: dict[str, Any] = {name: {"sentences_per_s": r, "median": statistics.median(r)}
                               for name, r in runs.items()}
     result["speedup_median"] = (result["tokenmill"]["median"]
@@ -140,10 +157,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     llm = LLM(folder, task="embed", num_threads=args.threads, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype)
-    model = llm.engine.core.executor.runner.model
-    matmuls = ("bf16 (fp32 around them)"
-               if any(isinstance(m, Bf16MatmulLinear) for m in model.modules())
-               else str(next(model.parameters()).dtype).removeprefix("torch."))
+    matmuls = matmul_kind(llm)
     st = SentenceTransformer(folder, device="cpu")
     native_bf16 = dense_dtype("cpu") == torch.bfloat16
     st_bf16 = (SentenceTransformer(folder, device="cpu",

@@ -19,17 +19,16 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tokenmill.bench.embed import alternated_rates, matmul_kind
 from tokenmill.bench.embed_sentences import generated_sentences
 from tokenmill.bench.report import hardware, hardware_line, now_iso, write_json
 from tokenmill.engine.llm import LLM
 from tokenmill.model_loader import embedded_embedding_model_path
-from tokenmill.models.layers import Bf16MatmulLinear
 
 DEFAULT_OUTPUT = "benchmarks/results/rerank-cpu.json"
 # ms-marco-MiniLM-L-6-v2's config.json, the weights left random.
@@ -87,19 +86,6 @@ def workload(num_queries: int, docs_per_query: int, min_words: int,
     return [q for q in queries for _ in range(docs_per_query)], docs
 
 
-def _timed(fn: Any) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def _matmuls(llm: LLM) -> str:
-    model = llm.engine.core.executor.runner.model
-    if any(isinstance(m, Bf16MatmulLinear) for m in model.modules()):
-        return "bf16 (fp32 around them)"
-    return str(next(model.parameters()).dtype).removeprefix("torch.")
-
-
 def cmd_rerank(args: argparse.Namespace) -> int:
     """Run the benchmark, print a table, write the JSON."""
     from sentence_transformers import CrossEncoder
@@ -129,10 +115,7 @@ def cmd_rerank(args: argparse.Namespace) -> int:
             "sentence_transformers": lambda: st.predict(pairs, batch_size=args.st_batch_size,
                                                         show_progress_bar=False),
         }
-        runs: dict[str, list[float]] = {name: [] for name in engines}
-        for _ in range(args.repeats):
-            for name, fn in engines.items():
-                runs[name].append(len(pairs) / _timed(fn))
+        runs = alternated_rates(engines, len(pairs), args.repeats)
         throughput: dict[str, Any] = {name: {"pairs_per_s": r, "median": statistics.median(r)}
                                       for name, r in runs.items()}
         throughput["speedup_median"] = (throughput["tokenmill"]["median"]
@@ -142,7 +125,7 @@ def cmd_rerank(args: argparse.Namespace) -> int:
             "hardware": hardware(), "threads": args.threads,
             "model": args.model or (f"random (initializer_range {INIT_RANGE}), "
                                     "ms-marco-MiniLM-L-6-v2's shape"),
-            "tokenmill_dtype": args.dtype, "tokenmill_matmuls": _matmuls(llm),
+            "tokenmill_dtype": args.dtype, "tokenmill_matmuls": matmul_kind(llm),
             "workload": {"num_pairs": len(pairs), "num_queries": args.num_queries,
                          "docs_per_query": args.docs_per_query,
                          "words": [args.min_words, args.max_words],
