@@ -9,11 +9,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
 from tokenmill.api.chat import MAX_CHARS_PER_TOKEN
 from tokenmill.api.errors import APIError, bad_request
-from tokenmill.api.protocol import UsageInfo
+from tokenmill.api.protocol import StrictModel, UsageInfo
 from tokenmill.api.responses import collect, usage_info
 from tokenmill.api.validation import ServedModel
 from tokenmill.engine.async_llm import RequestGroup
@@ -36,11 +36,9 @@ MAX_LABEL_SCORES = 2048
 Submit = Callable[[Sequence[PromptType], SamplingParams, str], Awaitable[RequestGroup]]
 
 
-class ClassifyRequest(BaseModel):
+class ClassifyRequest(StrictModel):
     """POST /v1/classify: one input or a list of them, the labels to choose from, and the
     instruction for the system message (default: one that names the labels)."""
-
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
     model: str | None = None
     input: str | list[str]

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
 from tokenmill.api.errors import bad_request
+from tokenmill.api.protocol import StrictModel
 from tokenmill.api.validation import ModelFacts
 from tokenmill.engine.llm_engine import PromptType
 from tokenmill.engine.pooling import embedding_prompt
@@ -25,11 +26,9 @@ from tokenmill.sampling_params import PoolingParams
 MAX_INPUTS = 2048
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(StrictModel):
     """The body of POST /v1/embeddings. ``input`` is checked by hand, for messages that name
     the offending entry."""
-
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
     model: str | None = None
     input: Any

@@ -24,15 +24,18 @@ def now() -> int:
     return int(time.time())
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """The base of every request schema of the API: strict types, no NaN or infinity,
+    unknown fields ignored (see the module's docstring)."""
+
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class JSONSchemaFormat(_Strict):
+class JSONSchemaFormat(StrictModel):
     """``response_format.json_schema``: OpenAI's named schema."""
 
     name: str = "response"
@@ -42,14 +45,14 @@ class JSONSchemaFormat(_Strict):
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictModel):
     """OpenAI's ``response_format``: free text, any JSON object, or JSON matching a schema."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
 
-class StructuredOutputsField(_Strict):
+class StructuredOutputsField(StrictModel):
     """vLLM's ``structured_outputs``: exactly one of the constraints."""
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
@@ -61,7 +64,7 @@ class StructuredOutputsField(_Strict):
     any_whitespace: bool = False
 
 
-class SamplingFields(_Strict):
+class SamplingFields(StrictModel):
     """Fields shared by chat and completions; the last group is tokenmill's (and vLLM's)."""
 
     model: str | None = None
@@ -101,25 +104,25 @@ class SamplingFields(_Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(StrictModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ToolDefinition(_Strict):
+class ToolDefinition(StrictModel):
     """One entry of ``tools``: a function the model may call."""
 
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class NamedFunction(_Strict):
+class NamedFunction(StrictModel):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictModel):
     """``tool_choice`` naming the one function the model must call."""
 
     type: Literal["function"] = "function"
@@ -152,7 +155,7 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(StrictModel):
     """POST /tokenize: either ``prompt`` or chat ``messages``."""
 
     model: str | None = None
@@ -162,7 +165,7 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(StrictModel):
     """POST /detokenize."""
 
     model: str | None = None

@@ -11,17 +11,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-from tokenmill.api.protocol import ChatTokenLogprob
+from tokenmill.api.protocol import ChatTokenLogprob, StrictModel
 from tokenmill.api.vector_stores import Filter
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
-
-
-class TextFormat(_Strict):
+class TextFormat(StrictModel):
     """``text.format``: plain text, any JSON object, or JSON matching a schema (the Responses
     API spells json_schema flat: ``{"type": "json_schema", "name", "schema", "strict"}``)."""
 
@@ -33,13 +29,13 @@ class TextFormat(_Strict):
     strict: bool | None = None
 
 
-class TextConfig(_Strict):
+class TextConfig(StrictModel):
     """``text``: the format of the output text."""
 
     format: TextFormat = Field(default_factory=TextFormat)
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(StrictModel):
     """POST /v1/responses. ``seed`` is tokenmill's extension (OpenAI's API has none)."""
 
     model: str | None = None
@@ -66,7 +62,7 @@ class ResponsesRequest(_Strict):
 # ----------------------------------------------------------------------------- tools
 
 
-class RankingOptions(_Strict):
+class RankingOptions(StrictModel):
     """``ranking_options`` of the file_search tool: results scoring below the threshold are
     left out (``ranker`` is accepted; there is one ranker)."""
 
@@ -74,7 +70,7 @@ class RankingOptions(_Strict):
     score_threshold: float | None = Field(default=None, ge=0.0, le=1.0)
 
 
-class FileSearchTool(_Strict):
+class FileSearchTool(StrictModel):
     """``{"type": "file_search", "vector_store_ids": [...], ...}``: the server searches the
     stores with the user's question before generating (see api/file_search.py)."""
 
@@ -85,7 +81,7 @@ class FileSearchTool(_Strict):
     ranking_options: RankingOptions | None = None
 
 
-class FunctionTool(_Strict):
+class FunctionTool(StrictModel):
     """``{"type": "function", "name", "parameters", "strict"}``: a function the model may
     call; the call comes back as a ``function_call`` output item."""
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
 from tokenmill.api.embeddings import (
     MAX_INPUTS,
@@ -24,18 +24,14 @@ from tokenmill.api.embeddings import (
     truncation_params,
 )
 from tokenmill.api.errors import APIError, bad_request
-from tokenmill.api.protocol import now, random_id
+from tokenmill.api.protocol import StrictModel, now, random_id
 from tokenmill.engine.llm_engine import PromptType
 from tokenmill.engine.scoring import Pairs, cross_encoder_prompts, pair_texts, scores_of
 from tokenmill.outputs import EmbeddingRequestOutput
 from tokenmill.sampling_params import PoolingParams
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
-
-
-class ScoreRequest(_Strict):
+class ScoreRequest(StrictModel):
     """The body of POST /v1/score: ``text_1`` (one text, or as many as ``text_2``) scored
     against each text of ``text_2``. The texts are checked by hand, for messages that name
     the offending entry."""
@@ -62,7 +58,7 @@ class ScoreResponse(BaseModel):
     usage: EmbeddingUsage
 
 
-class RerankRequest(_Strict):
+class RerankRequest(StrictModel):
     """The body of POST /v1/rerank: ``documents`` ordered by their score against ``query``,
     the best ``top_n`` of them (None or 0: all)."""
 

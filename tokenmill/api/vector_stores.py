@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from tokenmill.api.protocol import StrictModel
 
 # OpenAI's chunking limits and its ``auto`` strategy's sizes.
 MIN_CHUNK_TOKENS = 100
@@ -22,10 +24,6 @@ MAX_FILES_PER_REQUEST = 2000
 
 # int before float: an integer attribute comes back as the integer it was.
 Scalar = str | bool | int | float
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
 
 def _check_map(value: dict[str, Any] | None, what: str) -> dict[str, Any] | None:
@@ -47,7 +45,7 @@ Attributes = dict[str, Scalar]
 
 # --- chunking ---------------------------------------------------------------------------
 
-class StaticChunking(_Strict):
+class StaticChunking(StrictModel):
     """Fixed windows of ``max_chunk_size_tokens`` that overlap by ``chunk_overlap_tokens``."""
 
     max_chunk_size_tokens: int = Field(ge=MIN_CHUNK_TOKENS, le=MAX_CHUNK_TOKENS)
@@ -62,11 +60,11 @@ class StaticChunking(_Strict):
         return self
 
 
-class AutoChunkingParam(_Strict):
+class AutoChunkingParam(StrictModel):
     type: Literal["auto"]
 
 
-class StaticChunkingParam(_Strict):
+class StaticChunkingParam(StrictModel):
     type: Literal["static"]
     static: StaticChunking
 
@@ -84,7 +82,7 @@ class StaticChunkingObject(BaseModel):
 
 # --- filters ----------------------------------------------------------------------------
 
-class ComparisonFilter(_Strict):
+class ComparisonFilter(StrictModel):
     """``{"key", "type": eq|ne|gt|gte|lt|lte|in|nin, "value"}`` on a file's attributes."""
 
     key: str = Field(min_length=1)
@@ -104,7 +102,7 @@ class ComparisonFilter(_Strict):
         return self
 
 
-class CompoundFilter(_Strict):
+class CompoundFilter(StrictModel):
     """``{"type": "and"|"or", "filters": [...]}`` of comparison or compound filters."""
 
     type: Literal["and", "or"]
@@ -117,12 +115,12 @@ CompoundFilter.model_rebuild()
 
 # --- requests ---------------------------------------------------------------------------
 
-class ExpiresAfter(_Strict):
+class ExpiresAfter(StrictModel):
     anchor: Literal["last_active_at"]
     days: int = Field(ge=1, le=365)
 
 
-class _WithMetadata(_Strict):
+class _WithMetadata(StrictModel):
     metadata: Metadata | None = None
 
     @field_validator("metadata")
@@ -148,7 +146,7 @@ class VectorStoreUpdate(_WithMetadata):
     expires_after: ExpiresAfter | None = None
 
 
-class _WithAttributes(_Strict):
+class _WithAttributes(StrictModel):
     attributes: Attributes | None = None
     chunking_strategy: ChunkingParam | None = None
 
@@ -164,7 +162,7 @@ class VectorStoreFileCreate(_WithAttributes):
     file_id: str = Field(min_length=1)
 
 
-class VectorStoreFileUpdate(_Strict):
+class VectorStoreFileUpdate(StrictModel):
     """``POST /v1/vector_stores/{id}/files/{file_id}``: replace the attributes."""
 
     attributes: Attributes | None
@@ -202,12 +200,12 @@ class FileBatchCreate(_WithAttributes):
                 for f in self.file_ids or []]
 
 
-class RankingOptions(_Strict):
+class RankingOptions(StrictModel):
     ranker: Literal["none", "auto", "default-2024-11-15"] | None = None
     score_threshold: float = Field(default=0.0, ge=0.0, le=1.0)
 
 
-class SearchRequest(_Strict):
+class SearchRequest(StrictModel):
     """``POST /v1/vector_stores/{id}/search``."""
 
     query: str | list[str]
