@@ -131,6 +131,26 @@ def test_other_heads_are_refused(tmp_path: Path, minilm_path: str) -> None:
         LLM(str(tmp_path), task="embed")
 
 
+def test_settings_a_cross_encoder_cannot_take_are_refused(reranker: tuple[str, Any]) -> None:
+    from tokenmill.model_loader import _sep_token_id
+    from tokenmill.models.config import ArchConfig
+
+    with pytest.raises(ValueError, match="pooling 'mean' does not apply to a cross-encoder"):
+        LLM(reranker[0], task="embed", pooling="mean")
+    config = json.loads((Path(reranker[0]) / "config.json").read_text())
+    with pytest.raises(ValueError, match="needs two token types.*got type_vocab_size 1"):
+        ArchConfig.from_hf_dict({**config, "type_vocab_size": 1})
+
+    class _NoSep:
+        class backend:  # noqa: N801 - stands in for the tokenizers backend
+            @staticmethod
+            def token_to_id(token: str) -> None:
+                return None
+
+    with pytest.raises(ValueError, match="needs a \\[SEP\\] token"):
+        _sep_token_id(_NoSep(), "folder")  # type: ignore[arg-type]
+
+
 # -------------------------------------------------------------------------------- HTTP
 
 @pytest.fixture(scope="module")
