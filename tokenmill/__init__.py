@@ -13,6 +13,7 @@ default_thread_policy()  # before anything imports torch
 
 # ruff: noqa: E402
 from tokenmill.engine.llm import LLM
+from tokenmill.lora import LoRARequest
 from tokenmill.outputs import (
     ClassificationResult,
     CompletionOutput,
@@ -26,5 +27,5 @@ from tokenmill.sampling_params import PoolingParams, SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics",
            "ClassificationResult", "PoolingParams", "EmbeddingRequestOutput",
-           "ScoringRequestOutput", "ScoringOutput"]
+           "ScoringRequestOutput", "ScoringOutput", "LoRARequest"]
 __version__ = "0.1.0"

@@ -279,6 +279,37 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters served on top of the base model (vLLM's ``--enable-lora`` options).
+
+    With ``enable_lora`` each request may name an adapter (a PEFT folder); requests of up to
+    ``max_loras`` different adapters share a step, each row computing its own adapter's
+    low-rank update beside the shared base product. Adapters of rank up to ``max_lora_rank``
+    load; ``max_cpu_loras`` (None: ``4 * max_loras``) parsed adapters stay in host memory so
+    that one evicted from a device slot comes back without reading its folder again. The
+    slots are allocated when the engine starts and count as weights in the KV cache sizing.
+    """
+
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive("max_loras", self.max_loras)
+        _positive("max_lora_rank", self.max_lora_rank)
+        _positive("max_cpu_loras", self.max_cpu_loras)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                             f"({self.max_loras})")
+
+    @property
+    def cpu_capacity(self) -> int:
+        """How many parsed adapters stay in host memory."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else 4 * self.max_loras
+
+
+@dataclass(frozen=True)
 class EconomicsConfig:
     """How requests are charged: ``cost_per_hour`` (USD) of the machine, spread over the
     requests by their share of the compute; ``cpu_watts``: the power of the cores this process
@@ -313,6 +344,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     economics: EconomicsConfig = field(default_factory=EconomicsConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     log_stats: bool = False
     deterministic: bool = False
 

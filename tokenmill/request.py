@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import ComputeUsage
 from tokenmill.sampling_params import PoolingParams, SamplingParams
 
@@ -93,6 +94,8 @@ class Request:
     # An embedding request: its whole prompt is computed in one step, and it finishes with the
     # pooled vector instead of a token (sampling_params then only fill the shape).
     pooling_params: PoolingParams | None = None
+    # The LoRA adapter it runs with (None: the base model).
+    lora_request: LoRARequest | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

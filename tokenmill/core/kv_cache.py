@@ -184,6 +184,9 @@ class KVCacheManager:
         # Per request: hashes of its full blocks of tokens so far (kept across preemption: the
         # tokens only grow), and how many of its held blocks are registered.
         self._hashes: dict[str, list[BlockHash]] = {}
+        # Per request whose KV depends on more than its tokens (a LoRA adapter): what its
+        # first block's hash is chained to.
+        self._salts: dict[str, bytes] = {}
         self._num_registered: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
 
@@ -210,6 +213,11 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ prefix caching
 
+    def set_salt(self, request_id: str, salt: bytes) -> None:
+        """Chain the request's block hashes to ``salt``: its blocks are hits only for requests
+        with the same salt (the same adapter), before any of its hashes is computed."""
+        self._salts[request_id] = salt
+
     def block_hashes(self, request_id: str, token_ids: Sequence[int],
                      num_blocks: int) -> list[BlockHash]:
         """Hashes of the first ``num_blocks`` full blocks of ``token_ids`` (memoized)."""
@@ -217,7 +225,8 @@ class KVCacheManager:
         bs = self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs]))
+            parent = hashes[-1] if hashes else self._salts.get(request_id)
+            hashes.append(hash_block(parent, token_ids[i * bs:(i + 1) * bs]))
         return hashes[:num_blocks]
 
     def find_cached_prefix(self, request_id: str, token_ids: Sequence[int]) -> list[int]:
@@ -329,6 +338,7 @@ class KVCacheManager:
     def forget(self, request_id: str) -> None:
         """Drop what is kept about a finished request beyond its blocks (its hashes)."""
         self._hashes.pop(request_id, None)
+        self._salts.pop(request_id, None)
 
 
 class NoKVCache(KVCacheManager):

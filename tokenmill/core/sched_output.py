@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import ComputeUsage, TokenLogprobs
 from tokenmill.sampling_params import PoolingParams, SamplingParams
 
@@ -25,6 +26,8 @@ class NewRequestData:
     grammar: object | None = None
     # Set for an embedding request: the runner pools its prompt's states instead of sampling.
     pooling_params: PoolingParams | None = None
+    # The LoRA adapter it runs with (None: the base model).
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

@@ -58,11 +58,16 @@ class Scheduler:
     """Decides who runs each step and turns the runner's tokens into per-request outputs."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 pipelined: bool = False) -> None:
+                 pipelined: bool = False, max_loras: int = 0) -> None:
         """``pipelined``: the engine schedules a step before the last one's tokens are
         appended (asynchronous scheduling); a request's sampled token counts from the step
-        that samples it (``Request.num_pending_tokens``)."""
+        that samples it (``Request.num_pending_tokens``). ``max_loras``: how many LoRA
+        adapters one step may run (the runner's slots); a request whose adapter would be one
+        more waits for a later step."""
         self.config = config
+        self.max_loras = max_loras
+        # The adapters (lora_int_id) of the step being scheduled.
+        self._step_loras: set[int] = set()
         self.pipelined = pipelined
         self.kv = kv
         self.max_model_len = max_model_len
@@ -98,6 +103,11 @@ class Scheduler:
             raise ValueError(
                 f"the request needs up to {limit} tokens of KV cache but the whole cache holds "
                 f"{self.kv.max_num_tokens}; lower max_tokens or give the KV cache more memory")
+        if request.lora_request is not None:
+            if not self.max_loras:
+                raise ValueError("this engine runs no LoRA adapters (start it with "
+                                 "enable_lora)")
+            self.kv.set_salt(rid, request.lora_request.cache_salt)
         self.requests[rid] = request
         self.waiting.append(request)
 
@@ -147,6 +157,7 @@ class Scheduler:
         self._finished_ids, self._preempted_ids = set(), set()
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
+        self._step_loras = set()
         if self.config.prefill_first:
             budget = self._schedule_running(out, scheduled, budget, short_prompts_only=True)
             # After a preemption the cache is full: admitting more would only preempt again.
@@ -196,6 +207,8 @@ class Scheduler:
                           - request.num_computed_tokens, budget)
             if num_new <= 0 and self.pipelined:
                 continue  # an embedding request, pooled by the step in flight
+            if not self._lora_fits(request):
+                continue  # its adapter would be one too many this step
             allocation, drafts = self._allocate_drafts(request, num_new, budget)
             if allocation is None:
                 allocation = self._allocate_or_preempt(request, num_new, taken)
@@ -207,9 +220,21 @@ class Scheduler:
                 out.scheduled_spec_decode_tokens[request.request_id] = drafts
                 num_new += len(drafts)
             scheduled.append((request, num_new))
+            self._add_lora(request)
             taken.add(request.request_id)
             budget -= num_new
         return budget
+
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether the step can run ``request``'s adapter (none, one already in the step,
+        or one more within ``max_loras``)."""
+        lora = request.lora_request
+        return (lora is None or lora.lora_int_id in self._step_loras
+                or len(self._step_loras) < self.max_loras)
+
+    def _add_lora(self, request: Request) -> None:
+        if request.lora_request is not None:
+            self._step_loras.add(request.lora_request.lora_int_id)
 
     def _cached_request_data(self, request: Request,
                              allocation: SlotAllocation) -> CachedRequestData:
@@ -272,7 +297,8 @@ class Scheduler:
             source = self._prompt_source(request)
             # A request preempted while a step in flight samples for it waits for that token.
             if request.num_pending_tokens or source is PromptSource.WAIT_FOR_LEADER or (
-                    short_prompts_only and request.num_tokens > self.config.max_num_batched_tokens):
+                    short_prompts_only and request.num_tokens > self.config.max_num_batched_tokens
+            ) or not self._lora_fits(request):
                 i += 1
                 continue
             if source is PromptSource.SHARE_LEADER:
@@ -293,8 +319,10 @@ class Scheduler:
                 num_computed_tokens=request.num_computed_tokens,
                 grammar=request.grammar,
                 pooling_params=request.pooling_params,
+                lora_request=request.lora_request,
             ))
             scheduled.append((request, num_new))
+            self._add_lora(request)
             budget -= num_new
         return budget
 

@@ -130,8 +130,10 @@ class EngineCore:
         # Draft distributions of the drafts proposed for the next step (draft models only).
         self._draft_probs: dict[str, torch.Tensor] = {}
         self.async_scheduling = self._resolve_async_scheduling(sched_config.async_scheduling)
+        lora = config.lora
         self.scheduler = Scheduler(sched_config, kv, self.max_model_len,
-                                   pipelined=self.async_scheduling)
+                                   pipelined=self.async_scheduling,
+                                   max_loras=lora.max_loras if lora.enable_lora else 0)
         logger.info("asynchronous scheduling: %s", "on" if self.async_scheduling else "off")
         # The step launched and not finished yet (asynchronous scheduling), with its schedule.
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None

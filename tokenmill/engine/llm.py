@@ -12,6 +12,7 @@ from tokenmill.config import (
     DeviceConfig,
     EconomicsConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -20,6 +21,7 @@ from tokenmill.config import (
 from tokenmill.engine.classify import LabelScorer, run_label_scoring
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.engine.scoring import cross_encoder_prompts, pair_texts, scores_of
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import (
     ClassificationResult,
     EmbeddingRequestOutput,
@@ -100,6 +102,10 @@ class LLM:
         cpu_watts: float | None = None,
         task: str = "auto",
         pooling: str | None = None,
+        enable_lora: bool = False,
+        max_loras: int = 4,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len,
@@ -126,6 +132,8 @@ class LLM:
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             deterministic=deterministic,
             economics=EconomicsConfig(cost_per_hour=cost_per_hour, cpu_watts=cpu_watts),
+            lora=LoRAConfig(enable_lora=enable_lora, max_loras=max_loras,
+                            max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras),
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
@@ -142,14 +150,17 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of the prompts.
 
         A prompt is a string, a list of token ids, or {"prompt"/"prompt_token_ids": ...}.
+        ``lora_request``: the LoRA adapter of every prompt, or one per prompt (None: the base
+        model); the engine needs ``enable_lora``.
         """
         batch = _as_batch(prompts)
         params = _params_per_prompt(sampling_params, len(batch))
-        return self._run(batch, params, use_tqdm)
+        return self._run(batch, params, use_tqdm, _loras_per_prompt(lora_request, len(batch)))
 
     def chat(
         self,
@@ -158,6 +169,7 @@ class LLM:
         use_tqdm: bool | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate the assistant's reply to one conversation or to a list of them."""
         if not isinstance(messages, list | tuple) or not messages:
@@ -172,7 +184,8 @@ class LLM:
                 **(chat_template_kwargs or {}))
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         params = _params_per_prompt(sampling_params, len(prompts))
-        return self._run(prompts, params, use_tqdm)
+        return self._run(prompts, params, use_tqdm,
+                         _loras_per_prompt(lora_request, len(prompts)))
 
     def classify(self, inputs: str | Sequence[str], labels: Sequence[str],
                  instruction: str | None = None) -> list[ClassificationResult]:
@@ -255,13 +268,15 @@ class LLM:
                 for ids, score in zip(token_ids, scores, strict=True)]
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams],
-             use_tqdm: bool | None) -> list[RequestOutput]:
+             use_tqdm: bool | None, loras: list[LoRARequest | None] | None = None,
+             ) -> list[RequestOutput]:
         engine = self.engine
         order: dict[str, int] = {}
+        loras = loras or [None] * len(prompts)
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, p, lora in zip(prompts, params, loras, strict=True):
                 rid = str(next(self._ids))
-                engine.add_request(rid, prompt, p)
+                engine.add_request(rid, prompt, p, lora_request=lora)
                 order[rid] = len(order)
         except ValueError:
             for rid in order:
@@ -296,6 +311,18 @@ def _as_batch(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
             return [list(prompts)]  # one prompt given as token ids
         return list(prompts)
     raise ValueError(f"prompts must be a string, token ids or a list of them, got {type(prompts)}")
+
+
+def _loras_per_prompt(loras: LoRARequest | Sequence[LoRARequest | None] | None,
+                      n: int) -> list[LoRARequest | None]:
+    if loras is None or isinstance(loras, LoRARequest):
+        return [loras] * n
+    if not isinstance(loras, list | tuple):
+        raise ValueError(f"lora_request must be a LoRARequest or a list of them, got "
+                         f"{type(loras).__name__}")
+    if len(loras) != n:
+        raise ValueError(f"got {len(loras)} lora_requests for {n} prompts")
+    return list(loras)
 
 
 def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,

@@ -9,6 +9,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore, ModelInfo
 from tokenmill.engine.output_processor import OutputKind, OutputProcessor
 from tokenmill.engine.pooling import EMBEDDING_SAMPLING, EmbeddingRequests, embedding_prompt
+from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics.stats import SchedulerStats
 from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
 from tokenmill.request import Request, first_invalid_token_id
@@ -113,20 +114,61 @@ class LLMEngine:
                              f"got {prompt[bad]!r}")
         return None, list(prompt)
 
+    # ------------------------------------------------------------------ LoRA adapters
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.config.lora.enable_lora
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter now (its first request would otherwise): ValueError
+        naming what is wrong with it, or when the engine runs no adapters."""
+        runner = self.core.executor.runner
+        if runner.lora is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r}: this engine runs no "
+                             "LoRA adapters (start it with enable_lora / --enable-lora)")
+        runner.lora.store.get(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (its requests still running keep it); whether it was held."""
+        runner = self.core.executor.runner
+        if runner.lora is None:
+            return False
+        held = lora_int_id in runner.lora.store.ids()
+        runner.lora.remove(lora_int_id)
+        return held
+
+    def list_loras(self) -> list[int]:
+        """The ids of the adapters held in host memory."""
+        runner = self.core.executor.runner
+        return [] if runner.lora is None else runner.lora.store.ids()
+
+    # ----------------------------------------------------------------------- requests
+
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | PoolingParams,
                     kind: OutputKind = OutputKind.FINAL_ONLY,
-                    arrival_time: float | None = None, grammar: object | None = None) -> None:
+                    arrival_time: float | None = None, grammar: object | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Validate and queue a request; ValueError names what is wrong and nothing is queued.
 
         ``PoolingParams`` make an embedding request (task "embed" only): it finishes with one
         EmbeddingRequestOutput. A request with ``structured_outputs`` has its grammar
-        compiled here unless ``grammar`` (from :meth:`compile_grammar`) is given."""
+        compiled here unless ``grammar`` (from :meth:`compile_grammar`) is given.
+        ``lora_request``: the LoRA adapter it runs with (an engine with enable_lora)."""
         if request_id in self.processor.parents or request_id in self.embeddings:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise ValueError("embedding requests run the base model: LoRA adapters "
+                                 "apply to generation")
             self._add_embedding(request_id, prompt, params, arrival_time)
             return
+        if lora_request is not None:
+            if not isinstance(lora_request, LoRARequest):
+                raise ValueError(f"lora_request must be a LoRARequest, got "
+                                 f"{type(lora_request).__name__}")
+            self.add_lora(lora_request)
         if self.task != "generate":
             raise ValueError(f"this engine computes embeddings (task {self.task!r}) and does "
                              "not generate text")
@@ -138,6 +180,7 @@ class LLMEngine:
         children = self._child_requests(request_id, token_ids, params, arrival)
         for child in children:  # n > 1: each sample walks the grammar on its own
             child.grammar = grammar
+            child.lora_request = lora_request
         added: list[str] = []
         try:
             for child in children:

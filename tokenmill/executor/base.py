@@ -34,6 +34,8 @@ def load_runner(config: EngineConfig, platform: Platform,
     runner = ModelRunner(loaded.model, loaded.arch, platform, dtype, config.cache.block_size,
                          loaded.tokenizer.eos_token_ids, deterministic=config.deterministic,
                          pooler=loaded.pooler, kv_dtype=kv_dtype)
+    if config.lora.enable_lora:
+        runner.enable_lora(config.lora)
     return loaded, runner
 
 

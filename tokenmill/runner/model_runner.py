@@ -8,12 +8,15 @@ import os
 import torch
 from torch import nn
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, LoRAConfig
 from tokenmill.core.kv_cache import blocks_for_tokens
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
 from tokenmill.csrc import note_model_weights
+from tokenmill.lora.manager import AdapterStore, LoRAManager
+from tokenmill.lora.request import LoRARequest
 from tokenmill.models.config import ArchConfig
 from tokenmill.models.pooler import PoolerConfig
+from tokenmill.quant.kernel_choice import decode_only_step
 from tokenmill.quant.model import model_weight_bytes
 from tokenmill.runner.batch import FlatBatch
 from tokenmill.runner.cuda_graphs import DecodeGraphs, GraphCapture
@@ -96,6 +99,20 @@ class ModelRunner:
         self.fused_decoder = (make_invariant_decoder(model, self.device)
                               if deterministic and not self.is_encoder
                               else make_fused_decoder(model, self.device, enable_fused_decode))
+        # LoRA adapters' slots and rows (enable_lora); None: the base model only.
+        self.lora: LoRAManager | None = None
+
+    def enable_lora(self, config: LoRAConfig, store: AdapterStore | None = None) -> None:
+        """Wrap the model's projections in LoRA layers with ``config.max_loras`` slots (after
+        the fused stack took the base weights: it keeps computing the base-only steps);
+        ``store``: the engine's checked adapters, shared in one process."""
+        if self.is_encoder:
+            raise ValueError(f"LoRA adapters apply to decoder models; {self.arch.architecture} "
+                             "is an encoder")
+        if self.deterministic:
+            raise ValueError("deterministic steps cannot run LoRA adapters (the fused layer "
+                             "stack computes the base model only)")
+        self.lora = LoRAManager(self.model, self.arch, config, self.dtype, self.device, store)
 
     # ------------------------------------------------------------------------ KV memory
 
@@ -192,7 +209,13 @@ class ModelRunner:
             self._last_sampled = None
             return LaunchedStep(RunnerOutput())
         inputs = self._prepare_inputs(sched)
-        hidden = self._forward(inputs)
+        adapted = self.lora is not None and self.lora.begin_step(self._lora_runs(sched),
+                                                                 self.device)
+        try:
+            hidden = self._forward(inputs, eager=adapted)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         out = RunnerOutput()
         launched = LaunchedStep(out)
         if inputs.pool_spans:
@@ -230,11 +253,25 @@ class ModelRunner:
             return fused.logits(hidden)
         return self.model.compute_logits(hidden, float32=not hidden.is_cuda)
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+    def _lora_runs(self, sched: SchedulerOutput) -> list[tuple[int, int, LoRARequest | None]]:
+        """``(first row, row count, adapter)`` of each request of the step, in batch order
+        (prepare_inputs lays each request's scheduled tokens out in this order)."""
+        runs = []
+        row = 0
+        for rid, n in sched.num_scheduled_tokens.items():
+            runs.append((row, n, self.requests[rid].lora))
+            row += n
+        return runs
+
+    def _forward(self, inputs: StepInputs, eager: bool = False) -> torch.Tensor:
         """A captured decode graph, the fused C++ stack for a decode-only step when it is on,
-        or ``model.forward``."""
+        or ``model.forward`` (always with ``eager``: a step with LoRA rows, which the graphs
+        and the fused stack do not compute)."""
         if self.is_encoder:
             return self.model(inputs.input_ids, inputs.positions, inputs.attn_meta)
+        if eager:
+            with decode_only_step(inputs.attn_meta.decode_only):
+                return self.model(inputs.input_ids, inputs.positions, inputs.attn_meta)
         if self.deterministic:
             return self._forward_invariant(inputs)
         graphs = self.decode_graphs
@@ -274,7 +311,7 @@ class ModelRunner:
             self.requests[new.request_id] = RequestState(
                 new.request_id, list(new.token_ids), new.num_prompt_tokens, params,
                 list(new.block_ids), new.num_computed_tokens, sampling, stop_ids,
-                new.pooling_params)
+                new.pooling_params, new.lora_request)
         for cached in sched.cached_requests:
             state = self.requests[cached.request_id]
             if cached.block_ids is not None:

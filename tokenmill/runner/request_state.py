@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.core.sched_output import RunnerOutput
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import PoolingParams, SamplingParams
 from tokenmill.structured.matcher import GrammarState
 
@@ -36,6 +37,8 @@ class RequestState:
     stop_ids: list[int] = field(default_factory=list)
     # Set for an embedding request (pooled, never sampled).
     pooling: PoolingParams | None = None
+    # The LoRA adapter its rows run with (None: the base model).
+    lora: LoRARequest | None = None
 
 
 def advance_grammar(state: RequestState, token_ids: list[int],

@@ -1,0 +1,214 @@
+"""The runner's side of LoRA: wrap the model's projections, keep adapters in device slots,
+tell the layers which rows run which slot each step.
+
+:class:`AdapterStore` holds checked adapters in host memory (least recently used dropped past
+its capacity), read from their folders on first use. :class:`LoRAManager` wraps every decoder
+layer's four projections in :class:`~tokenmill.lora.layers.LoRALinear` and keeps ``max_loras``
+adapters in their slots, the least recently used one giving its slot to an adapter a step
+needs. The scheduler puts at most ``max_loras`` adapters in one step, so a step's adapters
+always fit.
+
+Under tensor parallelism each rank keeps its slices, as of the weights: ``B`` rows of the
+column-parallel projections (qkv, gate-up), ``A`` columns of the row-parallel ones (o, down),
+whose partial updates the all-reduce after them adds up with the base product.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tokenmill.config import LoRAConfig
+from tokenmill.distributed import tp_rank, tp_size
+from tokenmill.lora.adapter import LoRAAdapter, projection_shapes, read_adapter
+from tokenmill.lora.layers import LoRALinear, LoRAStep, StepContext
+from tokenmill.lora.request import LoRARequest
+from tokenmill.models.config import ArchConfig
+
+
+@dataclass(frozen=True)
+class _Projection:
+    """One adapted projection of a decoder layer: where it is, the Hugging Face projections
+    fused in it (its parts), and whether its input columns are split across ranks."""
+
+    block: str
+    name: str
+    modules: tuple[str, ...]
+    row_parallel: bool
+
+
+PROJECTIONS = (
+    _Projection("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj"), False),
+    _Projection("self_attn", "o_proj", ("o_proj",), True),
+    _Projection("mlp", "gate_up_proj", ("gate_proj", "up_proj"), False),
+    _Projection("mlp", "down_proj", ("down_proj",), True),
+)
+
+
+class AdapterStore:
+    """Checked adapters by id, read on first use; thread-safe (the server's request threads
+    check adapters while the engine thread reads them)."""
+
+    def __init__(self, arch: ArchConfig, config: LoRAConfig) -> None:
+        self.arch = arch
+        self.config = config
+        self._adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, request: LoRARequest, replace: bool = False) -> LoRAAdapter:
+        """The checked adapter of ``request`` (read from its folder unless held); ValueError
+        when it cannot be served, or when its id already names another adapter's folder
+        (with ``replace``, that adapter is read again from the new folder: the runner's
+        reads of requests rank 0 has checked)."""
+        with self._lock:
+            held = self._adapters.get(request.lora_int_id)
+            if held is not None and held.request.lora_path == request.lora_path:
+                self._adapters.move_to_end(request.lora_int_id)
+                return held
+            if held is not None:
+                if not replace:
+                    raise ValueError(
+                        f"lora_int_id {request.lora_int_id} already names adapter "
+                        f"{held.request.lora_name!r} from {held.request.lora_path!r}; give "
+                        f"{request.lora_path!r} its own id")
+        adapter = read_adapter(request, self.arch, self.config.max_lora_rank)
+        with self._lock:
+            self._adapters[request.lora_int_id] = adapter
+            self._adapters.move_to_end(request.lora_int_id)
+            while len(self._adapters) > self.config.cpu_capacity:
+                self._adapters.popitem(last=False)
+        return adapter
+
+    def remove(self, lora_int_id: int) -> bool:
+        """Forget an adapter; whether it was held."""
+        with self._lock:
+            return self._adapters.pop(lora_int_id, None) is not None
+
+    def ids(self) -> list[int]:
+        with self._lock:
+            return list(self._adapters)
+
+
+class LoRAManager:
+    """Slots for ``config.max_loras`` adapters in every projection of ``model``."""
+
+    def __init__(self, model: nn.Module, arch: ArchConfig, config: LoRAConfig,
+                 dtype: torch.dtype, device: torch.device,
+                 store: AdapterStore | None = None) -> None:
+        self.config = config
+        self.store = store or AdapterStore(arch, config)
+        self.context = StepContext()
+        self.tp, self.rank = tp_size(), tp_rank()
+        shapes = projection_shapes(arch)
+        # Per decoder layer: projection name -> its LoRA layer.
+        self.layers: list[dict[str, LoRALinear]] = []
+        for layer in model.model.layers:
+            wrapped = {}
+            for proj in PROJECTIONS:
+                block = getattr(layer, proj.block)
+                in_features = shapes[proj.modules[0]][0]
+                if proj.row_parallel:
+                    in_features //= self.tp
+                parts = tuple(shapes[m][1] // (1 if proj.row_parallel else self.tp)
+                              for m in proj.modules)
+                lora = LoRALinear(getattr(block, proj.name), in_features, parts,
+                                  config.max_loras, config.max_lora_rank, dtype, device,
+                                  self.context)
+                setattr(block, proj.name, lora)
+                wrapped[proj.name] = lora
+            _plain_inputs(layer)
+            self.layers.append(wrapped)
+        # The adapter in each slot (None: empty), and the slots by last use, oldest first.
+        self.slots: list[LoRARequest | None] = [None] * config.max_loras
+        self._lru: list[int] = list(range(config.max_loras))
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the slots."""
+        return sum(p.nbytes for wrapped in self.layers for lora in wrapped.values()
+                   for p in (lora.lora_a, lora.lora_b))
+
+    def begin_step(self, runs: list[tuple[int, int, LoRARequest | None]],
+                   device: torch.device) -> bool:
+        """Set the step's rows: ``(first row, row count, adapter or None)`` per request, in
+        batch order. Loads adapters missing from the slots. Returns whether any row runs an
+        adapter (the step then needs ``model.forward``: the captured graphs and the fused
+        CPU stack compute the base model only)."""
+        wanted = {r.lora_int_id: r for _, _, r in runs if r is not None}
+        if not wanted:
+            self.context.step = None
+            return False
+        if len(wanted) > len(self.slots):
+            raise RuntimeError(f"a step with {len(wanted)} adapters; max_loras is "
+                               f"{len(self.slots)}")
+        slot_of = {lora_id: self._slot_for(request, wanted)
+                   for lora_id, request in wanted.items()}
+        self.context.step = LoRAStep.from_row_slots(
+            [(row0, n, slot_of[r.lora_int_id]) for row0, n, r in runs if r is not None],
+            device)
+        return True
+
+    def end_step(self) -> None:
+        self.context.step = None
+
+    def remove(self, lora_int_id: int) -> None:
+        """Drop an adapter from the slots and the store."""
+        self.store.remove(lora_int_id)
+        for slot, held in enumerate(self.slots):
+            if held is not None and held.lora_int_id == lora_int_id:
+                self.slots[slot] = None
+
+    def _slot_for(self, request: LoRARequest, step: dict[int, LoRARequest]) -> int:
+        """The slot holding ``request``'s adapter, filled now if none does: an empty slot or
+        the least recently used one whose adapter is not in the ``step``."""
+        key = request.weights_key
+        slot = next((s for s, held in enumerate(self.slots)
+                     if held is not None and held.weights_key == key), None)
+        if slot is None:
+            slot = next(s for s in self._lru if not self._in_step(self.slots[s], step))
+            self.slots[slot] = None
+            self._load(slot, self.store.get(request, replace=True))
+            self.slots[slot] = request
+        self._lru.remove(slot)
+        self._lru.append(slot)
+        return slot
+
+    @staticmethod
+    def _in_step(held: LoRARequest | None, step: dict[int, LoRARequest]) -> bool:
+        """Whether the adapter ``held`` in a slot runs in the step."""
+        return held is not None and (
+            (wanted := step.get(held.lora_int_id)) is not None
+            and wanted.weights_key == held.weights_key)
+
+    @torch.inference_mode()
+    def _load(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Copy this rank's slices of ``adapter`` into ``slot`` of every layer."""
+        for i, wrapped in enumerate(self.layers):
+            for proj in PROJECTIONS:
+                lora = wrapped[proj.name]
+                lora.clear_slot(slot)
+                for part, module in enumerate(proj.modules):
+                    weights = adapter.weights.get((i, module))
+                    if weights is None:
+                        continue
+                    a, b = weights.a, weights.b
+                    if self.tp > 1:
+                        if proj.row_parallel:
+                            a = a.chunk(self.tp, dim=1)[self.rank]
+                        else:
+                            b = b.chunk(self.tp, dim=0)[self.rank]
+                    lora.set_part(slot, part, a, b)
+
+
+def _plain_inputs(layer: nn.Module) -> None:
+    """Have the norms and the SiLU hand the adapted projections plain activations, not the fp8
+    ones an Fp8Linear takes directly: the low-rank products read them too."""
+    for module in (layer.input_layernorm, layer.post_attention_layernorm):
+        if getattr(module, "fp8_out", False):
+            module.fp8_out = False
+    if getattr(layer.mlp, "fp8_act", False):
+        layer.mlp.fp8_act = False
