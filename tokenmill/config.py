@@ -351,6 +351,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not self.deterministic:
             return
+        if self.lora.enable_lora:
+            raise ValueError("deterministic steps cannot run LoRA adapters (the fused layer "
+                             "stack computes the base model only)")
         # The batch-invariant path is the CPU's fused layer stack, which has no all-reduce.
         if self.parallel.tensor_parallel_size > 1:
             raise ValueError("deterministic needs tensor_parallel_size 1, got "

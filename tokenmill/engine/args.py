@@ -21,6 +21,7 @@ from tokenmill.config import (
     DeviceConfig,
     EconomicsConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -94,6 +95,7 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
                    help="batch-invariant greedy decoding on the CPU: a request's tokens do not "
                         "depend on the requests beside it (slower prefill)")
     _add_speculative_args(g)
+    _add_lora_args(g)
     g.add_argument("--cost-per-hour", type=float, default=EconomicsConfig.cost_per_hour,
                    metavar="USD", help="the machine's price per hour, spread over the requests "
                    "by compute share (usage.cost_usd, /metrics)")
@@ -151,6 +153,18 @@ def _add_speculative_args(g: argparse._ArgumentGroup) -> None:
                    help="longest n-gram prompt lookup uses")
 
 
+def _add_lora_args(g: argparse._ArgumentGroup) -> None:
+    """LoRA adapters on the base model (vLLM's options)."""
+    g.add_argument("--enable-lora", action="store_true", default=LoRAConfig.enable_lora,
+                   help="serve LoRA adapters (PEFT folders) on top of the model")
+    g.add_argument("--max-loras", type=int, default=LoRAConfig.max_loras,
+                   help="adapters one step may run (device slots)")
+    g.add_argument("--max-lora-rank", type=int, default=LoRAConfig.max_lora_rank,
+                   help="highest adapter rank that loads")
+    g.add_argument("--max-cpu-loras", type=int, default=LoRAConfig.max_cpu_loras,
+                   help="adapters kept in host memory (default: 4 x --max-loras)")
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig of the options that `add_engine_args` added."""
     return EngineConfig(
@@ -179,6 +193,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
         deterministic=args.deterministic,
         economics=EconomicsConfig(cost_per_hour=args.cost_per_hour, cpu_watts=args.cpu_watts),
+        lora=LoRAConfig(enable_lora=args.enable_lora, max_loras=args.max_loras,
+                        max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras),
     )
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.engine.output_processor import OutputKind
+from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics.stats import StatLogger, StatsCollector
 from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
 from tokenmill.sampling_params import PoolingParams, SamplingParams
@@ -53,6 +54,8 @@ class _Add:
     arrival_time: float
     # Compiled before sending, so the engine thread never compiles a grammar.
     grammar: object | None = None
+    # Read and checked before sending, so the engine thread never reads an adapter's folder.
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -319,10 +322,21 @@ class AsyncLLM:
         whatever else runs. Raises like :meth:`submit`; cancelling aborts what is left."""
         return await collect_embeddings(await self.submit(prompts, params, request_id_prefix))
 
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter off the event loop and off the engine thread
+        (``LLMEngine.add_lora``); ValueError naming what is wrong."""
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.add_lora,
+                                                         lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter held in host memory (requests running with it finish with it)."""
+        return self.engine.remove_lora(lora_int_id)
+
     async def submit(self, prompts: Sequence[PromptType], params: SamplingParams | PoolingParams,
-                     request_id_prefix: str = "req") -> RequestGroup:
+                     request_id_prefix: str = "req",
+                     lora_request: LoRARequest | None = None) -> RequestGroup:
         """Queue one engine request per prompt, all with ``params`` (PoolingParams: embedding
-        requests).
+        requests) and ``lora_request`` (None: the base model).
 
         Raises EngineDeadError, EngineOverloadedError, or ValueError (from the engine's own
         validation); nothing stays queued when it raises.
@@ -334,6 +348,8 @@ class AsyncLLM:
             # Off the event loop and off the engine thread; GrammarError is a ValueError.
             grammar = await asyncio.get_running_loop().run_in_executor(
                 None, self.engine.compile_grammar, params)
+        if lora_request is not None:
+            await self.add_lora(lora_request)
         n = params.n if isinstance(params, SamplingParams) else 1
         num_seqs = len(prompts) * n
         if num_seqs > self.capacity:
@@ -348,7 +364,7 @@ class AsyncLLM:
             self._routes[rid] = (group, i, n)
         self._num_seqs_in_flight += num_seqs
         now = time.monotonic()
-        self._send([_Add(rid, p, params, now, grammar)
+        self._send([_Add(rid, p, params, now, grammar, lora_request)
                     for rid, p in zip(ids, prompts, strict=True)])
         try:
             await group.wait_accepted()
@@ -437,7 +453,7 @@ class AsyncLLM:
                 try:
                     engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
                                        kind=OutputKind.DELTA, arrival_time=cmd.arrival_time,
-                                       grammar=cmd.grammar)
+                                       grammar=cmd.grammar, lora_request=cmd.lora_request)
                     items.append((cmd.request_id, _ACCEPTED))
                 except ValueError as e:
                     items.append((cmd.request_id, e))

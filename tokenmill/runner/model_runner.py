@@ -109,9 +109,6 @@ class ModelRunner:
         if self.is_encoder:
             raise ValueError(f"LoRA adapters apply to decoder models; {self.arch.architecture} "
                              "is an encoder")
-        if self.deterministic:
-            raise ValueError("deterministic steps cannot run LoRA adapters (the fused layer "
-                             "stack computes the base model only)")
         self.lora = LoRAManager(self.model, self.arch, config, self.dtype, self.device, store)
 
     # ------------------------------------------------------------------------ KV memory
