@@ -18,6 +18,7 @@ from tokenmill.bench import (
     fuzz,
     gpu,
     latency,
+    lora,
     prefix_cache,
     rerank,
     retrieval,
@@ -98,6 +99,7 @@ def _describe_graphs(info: ModelInfo) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run `tokenmill serve` until SIGTERM / SIGINT."""
     from tokenmill.server.launcher import run_server
+    from tokenmill.server.lora_adapters import parse_lora_module
     from tokenmill.server.model_registry import config_factory, served_models
 
     if args.model_path is not None:
@@ -120,8 +122,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         keep_alive=args.keep_alive if args.keep_alive > 0 else None,
         log_stats_interval=args.log_stats_interval, webui=args.webui,
         data_dir=args.data_dir, max_upload_bytes=args.max_upload_bytes,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         monitor=monitor_config_from_args(args))
-    return run_server(served_models(args), config, config_factory(args))
+    lora_modules = [parse_lora_module(v) for v in args.lora_modules]
+    return run_server(served_models(args), config, config_factory(args), lora_modules)
 
 
 def _names(values: list[str]) -> tuple[str, ...]:
@@ -186,6 +190,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="the format of the model's tool calls on /v1/chat/completions: hermes "
                    "(<tool_call> per call: Qwen, Hermes), smollm (<tool_call>[...]: SmolLM2), "
                    "or auto (by the chat template)")
+    g.add_argument("--lora-modules", nargs="+", action="extend", default=[],
+                   metavar="NAME=PATH", help="LoRA adapters (PEFT folders) to serve, each under "
+                   "its own model name: NAME=PATH, or a JSON object {\"name\", \"path\", "
+                   "\"base_model_name\"} to pick the model it runs on (default: the first "
+                   "text-generation model); needs --enable-lora")
+    g.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind "
+                   "the admin key if there is one, else the API key); needs --enable-lora")
     g.add_argument("--data-dir", default=None,
                    help="folder of uploaded files and vector stores (default: tokenmill's "
                    "folder in the user's data directory)")
@@ -306,6 +318,7 @@ BENCH_SUITES: tuple[Registrar, ...] = (
     bench_batch.add_batch_bench_parser, gpu.add_gpu_parser, _add_perplexity_parser,
     fuzz.add_fuzz_parser, structured.add_structured_parser, retrieval.add_retrieval_parser,
     embed.add_embed_parser, rerank.add_rerank_parser, contention.add_contention_parser,
+    lora.add_lora_parser,
 )
 
 

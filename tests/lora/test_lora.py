@@ -88,6 +88,45 @@ def test_mixed_batch(lora_llm: LLM, adapters: dict[str, Path],
     assert _tokens(outputs) == expected
 
 
+def test_fused_stack_runs_adapter_rows(lora_llm: LLM, adapters: dict[str, Path],
+                                       references: dict[str | None, list[list[int]]],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU the fused layer stack computes the adapters' updates too (decode and
+    prefill steps): the LoRA steps above ran there, not in model.forward."""
+    fused = lora_llm.engine.core.executor.runner.fused_decoder
+    assert fused is not None and fused.lora
+    seen: list[tuple[int, ...]] = []
+    forward = fused.forward
+
+    def counting(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        seen.append(tuple(args[3]) if len(args) > 3 else ())
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(fused, "forward", counting)
+    loras = [_request(adapters, "all"), None, _request(adapters, "qv")]
+    outputs = lora_llm.generate(PROMPTS, GREEDY, lora_request=loras)
+    assert _tokens(outputs) == [references["all"][0], references[None][1],
+                                references["qv"][2]]
+    assert any(runs for runs in seen)
+
+
+def test_eager_path(lora_base: Base, adapters: dict[str, Path],
+                    references: dict[str | None, list[list[int]]],
+                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the fused stack (other CPUs' fallback, GPUs) model.forward adds the updates."""
+    monkeypatch.setenv("TOKENMILL_FUSED_DECODE", "0")
+    llm = LLM(str(lora_base.path), dtype="float32", enable_lora=True, max_loras=2)
+    try:
+        assert llm.engine.core.executor.runner.fused_decoder is None
+        names = ["patterns", None, "mlp", "all"]
+        outputs = llm.generate([PROMPTS[i % 3] for i in range(4)], GREEDY,
+                               lora_request=[None if n is None else _request(adapters, n)
+                                             for n in names])
+        assert _tokens(outputs) == [references[n][i % 3] for i, n in enumerate(names)]
+    finally:
+        llm.close()
+
+
 def test_prefix_cache_is_per_adapter(lora_llm: LLM, lora_base: Base,
                                      adapters: dict[str, Path]) -> None:
     """The same prompt's blocks are reused under the same adapter only."""

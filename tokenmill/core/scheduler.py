@@ -167,6 +167,11 @@ class Scheduler:
         if not self._preempted_ids:
             budget = self._admit_waiting(out, scheduled, budget)
 
+        if self._step_loras:
+            # Each adapter's rows next to each other: one pair of products per adapter and
+            # projection (the order within the base model's rows and an adapter's is kept).
+            scheduled.sort(key=lambda item: 0 if item[0].lora_request is None
+                           else item[0].lora_request.lora_int_id)
         now = time.monotonic()
         for request, num_new in scheduled:
             out.num_scheduled_tokens[request.request_id] = num_new

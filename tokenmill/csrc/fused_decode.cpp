@@ -131,10 +131,29 @@ struct LinearSpec {
   }
 };
 
+// The LoRA slots of one projection (tokenmill.lora.layers.LoRALinear's tensors, shared: a
+// slot loaded in Python is seen here): A [slots, R, in] and block-diagonal B [slots, out, R].
+struct LoraSlots {
+  at::Tensor a, b;
+
+  // y[start:stop] += (x[start:stop] A_slot^T) B_slot^T for each (slot, start, stop) of `runs`,
+  // computed in the slots' dtype and added in y's.
+  void add(const at::Tensor& x, at::Tensor& y, const std::vector<int64_t>& runs) const {
+    if (!a.defined()) return;
+    for (size_t i = 0; i + 2 < runs.size(); i += 3) {
+      const int64_t slot = runs[i], start = runs[i + 1], stop = runs[i + 2];
+      const at::Tensor rows = x.slice(0, start, stop).to(a.scalar_type());
+      const at::Tensor delta = at::mm(at::mm(rows, a.select(0, slot).t()), b.select(0, slot).t());
+      y.slice(0, start, stop).add_(delta.to(y.scalar_type()));
+    }
+  }
+};
+
 struct LayerWeights {
   at::Tensor input_norm, post_norm;
   at::Tensor q_norm, k_norm;  // undefined unless the family norms q and k per head (Qwen3)
   LinearSpec qkv, o, gate_up, down;
+  LoraSlots qkv_lora, o_lora, gate_up_lora, down_lora;  // undefined without LoRA
 };
 
 class DecoderStack {
@@ -203,6 +222,22 @@ class DecoderStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // The LoRA slots of layer `layer`'s projections: [A, B] of qkv, o, gate_up, down in turn.
+  void set_lora(int64_t layer, std::vector<at::Tensor> tensors) {
+    TORCH_CHECK(layer >= 0 && layer < num_layers(), "set_lora: no layer ", layer);
+    TORCH_CHECK(tensors.size() == 8, "set_lora: expected A and B of 4 projections");
+    LayerWeights& w = layers_[layer];
+    LoraSlots* slots[4] = {&w.qkv_lora, &w.o_lora, &w.gate_up_lora, &w.down_lora};
+    for (int i = 0; i < 4; ++i) {
+      const at::Tensor &a = tensors[2 * i], &b = tensors[2 * i + 1];
+      TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) &&
+                      a.size(1) == b.size(2) && a.scalar_type() == b.scalar_type(),
+                  "set_lora: A [slots, R, in] and B [slots, out, R] of one dtype");
+      slots[i]->a = a;
+      slots[i]->b = b;
+    }
+  }
+
   // hidden [T, H] embeddings of the new tokens -> final-normed hidden states [T, H]. A
   // decode-only step (one token per sequence, token b of sequence b) has no `chunks`; any
   // other step gives each sequence's (first row, query length, context length, block-table
@@ -210,8 +245,10 @@ class DecoderStack {
   at::Tensor forward(const at::Tensor& hidden, const at::Tensor& positions,
                      const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
                      const at::Tensor& seq_lens, const at::Tensor& block_tables,
-                     int64_t max_seq_len, const std::vector<int64_t>& chunks) const {
+                     int64_t max_seq_len, const std::vector<int64_t>& chunks,
+                     const std::vector<int64_t>& lora_runs) const {
     check_step(hidden, positions, kv_caches, slot_mapping, seq_lens, block_tables, chunks);
+    check_lora_runs(lora_runs, hidden.size(0));
     at::NoGradGuard no_grad;
     // Steps with prefill whose matmuls are PyTorch's (dense above the modules' thresholds, on
     // OpenMP's threads): the glue goes there too rather than wake (and spin) the pool's
@@ -238,9 +275,9 @@ class DecoderStack {
     auto with_cache = [&](auto x_tag) {
       using X = decltype(x_tag);
       out = fp16_cache ? run<float, X, c10::Half>(h, positions, kv_caches, slot_mapping, seq_lens,
-                                                  block_tables, max_seq_len, chunks)
+                                                  block_tables, max_seq_len, chunks, lora_runs)
                        : run<float, X, float>(h, positions, kv_caches, slot_mapping, seq_lens,
-                                              block_tables, max_seq_len, chunks);
+                                              block_tables, max_seq_len, chunks, lora_runs);
     };
     AT_DISPATCH_SWITCH(h.scalar_type(), "tokenmill_fused_decode",
       AT_DISPATCH_CASE(at::kFloat, [&] {
@@ -252,12 +289,28 @@ class DecoderStack {
       })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
         out = run<c10::BFloat16, c10::BFloat16, c10::BFloat16>(
-            h, positions, kv_caches, slot_mapping, seq_lens, block_tables, max_seq_len, chunks);
+            h, positions, kv_caches, slot_mapping, seq_lens, block_tables, max_seq_len, chunks,
+            lora_runs);
       }));
     return out;
   }
 
  private:
+  // LoRA runs are (slot, first row, end row) triples inside the step, on layers that have
+  // LoRA slots.
+  void check_lora_runs(const std::vector<int64_t>& runs, int64_t rows) const {
+    if (runs.empty()) return;
+    TORCH_CHECK(runs.size() % 3 == 0, "LoRA runs are (slot, start, stop) triples");
+    const LayerWeights& w = layers_.front();
+    TORCH_CHECK(w.qkv_lora.a.defined(), "LoRA runs, but the stack has no LoRA slots");
+    for (size_t i = 0; i < runs.size(); i += 3) {
+      TORCH_CHECK(runs[i] >= 0 && runs[i] < w.qkv_lora.a.size(0), "LoRA slot ", runs[i],
+                  " does not exist");
+      TORCH_CHECK(runs[i + 1] >= 0 && runs[i + 1] <= runs[i + 2] && runs[i + 2] <= rows,
+                  "LoRA rows ", runs[i + 1], "..", runs[i + 2], " are outside the step");
+    }
+  }
+
   void check_step(const at::Tensor& hidden, const at::Tensor& positions,
                   const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
                   const at::Tensor& seq_lens, const at::Tensor& block_tables,
@@ -296,7 +349,8 @@ class DecoderStack {
   at::Tensor run(at::Tensor h, const at::Tensor& positions, const std::vector<at::Tensor>& kv,
                  const at::Tensor& slot_mapping, const at::Tensor& seq_lens,
                  const at::Tensor& block_tables, int64_t max_seq_len,
-                 const std::vector<int64_t>& chunk_args) const {
+                 const std::vector<int64_t>& chunk_args,
+                 const std::vector<int64_t>& lora_runs) const {
     const int64_t B = h.size(0), H = h.size(1);  // B: the step's tokens
     const auto pos = positions.contiguous();
     const auto slots = slot_mapping.contiguous();
@@ -321,6 +375,7 @@ class DecoderStack {
       rms_norm_rows<T, X>(h.data_ptr<T>(), w.input_norm.data_ptr<T>(), x.data_ptr<X>(), B, H,
                           eps_);
       at::Tensor qkv = w.qkv(x, &qkv_out).contiguous();
+      w.qkv_lora.add(x, qkv, lora_runs);
       prepare_qkv<T, X, C>(w, qkv, q, pos, slots, kv[li]);
       const int64_t block_size = kv[li].size(2);
       const int64_t slots_per_side = kv[li].size(1) * block_size * hkv_ * d_;
@@ -336,12 +391,15 @@ class DecoderStack {
                                          scale, attn.data_ptr<X>(), hq_ * d_);
       }
       at::Tensor o = w.o(attn, &o_out).contiguous();
+      w.o_lora.add(attn, o, lora_runs);
       add_rows<T, X>(h.data_ptr<T>(), o.data_ptr<X>(), B, H);
       rms_norm_rows<T, X>(h.data_ptr<T>(), w.post_norm.data_ptr<T>(), x.data_ptr<X>(), B, H,
                           eps_);
       at::Tensor gate_up = w.gate_up(x, &gate_up_out).contiguous();
+      w.gate_up_lora.add(x, gate_up, lora_runs);
       silu_mul_rows<T, X, X>(gate_up.data_ptr<X>(), act.data_ptr<X>(), B, inter_);
       at::Tensor down = w.down(act, &down_out).contiguous();
+      w.down_lora.add(act, down, lora_runs);
       add_rows<T, X>(h.data_ptr<T>(), down.data_ptr<X>(), B, H);
     }
     at::Tensor out = at::empty_like(h);
@@ -445,6 +503,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, double, at::Tensor, at::Tensor,
                           at::Tensor>())
       .def("add_layer", &tokenmill::DecoderStack::add_layer)
+      .def("set_lora", &tokenmill::DecoderStack::set_lora)
       .def("num_layers", &tokenmill::DecoderStack::num_layers)
       .def("forward", &tokenmill::DecoderStack::forward,
            pybind11::call_guard<pybind11::gil_scoped_release>());

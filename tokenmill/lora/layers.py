@@ -31,33 +31,39 @@ class SlotRows:
 
 @dataclass(frozen=True)
 class LoRAStep:
-    """Which rows of the step's flat batch run which adapter slot (rows absent: none)."""
+    """Which rows of the step's flat batch run which adapter slot (rows absent: none):
+    ``groups`` one per slot, for the layers' products; ``runs`` the same as flat
+    ``(slot, first row, end row)`` triples of consecutive rows, for the fused CPU stack."""
 
     groups: tuple[SlotRows, ...]
+    runs: tuple[int, ...]
 
     @classmethod
     def from_row_slots(cls, row_slots: list[tuple[int, int, int]],
                        device: torch.device) -> LoRAStep | None:
-        """From ``(first row, row count, slot)`` runs; None when no run has a slot."""
-        by_slot: dict[int, list[tuple[int, int]]] = {}
+        """From ``(first row, row count, slot)`` of each request with an adapter, in row
+        order; None when there is none."""
+        runs: list[list[int]] = []  # [slot, start, stop], neighbours of one slot merged
         for row0, n, slot in row_slots:
-            if n:
-                by_slot.setdefault(slot, []).append((row0, n))
-        groups = []
-        for slot, runs in by_slot.items():
-            merged = [list(runs[0])]
-            for row0, n in runs[1:]:
-                if merged[-1][0] + merged[-1][1] == row0:
-                    merged[-1][1] += n
-                else:
-                    merged.append([row0, n])
-            if len(merged) == 1:
-                groups.append(SlotRows(slot, merged[0][0], merged[0][0] + merged[0][1]))
+            if not n:
+                continue
+            if runs and runs[-1][0] == slot and runs[-1][2] == row0:
+                runs[-1][2] += n
             else:
-                rows = [r for row0, n in merged for r in range(row0, row0 + n)]
+                runs.append([slot, row0, row0 + n])
+        by_slot: dict[int, list[list[int]]] = {}
+        for run in runs:
+            by_slot.setdefault(run[0], []).append(run)
+        groups = []
+        for slot, own in by_slot.items():
+            if len(own) == 1:
+                groups.append(SlotRows(slot, own[0][1], own[0][2]))
+            else:
+                rows = [r for _, start, stop in own for r in range(start, stop)]
                 groups.append(SlotRows(slot, index=torch.tensor(rows, dtype=torch.int64,
                                                                 device=device)))
-        return cls(tuple(groups)) if groups else None
+        flat = tuple(x for run in runs for x in run)
+        return cls(tuple(groups), flat) if groups else None
 
 
 class StepContext:

@@ -13,7 +13,7 @@ PyTorch's dense matmuls, and attention is the CPU backend's prefill kernel); the
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +40,8 @@ DEFAULT_ENABLED = True
 # The same for steps with prefill chunks (when the fused path is on at all).
 PREFILL_ENV_FLAG = "TOKENMILL_FUSED_PREFILL"
 
+# The projections of a layer in the order DecoderStack.set_lora takes their LoRA slots.
+_LORA_ORDER = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # Linear kinds, as in fused_decode.cpp.
 KIND_FLOAT, KIND_INT8, KIND_INT4 = 0, 1, 2
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
@@ -203,6 +205,8 @@ class FusedDecoder:
         # head size (else those steps run model.forward).
         self.prefill = (fused_prefill_enabled(prefill)
                         and ext.prefill_head_size_supported(model.config.head_dim))
+        # Whether LoRA slots are attached (attach_lora): steps with adapter rows run here too.
+        self.lora = False
 
     def _build_stack(self, model: nn.Module, dtype: torch.dtype, ext: object) -> object:
         c = model.config
@@ -256,9 +260,19 @@ class FusedDecoder:
             return self.model.compute_logits(hidden)
         return self._head(hidden)
 
+    def attach_lora(self, layers: list[dict[str, nn.Module]]) -> None:
+        """Compute LoRA updates too: ``layers`` are each decoder layer's LoRA layers by
+        projection name (``LoRAManager.layers``), whose slots the stack reads in place."""
+        for i, wrapped in enumerate(layers):
+            self.stack.set_lora(i, [t for name in _LORA_ORDER
+                                    for t in (wrapped[name].lora_a, wrapped[name].lora_b)])
+        self.lora = True
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_meta: AttentionMetadata) -> torch.Tensor:
-        """Final-normed hidden states ``[T, hidden]``, as ``model.forward`` returns them."""
+                attn_meta: AttentionMetadata, lora_runs: Sequence[int] = ()) -> torch.Tensor:
+        """Final-normed hidden states ``[T, hidden]``, as ``model.forward`` returns them.
+        ``lora_runs``: ``(slot, first row, end row)`` triples of the rows that add a LoRA
+        slot's update (see :meth:`attach_lora`)."""
         hidden = self._embed(input_ids)
         chunks: list[int] = []
         if not attn_meta.decode_only:
@@ -269,7 +283,7 @@ class FusedDecoder:
                 start += n
         args = (hidden, positions, attn_meta.kv_caches, attn_meta.slot_mapping,
                 attn_meta.seq_lens, attn_meta.block_tables.contiguous(), attn_meta.max_seq_len,
-                chunks)
+                chunks, list(lora_runs))
         if not torch._C._autograd._profiler_enabled():  # the range costs ~4 us a step
             return self.stack.forward(*args)
         # A named range for torch.profiler: the stack's own C++ work (attention, norms, rotary)
@@ -337,13 +351,16 @@ def make_invariant_decoder(model: nn.Module, device: torch.device) -> FusedDecod
 
 def forward_step(model: nn.Module, fused: FusedDecoder | None, input_ids: torch.Tensor,
                  positions: torch.Tensor, attn_meta: AttentionMetadata,
-                 ) -> tuple[torch.Tensor, FusedDecoder | None]:
+                 lora_runs: Sequence[int] = ()) -> tuple[torch.Tensor, FusedDecoder | None]:
     """Hidden states of one step: ``fused`` for a decode-only step it supports, else
     ``model.forward``. Also returns the fused decoder to use from now on: None once it failed
-    (running the step again eagerly is safe: it rewrites the same KV slots)."""
-    if fused is not None and fused.supports(input_ids, attn_meta):
+    (running the step again eagerly is safe: it rewrites the same KV slots). ``lora_runs``:
+    the step's LoRA rows (see FusedDecoder.forward); a stack without LoRA slots leaves such
+    a step to ``model.forward``."""
+    if (fused is not None and (fused.lora or not lora_runs)
+            and fused.supports(input_ids, attn_meta)):
         try:
-            return fused.forward(input_ids, positions, attn_meta), fused
+            return fused.forward(input_ids, positions, attn_meta, lora_runs), fused
         except RuntimeError as e:
             logger.warning("fused decode failed; using model.forward from now on: %s", e)
             fused = None

@@ -16,7 +16,6 @@ from tokenmill.lora.manager import AdapterStore, LoRAManager
 from tokenmill.lora.request import LoRARequest
 from tokenmill.models.config import ArchConfig
 from tokenmill.models.pooler import PoolerConfig
-from tokenmill.quant.kernel_choice import decode_only_step
 from tokenmill.quant.model import model_weight_bytes
 from tokenmill.runner.batch import FlatBatch
 from tokenmill.runner.cuda_graphs import DecodeGraphs, GraphCapture
@@ -110,6 +109,8 @@ class ModelRunner:
             raise ValueError(f"LoRA adapters apply to decoder models; {self.arch.architecture} "
                              "is an encoder")
         self.lora = LoRAManager(self.model, self.arch, config, self.dtype, self.device, store)
+        if self.fused_decoder is not None:
+            self.fused_decoder.attach_lora(self.lora.layers)
 
     # ------------------------------------------------------------------------ KV memory
 
@@ -209,7 +210,7 @@ class ModelRunner:
         adapted = self.lora is not None and self.lora.begin_step(self._lora_runs(sched),
                                                                  self.device)
         try:
-            hidden = self._forward(inputs, eager=adapted)
+            hidden = self._forward(inputs, lora=adapted)
         finally:
             if self.lora is not None:
                 self.lora.end_step()
@@ -260,22 +261,22 @@ class ModelRunner:
             row += n
         return runs
 
-    def _forward(self, inputs: StepInputs, eager: bool = False) -> torch.Tensor:
+    def _forward(self, inputs: StepInputs, lora: bool = False) -> torch.Tensor:
         """A captured decode graph, the fused C++ stack for a decode-only step when it is on,
-        or ``model.forward`` (always with ``eager``: a step with LoRA rows, which the graphs
-        and the fused stack do not compute)."""
+        or ``model.forward``. With ``lora`` (a step with LoRA rows) never a graph: the graphs
+        compute the base model only."""
         if self.is_encoder:
             return self.model(inputs.input_ids, inputs.positions, inputs.attn_meta)
-        if eager:
-            with decode_only_step(inputs.attn_meta.decode_only):
-                return self.model(inputs.input_ids, inputs.positions, inputs.attn_meta)
         if self.deterministic:
             return self._forward_invariant(inputs)
         graphs = self.decode_graphs
-        if graphs is not None and graphs.supports(inputs.input_ids.shape[0], inputs.attn_meta):
+        if (not lora and graphs is not None
+                and graphs.supports(inputs.input_ids.shape[0], inputs.attn_meta)):
             return graphs.run(inputs.input_ids, inputs.positions, inputs.attn_meta)
-        hidden, self.fused_decoder = forward_step(self.model, self.fused_decoder, inputs.input_ids,
-                                                  inputs.positions, inputs.attn_meta)
+        step = self.lora.context.step if lora and self.lora is not None else None
+        hidden, self.fused_decoder = forward_step(
+            self.model, self.fused_decoder, inputs.input_ids, inputs.positions,
+            inputs.attn_meta, () if step is None else step.runs)
         return hidden
 
     def _forward_invariant(self, inputs: StepInputs) -> torch.Tensor:
