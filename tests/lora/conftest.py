@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from lora_helpers import Base, make_adapter, make_base  # noqa: E402
+from lora_helpers import PROMPTS, Base, make_adapter, make_base, peft_greedy  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -33,3 +33,11 @@ def adapters(lora_base: Base, tmp_path_factory: pytest.TempPathFactory) -> dict[
         "mlp": make_adapter(lora_base, root / "mlp", seed=4, r=16, lora_alpha=16,
                             target_modules=["gate_proj", "up_proj", "down_proj"]),
     }
+
+
+@pytest.fixture(scope="session")
+def references(lora_base: Base, adapters: dict[str, Path]) -> dict[str | None, list[list[int]]]:
+    """PEFT's greedy tokens (8 at most) of every prompt, per adapter (None: the base model)."""
+    return {name: [peft_greedy(lora_base, None if name is None else adapters[name], p, 8)
+                   for p in PROMPTS]
+            for name in [None, *sorted(adapters)]}

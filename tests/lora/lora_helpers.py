@@ -21,6 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
 
 from hf_checkpoints import make_checkpoint, write_tokenizer  # noqa: E402
 
+from tokenmill.lora import LoRARequest  # noqa: E402
+
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Prompts as token ids of the word-level tokenizer ("t5 t9 ..." in text).
 PROMPTS = [[5, 9, 33, 100, 7, 250, 18, 4, 61, 3, 77, 200],
@@ -53,6 +55,11 @@ def make_adapter(base: Base, path: Path, seed: int, **config: Any) -> Path:
     model.save_pretrained(str(path))
     model.unload()  # base.hf_model is the plain model again
     return path
+
+
+def lora_request(adapters: dict[str, Path], name: str) -> LoRARequest:
+    """The request of one of the ``adapters`` fixture's adapters (ids by name order)."""
+    return LoRARequest(name, sorted(adapters).index(name) + 1, str(adapters[name]))
 
 
 def peft_greedy(base: Base, adapter: Path | None, prompt: list[int], max_tokens: int

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lora_helpers import PROMPTS, Base, make_adapter, peft_greedy, peft_logits
+from lora_helpers import PROMPTS, Base, lora_request, make_adapter, peft_greedy, peft_logits
 from safetensors.torch import load_file, save_file
 
 from tokenmill import LLM, LoRARequest, PoolingParams, SamplingParams
@@ -22,10 +22,6 @@ pytest.importorskip("peft")
 
 # Hugging Face stops at the eos token (id 2) and keeps it: so does the engine.
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
-
-
-def _request(adapters: dict[str, Path], name: str) -> LoRARequest:
-    return LoRARequest(name, sorted(adapters).index(name) + 1, str(adapters[name]))
 
 
 def _tokens(outputs: list) -> list[list[int]]:
@@ -42,14 +38,6 @@ def lora_llm(lora_base: Base) -> Iterator[LLM]:
     llm.close()
 
 
-@pytest.fixture(scope="module")
-def references(lora_base: Base, adapters: dict[str, Path]) -> dict[str | None, list[list[int]]]:
-    """PEFT's greedy tokens of every prompt, per adapter (None: the base model)."""
-    return {name: [peft_greedy(lora_base, None if name is None else adapters[name], p, 8)
-                   for p in PROMPTS]
-            for name in [None, *sorted(adapters)]}
-
-
 def test_references_differ(references: dict[str | None, list[list[int]]]) -> None:
     """Each adapter changes the greedy tokens: matching them means its update was applied."""
     for name, tokens in references.items():
@@ -60,7 +48,7 @@ def test_references_differ(references: dict[str | None, list[list[int]]]) -> Non
 @pytest.mark.parametrize("name", ["all", "qv", "patterns", "mlp"])
 def test_adapter_matches_peft(lora_llm: LLM, adapters: dict[str, Path],
                               references: dict[str | None, list[list[int]]], name: str) -> None:
-    outputs = lora_llm.generate(PROMPTS, GREEDY, lora_request=_request(adapters, name))
+    outputs = lora_llm.generate(PROMPTS, GREEDY, lora_request=lora_request(adapters, name))
     assert _tokens(outputs) == references[name]
 
 
@@ -69,7 +57,7 @@ def test_logits_match_peft(lora_llm: LLM, lora_base: Base, adapters: dict[str, P
     prompt = PROMPTS[2]
     for name in ("all", "patterns"):
         params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-        out = lora_llm.generate([prompt], params, lora_request=_request(adapters, name))[0]
+        out = lora_llm.generate([prompt], params, lora_request=lora_request(adapters, name))[0]
         ours = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]])
         theirs = peft_logits(lora_base, adapters[name], prompt).log_softmax(-1)
         expected = theirs[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
@@ -82,7 +70,7 @@ def test_mixed_batch(lora_llm: LLM, adapters: dict[str, Path],
     adapter's tokens, whatever shares its steps."""
     names = ["all", None, "qv", "patterns", "mlp", None, "all", "mlp"]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
-    loras = [None if n is None else _request(adapters, n) for n in names]
+    loras = [None if n is None else lora_request(adapters, n) for n in names]
     outputs = lora_llm.generate(prompts, GREEDY, lora_request=loras)
     expected = [references[n][i % len(PROMPTS)] for i, n in enumerate(names)]
     assert _tokens(outputs) == expected
@@ -103,7 +91,7 @@ def test_fused_stack_runs_adapter_rows(lora_llm: LLM, adapters: dict[str, Path],
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(fused, "forward", counting)
-    loras = [_request(adapters, "all"), None, _request(adapters, "qv")]
+    loras = [lora_request(adapters, "all"), None, lora_request(adapters, "qv")]
     outputs = lora_llm.generate(PROMPTS, GREEDY, lora_request=loras)
     assert _tokens(outputs) == [references["all"][0], references[None][1],
                                 references["qv"][2]]
@@ -120,7 +108,7 @@ def test_eager_path(lora_base: Base, adapters: dict[str, Path],
         assert llm.engine.core.executor.runner.fused_decoder is None
         names = ["patterns", None, "mlp", "all"]
         outputs = llm.generate([PROMPTS[i % 3] for i in range(4)], GREEDY,
-                               lora_request=[None if n is None else _request(adapters, n)
+                               lora_request=[None if n is None else lora_request(adapters, n)
                                              for n in names])
         assert _tokens(outputs) == [references[n][i % 3] for i, n in enumerate(names)]
     finally:
@@ -133,7 +121,7 @@ def test_prefix_cache_is_per_adapter(lora_llm: LLM, lora_base: Base,
     prompt = list(range(60, 79))  # 19 tokens, in no other test: one full block of 16
     names = ["mlp", "mlp", "qv", None, "qv"]
     outputs = [lora_llm.generate([prompt], GREEDY,
-                                 lora_request=None if n is None else _request(adapters, n))[0]
+                                 lora_request=None if n is None else lora_request(adapters, n))[0]
                for n in names]
     assert [o.metrics.num_cached_tokens for o in outputs] == [0, 16, 0, 0, 16]
     assert _tokens(outputs) == [
@@ -144,7 +132,7 @@ def test_samples_share_the_adapter(lora_llm: LLM, adapters: dict[str, Path],
                                    references: dict[str | None, list[list[int]]]) -> None:
     """n > 1: every sample runs the request's adapter (forks share its prompt's blocks)."""
     params = SamplingParams(temperature=0, max_tokens=8, n=3)
-    out = lora_llm.generate([PROMPTS[0]], params, lora_request=_request(adapters, "qv"))[0]
+    out = lora_llm.generate([PROMPTS[0]], params, lora_request=lora_request(adapters, "qv"))[0]
     assert [c.token_ids for c in out.outputs] == [references["qv"][0]] * 3
 
 
@@ -155,7 +143,7 @@ def test_one_slot(lora_base: Base, adapters: dict[str, Path],
     try:
         names = ["qv", "mlp", "qv", None, "all"]
         outputs = llm.generate([PROMPTS[1]] * len(names), GREEDY,
-                               lora_request=[None if n is None else _request(adapters, n)
+                               lora_request=[None if n is None else lora_request(adapters, n)
                                              for n in names])
         assert _tokens(outputs) == [references[n][1] for n in names]
     finally:
@@ -168,7 +156,7 @@ def test_ngram_speculation(lora_base: Base, adapters: dict[str, Path],
     llm = LLM(str(lora_base.path), dtype="float32", enable_lora=True, speculative="ngram",
               ngram_min=1)
     try:
-        outputs = llm.generate(PROMPTS, GREEDY, lora_request=_request(adapters, "all"))
+        outputs = llm.generate(PROMPTS, GREEDY, lora_request=lora_request(adapters, "all"))
         assert _tokens(outputs) == references["all"]
     finally:
         llm.close()
@@ -180,7 +168,7 @@ def test_tensor_parallel(lora_base: Base, adapters: dict[str, Path],
     columns of o and down); the all-reduce adds their updates."""
     llm = LLM(str(lora_base.path), dtype="float32", enable_lora=True, tensor_parallel_size=2)
     try:
-        loras = [_request(adapters, "all"), _request(adapters, "patterns"), None]
+        loras = [lora_request(adapters, "all"), lora_request(adapters, "patterns"), None]
         outputs = llm.generate(PROMPTS, GREEDY, lora_request=loras)
         assert _tokens(outputs) == [references["all"][0], references["patterns"][1],
                                     references[None][2]]
@@ -200,7 +188,7 @@ def test_quantized_base(lora_base: Base, adapters: dict[str, Path]) -> None:
         params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
         ours = {}
         for name in (None, "all"):
-            lora = None if name is None else _request(adapters, name)
+            lora = None if name is None else lora_request(adapters, name)
             out = llm.generate([prompt], params, lora_request=lora)[0]
             ours[name] = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]])
     finally:
@@ -273,7 +261,7 @@ def test_bad_adapter_is_named(lora_llm: LLM, adapters: dict[str, Path], tmp_path
     with pytest.raises(ValueError, match=message):
         lora_llm.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("bad", 50, str(folder)))
     # Nothing was queued; the engine goes on.
-    out = lora_llm.generate(PROMPTS[:1], GREEDY, lora_request=_request(adapters, "qv"))
+    out = lora_llm.generate(PROMPTS[:1], GREEDY, lora_request=lora_request(adapters, "qv"))
     assert _tokens(out) == references["qv"][:1]
 
 
@@ -313,7 +301,7 @@ def test_engine_without_lora(lora_base: Base, adapters: dict[str, Path]) -> None
     try:
         with pytest.raises(ValueError, match=r"this engine runs no LoRA adapters \(start it "
                                              r"with enable_lora"):
-            llm.generate(PROMPTS[:1], GREEDY, lora_request=_request(adapters, "qv"))
+            llm.generate(PROMPTS[:1], GREEDY, lora_request=lora_request(adapters, "qv"))
         assert _tokens(llm.generate(PROMPTS[:1], GREEDY))  # still serving
     finally:
         llm.close()
@@ -325,10 +313,10 @@ def test_request_and_argument_checks(lora_llm: LLM, adapters: dict[str, Path]) -
     with pytest.raises(ValueError, match="lora_name must be a non-empty string"):
         LoRARequest("", 1, str(adapters["qv"]))
     with pytest.raises(ValueError, match="got 1 lora_requests for 2 prompts"):
-        lora_llm.generate(PROMPTS[:2], GREEDY, lora_request=[_request(adapters, "qv")])
+        lora_llm.generate(PROMPTS[:2], GREEDY, lora_request=[lora_request(adapters, "qv")])
     with pytest.raises(ValueError, match="embedding requests run the base model"):
         lora_llm.engine.add_request("e", "t5 t6", PoolingParams(),
-                                    lora_request=_request(adapters, "qv"))
+                                    lora_request=lora_request(adapters, "qv"))
 
 
 def test_configurations_refused(lora_base: Base) -> None:
