@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
 
 from hf_checkpoints import make_checkpoint, write_tokenizer  # noqa: E402
 
-from tokenmill.lora import LoRARequest  # noqa: E402
+from tokenmill.lora_request import LoRARequest  # noqa: E402
 
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Prompts as token ids of the word-level tokenizer ("t5 t9 ..." in text).

@@ -10,7 +10,7 @@ from tokenmill.config import SchedulerConfig
 from tokenmill.core.kv_cache import KVCacheManager
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.lora.layers import LoRAStep
-from tokenmill.lora.request import LoRARequest
+from tokenmill.lora_request import LoRARequest
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
 

@@ -16,13 +16,13 @@ PACKAGE_DIR = Path(tokenmill.__file__).parent
 # units of a lower layer only (never one of its own layer, never a higher one).
 LAYERS: list[tuple[str, ...]] = [
     ("utils", "csrc"),
-    ("presets", "sampling_params", "pdl"),
+    ("presets", "sampling_params", "lora_request", "pdl"),
     ("config", "outputs", "chat_template", "gguf_tokenizer"),
     ("request", "metrics", "tokenizer"),
     ("detokenizer", "core", "distributed", "structured"),
     ("attention",),
     ("models",),
-    ("quant",),
+    ("quant", "lora"),
     ("model_loader",),
     ("runner",),
     ("spec_decode", "executor"),

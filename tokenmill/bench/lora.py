@@ -37,7 +37,7 @@ from tokenmill.bench.embed import timed
 from tokenmill.bench.report import hardware, hardware_line, now_iso, write_json
 from tokenmill.engine.llm import LLM
 from tokenmill.lora.adapter import ATTENTION_MODULES, TARGET_MODULES, projection_shapes
-from tokenmill.lora.request import LoRARequest
+from tokenmill.lora_request import LoRARequest
 from tokenmill.model_loader.gguf import embedded_model_path
 from tokenmill.models.config import ArchConfig
 from tokenmill.sampling_params import SamplingParams

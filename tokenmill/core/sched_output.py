@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenmill.lora.request import LoRARequest
+from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import ComputeUsage, TokenLogprobs
 from tokenmill.sampling_params import PoolingParams, SamplingParams
 

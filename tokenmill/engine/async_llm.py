@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.engine.output_processor import OutputKind
-from tokenmill.lora.request import LoRARequest
+from tokenmill.lora_request import LoRARequest
 from tokenmill.metrics.stats import StatLogger, StatsCollector
 from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
 from tokenmill.sampling_params import PoolingParams, SamplingParams

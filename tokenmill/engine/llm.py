@@ -21,7 +21,7 @@ from tokenmill.config import (
 from tokenmill.engine.classify import LabelScorer, run_label_scoring
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.engine.scoring import cross_encoder_prompts, pair_texts, scores_of
-from tokenmill.lora.request import LoRARequest
+from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import (
     ClassificationResult,
     EmbeddingRequestOutput,

@@ -9,7 +9,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore, ModelInfo
 from tokenmill.engine.output_processor import OutputKind, OutputProcessor
 from tokenmill.engine.pooling import EMBEDDING_SAMPLING, EmbeddingRequests, embedding_prompt
-from tokenmill.lora.request import LoRARequest
+from tokenmill.lora_request import LoRARequest
 from tokenmill.metrics.stats import SchedulerStats
 from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
 from tokenmill.request import Request, first_invalid_token_id

@@ -26,7 +26,7 @@ from tokenmill.config import LoRAConfig
 from tokenmill.distributed import tp_rank, tp_size
 from tokenmill.lora.adapter import LoRAAdapter, projection_shapes, read_adapter
 from tokenmill.lora.layers import LoRALinear, LoRAStep, StepContext
-from tokenmill.lora.request import LoRARequest
+from tokenmill.lora_request import LoRARequest
 from tokenmill.models.config import ArchConfig
 
 

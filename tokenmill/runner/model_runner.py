@@ -13,7 +13,7 @@ from tokenmill.core.kv_cache import blocks_for_tokens
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
 from tokenmill.csrc import note_model_weights
 from tokenmill.lora.manager import AdapterStore, LoRAManager
-from tokenmill.lora.request import LoRARequest
+from tokenmill.lora_request import LoRARequest
 from tokenmill.models.config import ArchConfig
 from tokenmill.models.pooler import PoolerConfig
 from tokenmill.quant.model import model_weight_bytes

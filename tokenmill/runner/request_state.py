@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.core.sched_output import RunnerOutput
-from tokenmill.lora.request import LoRARequest
+from tokenmill.lora_request import LoRARequest
 from tokenmill.sampling_params import PoolingParams, SamplingParams
 from tokenmill.structured.matcher import GrammarState
 
