@@ -37,6 +37,8 @@ def test_one_adapter_a_step_and_rows_grouped() -> None:
     out = sched.schedule()
     assert list(out.num_scheduled_tokens) == ["base", "a1", "a2"]
     assert [r.lora_request for r in out.new_requests] == [A, None, A]
+    stats = sched.stats()  # for /metrics' lora_requests_info
+    assert (stats.running_loras, stats.waiting_loras, stats.max_loras) == (("a",), ("b",), 1)
 
 
 def test_two_adapters_a_step() -> None:

@@ -96,3 +96,18 @@ def test_stats_line_when_busy_and_silence_when_idle(caplog) -> None:
             now[0] += 10.0
             stats.record(idle, IterationStats())
         assert not caplog.records
+
+
+def test_lora_requests_info() -> None:
+    """vLLM's lora_requests_info: the adapters in the labels, one sample per model at a time;
+    an engine without LoRA has none."""
+    metrics = PrometheusMetrics()
+    plain, served = metrics.for_model("plain"), metrics.for_model("m")
+    plain.record(SchedulerStats(), IterationStats())
+    served.record(SchedulerStats(running_loras=("a", "b"), waiting_loras=("c",), max_loras=2),
+                  IterationStats())
+    served.record(SchedulerStats(running_loras=("c",), max_loras=2), IterationStats())
+    info = samples(metrics)["tokenmill:lora_requests_info"]
+    assert [x.labels for x in info] == [{"model_name": "m", "running_lora_adapters": "c",
+                                         "waiting_lora_adapters": "", "max_lora": "2"}]
+    assert info[0].value > 1e9  # a Unix time

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterable
 from enum import Enum
 
 from tokenmill.config import SchedulerConfig
@@ -146,6 +147,9 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions_total,
             prefix_cache_queries_total=self.kv.prefix_stats.queries,
             prefix_cache_hits_total=self.kv.prefix_stats.hits,
+            running_loras=_lora_names(self.running) if self.max_loras else (),
+            waiting_loras=_lora_names(self.waiting) if self.max_loras else (),
+            max_loras=self.max_loras,
         )
 
     # ------------------------------------------------------------------------- one step
@@ -486,3 +490,9 @@ def _add_logprobs(request: Request, logprobs: list[float] | None, num_tokens: in
         request.cumulative_logprob = None
     else:
         request.cumulative_logprob += sum(logprobs[:num_tokens])
+
+
+def _lora_names(requests: Iterable[Request]) -> tuple[str, ...]:
+    """The distinct adapters of ``requests``, by name, sorted."""
+    return tuple(sorted({r.lora_request.lora_name for r in requests
+                         if r.lora_request is not None}))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -123,6 +125,14 @@ class PrometheusMetrics:
             "tokenmill:spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted, by position in the draft (0-based).",
             ["model_name", "position"], registry=r)
+        # vLLM's lora_requests_info: the adapters in use, in the labels; the value is when
+        # they were last seen (Unix time).
+        self.lora_info = Gauge("tokenmill:lora_requests_info",
+                               "LoRA adapters of the running and waiting requests (comma-"
+                               "separated), and the adapters a step may run; the value is "
+                               "the time of the update.",
+                               ["model_name", "running_lora_adapters", "waiting_lora_adapters",
+                                "max_lora"], registry=r)
 
     def for_model(self, model_name: str) -> PrometheusStatLogger:
         """The stat logger of one served model."""
@@ -184,6 +194,19 @@ class PrometheusStatLogger:
         self._spec_seen = SpecDecodingStats()
         self._usage_seen = ComputeUsage()
         self._output_tokens = 0
+        # The labels of this model's lora_requests_info sample (one at a time).
+        self._lora_labels: tuple[str, ...] | None = None
+
+    def _record_loras(self, scheduler: SchedulerStats) -> None:
+        """One lora_requests_info sample for the model: the old one goes when the adapters
+        change, so the family does not grow a sample per combination ever seen."""
+        family = self.metrics.lora_info
+        labels = (self._model_name, ",".join(scheduler.running_loras),
+                  ",".join(scheduler.waiting_loras), str(scheduler.max_loras))
+        if self._lora_labels is not None and self._lora_labels != labels:
+            family.remove(*self._lora_labels)
+        self._lora_labels = labels
+        family.labels(*labels).set(time.time())
 
     def record(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:
         """Take one step's statistics and the scheduler's state after it."""
@@ -202,6 +225,8 @@ class PrometheusStatLogger:
                                      / scheduler.prefix_cache_queries_total)
         if scheduler.spec_decoding is not None:
             self._record_spec(scheduler.spec_decoding)
+        if scheduler.max_loras:
+            self._record_loras(scheduler)
         self._record_usage(scheduler.usage_total, iteration.num_generation_tokens)
         if iteration.batch_size:
             self.batch_size.observe(iteration.batch_size)

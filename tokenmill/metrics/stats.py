@@ -71,6 +71,11 @@ class SchedulerStats:
     spec_decoding: SpecDecodingStats | None = None
     # Time, energy and cost of every step since the start.
     usage_total: ComputeUsage = field(default_factory=ComputeUsage)
+    # LoRA adapters (names) of the running and the waiting requests, and the adapters a step
+    # may run; max_loras 0: the engine serves none.
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
+    max_loras: int = 0
 
 
 @dataclass
