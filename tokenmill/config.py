@@ -451,6 +451,9 @@ class ServerConfig:
     log_stats_interval: float = 10.0
     # The web page (chat playground at /, dashboard at /dashboard).
     webui: bool = True
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter answer (vLLM's runtime LoRA
+    # updating); off: they refuse.
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -323,6 +323,9 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "tokenmill"
     max_model_len: int
+    # A LoRA adapter's base model and folder (vLLM's fields); None for a model.
+    parent: str | None = None
+    root: str | None = None
 
 
 class ModelList(BaseModel):

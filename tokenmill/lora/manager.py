@@ -156,11 +156,11 @@ class LoRAManager:
         self.context.step = None
 
     def remove(self, lora_int_id: int) -> None:
-        """Drop an adapter from the slots and the store."""
+        """Drop an adapter from host memory; safe from another thread than the steps'. A slot
+        holding it keeps it until another adapter needs the slot: requests still running
+        with it finish with it, and a folder given again under the same id is read again
+        (slots match adapters by id and folder)."""
         self.store.remove(lora_int_id)
-        for slot, held in enumerate(self.slots):
-            if held is not None and held.lora_int_id == lora_int_id:
-                self.slots[slot] = None
 
     def _slot_for(self, request: LoRARequest, step: dict[int, LoRARequest]) -> int:
         """The slot holding ``request``'s adapter, filled now if none does: an empty slot or

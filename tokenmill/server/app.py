@@ -6,16 +6,14 @@ from __future__ import annotations
 import importlib.metadata
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
 
 from tokenmill.api.classify import ClassifyRequest
 from tokenmill.api.embeddings import EmbeddingRequest
-from tokenmill.api.errors import APIError, parse_json
+from tokenmill.api.errors import APIError
 from tokenmill.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -28,12 +26,13 @@ from tokenmill.api.responses_protocol import ResponsesRequest
 from tokenmill.api.scores import RerankRequest, ScoreRequest, prepare_rerank, prepare_score
 from tokenmill.api.tokens import detokenize, tokenize, tokenizer_info
 from tokenmill.retrieval.service import RetrievalService
-from tokenmill.server.admin_routes import admin_router
+from tokenmill.server.admin_routes import admin_key_check, admin_router
 from tokenmill.server.classify import create_classification
 from tokenmill.server.embeddings import create_embeddings
-from tokenmill.server.errors import check_json_content_type, install_error_handlers, read_body
+from tokenmill.server.errors import install_error_handlers, read_json
 from tokenmill.server.guard import HostPolicy, RequestGuard
 from tokenmill.server.lifecycle import ModelManager
+from tokenmill.server.lora_adapters import lora_router
 from tokenmill.server.monitoring import monitor_router
 from tokenmill.server.ollama_routes import ollama_router
 from tokenmill.server.openapi import install_openapi, json_body
@@ -41,10 +40,8 @@ from tokenmill.server.request_id import RequestIdMiddleware
 from tokenmill.server.responses_routes import responses_router
 from tokenmill.server.retrieval_routes import retrieval_limits, retrieval_router
 from tokenmill.server.serving import create_response
-from tokenmill.server.state import ServerState
+from tokenmill.server.state import ServedModel, ServerState
 from tokenmill.server.webui_routes import stats_router, webui_router
-
-M = TypeVar("M", bound=BaseModel)
 
 
 def build_app(state: ServerState, manager: ModelManager | None = None,
@@ -96,6 +93,9 @@ def build_app(state: ServerState, manager: ModelManager | None = None,
     app.include_router(_open_routes(state), dependencies=[Depends(require_key_if_configured)])
     app.include_router(ollama_router(state), dependencies=[Depends(require_key)])
     app.include_router(stats_router(state, require_key))
+    # Loading adapters reads folders on the server: with an admin key, only it may.
+    lora_auth = admin_key_check(state) if state.config.admin_key is not None else require_key
+    app.include_router(lora_router(state, lora_auth))
     if state.config.webui:
         app.include_router(webui_router())
     if state.config.admin_key is not None:
@@ -113,15 +113,6 @@ def build_app(state: ServerState, manager: ModelManager | None = None,
     app.add_middleware(RequestGuard, policy=HostPolicy(config.host, config.allowed_hosts,
                                                       config.allowed_origins))
     return app
-
-
-async def read_json(state: ServerState, request: Request, model: type[M]) -> M:
-    """The body as ``model``: 415 unless it is declared JSON, 413/408 for a body too large or
-    too slow, 400 for anything ``parse_json`` refuses (parsed on a worker thread)."""
-    check_json_content_type(request)
-    config = state.config
-    body = await read_body(request, config.max_body_bytes, config.body_timeout)
-    return await state.offload(parse_json, body, model)
 
 
 def _version() -> str:
@@ -168,21 +159,21 @@ def _inference_routes(state: ServerState) -> APIRouter:
         req = await read_json(state, request, RerankRequest)
         return await create_embeddings(state, req, request, prepare_rerank)
 
+    def card(served: ServedModel) -> ModelCard:
+        # An adapter names its base and its folder, as vLLM's cards do.
+        return ModelCard(id=served.name, created=state.created,
+                         max_model_len=served.client.max_model_len,
+                         parent=served.base.name if served.base is not None else None,
+                         root=served.path if served.base is not None else None)
+
     @router.get("/v1/models")
     async def models() -> JSONResponse:
-        cards = [ModelCard(id=m.name, created=state.created, max_model_len=m.client.max_model_len)
-                 for m in state.models.values()]
-        return JSONResponse(ModelList(data=cards).model_dump())
+        cards = [card(m) for m in [*state.models.values(), *state.adapters.values()]]
+        return JSONResponse(ModelList(data=cards).model_dump(exclude_none=True))
 
     @router.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> JSONResponse:
-        served = state.models.get(model_id)
-        if served is None:
-            raise APIError(404, f"the model {model_id!r} does not exist; served: "
-                           f"{sorted(state.models)}", param="model", code="model_not_found")
-        card = ModelCard(id=served.name, created=state.created,
-                         max_model_len=served.client.max_model_len)
-        return JSONResponse(card.model_dump())
+        return JSONResponse(card(state.model(model_id, task=None)).model_dump(exclude_none=True))
 
     @router.post("/tokenize", openapi_extra=json_body(TokenizeRequest))
     async def tokenize_route(request: Request) -> JSONResponse:

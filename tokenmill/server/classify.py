@@ -21,7 +21,7 @@ async def create_classification(state: ServerState, req: ClassifyRequest,
     served = await state.resolve(req.model)
     with served.lease():  # scoring submits as it goes
         call = await state.offload(prepare_classify, req, served.client)
-        scoring = score_labels(call.scorer, functools.partial(submit, state, served.client),
+        scoring = score_labels(call.scorer, functools.partial(submit, state, served),
                                served.client.capacity)
         results = await until_disconnect(raw.receive, scoring)
     if results is None:  # the client is gone; nobody reads this

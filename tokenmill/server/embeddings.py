@@ -26,7 +26,7 @@ async def create_embeddings(state: ServerState, req: Any, raw: Request,
     served = await state.resolve(req.model, task=EMBED)
     with served.lease():
         call = await state.offload(prepare, req, served.client)
-        group = await submit(state, served.client, call.prompts, call.params, call.id_prefix)
+        group = await submit(state, served, call.prompts, call.params, call.id_prefix)
 
     async def run() -> list[EmbeddingRequestOutput]:
         try:

@@ -1,17 +1,22 @@
 """OpenAI-shaped HTTP errors: an APIError as a JSON response, FastAPI's own errors in the same
-shape, and a request body read under a size limit."""
+shape, and a request body read under a size limit (and parsed)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenmill.api.errors import APIError, bad_request
+from tokenmill.api.errors import APIError, bad_request, parse_json
+from tokenmill.server.state import ServerState
+
+M = TypeVar("M", bound=BaseModel)
 
 logger = logging.getLogger(__name__)
 
@@ -77,3 +82,12 @@ async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
     except asyncio.TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout:g} s",
                        code="request_timeout", headers={"Connection": "close"}) from None
+
+
+async def read_json(state: ServerState, request: Request, model: type[M]) -> M:
+    """The body as ``model``: 415 unless it is declared JSON, 413/408 for a body too large or
+    too slow, 400 for anything ``parse_json`` refuses (parsed on a worker thread)."""
+    check_json_content_type(request)
+    config = state.config
+    body = await read_body(request, config.max_body_bytes, config.body_timeout)
+    return await state.offload(parse_json, body, model)

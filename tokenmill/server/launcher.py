@@ -13,7 +13,7 @@ import asyncio
 import logging
 import signal
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import FrameType
 
 import uvicorn
@@ -26,6 +26,7 @@ from tokenmill.metrics.prometheus import PrometheusMetrics
 from tokenmill.server.app import build_app
 from tokenmill.server.connections import GuardedH11Protocol
 from tokenmill.server.lifecycle import ModelManager, serve_engine
+from tokenmill.server.lora_adapters import LoRAModule, check_lora_options, load_lora_modules
 from tokenmill.server.model_registry import ModelSpec
 from tokenmill.server.monitoring import make_monitors, prompt_embedder
 from tokenmill.server.retrieval_setup import build_retrieval
@@ -143,12 +144,22 @@ def served_names(engines: list[tuple[str | None, LLMEngine]],
 
 
 def run_server(models: list[tuple[str | None, EngineConfig]], config: ServerConfig,
-               make_config: Callable[[ModelSpec], EngineConfig] | None = None) -> int:
-    """Serve ``models`` ((name or None, config) each) until SIGTERM (exit code 0) or an
-    engine failure (exit code 1). ``make_config``: the EngineConfig of a model the admin API
-    loads (needed with an admin key)."""
-    # The models load before the port opens: anything that answers is ready to serve.
+               make_config: Callable[[ModelSpec], EngineConfig] | None = None,
+               lora_modules: Sequence[LoRAModule] = ()) -> int:
+    """Serve ``models`` ((name or None, config) each) and the LoRA adapters of
+    ``lora_modules`` until SIGTERM (exit code 0) or an engine failure (exit code 1).
+    ``make_config``: the EngineConfig of a model the admin API loads (needed with an admin
+    key)."""
+    check_lora_options([c for _, c in models], lora_modules,
+                       config.allow_runtime_lora_updating)
+    # The models and adapters load before the port opens: anything that answers is ready.
     state = load_models(models, config)
+    try:
+        load_lora_modules(state, lora_modules)
+    except BaseException:
+        for served in state.models.values():
+            served.client.engine.close()
+        raise
     manager = None
     if config.admin_key is not None or config.models_dir is not None:
         if make_config is None:
@@ -169,7 +180,9 @@ def run_server(models: list[tuple[str | None, EngineConfig]], config: ServerConf
     logger.debug("froze %d start-up objects out of garbage collection", frozen)
     age = process_age_s()
     logger.info("serving %s on http://%s:%d/v1 (auth %s)%s",
-                ", ".join(f"{m.name!r} ({m.task})" for m in state.models.values()),
+                ", ".join([*(f"{m.name!r} ({m.task})" for m in state.models.values()),
+                           *(f"{a.name!r} (LoRA on {a.base.name!r})"
+                             for a in state.adapters.values() if a.base is not None)]),
                 config.host, config.port, "on" if config.api_key else "off",
                 "" if age is None else f"; ready {age:.1f} s after the process started")
     server.run()

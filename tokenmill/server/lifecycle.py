@@ -145,8 +145,7 @@ class ModelManager:
         --max-loaded-models; 503 when every one is in use."""
         limit = self.max_loaded_models
         while limit is not None and len(self.state.models) + len(self._loading) > limit:
-            idle = [m for m in self.state.models.values()
-                    if m.on_demand and m.idle and m.name not in self._busy]
+            idle = [m for m in self.state.models.values() if self._unloadable(m)]
             if not idle:
                 raise APIError(503, f"{len(self.state.models)} models are loaded "
                                f"(--max-loaded-models {limit}) and none is idle; retry later",
@@ -162,11 +161,17 @@ class ModelManager:
             await asyncio.sleep(min(self.keep_alive / 4, 5.0))
             now = time.monotonic()
             for m in list(self.state.models.values()):
-                if (m.on_demand and m.idle and m.name not in self._busy
-                        and now - m.last_used > self.keep_alive and len(self.state.models) > 1):
+                if (self._unloadable(m) and now - m.last_used > self.keep_alive
+                        and len(self.state.models) > 1):
                     logger.info("unloading %r: idle for %.0f s (--keep-alive)", m.name,
                                 now - m.last_used)
                     await self.unload(m.name)
+
+    def _unloadable(self, m: ServedModel) -> bool:
+        """Whether the model may be unloaded without being asked: loaded on demand, idle, not
+        being changed, no LoRA adapter running on it."""
+        return (m.on_demand and m.idle and m.name not in self._busy
+                and not self.state.adapters_of(m.name))
 
     # ----------------------------------------------------------------- admin operations
 
@@ -201,6 +206,9 @@ class ModelManager:
         if req.name in self.state.models:
             raise APIError(409, f"a model named {req.name!r} is already loaded (swap it with "
                            "PUT /admin/models/{name})", param="name", code="model_exists")
+        if req.name in self.state.adapters:
+            raise APIError(409, f"a LoRA adapter is named {req.name!r}", param="name",
+                           code="model_exists")
         with self._changing(req.name, "loading"):
             served = await self._build(req)
             served.on_demand = on_demand
@@ -212,13 +220,15 @@ class ModelManager:
     async def swap(self, req: LoadRequest) -> ServedModel:
         """Blue/green: load ``req`` beside the model of that name, route new requests to it,
         drain and unload the old one. Nothing changes if the load fails."""
-        old = self.state.models.get(req.name)
-        if old is None:
-            raise APIError(404, f"no model named {req.name!r} is loaded", param="name",
-                           code="model_not_found")
+        old = self._loaded(req.name)
         with self._changing(req.name, "swapping"):
             # The new version takes the old one's place in the KV budget unless told otherwise.
             new = await self._build(req, kv_cache_bytes=old.kv_cache_bytes)
+            try:
+                self._loaded(req.name)  # an adapter may have been put on it meanwhile
+            except APIError:
+                await new.client.shutdown()
+                raise
             new.client.start()
             self.state.models[req.name] = new  # from here on new requests go to the new one
             logger.info("swapped %r to %s; draining the old version", req.name, new.path)
@@ -227,10 +237,7 @@ class ModelManager:
 
     async def unload(self, name: str) -> None:
         """Stop routing to the model, let its requests finish, unload it."""
-        served = self.state.models.get(name)
-        if served is None:
-            raise APIError(404, f"no model named {name!r} is loaded", param="name",
-                           code="model_not_found")
+        served = self._loaded(name)
         if len(self.state.models) == 1:
             raise APIError(409, "the last model cannot be unloaded (swap it instead)",
                            param="name", code="last_model")
@@ -238,6 +245,23 @@ class ModelManager:
             del self.state.models[name]
             await self._drain_and_close(served)
         logger.info("unloaded %r", name)
+
+    def _loaded(self, name: str) -> ServedModel:
+        """The loaded model ``name``, which may change: 404 if there is none, 409 while LoRA
+        adapters run on it (their requests would lose their engine)."""
+        if name in self.state.adapters:
+            raise APIError(400, f"{name!r} is a LoRA adapter, not a model: unload it with "
+                           "POST /v1/unload_lora_adapter", param="name", code="is_adapter")
+        served = self.state.models.get(name)
+        if served is None:
+            raise APIError(404, f"no model named {name!r} is loaded", param="name",
+                           code="model_not_found")
+        adapters = self.state.adapters_of(name)
+        if adapters:
+            raise APIError(409, f"the LoRA adapters {', '.join(map(repr, adapters))} run on "
+                           f"{name!r}: unload them first (POST /v1/unload_lora_adapter)",
+                           param="name", code="model_has_adapters")
+        return served
 
     def _changing(self, name: str, what: str) -> _Change:
         if name in self._busy:

@@ -55,7 +55,7 @@ async def _resolve(state: ServerState, name: Any, task: str | None) -> ServedMod
     """The served model an Ollama name means (``name:latest`` is ``name``)."""
     if not isinstance(name, str) or not name:
         raise APIError(400, "model is required", param="model")
-    if name not in state.models and name.endswith(":latest"):
+    if not state.serves(name) and name.endswith(":latest"):
         name = name.removesuffix(":latest")
     return await state.resolve(name, task)
 
@@ -69,10 +69,17 @@ def _details(served: ServedModel) -> dict[str, Any]:
     for suffix in ("ForCausalLM", "ForMaskedLM", "Model"):
         family = family.removesuffix(suffix)
     family = family.lower()
-    return {"parent_model": "",
+    return {"parent_model": served.base.name if served.base is not None else "",
             "format": "gguf" if info.path.endswith(".gguf") else "safetensors",
             "family": family, "families": [family],
             "parameter_size": size, "quantization_level": info.quantization}
+
+
+def _modelfile(served: ServedModel) -> str:
+    """What Ollama's Modelfile would say: the weights, and an adapter's base."""
+    if served.base is None:
+        return f"FROM {served.path}\n"
+    return f"FROM {served.base.path}\nADAPTER {served.path}\n"
 
 
 def _entry(served: ServedModel) -> dict[str, Any]:
@@ -176,7 +183,7 @@ async def _embed(state: ServerState, request: Request, body: Any, legacy: bool) 
     started = time.monotonic()
     with served.lease():
         call = await state.offload(prepare_embeddings, req, served.client)
-        group = await submit(state, served.client, call.prompts, call.params, call.id_prefix)
+        group = await submit(state, served, call.prompts, call.params, call.id_prefix)
 
     async def run() -> Any:
         try:
@@ -224,7 +231,7 @@ def ollama_router(state: ServerState) -> APIRouter:
         info = served.client.engine.model_info()
         template = served.client.tokenizer.chat_template or ""
         return JSONResponse({
-            "modelfile": f"FROM {served.path}\n", "parameters": "", "template": template,
+            "modelfile": _modelfile(served), "parameters": "", "template": template,
             "details": _details(served),
             "model_info": {"general.architecture": info.architecture,
                            "general.parameter_count": info.num_parameters,

@@ -95,7 +95,7 @@ async def create_response(state: ServerState, req: ResponsesRequest, raw: Reques
         results = await run_search(plan, search) if plan.query is not None else None
         call: ResponsesCall = await state.offload(
             prepare_response, plan, served.client, results, state.config.tool_call_parser)
-        group = await submit(state, served.client, call.chat.engine_prompts, call.chat.params,
+        group = await submit(state, served, call.chat.engine_prompts, call.chat.params,
                              "resp")
     builder = ResponseBuilder(call, call.skeleton(item_id("resp"), served.name, now()))
 

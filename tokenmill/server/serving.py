@@ -17,13 +17,12 @@ from tokenmill.api.errors import APIError, bad_request
 from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest, now, random_id
 from tokenmill.api.responses import Collected, collect
 from tokenmill.engine.async_llm import (
-    AsyncLLM,
     EngineDeadError,
     EngineOverloadedError,
     RequestGroup,
 )
 from tokenmill.engine.llm_engine import PromptType
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import PoolingParams, SamplingParams
 from tokenmill.server.state import ServedModel, ServerState
 from tokenmill.server.streaming import EngineStreamingResponse, stream_events, until_disconnect
 
@@ -31,13 +30,14 @@ from tokenmill.server.streaming import EngineStreamingResponse, stream_events, u
 RETRY_AFTER_S = 1
 
 
-async def submit(state: ServerState, client: AsyncLLM, prompts: Sequence[PromptType],
-                 params: SamplingParams, prefix: str) -> RequestGroup:
-    """Queue the prompts in ``client``'s engine, turning refusals into HTTP errors."""
+async def submit(state: ServerState, served: ServedModel, prompts: Sequence[PromptType],
+                 params: SamplingParams | PoolingParams, prefix: str) -> RequestGroup:
+    """Queue the prompts in ``served``'s engine (with its LoRA adapter, if it is one),
+    turning refusals into HTTP errors."""
     if state.draining:
         raise APIError(503, "the server is shutting down", code="shutting_down")
     try:
-        return await client.submit(prompts, params, prefix)
+        return await served.client.submit(prompts, params, prefix, lora_request=served.lora)
     except EngineOverloadedError as e:
         raise APIError(503, f"the server is overloaded ({e}); retry later", code="overloaded",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -68,8 +68,7 @@ async def start_generation(state: ServerState, served: ServedModel,
         call = await state.offload(functools.partial(
             prepare, split_special_tokens=state.config.split_special_tokens,
             tool_call_parser=state.config.tool_call_parser), req, served.client)
-        group = await submit(state, served.client, call.engine_prompts, call.params,
-                             call.id_prefix)
+        group = await submit(state, served, call.engine_prompts, call.params, call.id_prefix)
     return call, group
 
 

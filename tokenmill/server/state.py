@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import functools
 import hmac
+import itertools
 import re
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -17,6 +18,7 @@ from tokenmill.api.errors import APIError
 from tokenmill.api.protocol import now
 from tokenmill.config import ServerConfig
 from tokenmill.engine.async_llm import AsyncLLM, StepLoop
+from tokenmill.lora import LoRARequest
 from tokenmill.metrics.live import LiveStats
 from tokenmill.metrics.prometheus import PrometheusMetrics
 from tokenmill.ops.registry import MonitorRegistry
@@ -41,7 +43,10 @@ class ServedModel:
     """One model the server serves: the name clients send as ``model``, its engine client.
 
     ``leases`` counts the requests that resolved this model and have not yet been queued in
-    its engine: a drain (unload, swap) waits for them too."""
+    its engine: a drain (unload, swap) waits for them too.
+
+    A LoRA adapter is served as a model of its own: ``lora`` is the adapter its requests run
+    with and ``base`` the served model whose engine (``client``) runs them."""
 
     name: str
     client: AsyncLLM
@@ -57,17 +62,23 @@ class ServedModel:
     last_used: float = field(default_factory=time.monotonic)
     # Its recent activity, for the dashboard (fed by its engine's steps).
     live: LiveStats = field(default_factory=LiveStats)
+    lora: LoRARequest | None = None
+    base: ServedModel | None = None
 
     @contextlib.contextmanager
     def lease(self) -> Iterator[ServedModel]:
-        """Hold the model while a request is prepared and submitted."""
-        self.leases += 1
-        self.last_used = time.monotonic()
+        """Hold the model (and an adapter's base, whose engine the request reaches) while a
+        request is prepared and submitted."""
+        held = [self] if self.base is None else [self, self.base]
+        for served in held:
+            served.leases += 1
+            served.last_used = time.monotonic()
         try:
             yield self
         finally:
-            self.leases -= 1
-            self.last_used = time.monotonic()
+            for served in held:
+                served.leases -= 1
+                served.last_used = time.monotonic()
 
     @property
     def idle(self) -> bool:
@@ -81,8 +92,14 @@ class ServerState:
     task), the metrics of them all."""
 
     config: ServerConfig
+    # One entry per engine: what starts, stops, drains and reports.
     models: dict[str, ServedModel]
     metrics: PrometheusMetrics
+    # LoRA adapters by name (tokenmill/server/lora_adapters.py): entries that share their
+    # base's engine, kept apart from ``models`` so nothing counts an engine twice.
+    adapters: dict[str, ServedModel] = field(default_factory=dict)
+    # Each adapter loaded gets the next id: its weights' key in the engine.
+    lora_ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
     # The one thread that steps every model's engine (see StepLoop).
     step_loop: StepLoop = field(default_factory=StepLoop)
     # The drift monitor of every served generative model; None: monitoring is off.
@@ -104,7 +121,7 @@ class ServerState:
                       task: str | None = GENERATE) -> ServedModel:
         """``model()``, loading a model that is not loaded first when the server loads on
         demand (a name it cannot load stays a 404)."""
-        if (requested is not None and requested not in self.models
+        if (requested is not None and not self.serves(requested)
                 and self.load_on_demand is not None):
             await self.load_on_demand(requested)
         return self.model(requested, task)
@@ -121,17 +138,32 @@ class ServerState:
                     "(POST /v1/embeddings)")
             raise APIError(400, f"this server serves {what}", param="model",
                            code="wrong_model_type")
-        served = self.models.get(requested)
+        served = self.models.get(requested) or self.adapters.get(requested)
         if served is None:
+            names = [*self.models, *self.adapters]
             raise APIError(404, f"the model {requested!r} does not exist; this server serves "
-                           f"{', '.join(repr(n) for n in self.models)}", param="model",
+                           f"{', '.join(repr(n) for n in names)}", param="model",
                            code="model_not_found")
         if task is not None and served.task != task:
-            what = ("computes embeddings (POST /v1/embeddings); it does not generate text"
-                    if served.task == EMBED else "generates text; it does not serve embeddings")
+            if served.base is not None:
+                what = (f"is a LoRA adapter of {served.base.name!r}: adapters apply to text "
+                        "generation, not embeddings")
+            elif served.task == EMBED:
+                what = "computes embeddings (POST /v1/embeddings); it does not generate text"
+            else:
+                what = "generates text; it does not serve embeddings"
             raise APIError(400, f"the model {requested!r} {what}", param="model",
                            code="wrong_model_type")
         return served
+
+    def serves(self, name: str) -> bool:
+        """Whether ``name`` is a loaded model or adapter."""
+        return name in self.models or name in self.adapters
+
+    def adapters_of(self, base: str) -> list[str]:
+        """The names of the adapters that run on the model ``base``."""
+        return [a.name for a in self.adapters.values()
+                if a.base is not None and a.base.name == base]
 
     @property
     def clients(self) -> list[AsyncLLM]:
