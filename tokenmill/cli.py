@@ -31,8 +31,10 @@ from tokenmill.chat import ChatSession, run_generate
 from tokenmill.config import TOOL_CALL_PARSERS, ServerConfig
 from tokenmill.engine.args import (
     add_engine_args,
+    add_lora_modules_arg,
     add_sampling_args,
     engine_config_from_args,
+    parse_lora_module,
     sampling_params_from_args,
 )
 from tokenmill.engine.llm_engine import LLMEngine, ModelInfo
@@ -99,7 +101,6 @@ def _describe_graphs(info: ModelInfo) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run `tokenmill serve` until SIGTERM / SIGINT."""
     from tokenmill.server.launcher import run_server
-    from tokenmill.server.lora_adapters import parse_lora_module
     from tokenmill.server.model_registry import config_factory, served_models
 
     if args.model_path is not None:
@@ -190,11 +191,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="the format of the model's tool calls on /v1/chat/completions: hermes "
                    "(<tool_call> per call: Qwen, Hermes), smollm (<tool_call>[...]: SmolLM2), "
                    "or auto (by the chat template)")
-    g.add_argument("--lora-modules", nargs="+", action="extend", default=[],
-                   metavar="NAME=PATH", help="LoRA adapters (PEFT folders) to serve, each under "
-                   "its own model name: NAME=PATH, or a JSON object {\"name\", \"path\", "
-                   "\"base_model_name\"} to pick the model it runs on (default: the first "
-                   "text-generation model); needs --enable-lora")
+    add_lora_modules_arg(g, "a request names one as its model (base_model_name picks the "
+                         "model it runs on; default: the first text-generation model)")
     g.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind "
                    "the admin key if there is one, else the API key); needs --enable-lora")

@@ -21,10 +21,10 @@ from fastapi.testclient import TestClient
 from server_harness import BASE_ARGS, Server, free_port, start_server
 
 from tokenmill.config import ServerConfig
+from tokenmill.engine.args import LoRAModule, parse_lora_module
 from tokenmill.metrics.prometheus import PrometheusMetrics
 from tokenmill.server.app import build_app
 from tokenmill.server.lifecycle import ModelManager
-from tokenmill.server.lora_adapters import LoRAModule, parse_lora_module
 from tokenmill.server.state import ServedModel, ServerState
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "lora"))

@@ -7,7 +7,15 @@ import argparse
 import sys
 
 from tokenmill.batch import DEFAULT_MAX_IN_FLIGHT
-from tokenmill.engine.args import add_engine_args, engine_config_from_args
+from tokenmill.config import EngineConfig
+from tokenmill.engine.args import (
+    LoRAModule,
+    add_engine_args,
+    add_lora_modules_arg,
+    engine_config_from_args,
+    parse_lora_module,
+)
+from tokenmill.lora_request import LoRARequest
 from tokenmill.utils import freeze_startup_heap
 
 
@@ -34,12 +42,15 @@ def add_batch_parser(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--ray-address", default=None,
                    help="Ray cluster to join (default: $RAY_ADDRESS, else a local one)")
     add_engine_args(p)
+    add_lora_modules_arg(p.add_argument_group("LoRA"),
+                         "a line whose body names one as its model runs with it")
     p.set_defaults(func=cmd_batch)
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
     """Run `tokenmill batch`."""
     config = engine_config_from_args(args)
+    adapters = batch_adapters([parse_lora_module(v) for v in args.lora_modules], config)
     if args.ray:
         from tokenmill.batch.ray_job import run_batch_ray
 
@@ -47,16 +58,33 @@ def cmd_batch(args: argparse.Namespace) -> int:
                               batch_size=args.ray_batch_size,
                               cpus_per_actor=args.ray_cpus_per_actor, address=args.ray_address,
                               model_name=args.served_model_name,
-                              max_in_flight=args.max_in_flight, progress=args.progress)
+                              max_in_flight=args.max_in_flight, progress=args.progress,
+                              adapters=adapters)
     else:
         from tokenmill.batch.job import check_paths, run_batch
         from tokenmill.engine.llm_engine import LLMEngine
 
         check_paths(args.input, args.output)  # before the model loads
         engine = LLMEngine(config)
+        for lora in adapters.values():  # a bad adapter fails the job now, not line by line
+            engine.add_lora(lora)
         freeze_startup_heap()
         stats = run_batch(args.input, args.output, engine,
                           max_in_flight=args.max_in_flight, model_name=args.served_model_name,
-                          progress=args.progress)
+                          progress=args.progress, adapters=adapters)
     print(stats.summary(), file=sys.stderr)
     return 0
+
+
+def batch_adapters(modules: list[LoRAModule], config: EngineConfig) -> dict[str, LoRARequest]:
+    """The ``--lora-modules`` of a batch job by name, each with an id of its own (a job runs
+    one model: every adapter runs on it, whatever ``base_model_name`` says); ValueError for
+    a repeated name or adapters without ``--enable-lora``."""
+    if modules and not config.lora.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    adapters: dict[str, LoRARequest] = {}
+    for i, module in enumerate(modules, start=1):
+        if module.name in adapters:
+            raise ValueError(f"--lora-modules: the name {module.name!r} is given twice")
+        adapters[module.name] = LoRARequest(module.name, i, module.path)
+    return adapters

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
@@ -19,6 +19,7 @@ from tokenmill.batch.processor import Answer, BatchProcessor
 from tokenmill.batch.results import ResultsFile
 from tokenmill.engine.llm import LLM
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.lora_request import LoRARequest
 
 
 @dataclass
@@ -143,15 +144,17 @@ def answer_lines(input_path: str, output_path: str, progress: bool,
 
 def run_batch(input_path: str, output_path: str, engine: LLM | LLMEngine, *,
               max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, model_name: str | None = None,
-              progress: bool = True) -> BatchStats:
+              progress: bool = True,
+              adapters: Mapping[str, LoRARequest] | None = None) -> BatchStats:
     """Answer every line of ``input_path`` (OpenAI Batch JSONL) into ``output_path``.
 
     Answers are appended as they finish, so running it again after a crash or a kill resumes:
     lines already answered are skipped and each custom_id ends up answered exactly once.
     ``model_name`` is the ``model`` of the response bodies (default: the model file's name).
+    ``adapters``: LoRA adapters by the name a line's ``model`` gives (see BatchProcessor).
     """
     check_paths(input_path, output_path)
     if isinstance(engine, LLM):
         engine = engine.engine
-    processor = BatchProcessor(engine, model_name, max_in_flight)
+    processor = BatchProcessor(engine, model_name, max_in_flight, adapters)
     return answer_lines(input_path, output_path, progress, processor.run)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -18,7 +18,7 @@ from tokenmill.api.classify import ClassifyCall, ClassifyRequest, prepare_classi
 from tokenmill.api.embeddings import EmbeddingRequest, PoolingCall, prepare_embeddings
 from tokenmill.api.endpoints import ENDPOINTS, prepare
 from tokenmill.api.errors import APIError, bad_request, validate_body
-from tokenmill.api.protocol import now, random_id
+from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest, now, random_id
 from tokenmill.api.responses import Call, Collected
 from tokenmill.api.scores import RerankRequest, ScoreRequest, prepare_rerank, prepare_score
 from tokenmill.api.validation import default_model_name
@@ -26,6 +26,7 @@ from tokenmill.batch import DEFAULT_MAX_IN_FLIGHT
 from tokenmill.batch.format import BatchRequest, api_error_line, response_line
 from tokenmill.engine.classify import LabelRequest
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -72,10 +73,12 @@ class _Job(Protocol):
 
 @dataclass
 class _GenerateJob:
-    """Chat or completions: one engine request per prompt, answered when all have finished."""
+    """Chat or completions: one engine request per prompt, answered when all have finished;
+    ``lora``: the adapter its body's ``model`` names (None: the base model)."""
 
     request: BatchRequest
     call: Call
+    lora: LoRARequest | None = None
     outputs: dict[str, RequestOutput] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -92,7 +95,7 @@ class _GenerateJob:
 
     def start(self, engine: LLMEngine) -> list[str]:
         for rid, prompt in zip(self.request_ids, self.call.engine_prompts, strict=True):
-            engine.add_request(rid, prompt, self.call.params)
+            engine.add_request(rid, prompt, self.call.params, lora_request=self.lora)
         return self.request_ids
 
     def finish(self, out: RequestOutput, engine: LLMEngine) -> list[str]:
@@ -105,7 +108,8 @@ class _GenerateJob:
     def answer(self, model_name: str) -> Answer:
         result = Collected.from_final([self.outputs[rid] for rid in self.request_ids])
         rid = random_id(self.call.id_prefix)
-        body = self.call.response(result, model_name, rid, now())
+        name = model_name if self.lora is None else self.lora.lora_name
+        body = self.call.response(result, name, rid, now())
         usage = result.usage()
         return Answer(self.request.line, response_line(self.request, body, rid), ok=True,
                       prompt_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens)
@@ -198,15 +202,18 @@ class _EmbedJob:
 
 class BatchProcessor:
     """Answers BatchRequests with one engine; ``model_name`` goes into the response bodies
-    (None: the model file's name)."""
+    (None: the model file's name). ``adapters``: LoRA adapters by name; a chat or completions
+    line whose ``model`` names one runs with it and is answered under its name."""
 
     def __init__(self, engine: LLMEngine, model_name: str | None,
-                 max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> None:
+                 max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+                 adapters: Mapping[str, LoRARequest] | None = None) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self.engine = engine
         self.model_name = model_name or default_model_name(engine.model_path)
         self.max_in_flight = max_in_flight
+        self.adapters = dict(adapters or {})
 
     def run(self, requests: Iterable[BatchRequest]) -> Iterator[Answer]:
         """Yield an Answer per request, in the order they finish; ``requests`` is read lazily,
@@ -249,7 +256,12 @@ class BatchProcessor:
         """Validate and queue one request; a refusal comes back as its Answer instead."""
         try:
             body = validate_body(req.body, ENDPOINTS[req.url])
+            lora = self.adapters.get(getattr(body, "model", None) or "")
             job: _Job
+            if lora is not None and not isinstance(body, ChatCompletionRequest
+                                                   | CompletionRequest):
+                raise bad_request(f"the model {lora.lora_name!r} is a LoRA adapter: adapters "
+                                  f"apply to chat and completions, not {req.url}", "model")
             if isinstance(body, ClassifyRequest):
                 job = _ClassifyJob(req, prepare_classify(body, self.engine))
             elif isinstance(body, EmbeddingRequest):
@@ -259,7 +271,7 @@ class BatchProcessor:
             elif isinstance(body, RerankRequest):
                 job = _EmbedJob(req, prepare_rerank(body, self.engine))
             else:
-                job = _GenerateJob(req, prepare(body, self.engine))  # type: ignore[arg-type]
+                job = _GenerateJob(req, prepare(body, self.engine), lora)  # type: ignore[arg-type]
         except Exception as e:  # noqa: BLE001 - answered as its line's error
             return _refusal(req, e)
         try:

@@ -19,6 +19,7 @@ from tokenmill.batch.format import BatchRequest
 from tokenmill.batch.job import BatchStats, answer_lines, check_paths
 from tokenmill.batch.processor import Answer
 from tokenmill.config import EngineConfig
+from tokenmill.lora_request import LoRARequest
 
 RAY_MISSING = ("the Ray batch mode needs Ray Data, which is not installed: "
                "pip install -c constraints.txt 'ray[data]'")
@@ -31,11 +32,13 @@ class EngineActor:
     ``batch_size`` is both the unit of work and each actor's batching depth.
     """
 
-    def __init__(self, config: EngineConfig, model_name: str | None, max_in_flight: int) -> None:
+    def __init__(self, config: EngineConfig, model_name: str | None, max_in_flight: int,
+                 adapters: dict[str, LoRARequest] | None = None) -> None:
         from tokenmill.batch.processor import BatchProcessor
         from tokenmill.engine.llm_engine import LLMEngine
 
-        self.processor = BatchProcessor(LLMEngine(config), model_name, max_in_flight)
+        self.processor = BatchProcessor(LLMEngine(config), model_name, max_in_flight,
+                                        adapters)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         import numpy as np
@@ -53,9 +56,11 @@ def run_batch_ray(input_path: str, output_path: str, config: EngineConfig, *,
                   num_actors: int = 2, batch_size: int = 64, cpus_per_actor: float = 1.0,
                   address: str | None = None, model_name: str | None = None,
                   max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-                  progress: bool = True) -> BatchStats:
+                  progress: bool = True,
+                  adapters: dict[str, LoRARequest] | None = None) -> BatchStats:
     """Answer every line of ``input_path`` into ``output_path`` on Ray Data, with
-    ``num_actors`` actors that each load an engine from ``config``.
+    ``num_actors`` actors that each load an engine from ``config`` (and serve ``adapters``,
+    as ``run_batch`` does).
 
     ``address`` is a Ray cluster to join (default: $RAY_ADDRESS, else a local Ray started for
     this job and stopped after it). Each actor reserves ``cpus_per_actor`` CPUs and, unless
@@ -80,7 +85,7 @@ def run_batch_ray(input_path: str, output_path: str, config: EngineConfig, *,
             config, device=dataclasses.replace(config.device, num_threads=threads))
 
     pool = _ActorPool(config, model_name, max_in_flight, num_actors, batch_size,
-                      cpus_per_actor, address)
+                      cpus_per_actor, address, dict(adapters or {}))
     return answer_lines(input_path, output_path, progress, pool.answer)
 
 
@@ -95,6 +100,7 @@ class _ActorPool:
     batch_size: int
     cpus_per_actor: float
     address: str | None
+    adapters: dict[str, LoRARequest] = dataclasses.field(default_factory=dict)
 
     def answer(self, requests: Iterator[BatchRequest]) -> Iterator[Answer]:
         """The actors' answers, as they arrive; Ray runs only while there is work."""
@@ -107,7 +113,7 @@ class _ActorPool:
         if not rows:
             return
         actor_kwargs = {"config": self.config, "model_name": self.model_name,
-                        "max_in_flight": self.max_in_flight}
+                        "max_in_flight": self.max_in_flight, "adapters": self.adapters}
         started = not ray.is_initialized()
         if started:
             ray.init(address=self.address, include_dashboard=False)

@@ -8,6 +8,8 @@ constants and dataclass defaults, so the command line and the Python API cannot 
 from __future__ import annotations
 
 import argparse
+import json
+from dataclasses import dataclass
 
 from tokenmill.config import (
     DTYPES,
@@ -163,6 +165,58 @@ def _add_lora_args(g: argparse._ArgumentGroup) -> None:
                    help="highest adapter rank that loads")
     g.add_argument("--max-cpu-loras", type=int, default=LoRAConfig.max_cpu_loras,
                    help="adapters kept in host memory (default: 4 x --max-loras)")
+
+
+_MODULE_KEYS = frozenset({"name", "path", "base_model_name"})
+
+
+@dataclass(frozen=True)
+class LoRAModule:
+    """An adapter to serve: the name clients send as ``model``, its PEFT folder, and the
+    served model it runs on (None: the first text-generation model)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def parse_lora_module(value: str) -> LoRAModule:
+    """One ``--lora-modules`` value: ``NAME=PATH`` or a JSON object with ``name``, ``path``
+    and optionally ``base_model_name``; ValueError naming what is wrong."""
+    where = f"--lora-modules {value!r}"
+    text = value.strip()
+    if not text.startswith("{"):
+        name, sep, path = text.partition("=")
+        if not sep:
+            raise ValueError(f"{where}: expected NAME=PATH or a JSON object with name and path")
+        fields: dict[str, object] = {"name": name.strip(), "path": path.strip()}
+    else:
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not valid JSON ({e})") from None
+        if not isinstance(fields, dict):
+            raise ValueError(f"{where}: expected a JSON object")
+        unknown = sorted(set(fields) - _MODULE_KEYS)
+        if unknown:
+            raise ValueError(f"{where}: unknown key {unknown[0]!r} (known: name, path, "
+                             "base_model_name)")
+    for key in ("name", "path"):
+        if not isinstance(fields.get(key), str) or not fields[key]:
+            raise ValueError(f"{where}: {key} must be a non-empty string")
+    base = fields.get("base_model_name")
+    if base is not None and (not isinstance(base, str) or not base):
+        raise ValueError(f"{where}: base_model_name must be a non-empty string")
+    return LoRAModule(str(fields["name"]), str(fields["path"]), base)
+
+
+def add_lora_modules_arg(g: argparse._ArgumentGroup, what: str) -> None:
+    """``--lora-modules`` of `serve` and `batch` (parsed by :func:`parse_lora_module`);
+    ``what`` says where the adapters run."""
+    g.add_argument("--lora-modules", nargs="+", action="extend", default=[],
+                   metavar="NAME=PATH", help="LoRA adapters (PEFT folders), each under its own "
+                   "model name: NAME=PATH, or a JSON object {\"name\", \"path\", "
+                   f"\"base_model_name\"}}; {what}; needs --enable-lora")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -11,9 +11,7 @@ starts, drains, counts or unloads engines walks the models alone.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
@@ -21,52 +19,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tokenmill.api.errors import APIError, bad_request
 from tokenmill.config import EngineConfig
+from tokenmill.engine.args import LoRAModule
 from tokenmill.lora import LoRARequest
 from tokenmill.server.errors import read_json
 from tokenmill.server.lifecycle import DRAIN_POLL_S
 from tokenmill.server.state import GENERATE, ServedModel, ServerState
-
-_MODULE_KEYS = frozenset({"name", "path", "base_model_name"})
-
-
-@dataclass(frozen=True)
-class LoRAModule:
-    """An adapter to serve: the name clients send as ``model``, its PEFT folder, and the
-    served model it runs on (None: the first text-generation model)."""
-
-    name: str
-    path: str
-    base_model_name: str | None = None
-
-
-def parse_lora_module(value: str) -> LoRAModule:
-    """One ``--lora-modules`` value: ``NAME=PATH`` or a JSON object with ``name``, ``path``
-    and optionally ``base_model_name``; ValueError naming what is wrong."""
-    where = f"--lora-modules {value!r}"
-    text = value.strip()
-    if not text.startswith("{"):
-        name, sep, path = text.partition("=")
-        if not sep:
-            raise ValueError(f"{where}: expected NAME=PATH or a JSON object with name and path")
-        fields: dict[str, object] = {"name": name.strip(), "path": path.strip()}
-    else:
-        try:
-            fields = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not valid JSON ({e})") from None
-        if not isinstance(fields, dict):
-            raise ValueError(f"{where}: expected a JSON object")
-        unknown = sorted(set(fields) - _MODULE_KEYS)
-        if unknown:
-            raise ValueError(f"{where}: unknown key {unknown[0]!r} (known: name, path, "
-                             "base_model_name)")
-    for key in ("name", "path"):
-        if not isinstance(fields.get(key), str) or not fields[key]:
-            raise ValueError(f"{where}: {key} must be a non-empty string")
-    base = fields.get("base_model_name")
-    if base is not None and (not isinstance(base, str) or not base):
-        raise ValueError(f"{where}: base_model_name must be a non-empty string")
-    return LoRAModule(str(fields["name"]), str(fields["path"]), base)
 
 
 def check_lora_options(configs: Sequence[EngineConfig], modules: Sequence[LoRAModule],
