@@ -83,11 +83,11 @@ def test_fused_stack_runs_adapter_rows(lora_llm: LLM, adapters: dict[str, Path],
     prefill steps): the LoRA steps above ran there, not in model.forward."""
     fused = lora_llm.engine.core.executor.runner.fused_decoder
     assert fused is not None and fused.lora
-    seen: list[tuple[int, ...]] = []
+    seen: list[object] = []
     forward = fused.forward
 
     def counting(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        seen.append(tuple(args[3]) if len(args) > 3 else ())
+        seen.append(args[3] if len(args) > 3 else None)
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(fused, "forward", counting)
@@ -95,7 +95,7 @@ def test_fused_stack_runs_adapter_rows(lora_llm: LLM, adapters: dict[str, Path],
     outputs = lora_llm.generate(PROMPTS, GREEDY, lora_request=loras)
     assert _tokens(outputs) == [references["all"][0], references[None][1],
                                 references["qv"][2]]
-    assert any(runs for runs in seen)
+    assert any(step is not None for step in seen)
 
 
 def test_eager_path(lora_base: Base, adapters: dict[str, Path],

@@ -9,7 +9,7 @@ import torch
 from tokenmill.config import SchedulerConfig
 from tokenmill.core.kv_cache import KVCacheManager
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.lora.layers import LoRAStep
+from tokenmill.lora.layers import LoRALinear, LoRAStep, StepContext
 from tokenmill.lora_request import LoRARequest
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
@@ -66,12 +66,49 @@ def test_prefix_hashes_are_salted_per_adapter() -> None:
     assert kv.block_hashes("a", tokens, 3) == hashes["base"]
 
 
-def test_step_runs() -> None:
-    """Neighbouring requests of one slot make one run; a slot in two places gets an index."""
-    step = LoRAStep.from_row_slots([(0, 3, 1), (3, 1, 1), (6, 2, 0), (9, 1, 1)],
+def test_step_runs_and_masks() -> None:
+    """Neighbouring requests of one slot make one run; several runs get masks that keep
+    each row's own slot's columns."""
+    step = LoRAStep.from_row_slots([(0, 3, 1), (3, 1, 1), (6, 2, 0), (9, 1, 1)], 10, 2,
                                    torch.device("cpu"))
     assert step.runs == (1, 0, 4, 0, 6, 8, 1, 9, 10)
-    groups = {g.slot: g for g in step.groups}
-    assert (groups[0].start, groups[0].stop, groups[0].index) == (6, 8, None)
-    assert groups[1].index.tolist() == [0, 1, 2, 3, 9]
-    assert LoRAStep.from_row_slots([], torch.device("cpu")) is None
+    assert step.single is None
+    assert step.row_slots.tolist() == [1, 1, 1, 1, -1, -1, 0, 0, -1, 1]
+    mask = step.mask(2, torch.float32)  # 2 slots x width 2
+    assert mask.tolist() == [[0, 0, 1, 1]] * 4 + [[0, 0, 0, 0]] * 2 + [[1, 1, 0, 0]] * 2 + [
+        [0, 0, 0, 0], [0, 0, 1, 1]]
+    one = LoRAStep.from_row_slots([(2, 3, 0), (5, 1, 0)], 8, 2, torch.device("cpu"))
+    assert one.single == (0, 2, 6)
+    assert LoRAStep.from_row_slots([], 4, 2, torch.device("cpu")) is None
+
+
+def test_layer_paths_agree() -> None:
+    """A LoRALinear's one-run product and its masked one give the per-row reference."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(6, 5)
+    context = StepContext()
+    lora = LoRALinear(base, 6, (3, 2), max_loras=3, max_rank=2, dtype=torch.float32,
+                      device=torch.device("cpu"), context=context)
+    weights = {}
+    for slot in range(3):
+        for part, width in enumerate((3, 2)):
+            a, b = torch.randn(2, 6), torch.randn(width, 2)
+            lora.set_part(slot, part, a, b)
+            weights[slot, part] = (a, b)
+    x = torch.randn(7, 6)
+    row_slot = [2, 2, None, 0, 0, 1, None]
+
+    def reference(row: int) -> torch.Tensor:
+        y = base(x[row])
+        slot = row_slot[row]
+        if slot is not None:
+            y = y + torch.cat([weights[slot, p][1] @ (weights[slot, p][0] @ x[row])
+                               for p in (0, 1)])
+        return y
+
+    context.step = LoRAStep.from_row_slots([(0, 2, 2), (3, 2, 0), (5, 1, 1)], 7, 3,
+                                           torch.device("cpu"))
+    torch.testing.assert_close(lora(x), torch.stack([reference(r) for r in range(7)]))
+    row_slot = [None, 1, 1, 1, None, None, None]
+    context.step = LoRAStep.from_row_slots([(1, 3, 1)], 7, 3, torch.device("cpu"))
+    torch.testing.assert_close(lora(x), torch.stack([reference(r) for r in range(7)]))

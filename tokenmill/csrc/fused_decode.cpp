@@ -14,6 +14,7 @@
 #include "embedding.h"
 #include "greedy_sample.h"
 #include "int_dot.h"
+#include "lora_kernels.h"
 #include "paged_attention.h"
 #include "prefill_attention.h"
 #include "quant_gemm.h"
@@ -132,19 +133,36 @@ struct LinearSpec {
 };
 
 // The LoRA slots of one projection (tokenmill.lora.layers.LoRALinear's tensors, shared: a
-// slot loaded in Python is seen here): A [slots, R, in] and block-diagonal B [slots, out, R].
+// slot loaded in Python is seen here): A [slots, R, in] and B [slots, R, out], fp32 or bf16.
 struct LoraSlots {
   at::Tensor a, b;
 
-  // y[start:stop] += (x[start:stop] A_slot^T) B_slot^T for each (slot, start, stop) of `runs`,
-  // computed in the slots' dtype and added in y's.
-  void add(const at::Tensor& x, at::Tensor& y, const std::vector<int64_t>& runs) const {
-    if (!a.defined()) return;
-    for (size_t i = 0; i + 2 < runs.size(); i += 3) {
-      const int64_t slot = runs[i], start = runs[i + 1], stop = runs[i + 2];
-      const at::Tensor rows = x.slice(0, start, stop).to(a.scalar_type());
-      const at::Tensor delta = at::mm(at::mm(rows, a.select(0, slot).t()), b.select(0, slot).t());
-      y.slice(0, start, stop).add_(delta.to(y.scalar_type()));
+  // y[m] += B_s (A_s x[m]) for each row m of slot s = row_slots[m] (-1: none); x and y
+  // contiguous in one dtype (the stack's activations between projections).
+  void add(const at::Tensor& x, at::Tensor& y, const std::optional<at::Tensor>& row_slots) const {
+    if (!a.defined() || !row_slots.has_value()) return;
+    const int64_t M = x.size(0), K = x.size(1), R = a.size(1), N = b.size(2);
+    TORCH_CHECK(x.is_contiguous() && y.is_contiguous() && y.size(0) == M && y.size(1) == N &&
+                    a.size(2) == K && x.scalar_type() == y.scalar_type(),
+                "LoRA update: x [rows, ", K, "] and y [rows, ", N, "] of one dtype");
+    const int32_t* slots = row_slots->data_ptr<int32_t>();
+    auto run = [&](auto x_tag, auto w_tag) {
+      using X = decltype(x_tag);
+      using W = decltype(w_tag);
+      lora::add_updates<X, W, X>(x.data_ptr<X>(), a.data_ptr<W>(), b.data_ptr<W>(),
+                                 y.data_ptr<X>(), slots, M, K, R, N);
+    };
+    auto with_weights = [&](auto x_tag) {
+      if (a.scalar_type() == at::kBFloat16) {
+        run(x_tag, c10::BFloat16{});
+      } else {
+        run(x_tag, float{});
+      }
+    };
+    if (x.scalar_type() == at::kBFloat16) {
+      with_weights(c10::BFloat16{});
+    } else {
+      with_weights(float{});
     }
   }
 };
@@ -231,8 +249,10 @@ class DecoderStack {
     for (int i = 0; i < 4; ++i) {
       const at::Tensor &a = tensors[2 * i], &b = tensors[2 * i + 1];
       TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) &&
-                      a.size(1) == b.size(2) && a.scalar_type() == b.scalar_type(),
-                  "set_lora: A [slots, R, in] and B [slots, out, R] of one dtype");
+                      a.size(1) == b.size(1) && a.scalar_type() == b.scalar_type() &&
+                      (a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16) &&
+                      a.is_contiguous() && b.is_contiguous(),
+                  "set_lora: contiguous fp32 or bf16 A [slots, R, in] and B [slots, R, out]");
       slots[i]->a = a;
       slots[i]->b = b;
     }
@@ -246,9 +266,9 @@ class DecoderStack {
                      const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
                      const at::Tensor& seq_lens, const at::Tensor& block_tables,
                      int64_t max_seq_len, const std::vector<int64_t>& chunks,
-                     const std::vector<int64_t>& lora_runs) const {
+                     const std::optional<at::Tensor>& lora_slots) const {
     check_step(hidden, positions, kv_caches, slot_mapping, seq_lens, block_tables, chunks);
-    check_lora_runs(lora_runs, hidden.size(0));
+    check_lora(lora_slots, hidden.size(0));
     at::NoGradGuard no_grad;
     // Steps with prefill whose matmuls are PyTorch's (dense above the modules' thresholds, on
     // OpenMP's threads): the glue goes there too rather than wake (and spin) the pool's
@@ -275,9 +295,9 @@ class DecoderStack {
     auto with_cache = [&](auto x_tag) {
       using X = decltype(x_tag);
       out = fp16_cache ? run<float, X, c10::Half>(h, positions, kv_caches, slot_mapping, seq_lens,
-                                                  block_tables, max_seq_len, chunks, lora_runs)
+                                                  block_tables, max_seq_len, chunks, lora_slots)
                        : run<float, X, float>(h, positions, kv_caches, slot_mapping, seq_lens,
-                                              block_tables, max_seq_len, chunks, lora_runs);
+                                              block_tables, max_seq_len, chunks, lora_slots);
     };
     AT_DISPATCH_SWITCH(h.scalar_type(), "tokenmill_fused_decode",
       AT_DISPATCH_CASE(at::kFloat, [&] {
@@ -290,24 +310,24 @@ class DecoderStack {
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
         out = run<c10::BFloat16, c10::BFloat16, c10::BFloat16>(
             h, positions, kv_caches, slot_mapping, seq_lens, block_tables, max_seq_len, chunks,
-            lora_runs);
+            lora_slots);
       }));
     return out;
   }
 
  private:
-  // LoRA runs are (slot, first row, end row) triples inside the step, on layers that have
-  // LoRA slots.
-  void check_lora_runs(const std::vector<int64_t>& runs, int64_t rows) const {
-    if (runs.empty()) return;
-    TORCH_CHECK(runs.size() % 3 == 0, "LoRA runs are (slot, start, stop) triples");
+  // The step's LoRA slot of each row (-1: none), on a stack that has LoRA slots.
+  void check_lora(const std::optional<at::Tensor>& slots, int64_t rows) const {
+    if (!slots.has_value()) return;
     const LayerWeights& w = layers_.front();
-    TORCH_CHECK(w.qkv_lora.a.defined(), "LoRA runs, but the stack has no LoRA slots");
-    for (size_t i = 0; i < runs.size(); i += 3) {
-      TORCH_CHECK(runs[i] >= 0 && runs[i] < w.qkv_lora.a.size(0), "LoRA slot ", runs[i],
-                  " does not exist");
-      TORCH_CHECK(runs[i + 1] >= 0 && runs[i + 1] <= runs[i + 2] && runs[i + 2] <= rows,
-                  "LoRA rows ", runs[i + 1], "..", runs[i + 2], " are outside the step");
+    TORCH_CHECK(w.qkv_lora.a.defined(), "LoRA rows, but the stack has no LoRA slots");
+    TORCH_CHECK(slots->scalar_type() == at::kInt && slots->dim() == 1 &&
+                    slots->numel() == rows && slots->is_contiguous() && slots->device().is_cpu(),
+                "LoRA slots are a contiguous int32 [rows] tensor");
+    const int32_t* s = slots->data_ptr<int32_t>();
+    const int64_t num_slots = w.qkv_lora.a.size(0);
+    for (int64_t i = 0; i < rows; ++i) {
+      TORCH_CHECK(s[i] >= -1 && s[i] < num_slots, "LoRA slot ", s[i], " does not exist");
     }
   }
 
@@ -350,7 +370,7 @@ class DecoderStack {
                  const at::Tensor& slot_mapping, const at::Tensor& seq_lens,
                  const at::Tensor& block_tables, int64_t max_seq_len,
                  const std::vector<int64_t>& chunk_args,
-                 const std::vector<int64_t>& lora_runs) const {
+                 const std::optional<at::Tensor>& lora_slots) const {
     const int64_t B = h.size(0), H = h.size(1);  // B: the step's tokens
     const auto pos = positions.contiguous();
     const auto slots = slot_mapping.contiguous();
@@ -375,7 +395,7 @@ class DecoderStack {
       rms_norm_rows<T, X>(h.data_ptr<T>(), w.input_norm.data_ptr<T>(), x.data_ptr<X>(), B, H,
                           eps_);
       at::Tensor qkv = w.qkv(x, &qkv_out).contiguous();
-      w.qkv_lora.add(x, qkv, lora_runs);
+      w.qkv_lora.add(x, qkv, lora_slots);
       prepare_qkv<T, X, C>(w, qkv, q, pos, slots, kv[li]);
       const int64_t block_size = kv[li].size(2);
       const int64_t slots_per_side = kv[li].size(1) * block_size * hkv_ * d_;
@@ -391,15 +411,15 @@ class DecoderStack {
                                          scale, attn.data_ptr<X>(), hq_ * d_);
       }
       at::Tensor o = w.o(attn, &o_out).contiguous();
-      w.o_lora.add(attn, o, lora_runs);
+      w.o_lora.add(attn, o, lora_slots);
       add_rows<T, X>(h.data_ptr<T>(), o.data_ptr<X>(), B, H);
       rms_norm_rows<T, X>(h.data_ptr<T>(), w.post_norm.data_ptr<T>(), x.data_ptr<X>(), B, H,
                           eps_);
       at::Tensor gate_up = w.gate_up(x, &gate_up_out).contiguous();
-      w.gate_up_lora.add(x, gate_up, lora_runs);
+      w.gate_up_lora.add(x, gate_up, lora_slots);
       silu_mul_rows<T, X, X>(gate_up.data_ptr<X>(), act.data_ptr<X>(), B, inter_);
       at::Tensor down = w.down(act, &down_out).contiguous();
-      w.down_lora.add(act, down, lora_runs);
+      w.down_lora.add(act, down, lora_slots);
       add_rows<T, X>(h.data_ptr<T>(), down.data_ptr<X>(), B, H);
     }
     at::Tensor out = at::empty_like(h);

@@ -2,8 +2,8 @@
 
 :class:`LoRALinear` wraps one of the model's projections (any kind: 16- or 32-bit, int8,
 int4, fp8). It holds ``max_loras`` device slots; slot ``s`` keeps one adapter's stacked ``A``
-matrices (``[parts * max_rank, in]``) and its ``B`` matrices laid block-diagonally
-(``[out, parts * max_rank]``, scale folded in), zero where the adapter has no matrix or a
+matrices (``[parts * max_rank, in]``) and its ``B`` matrices laid block-diagonally, transposed
+(``[parts * max_rank, out]``, scale folded in), zero where the adapter has no matrix or a
 smaller rank. A fused projection (qkv, gate-up) thus computes every part's update with two
 products. The step's :class:`LoRAStep` says which rows run which slot; rows of requests
 without an adapter get the base product alone, and a step with no adapter rows is the base
@@ -12,35 +12,53 @@ layer's call and nothing else.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 
-@dataclass(frozen=True)
-class SlotRows:
-    """The rows of one step that run slot ``slot``: ``start``/``stop`` when they are one run
-    of consecutive rows, else ``index`` (on the model's device)."""
-
-    slot: int
-    start: int = 0
-    stop: int = 0
-    index: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
 class LoRAStep:
-    """Which rows of the step's flat batch run which adapter slot (rows absent: none):
-    ``groups`` one per slot, for the layers' products; ``runs`` the same as flat
-    ``(slot, first row, end row)`` triples of consecutive rows, for the fused CPU stack."""
+    """Which rows of the step's flat batch run which adapter slot (rows absent: none).
 
-    groups: tuple[SlotRows, ...]
-    runs: tuple[int, ...]
+    ``runs`` are ``(slot, first row, end row)`` triples of consecutive rows. In the layers'
+    own products one run (the usual case: one adapter, or the scheduler's grouping left one)
+    is computed on its rows alone; several are computed together: every row times every
+    slot's ``A`` in one product, each row's other slots masked out, then one product with
+    every slot's ``B``. That is two matmuls a projection whatever the number of adapters
+    (each a few-row product otherwise, with its own dispatch), for ``max_loras`` times the
+    low-rank work, which is small beside the base product. The fused CPU stack reads
+    ``row_slots`` and computes each row's own slot only (tokenmill/csrc/lora_kernels.h).
+    """
+
+    def __init__(self, runs: list[list[int]], num_rows: int, num_slots: int,
+                 device: torch.device) -> None:
+        self.runs = tuple(x for run in runs for x in run)
+        self.num_slots = num_slots
+        self.device = device
+        # Each row's slot, -1 for none (int32 on the CPU: what the fused CPU stack reads).
+        self.row_slots = torch.full((num_rows,), -1, dtype=torch.int32)
+        for slot, start, stop in runs:
+            self.row_slots[start:stop] = slot
+        self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+    @property
+    def single(self) -> tuple[int, int, int] | None:
+        """``(slot, start, stop)`` when the step has one run."""
+        return self.runs if len(self.runs) == 3 else None  # type: ignore[return-value]
+
+    def mask(self, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[rows, num_slots * width]``: 1 in the ``width`` columns of each row's own slot
+        (none for rows without an adapter); made once a step per width."""
+        key = (width, dtype)
+        mask = self._masks.get(key)
+        if mask is None:
+            slots = torch.arange(self.num_slots, dtype=torch.int32)
+            onehot = (self.row_slots.unsqueeze(1) == slots).to(dtype)
+            mask = self._masks[key] = onehot.repeat_interleave(width, dim=1).to(self.device)
+        return mask
 
     @classmethod
-    def from_row_slots(cls, row_slots: list[tuple[int, int, int]],
-                       device: torch.device) -> LoRAStep | None:
+    def from_row_slots(cls, row_slots: list[tuple[int, int, int]], num_rows: int,
+                       num_slots: int, device: torch.device) -> LoRAStep | None:
         """From ``(first row, row count, slot)`` of each request with an adapter, in row
         order; None when there is none."""
         runs: list[list[int]] = []  # [slot, start, stop], neighbours of one slot merged
@@ -51,19 +69,7 @@ class LoRAStep:
                 runs[-1][2] += n
             else:
                 runs.append([slot, row0, row0 + n])
-        by_slot: dict[int, list[list[int]]] = {}
-        for run in runs:
-            by_slot.setdefault(run[0], []).append(run)
-        groups = []
-        for slot, own in by_slot.items():
-            if len(own) == 1:
-                groups.append(SlotRows(slot, own[0][1], own[0][2]))
-            else:
-                rows = [r for _, start, stop in own for r in range(start, stop)]
-                groups.append(SlotRows(slot, index=torch.tensor(rows, dtype=torch.int64,
-                                                                device=device)))
-        flat = tuple(x for run in runs for x in run)
-        return cls(tuple(groups), flat) if groups else None
+        return cls(runs, num_rows, num_slots, device) if runs else None
 
 
 class StepContext:
@@ -78,7 +84,10 @@ class LoRALinear(nn.Module):
     """``base(x)`` plus, on each slot's rows, ``B_slot @ A_slot @ x``.
 
     ``parts`` are the output widths of the projections fused in ``base`` (q, k, v; gate, up;
-    one part otherwise), each adapted by its own ``A``/``B`` pair.
+    one part otherwise), each adapted by its own ``A``/``B`` pair. ``lora_a`` is
+    ``[slots, width, in]`` and ``lora_b`` ``[slots, width, out]`` (``width``: parts x
+    max_rank; ``B`` transposed, so that its rows run along the outputs), so that every slot
+    together is a plain ``[slots * width, in]`` and ``[slots * width, out]`` matrix.
     """
 
     def __init__(self, base: nn.Module, in_features: int, parts: tuple[int, ...],
@@ -89,10 +98,10 @@ class LoRALinear(nn.Module):
         self.parts = parts
         self.max_rank = max_rank
         self.context = context
-        width = len(parts) * max_rank
-        self.lora_a = nn.Parameter(torch.zeros(max_loras, width, in_features, dtype=dtype,
+        self.width = len(parts) * max_rank
+        self.lora_a = nn.Parameter(torch.zeros(max_loras, self.width, in_features, dtype=dtype,
                                                device=device), requires_grad=False)
-        self.lora_b = nn.Parameter(torch.zeros(max_loras, sum(parts), width, dtype=dtype,
+        self.lora_b = nn.Parameter(torch.zeros(max_loras, self.width, sum(parts), dtype=dtype,
                                                device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,16 +109,16 @@ class LoRALinear(nn.Module):
         step = self.context.step
         if step is None:
             return y
-        for group in step.groups:
-            a, b = self.lora_a[group.slot], self.lora_b[group.slot]
-            if group.index is None:
-                rows = x[group.start:group.stop].to(a.dtype)
-                delta = (rows @ a.t()) @ b.t()
-                y[group.start:group.stop] += delta.to(y.dtype)
-            else:
-                rows = x.index_select(0, group.index).to(a.dtype)
-                delta = (rows @ a.t()) @ b.t()
-                y.index_add_(0, group.index, delta.to(y.dtype))
+        a, b = self.lora_a, self.lora_b
+        if (single := step.single) is not None:
+            slot, start, stop = single
+            rows = x[start:stop].to(a.dtype)
+            y[start:stop] += ((rows @ a[slot].t()) @ b[slot]).to(y.dtype)
+            return y
+        every = a.shape[0] * self.width
+        h = x.to(a.dtype) @ a.view(every, -1).t()
+        h.mul_(step.mask(self.width, a.dtype))
+        y += (h @ b.view(every, -1)).to(y.dtype)
         return y
 
     def clear_slot(self, slot: int) -> None:
@@ -123,8 +132,8 @@ class LoRALinear(nn.Module):
         col = part * self.max_rank
         row = sum(self.parts[:part])
         self.lora_a[slot, col:col + rank].copy_(a)
-        self.lora_b[slot, row:row + self.parts[part], col:col + rank].copy_(b)
+        self.lora_b[slot, col:col + rank, row:row + self.parts[part]].copy_(b.t())
 
     def extra_repr(self) -> str:
-        slots, _, width = self.lora_b.shape
-        return f"slots={slots}, parts={self.parts}, max_rank={self.max_rank}"
+        return (f"slots={self.lora_a.shape[0]}, parts={self.parts}, "
+                f"max_rank={self.max_rank}")

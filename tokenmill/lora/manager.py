@@ -132,12 +132,12 @@ class LoRAManager:
         return sum(p.nbytes for wrapped in self.layers for lora in wrapped.values()
                    for p in (lora.lora_a, lora.lora_b))
 
-    def begin_step(self, runs: list[tuple[int, int, LoRARequest | None]],
+    def begin_step(self, runs: list[tuple[int, int, LoRARequest | None]], num_rows: int,
                    device: torch.device) -> bool:
         """Set the step's rows: ``(first row, row count, adapter or None)`` per request, in
-        batch order. Loads adapters missing from the slots. Returns whether any row runs an
-        adapter (the step then needs ``model.forward``: the captured graphs and the fused
-        CPU stack compute the base model only)."""
+        batch order, of a step of ``num_rows`` rows. Loads adapters missing from the slots.
+        Returns whether any row runs an adapter (the captured graphs compute the base model
+        only: such a step runs the fused CPU stack or ``model.forward``)."""
         wanted = {r.lora_int_id: r for _, _, r in runs if r is not None}
         if not wanted:
             self.context.step = None
@@ -149,7 +149,7 @@ class LoRAManager:
                    for lora_id, request in wanted.items()}
         self.context.step = LoRAStep.from_row_slots(
             [(row0, n, slot_of[r.lora_int_id]) for row0, n, r in runs if r is not None],
-            device)
+            num_rows, len(self.slots), device)
         return True
 
     def end_step(self) -> None:

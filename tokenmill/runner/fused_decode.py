@@ -13,7 +13,7 @@ PyTorch's dense matmuls, and attention is the CPU backend's prefill kernel); the
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +21,7 @@ from torch import nn
 
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.csrc import load_extension
+from tokenmill.lora.layers import LoRALinear, LoRAStep
 from tokenmill.models import layers
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.quant.head import QuantizedMatrix
@@ -260,7 +261,7 @@ class FusedDecoder:
             return self.model.compute_logits(hidden)
         return self._head(hidden)
 
-    def attach_lora(self, layers: list[dict[str, nn.Module]]) -> None:
+    def attach_lora(self, layers: list[dict[str, LoRALinear]]) -> None:
         """Compute LoRA updates too: ``layers`` are each decoder layer's LoRA layers by
         projection name (``LoRAManager.layers``), whose slots the stack reads in place."""
         for i, wrapped in enumerate(layers):
@@ -269,10 +270,9 @@ class FusedDecoder:
         self.lora = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_meta: AttentionMetadata, lora_runs: Sequence[int] = ()) -> torch.Tensor:
+                attn_meta: AttentionMetadata, lora: LoRAStep | None = None) -> torch.Tensor:
         """Final-normed hidden states ``[T, hidden]``, as ``model.forward`` returns them.
-        ``lora_runs``: ``(slot, first row, end row)`` triples of the rows that add a LoRA
-        slot's update (see :meth:`attach_lora`)."""
+        ``lora``: the step's LoRA rows (see :meth:`attach_lora`)."""
         hidden = self._embed(input_ids)
         chunks: list[int] = []
         if not attn_meta.decode_only:
@@ -283,7 +283,7 @@ class FusedDecoder:
                 start += n
         args = (hidden, positions, attn_meta.kv_caches, attn_meta.slot_mapping,
                 attn_meta.seq_lens, attn_meta.block_tables.contiguous(), attn_meta.max_seq_len,
-                chunks, list(lora_runs))
+                chunks, None if lora is None else lora.row_slots)
         if not torch._C._autograd._profiler_enabled():  # the range costs ~4 us a step
             return self.stack.forward(*args)
         # A named range for torch.profiler: the stack's own C++ work (attention, norms, rotary)
@@ -351,16 +351,16 @@ def make_invariant_decoder(model: nn.Module, device: torch.device) -> FusedDecod
 
 def forward_step(model: nn.Module, fused: FusedDecoder | None, input_ids: torch.Tensor,
                  positions: torch.Tensor, attn_meta: AttentionMetadata,
-                 lora_runs: Sequence[int] = ()) -> tuple[torch.Tensor, FusedDecoder | None]:
+                 lora: LoRAStep | None = None) -> tuple[torch.Tensor, FusedDecoder | None]:
     """Hidden states of one step: ``fused`` for a decode-only step it supports, else
     ``model.forward``. Also returns the fused decoder to use from now on: None once it failed
-    (running the step again eagerly is safe: it rewrites the same KV slots). ``lora_runs``:
-    the step's LoRA rows (see FusedDecoder.forward); a stack without LoRA slots leaves such
-    a step to ``model.forward``."""
-    if (fused is not None and (fused.lora or not lora_runs)
+    (running the step again eagerly is safe: it rewrites the same KV slots). ``lora``: the
+    step's LoRA rows (see FusedDecoder.forward); a stack without LoRA slots leaves such a
+    step to ``model.forward``."""
+    if (fused is not None and (fused.lora or lora is None)
             and fused.supports(input_ids, attn_meta)):
         try:
-            return fused.forward(input_ids, positions, attn_meta, lora_runs), fused
+            return fused.forward(input_ids, positions, attn_meta, lora), fused
         except RuntimeError as e:
             logger.warning("fused decode failed; using model.forward from now on: %s", e)
             fused = None
