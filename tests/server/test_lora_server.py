@@ -336,3 +336,14 @@ def test_runtime_loading_takes_the_admin_key_else_the_api_key(
     assert load(refused).status_code == 401
     r = load(allowed)  # past the key: the fake model runs no adapters
     assert r.status_code == 400 and "--enable-lora" in r.json()["error"]["message"]
+
+
+def test_runtime_paths_stay_inside_models_dir(tmp_path: Path) -> None:
+    """With --models-dir, an adapter loads from inside it only, as a model does."""
+    http = app_client(allow_runtime_lora_updating=True, models_dir=str(tmp_path))
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "../elsewhere"})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "lora_path"
+    assert "outside --models-dir" in r.json()["error"]["message"]
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "inside"})
+    assert r.status_code == 400 and "--enable-lora" in r.json()["error"]["message"]

@@ -191,15 +191,7 @@ class ModelManager:
 
     def resolve_path(self, path: str) -> str:
         """``path`` inside --models-dir (relative paths are taken from it); 400 outside it."""
-        if not isinstance(path, str) or not path:
-            raise bad_request("path must be a non-empty string", "path")
-        if self.models_dir is None:
-            return path
-        full = os.path.realpath(os.path.join(self.models_dir, path))
-        if os.path.commonpath([full, self.models_dir]) != self.models_dir:
-            raise APIError(400, f"the path {path!r} is outside --models-dir", param="path",
-                           code="path_not_allowed")
-        return full
+        return path_inside(self.models_dir, path, "path")
 
     async def load(self, req: LoadRequest, on_demand: bool = False) -> ServedModel:
         """Load a model under a new name; 409 if the name is taken or busy."""
@@ -307,3 +299,17 @@ class _Change:
 
     def __exit__(self, *exc: object) -> None:
         self.busy.pop(self.name, None)
+
+
+def path_inside(models_dir: str | None, path: str, param: str) -> str:
+    """``path`` inside ``models_dir`` (a real path; relative paths are taken from it), or as
+    given without one; 400 naming ``param`` for a path outside it or an empty one."""
+    if not isinstance(path, str) or not path:
+        raise bad_request(f"{param} must be a non-empty string", param)
+    if models_dir is None:
+        return path
+    full = os.path.realpath(os.path.join(models_dir, path))
+    if os.path.commonpath([full, models_dir]) != models_dir:
+        raise APIError(400, f"the path {path!r} is outside --models-dir", param=param,
+                       code="path_not_allowed")
+    return full

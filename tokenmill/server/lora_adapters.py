@@ -11,6 +11,7 @@ starts, drains, counts or unloads engines walks the models alone.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Awaitable, Callable, Sequence
 
 from fastapi import APIRouter, Depends, Request
@@ -22,7 +23,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.args import LoRAModule
 from tokenmill.lora import LoRARequest
 from tokenmill.server.errors import read_json
-from tokenmill.server.lifecycle import DRAIN_POLL_S
+from tokenmill.server.lifecycle import DRAIN_POLL_S, path_inside
 from tokenmill.server.state import GENERATE, ServedModel, ServerState
 
 
@@ -157,7 +158,11 @@ def lora_router(state: ServerState, auth: Callable[[Request], Awaitable[None]]) 
     @router.post("/load_lora_adapter")
     async def load(request: Request) -> PlainTextResponse:
         body = await read_json(state, request, LoadLoRAAdapterBody)
-        served = await load_adapter(state, LoRAModule(body.lora_name, body.lora_path,
+        # With --models-dir, clients load adapters from inside it only, as models.
+        models_dir = state.config.models_dir
+        path = path_inside(None if models_dir is None else os.path.realpath(models_dir),
+                           body.lora_path, "lora_path")
+        served = await load_adapter(state, LoRAModule(body.lora_name, path,
                                                       body.base_model_name))
         assert served.base is not None
         return PlainTextResponse(f"Success: LoRA adapter {served.name!r} loaded on "
