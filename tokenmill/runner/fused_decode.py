@@ -357,7 +357,7 @@ def forward_step(model: nn.Module, fused: FusedDecoder | None, input_ids: torch.
     (running the step again eagerly is safe: it rewrites the same KV slots). ``lora``: the
     step's LoRA rows (see FusedDecoder.forward); a stack without LoRA slots leaves such a
     step to ``model.forward``."""
-    if (fused is not None and (fused.lora or lora is None)
+    if (fused is not None and (lora is None or fused.lora)
             and fused.supports(input_ids, attn_meta)):
         try:
             return fused.forward(input_ids, positions, attn_meta, lora), fused
