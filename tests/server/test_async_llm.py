@@ -31,7 +31,8 @@ class FakeEngine:
         self.fail = False
 
     def add_request(self, rid: str, prompt: object, params: SamplingParams, kind: object,
-                    arrival_time: float, grammar: object | None = None) -> None:
+                    arrival_time: float, grammar: object | None = None,
+                    lora_request: object | None = None) -> None:
         if prompt == "bad":
             raise ValueError("the request needs more KV cache than there is")
         self.requests[rid] = (0, params.max_tokens or 1)
