@@ -232,10 +232,12 @@ elif [ "$PHASE" = next ]; then
   # preemption, chunked prefill, prefix hits, forks, a grammar, logprobs, speculative
   # decoding, against a step-by-step PyTorch-attention engine; Qwen3 against transformers;
   # the L2 prefetch that decode-bf16-l2 times, and PDL (every kernel compiled again with it:
-  # ~15 more compiles, so 100 s). First contact, before the measurements (the server, BERT
+  # ~15 more compiles, so 100 s); LoRA adapters beside the graphs (skips without peft).
+  # First contact, before the measurements (the server, BERT
   # and energy tests end next-fp8: this call's measurements come first).
   step tests-features 100 python3 -m pytest -q -p no:cacheprovider -rfE \
     tests/engine/test_triton_engine_features.py tests/gpu/test_qwen3_cuda.py \
+    tests/lora/test_lora_cuda_path.py \
     tests/gpu/test_cuda_engine.py::test_l2_prefetch_is_captured_and_keeps_the_tokens \
     tests/gpu/test_cuda_engine.py::test_pdl_keeps_the_tokens
   # The experimental L2 prefetch (tokenmill/runner/l2_prefetch.py) at batch 1, early and in
