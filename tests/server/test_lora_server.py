@@ -347,3 +347,18 @@ def test_runtime_paths_stay_inside_models_dir(tmp_path: Path) -> None:
     assert "outside --models-dir" in r.json()["error"]["message"]
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "inside"})
     assert r.status_code == 400 and "--enable-lora" in r.json()["error"]["message"]
+
+
+def test_enable_lora_is_for_the_generating_models(files: Files) -> None:
+    """The default server serves an embedding model beside the chat model: the command line's
+    --enable-lora goes to the chat model only; a model's own enable-lora option is kept."""
+    from tokenmill.cli import build_parser
+    from tokenmill.server.model_registry import served_models
+
+    args = build_parser().parse_args(["serve", "--enable-lora", "--kv-cache-memory", "1000000"])
+    chat, embed = (config for _, config in served_models(args))
+    assert chat.lora.enable_lora and not embed.lora.enable_lora
+    args = build_parser().parse_args(
+        ["serve", "--kv-cache-memory", "1000000", "--model", f"b={files.base.path},enable-lora",
+         "--model", f"e={files.base.path},task=embed,enable-lora"])
+    assert [config.lora.enable_lora for _, config in served_models(args)] == [True, True]

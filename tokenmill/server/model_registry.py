@@ -123,8 +123,21 @@ def engine_configs(args: argparse.Namespace, specs: list[ModelSpec]) -> list[Eng
             ns = parser.parse_args([*argv, *spec.flags])
         except ValueError as e:
             raise ValueError(f"--model {spec.name or spec.path}: {e}") from None
-        configs.append(engine_config_from_args(ns))
+        config = engine_config_from_args(ns)
+        if config.lora.enable_lora and "--enable-lora" not in spec.flags and _embeds(spec,
+                                                                                    config):
+            # The command line's --enable-lora is for the models that generate text (the
+            # default server's embedding model among them would refuse it).
+            config = dataclasses.replace(
+                config, lora=dataclasses.replace(config.lora, enable_lora=False))
+        configs.append(config)
     return configs
+
+
+def _embeds(spec: ModelSpec, config: EngineConfig) -> bool:
+    """Whether the model computes embeddings (task embed, or an encoder's folder)."""
+    return (config.model.task == "embed" or not spec.needs_kv_cache
+            or (spec.path is not None and _is_encoder(spec.path)))
 
 
 def share_kv_budget(configs: list[EngineConfig], specs: list[ModelSpec],
