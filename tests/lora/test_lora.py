@@ -343,3 +343,30 @@ def test_cli_flags() -> None:
     assert (lora.enable_lora, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras) == (
         True, 3, 64, 8)
     assert not engine_config_from_args(build_parser().parse_args(["serve"])).lora.enable_lora
+
+
+def test_adapters_in_use_stay_in_memory(lora_base: Base, adapters: dict[str, Path],
+                                        references: dict[str | None, list[list[int]]],
+                                        tmp_path: Path) -> None:
+    """An adapter that waiting requests run stays in host memory past --max-cpu-loras and
+    past its removal: its folder is not read again, and may be gone meanwhile."""
+    folder = tmp_path / "qv-copy"
+    shutil.copytree(adapters["qv"], folder)
+    llm = LLM(str(lora_base.path), dtype="float32", enable_lora=True, max_loras=1,
+              max_cpu_loras=1)
+    try:
+        engine = llm.engine
+        engine.add_request("waits", PROMPTS[0], GREEDY,
+                           lora_request=LoRARequest("qv", 7, str(folder)))
+        engine.add_lora(lora_request(adapters, "mlp"))  # past the capacity of one
+        assert engine.remove_lora(7)  # removed while its request waits
+        shutil.rmtree(folder)
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += [o for o in engine.step() if o.finished]
+        assert [o.outputs[0].token_ids for o in outputs] == [references["qv"][0]]
+        assert 7 not in engine.list_loras()  # gone once its request ended
+        with pytest.raises(ValueError, match="the path is not a directory"):
+            engine.add_lora(LoRARequest("qv", 8, str(folder)))
+    finally:
+        llm.close()

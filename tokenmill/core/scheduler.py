@@ -67,8 +67,10 @@ class Scheduler:
         more waits for a later step."""
         self.config = config
         self.max_loras = max_loras
-        # The adapters (lora_int_id) of the step being scheduled.
+        # The adapters (lora_int_id) of the step being scheduled, and how many unfinished
+        # requests each adapter has.
         self._step_loras: set[int] = set()
+        self._lora_live: dict[int, int] = {}
         self.pipelined = pipelined
         self.kv = kv
         self.max_model_len = max_model_len
@@ -109,6 +111,8 @@ class Scheduler:
                 raise ValueError("this engine runs no LoRA adapters (start it with "
                                  "enable_lora)")
             self.kv.set_salt(rid, request.lora_request.cache_salt)
+            lora_id = request.lora_request.lora_int_id
+            self._lora_live[lora_id] = self._lora_live.get(lora_id, 0) + 1
         self.requests[rid] = request
         self.waiting.append(request)
 
@@ -480,6 +484,15 @@ class Scheduler:
         self._finished_ids.add(request.request_id)
         self._preempted_ids.discard(request.request_id)
         del self.requests[request.request_id]
+        if request.lora_request is not None:
+            lora_id = request.lora_request.lora_int_id
+            self._lora_live[lora_id] -= 1
+            if not self._lora_live[lora_id]:
+                del self._lora_live[lora_id]
+
+    def lora_in_use(self, lora_int_id: int) -> bool:
+        """Whether an unfinished request runs the adapter (its weights must stay at hand)."""
+        return lora_int_id in self._lora_live
 
 
 def _add_logprobs(request: Request, logprobs: list[float] | None, num_tokens: int) -> None:

@@ -134,6 +134,9 @@ class EngineCore:
         self.scheduler = Scheduler(sched_config, kv, self.max_model_len,
                                    pipelined=self.async_scheduling,
                                    max_loras=lora.max_loras if lora.enable_lora else 0)
+        if executor.runner.lora is not None:
+            # Adapters that unfinished requests run stay in host memory until they end.
+            executor.runner.lora.store.in_use = self.scheduler.lora_in_use
         logger.info("asynchronous scheduling: %s", "on" if self.async_scheduling else "off")
         # The step launched and not finished yet (asynchronous scheduling), with its schedule.
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None

@@ -134,9 +134,7 @@ class LLMEngine:
         runner = self.core.executor.runner
         if runner.lora is None:
             return False
-        held = lora_int_id in runner.lora.store.ids()
-        runner.lora.remove(lora_int_id)
-        return held
+        return runner.lora.remove(lora_int_id)
 
     def list_loras(self) -> list[int]:
         """The ids of the adapters held in host memory."""

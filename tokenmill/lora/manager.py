@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,12 +52,20 @@ PROJECTIONS = (
 
 class AdapterStore:
     """Checked adapters by id, read on first use; thread-safe (the server's request threads
-    check adapters while the engine thread reads them)."""
+    check adapters while the engine thread reads them).
+
+    ``in_use`` (set by the engine: its scheduler's ``lora_in_use``) says which adapters
+    unfinished requests run: those stay in memory past the capacity and past
+    :meth:`remove` until their requests end, so that filling a slot for them never reads a
+    folder again (which may be gone by then)."""
 
     def __init__(self, arch: ArchConfig, config: LoRAConfig) -> None:
         self.arch = arch
         self.config = config
+        self.in_use: Callable[[int], bool] = lambda lora_int_id: False
         self._adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()
+        # Removed while in use: dropped once their requests have ended.
+        self._removed: set[int] = set()
         self._lock = threading.Lock()
 
     def get(self, request: LoRARequest, replace: bool = False) -> LoRAAdapter:
@@ -68,6 +77,8 @@ class AdapterStore:
             held = self._adapters.get(request.lora_int_id)
             if held is not None and held.request.lora_path == request.lora_path:
                 self._adapters.move_to_end(request.lora_int_id)
+                if not replace:  # asked for again: no longer removed
+                    self._removed.discard(request.lora_int_id)
                 return held
             if held is not None:
                 if not replace:
@@ -79,18 +90,38 @@ class AdapterStore:
         with self._lock:
             self._adapters[request.lora_int_id] = adapter
             self._adapters.move_to_end(request.lora_int_id)
-            while len(self._adapters) > self.config.cpu_capacity:
-                self._adapters.popitem(last=False)
+            if not replace:
+                self._removed.discard(request.lora_int_id)
+            self._evict()
         return adapter
 
     def remove(self, lora_int_id: int) -> bool:
-        """Forget an adapter; whether it was held."""
+        """Forget an adapter (once no unfinished request runs it); whether it was held."""
         with self._lock:
-            return self._adapters.pop(lora_int_id, None) is not None
+            held = lora_int_id in self._adapters and lora_int_id not in self._removed
+            if self.in_use(lora_int_id):
+                self._removed.add(lora_int_id)
+            else:
+                self._adapters.pop(lora_int_id, None)
+            self._evict()
+            return held
+
+    def _evict(self) -> None:
+        """Drop removed adapters and, past the capacity, the least recently used ones, of
+        those no unfinished request runs (under the lock)."""
+        for lora_int_id in list(self._adapters):
+            if self.in_use(lora_int_id):
+                continue
+            if (lora_int_id in self._removed
+                    or len(self._adapters) > self.config.cpu_capacity):
+                del self._adapters[lora_int_id]
+                self._removed.discard(lora_int_id)
 
     def ids(self) -> list[int]:
+        """The adapters held and not removed."""
         with self._lock:
-            return list(self._adapters)
+            self._evict()
+            return [i for i in self._adapters if i not in self._removed]
 
 
 class LoRAManager:
@@ -155,12 +186,12 @@ class LoRAManager:
     def end_step(self) -> None:
         self.context.step = None
 
-    def remove(self, lora_int_id: int) -> None:
-        """Drop an adapter from host memory; safe from another thread than the steps'. A slot
-        holding it keeps it until another adapter needs the slot: requests still running
-        with it finish with it, and a folder given again under the same id is read again
+    def remove(self, lora_int_id: int) -> bool:
+        """Drop an adapter from host memory (once its unfinished requests end); safe from
+        another thread than the steps'. Whether it was held. A slot holding it keeps it until
+        another adapter needs the slot; a folder given again under the same id is read again
         (slots match adapters by id and folder)."""
-        self.store.remove(lora_int_id)
+        return self.store.remove(lora_int_id)
 
     def _slot_for(self, request: LoRARequest, step: dict[int, LoRARequest]) -> int:
         """The slot holding ``request``'s adapter, filled now if none does: an empty slot or
