@@ -168,6 +168,9 @@ def test_responses_and_ollama_run_the_adapter(lora_server: Server, files: Files)
         "options": {"temperature": 0, "num_predict": MAX_TOKENS}})
     assert r.status_code == 200, r.text
     assert r.json()["model"] == "b" and r.json()["response"].split() == want
+    for listing in ("/api/tags", "/api/ps"):  # adapters are models of their own, as in Ollama
+        names = [m["name"] for m in httpx.get(f"{lora_server.url}{listing}").json()["models"]]
+        assert {"base", "a", "b"} <= set(names), listing
 
 
 def test_embeddings_with_an_adapter_name_is_a_400(lora_server: Server, files: Files) -> None:

@@ -213,14 +213,18 @@ def ollama_router(state: ServerState) -> APIRouter:
     async def version() -> JSONResponse:
         return JSONResponse({"version": ollama.OLLAMA_API_VERSION})
 
+    def served() -> list[ServedModel]:
+        """The models, then the LoRA adapters (each a model of its own here, as in Ollama)."""
+        return [*state.models.values(), *state.adapters.values()]
+
     @router.get("/tags")
     async def tags() -> JSONResponse:
-        return JSONResponse({"models": [_entry(m) for m in state.models.values()]})
+        return JSONResponse({"models": [_entry(m) for m in served()]})
 
     @router.get("/ps")
     async def ps() -> JSONResponse:
         return JSONResponse({"models": [{**_entry(m), "expires_at": "0001-01-01T00:00:00Z",
-                                         "size_vram": 0} for m in state.models.values()]})
+                                         "size_vram": 0} for m in served()]})
 
     @router.post("/show")
     @_ollama_errors
