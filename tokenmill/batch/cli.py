@@ -7,15 +7,12 @@ import argparse
 import sys
 
 from tokenmill.batch import DEFAULT_MAX_IN_FLIGHT
-from tokenmill.config import EngineConfig
 from tokenmill.engine.args import (
-    LoRAModule,
     add_engine_args,
     add_lora_modules_arg,
     engine_config_from_args,
-    parse_lora_module,
+    job_adapters,
 )
-from tokenmill.lora_request import LoRARequest
 from tokenmill.utils import freeze_startup_heap
 
 
@@ -50,7 +47,7 @@ def add_batch_parser(subparsers: argparse._SubParsersAction) -> None:
 def cmd_batch(args: argparse.Namespace) -> int:
     """Run `tokenmill batch`."""
     config = engine_config_from_args(args)
-    adapters = batch_adapters([parse_lora_module(v) for v in args.lora_modules], config)
+    adapters = job_adapters(args.lora_modules, config)
     if args.ray:
         from tokenmill.batch.ray_job import run_batch_ray
 
@@ -75,16 +72,3 @@ def cmd_batch(args: argparse.Namespace) -> int:
     print(stats.summary(), file=sys.stderr)
     return 0
 
-
-def batch_adapters(modules: list[LoRAModule], config: EngineConfig) -> dict[str, LoRARequest]:
-    """The ``--lora-modules`` of a batch job by name, each with an id of its own (a job runs
-    one model: every adapter runs on it, whatever ``base_model_name`` says); ValueError for
-    a repeated name or adapters without ``--enable-lora``."""
-    if modules and not config.lora.enable_lora:
-        raise ValueError("--lora-modules needs --enable-lora")
-    adapters: dict[str, LoRARequest] = {}
-    for i, module in enumerate(modules, start=1):
-        if module.name in adapters:
-            raise ValueError(f"--lora-modules: the name {module.name!r} is given twice")
-        adapters[module.name] = LoRARequest(module.name, i, module.path)
-    return adapters

@@ -29,6 +29,7 @@ from tokenmill.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from tokenmill.lora_request import LoRARequest
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 
 # The CLI's sampling defaults: a chat-like temperature and room for a paragraph, where
@@ -217,6 +218,21 @@ def add_lora_modules_arg(g: argparse._ArgumentGroup, what: str) -> None:
                    metavar="NAME=PATH", help="LoRA adapters (PEFT folders), each under its own "
                    "model name: NAME=PATH, or a JSON object {\"name\", \"path\", "
                    f"\"base_model_name\"}}; {what}; needs --enable-lora")
+
+
+def job_adapters(values: list[str], config: EngineConfig) -> dict[str, LoRARequest]:
+    """The ``--lora-modules`` values of a one-model job (batch, stream) by name, each with an
+    id of its own (every adapter runs on the job's model, whatever ``base_model_name`` says);
+    ValueError for a bad value, a repeated name, or adapters without ``--enable-lora``."""
+    modules = [parse_lora_module(v) for v in values]
+    if modules and not config.lora.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    adapters: dict[str, LoRARequest] = {}
+    for i, module in enumerate(modules, start=1):
+        if module.name in adapters:
+            raise ValueError(f"--lora-modules: the name {module.name!r} is given twice")
+        adapters[module.name] = LoRARequest(module.name, i, module.path)
+    return adapters
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

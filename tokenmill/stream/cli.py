@@ -12,8 +12,10 @@ from types import FrameType
 
 from tokenmill.engine.args import (
     add_engine_args,
+    add_lora_modules_arg,
     add_sampling_args,
     engine_config_from_args,
+    job_adapters,
     sampling_params_from_args,
 )
 from tokenmill.utils import freeze_startup_heap
@@ -47,6 +49,10 @@ def add_stream_parser(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--claim-idle-ms", type=int, default=30_000,
                    help="take over entries another consumer left pending this long")
     g.add_argument("--output-stream", default=None, help="write results here instead of stdout")
+    g = p.add_argument_group("LoRA")
+    add_lora_modules_arg(g, "a record whose --lora-field names one runs with it")
+    g.add_argument("--lora-field", default="model",
+                   help="the record field that names its adapter (absent: the base model)")
     add_engine_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_stream)
@@ -68,7 +74,11 @@ def cmd_stream(args: argparse.Namespace) -> int:
         from tokenmill.stream.redis_io import connect
 
         client = connect(args.redis_url)  # before the model loads: fail fast
-    engine = LLMEngine(engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    adapters = job_adapters(args.lora_modules, config)
+    engine = LLMEngine(config)
+    for lora in adapters.values():  # a bad adapter fails the job now, not record by record
+        engine.add_lora(lora)
     freeze_startup_heap()
     if args.input_stream is not None:
         from tokenmill.stream.redis_io import RedisSource
@@ -86,7 +96,8 @@ def cmd_stream(args: argparse.Namespace) -> int:
         sink = LineSink(sys.stdout)
     runner = StreamRunner(engine, source, sink, template, params,
                           max_in_flight=args.max_in_flight, chat=args.chat,
-                          exit_when_idle_s=args.exit_when_idle)
+                          exit_when_idle_s=args.exit_when_idle, adapters=adapters,
+                          lora_field=args.lora_field)
 
     def stop(signum: int, frame: FrameType | None) -> None:
         runner.stop()  # finish what is in flight; a second signal ends the process at once

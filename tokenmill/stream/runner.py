@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Mapping
 from typing import Protocol
 
 from tokenmill.api.chat import chat_prompt
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
+from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.stream.metrics import StreamStats
@@ -39,11 +41,17 @@ class Sink(Protocol):
 
 class StreamRunner:
     """Answers records from ``source`` into ``sink`` with one engine until the source ends,
-    ``stop()`` is called, or nothing has arrived for ``exit_when_idle_s`` seconds."""
+    ``stop()`` is called, or nothing has arrived for ``exit_when_idle_s`` seconds.
+
+    ``adapters``: LoRA adapters by name; a record whose ``lora_field`` names one runs with it
+    (a record without the field runs the base model; one naming no adapter is answered with
+    that error)."""
 
     def __init__(self, engine: LLMEngine, source: Source, sink: Sink, template: PromptTemplate,
                  params: SamplingParams, *, max_in_flight: int = 64, chat: bool = False,
-                 poll_s: float = 0.1, exit_when_idle_s: float | None = None) -> None:
+                 poll_s: float = 0.1, exit_when_idle_s: float | None = None,
+                 adapters: Mapping[str, LoRARequest] | None = None,
+                 lora_field: str = "model") -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         params.validate(vocab_size=engine.vocab_size)
@@ -53,6 +61,7 @@ class StreamRunner:
         self.template, self.params, self.chat = template, params, chat
         self.max_in_flight, self.poll_s = max_in_flight, poll_s
         self.exit_when_idle_s = exit_when_idle_s
+        self.adapters, self.lora_field = dict(adapters or {}), lora_field
         self.stats = StreamStats()
         self._in_flight: dict[str, Record] = {}  # engine request id -> record
         self._ids = itertools.count()
@@ -95,12 +104,24 @@ class StreamRunner:
         rid = f"s{next(self._ids)}"
         try:
             prompt = self._prompt(self.template.render(record.fields))
-            self.engine.add_request(rid, prompt, self.params, arrival_time=record.received)
+            self.engine.add_request(rid, prompt, self.params, arrival_time=record.received,
+                                    lora_request=self._adapter(record.fields))
         except ValueError as e:
             return record, StreamResult(id=record.id, record=record.fields,
                                         error=f"record {record.id}: {e}")
         self._in_flight[rid] = record
         return None
+
+    def _adapter(self, fields: dict) -> LoRARequest | None:
+        """The adapter the record's ``lora_field`` names (None without adapters or field)."""
+        if not self.adapters or self.lora_field not in fields:
+            return None
+        name = fields[self.lora_field]
+        adapter = self.adapters.get(name) if isinstance(name, str) else None
+        if adapter is None:
+            raise ValueError(f"field {self.lora_field!r} is {name!r}, which names no LoRA "
+                             f"adapter ({', '.join(map(repr, self.adapters))})")
+        return adapter
 
     def _prompt(self, text: str) -> PromptType:
         if not self.chat:

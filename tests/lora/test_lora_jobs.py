@@ -1,5 +1,6 @@
-"""LoRA adapters in `tokenmill batch`: a line whose body names an adapter as its model runs
-with it and is answered under its name; the others run the base model."""
+"""LoRA adapters in the jobs: in `tokenmill batch` a line whose body names an adapter as its
+model runs with it and is answered under its name, in `tokenmill stream` a record whose
+`model` field names one; the others run the base model."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from pathlib import Path
 
 from lora_helpers import PROMPTS, Base, lora_request
 
-from tokenmill import LLM
+from tokenmill import LLM, SamplingParams
 from tokenmill.batch.job import run_batch
+
+GREEDY_PARAMS = SamplingParams(temperature=0, max_tokens=8)
 
 
 def _words(ids: list[int]) -> list[str]:
@@ -68,3 +71,50 @@ def test_command_line(lora_base: Base, adapters: dict[str, Path],
     body = json.loads(out.read_text())["response"]["body"]
     assert body["model"] == "mine"
     assert body["choices"][0]["text"].split() == _words(references["mlp"][1])
+
+
+def test_stream_records_run_their_adapters(lora_base: Base, adapters: dict[str, Path],
+                                           references: dict[str | None, list[list[int]]]
+                                           ) -> None:
+    """`tokenmill stream`: a record's `model` field picks its adapter; no field: the base
+    model; a name no adapter has: that record's error, and the stream goes on."""
+    from tokenmill.stream import PromptTemplate, Record, StreamResult, StreamRunner
+
+    class Source:
+        def __init__(self, records: list[Record]) -> None:
+            self.records, self.exhausted, self.acked = records, False, []
+
+        def read(self, max_records: int, timeout: float) -> list[Record]:
+            out, self.records = self.records[:max_records], self.records[max_records:]
+            self.exhausted = not self.records
+            return out
+
+        def ack(self, records: list[Record]) -> None:
+            self.acked += records
+
+    class Sink:
+        def __init__(self) -> None:
+            self.results: dict[str, StreamResult] = {}
+
+        def write(self, results: list[tuple[Record, str]]) -> None:
+            for record, line in results:
+                self.results[record.id] = StreamResult.model_validate_json(line)
+
+    text = " ".join(_words(PROMPTS[0]))
+    records = [Record("qv", {"text": text, "model": "qv"}, 0.0),
+               Record("base", {"text": text}, 0.0),
+               Record("all", {"text": text, "model": "all"}, 0.0),
+               Record("nope", {"text": text, "model": "nope"}, 0.0)]
+    source, sink = Source(records), Sink()
+    llm = LLM(str(lora_base.path), dtype="float32", enable_lora=True, max_loras=2)
+    try:
+        StreamRunner(llm.engine, source, sink, PromptTemplate("{text}"),
+                     GREEDY_PARAMS, adapters={n: lora_request(adapters, n) for n in ("qv", "all")}
+                     ).run()
+    finally:
+        llm.close()
+    for rid, name in (("qv", "qv"), ("base", None), ("all", "all")):
+        assert sink.results[rid].text.split() == _words(references[name][0]), rid
+    assert "field 'model' is 'nope', which names no LoRA adapter ('qv', 'all')" in \
+        sink.results["nope"].error
+    assert len(source.acked) == 4
