@@ -328,6 +328,23 @@ class ModelCard(BaseModel):
     root: str | None = None
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's body); unknown fields are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1)
+    base_model_name: str | None = Field(default=None, min_length=1)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter (vLLM also takes ``lora_int_id``: the name is enough)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
+
+
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]

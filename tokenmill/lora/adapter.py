@@ -84,9 +84,6 @@ def read_adapter(request: LoRARequest, arch: ArchConfig, max_rank: int) -> LoRAA
     (the folder, a config field, a tensor) when it cannot be served as PEFT would run it."""
     path = request.lora_path
     where = f"LoRA adapter {request.lora_name!r} ({path})"
-    if arch.is_encoder:
-        raise ValueError(f"{where}: LoRA adapters apply to decoder models; "
-                         f"{arch.architecture} is an encoder")
     config = _read_config(path, where)
     tensors = _read_tensors(path, where)
     shapes = projection_shapes(arch)

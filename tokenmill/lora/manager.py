@@ -128,10 +128,9 @@ class LoRAManager:
     """Slots for ``config.max_loras`` adapters in every projection of ``model``."""
 
     def __init__(self, model: nn.Module, arch: ArchConfig, config: LoRAConfig,
-                 dtype: torch.dtype, device: torch.device,
-                 store: AdapterStore | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device) -> None:
         self.config = config
-        self.store = store or AdapterStore(arch, config)
+        self.store = AdapterStore(arch, config)
         self.context = StepContext()
         self.tp, self.rank = tp_size(), tp_rank()
         shapes = projection_shapes(arch)
@@ -164,15 +163,14 @@ class LoRAManager:
                    for p in (lora.lora_a, lora.lora_b))
 
     def begin_step(self, runs: list[tuple[int, int, LoRARequest | None]], num_rows: int,
-                   device: torch.device) -> bool:
+                   device: torch.device) -> None:
         """Set the step's rows: ``(first row, row count, adapter or None)`` per request, in
         batch order, of a step of ``num_rows`` rows. Loads adapters missing from the slots.
-        Returns whether any row runs an adapter (the captured graphs compute the base model
-        only: such a step runs the fused CPU stack or ``model.forward``)."""
+        ``context.step`` stays None when no row runs an adapter."""
         wanted = {r.lora_int_id: r for _, _, r in runs if r is not None}
         if not wanted:
             self.context.step = None
-            return False
+            return
         if len(wanted) > len(self.slots):
             raise RuntimeError(f"a step with {len(wanted)} adapters; max_loras is "
                                f"{len(self.slots)}")
@@ -181,7 +179,6 @@ class LoRAManager:
         self.context.step = LoRAStep.from_row_slots(
             [(row0, n, slot_of[r.lora_int_id]) for row0, n, r in runs if r is not None],
             num_rows, len(self.slots), device)
-        return True
 
     def end_step(self) -> None:
         self.context.step = None

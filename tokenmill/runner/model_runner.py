@@ -12,7 +12,7 @@ from tokenmill.config import EngineConfig, LoRAConfig
 from tokenmill.core.kv_cache import blocks_for_tokens
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
 from tokenmill.csrc import note_model_weights
-from tokenmill.lora.manager import AdapterStore, LoRAManager
+from tokenmill.lora.manager import LoRAManager
 from tokenmill.lora_request import LoRARequest
 from tokenmill.models.config import ArchConfig
 from tokenmill.models.pooler import PoolerConfig
@@ -102,10 +102,9 @@ class ModelRunner:
         # LoRA adapters' slots and rows (enable_lora); None: the base model only.
         self.lora: LoRAManager | None = None
 
-    def enable_lora(self, config: LoRAConfig, store: AdapterStore | None = None) -> None:
+    def enable_lora(self, config: LoRAConfig) -> None:
         """Wrap the model's projections in LoRA layers with ``config.max_loras`` slots (after
-        the fused stack took the base weights: it keeps computing the base-only steps);
-        ``store``: the engine's checked adapters, shared in one process."""
+        the fused stack took the base weights: it keeps computing the base-only steps)."""
         if self.is_encoder:
             raise ValueError(f"LoRA adapters apply to decoder models; {self.arch.architecture} "
                              "is an encoder")
@@ -116,7 +115,7 @@ class ModelRunner:
         if (self.device.type == "cpu" and not linear_layer_names(self.model)
                 and dense_dtype("cpu") == torch.bfloat16):
             slot_dtype = torch.bfloat16
-        self.lora = LoRAManager(self.model, self.arch, config, slot_dtype, self.device, store)
+        self.lora = LoRAManager(self.model, self.arch, config, slot_dtype, self.device)
         if self.fused_decoder is not None:
             self.fused_decoder.attach_lora(self.lora.layers)
 
@@ -215,10 +214,10 @@ class ModelRunner:
             self._last_sampled = None
             return LaunchedStep(RunnerOutput())
         inputs = self._prepare_inputs(sched)
-        adapted = self.lora is not None and self.lora.begin_step(
-            self._lora_runs(sched), inputs.input_ids.shape[0], self.device)
+        if self.lora is not None:
+            self.lora.begin_step(self._lora_runs(sched), inputs.input_ids.shape[0], self.device)
         try:
-            hidden = self._forward(inputs, lora=adapted)
+            hidden = self._forward(inputs)
         finally:
             if self.lora is not None:
                 self.lora.end_step()
@@ -269,19 +268,19 @@ class ModelRunner:
             row += n
         return runs
 
-    def _forward(self, inputs: StepInputs, lora: bool = False) -> torch.Tensor:
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """A captured decode graph, the fused C++ stack for a decode-only step when it is on,
-        or ``model.forward``. With ``lora`` (a step with LoRA rows) never a graph: the graphs
-        compute the base model only."""
+        or ``model.forward``. A step with LoRA rows is never a graph: the graphs compute the
+        base model only."""
         if self.is_encoder:
             return self.model(inputs.input_ids, inputs.positions, inputs.attn_meta)
         if self.deterministic:
             return self._forward_invariant(inputs)
+        step = self.lora.context.step if self.lora is not None else None
         graphs = self.decode_graphs
-        if (not lora and graphs is not None
+        if (step is None and graphs is not None
                 and graphs.supports(inputs.input_ids.shape[0], inputs.attn_meta)):
             return graphs.run(inputs.input_ids, inputs.positions, inputs.attn_meta)
-        step = self.lora.context.step if lora and self.lora is not None else None
         hidden, self.fused_decoder = forward_step(
             self.model, self.fused_decoder, inputs.input_ids, inputs.positions,
             inputs.attn_meta, step)

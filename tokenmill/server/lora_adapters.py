@@ -16,9 +16,9 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel, ConfigDict, Field
 
 from tokenmill.api.errors import APIError, bad_request
+from tokenmill.api.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from tokenmill.config import EngineConfig
 from tokenmill.engine.args import LoRAModule
 from tokenmill.lora import LoRARequest
@@ -125,23 +125,6 @@ def load_lora_modules(state: ServerState, modules: Sequence[LoRAModule]) -> None
     asyncio.run(load_all())
 
 
-class LoadLoRAAdapterBody(BaseModel):
-    """POST /v1/load_lora_adapter."""
-
-    model_config = ConfigDict(extra="forbid")
-    lora_name: str = Field(min_length=1, max_length=256)
-    lora_path: str = Field(min_length=1)
-    base_model_name: str | None = Field(default=None, min_length=1)
-
-
-class UnloadLoRAAdapterBody(BaseModel):
-    """POST /v1/unload_lora_adapter (vLLM also takes ``lora_int_id``: the name is enough)."""
-
-    model_config = ConfigDict(extra="forbid")
-    lora_name: str = Field(min_length=1)
-    lora_int_id: int | None = None
-
-
 def lora_router(state: ServerState, auth: Callable[[Request], Awaitable[None]]) -> APIRouter:
     """The runtime adapter routes, behind ``auth``; without --allow-runtime-lora-updating
     they answer 403 saying so."""
@@ -157,7 +140,7 @@ def lora_router(state: ServerState, auth: Callable[[Request], Awaitable[None]]) 
 
     @router.post("/load_lora_adapter")
     async def load(request: Request) -> PlainTextResponse:
-        body = await read_json(state, request, LoadLoRAAdapterBody)
+        body = await read_json(state, request, LoadLoRAAdapterRequest)
         # With --models-dir, clients load adapters from inside it only, as models.
         models_dir = state.config.models_dir
         path = path_inside(None if models_dir is None else os.path.realpath(models_dir),
@@ -170,7 +153,7 @@ def lora_router(state: ServerState, auth: Callable[[Request], Awaitable[None]]) 
 
     @router.post("/unload_lora_adapter")
     async def unload(request: Request) -> PlainTextResponse:
-        body = await read_json(state, request, UnloadLoRAAdapterBody)
+        body = await read_json(state, request, UnloadLoRAAdapterRequest)
         await unload_adapter(state, body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter {body.lora_name!r} unloaded.")
 
