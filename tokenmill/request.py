@@ -6,10 +6,14 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import ComputeUsage
 from tokenmill.sampling_params import PoolingParams, SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.core.beam_search import BeamGroup
 
 
 class RequestStatus(enum.Enum):
@@ -96,6 +100,8 @@ class Request:
     pooling_params: PoolingParams | None = None
     # The LoRA adapter it runs with (None: the base model).
     lora_request: LoRARequest | None = None
+    # The beam search it is a beam of (SamplingParams.use_beam_search); None otherwise.
+    beam: BeamGroup | None = field(default=None, repr=False, compare=False)
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -13,6 +13,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 256
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_LENGTH_PENALTY = 10.0
 # Token counts and top_k fit the sampler's int32/int64 tensors whatever the model; the API
 # bounds them further by the context length and the vocabulary.
 MAX_TOKEN_COUNT = 2**31 - 1
@@ -162,6 +163,14 @@ class SamplingParams:
     speculative: bool = True
     # The output must match a JSON schema, regex, choice list or grammar (None: free text).
     structured_outputs: StructuredOutputsParams | None = None
+    # Beam search: ``n`` is the beam width and the ``n`` outputs are the best hypotheses,
+    # best first (see tokenmill/core/beam_search.py). Hypotheses are scored by their summed
+    # logprob over (generated length ** ``length_penalty``); ``early_stopping``: True stops
+    # once ``n`` hypotheses are finished, False when no live beam can beat them at its
+    # current length, "never" when none could at any length. Hugging Face's semantics.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
     # Normalised copies filled by __post_init__.
     stop_strings: list[str] = field(default_factory=list, init=False, repr=False)
 
@@ -228,12 +237,44 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         self._validate_stops()
         self._validate_token_ids(vocab_size)
+        self._validate_beam_search()
         so = self.structured_outputs
         if so is not None:
             if not isinstance(so, StructuredOutputsParams):
                 raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
                                  f"{type(so).__name__}")
             so.validate()
+
+    def _validate_beam_search(self) -> None:
+        if not isinstance(self.use_beam_search, bool):
+            raise ValueError(f"use_beam_search must be a boolean, got {self.use_beam_search!r}")
+        _check_range("length_penalty", self.length_penalty, -MAX_LENGTH_PENALTY,
+                     MAX_LENGTH_PENALTY)
+        if self.early_stopping not in (True, False, "never") or not isinstance(
+                self.early_stopping, (bool, str)):
+            raise ValueError(f"early_stopping must be true, false or \"never\", got "
+                             f"{self.early_stopping!r}")
+        if not self.use_beam_search:
+            return
+        # Beams are ranked by the model's own logprobs, and their text ends on tokens: what
+        # reshapes the distribution, samples or watches the text has no place in it.
+        unsupported = {
+            "structured_outputs": self.structured_outputs is not None,
+            "stop": bool(self.stop_strings),
+            "logprobs": self.logprobs is not None,
+            "prompt_logprobs": self.prompt_logprobs is not None,
+            "presence_penalty": self.presence_penalty != 0.0,
+            "frequency_penalty": self.frequency_penalty != 0.0,
+            "repetition_penalty": self.repetition_penalty != 1.0,
+            "logit_bias": bool(self.logit_bias),
+        }
+        for name, used in unsupported.items():
+            if used:
+                raise ValueError(f"{name} cannot be used with use_beam_search: beam search "
+                                 "ranks beams by the model's own logprobs and returns whole "
+                                 "hypotheses")
+        if self.max_tokens is None:
+            raise ValueError("use_beam_search needs max_tokens (the beams' length limit)")
 
     def _validate_stops(self) -> None:
         if len(self.stop_strings) > MAX_STOP_STRINGS:

@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from enum import Enum
 
 from tokenmill.config import SchedulerConfig
+from tokenmill.core.beam_search import BeamSearches
 from tokenmill.core.kv_cache import KVCacheManager, SlotAllocation
 from tokenmill.core.sched_output import (
     CachedRequestData,
@@ -80,6 +81,7 @@ class Scheduler:
         self.num_preemptions_total = 0
         self._finished_ids: set[str] = set()
         self._preempted_ids: set[str] = set()
+        self.beams = BeamSearches(self)
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -106,15 +108,34 @@ class Scheduler:
             raise ValueError(
                 f"the request needs up to {limit} tokens of KV cache but the whole cache holds "
                 f"{self.kv.max_num_tokens}; lower max_tokens or give the KV cache more memory")
+        if request.lora_request is not None and not self.max_loras:
+            raise ValueError("this engine runs no LoRA adapters (start it with enable_lora)")
+        if request.beam is not None:
+            self._check_beam_search(request.beam.beam_width, limit)
+        self.register(request)
+        self.waiting.append(request)
+        if request.beam is not None:
+            self.beams.start(request)
+
+    def register(self, request: Request) -> None:
+        """Know a request (new, or a beam search's new beam) by its id."""
+        rid = request.request_id
         if request.lora_request is not None:
-            if not self.max_loras:
-                raise ValueError("this engine runs no LoRA adapters (start it with "
-                                 "enable_lora)")
             self.kv.set_salt(rid, request.lora_request.cache_salt)
             lora_id = request.lora_request.lora_int_id
             self._lora_live[lora_id] = self._lora_live.get(lora_id, 0) + 1
         self.requests[rid] = request
-        self.waiting.append(request)
+
+    def _check_beam_search(self, beam_width: int, limit: int) -> None:
+        """ValueError when a beam search of ``beam_width`` beams of up to ``limit`` tokens
+        could never run here (its beams all run in one step)."""
+        if beam_width > self.config.max_num_seqs:
+            raise ValueError(f"n (the beam width) is {beam_width}, more than max_num_seqs "
+                             f"{self.config.max_num_seqs}: every beam runs in each step")
+        if not self.kv.can_ever_fit(beam_width * limit):
+            raise ValueError(
+                f"{beam_width} beams of up to {limit} tokens need more KV cache than the "
+                f"whole cache holds ({self.kv.max_num_tokens} tokens); lower n or max_tokens")
 
     def _check_pooling(self, n: int) -> int:
         """The token limit of an embedding request of ``n`` prompt tokens (all of them: it
@@ -131,6 +152,8 @@ class Scheduler:
     def finish_requests(self, request_ids: list[str] | set[str], status: RequestStatus) -> None:
         """End requests from outside the step (abort, or a stop string seen by the detokenizer)."""
         for rid in request_ids:
+            if self.beams.abort(rid, status):
+                continue
             request = self.requests.get(rid)
             if request is None or request.is_finished:
                 continue
@@ -138,7 +161,7 @@ class Scheduler:
                 self.running.remove(request)
             else:
                 self.waiting.remove(request)
-            self._finish(request, status)
+            self.finish(request, status)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -210,7 +233,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             i += 1
-            if request.request_id in taken or (
+            if request.request_id in taken or self.beams.must_wait(request) or (
                     short_prompts_only and not self._is_short_prompt(request)):
                 continue
             if (request.num_pending_tokens and request.max_total_tokens is not None
@@ -228,7 +251,12 @@ class Scheduler:
             if allocation is None:
                 break  # request itself was preempted: only scheduled requests come after it
             out.kv_copies.extend(allocation.copies)
-            out.cached_requests.append(self._cached_request_data(request, allocation))
+            if request.request_id in self.beams.unseen:
+                # A new beam on its parent's blocks: the runner gets its whole state.
+                self.beams.unseen.discard(request.request_id)
+                out.new_requests.append(self._new_request_data(request))
+            else:
+                out.cached_requests.append(self._cached_request_data(request, allocation))
             if drafts:
                 out.scheduled_spec_decode_tokens[request.request_id] = drafts
                 num_new += len(drafts)
@@ -310,6 +338,7 @@ class Scheduler:
             source = self._prompt_source(request)
             # A request preempted while a step in flight samples for it waits for that token.
             if request.num_pending_tokens or source is PromptSource.WAIT_FOR_LEADER or (
+                    self.beams.must_wait(request)) or (
                     short_prompts_only and request.num_tokens > self.config.max_num_batched_tokens
             ) or not self._lora_fits(request):
                 i += 1
@@ -323,21 +352,24 @@ class Scheduler:
             del self.waiting[i]
             self.running.append(request)
             request.status = RequestStatus.RUNNING
-            out.new_requests.append(NewRequestData(
-                request_id=request.request_id,
-                token_ids=list(request.all_token_ids),
-                num_prompt_tokens=request.num_prompt_tokens,
-                sampling_params=request.sampling_params,
-                block_ids=list(self.kv.get_block_ids(request.request_id)),
-                num_computed_tokens=request.num_computed_tokens,
-                grammar=request.grammar,
-                pooling_params=request.pooling_params,
-                lora_request=request.lora_request,
-            ))
+            out.new_requests.append(self._new_request_data(request))
             scheduled.append((request, num_new))
             self._add_lora(request)
             budget -= num_new
         return budget
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        return NewRequestData(
+            request_id=request.request_id,
+            token_ids=list(request.all_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            sampling_params=request.sampling_params,
+            block_ids=list(self.kv.get_block_ids(request.request_id)),
+            num_computed_tokens=request.num_computed_tokens,
+            grammar=request.grammar,
+            pooling_params=request.pooling_params,
+            lora_request=request.lora_request,
+        )
 
     def _prompt_source(self, request: Request) -> PromptSource:
         """Whether ``request`` shares a running leader's prompt blocks now, waits for them, or
@@ -398,6 +430,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
+        self.beams.unseen.discard(request.request_id)
         request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -431,6 +464,12 @@ class Scheduler:
             # token it computes, which is appended below.)
             self.kv.register_computed(rid, request.all_token_ids,
                                       min(request.num_computed_tokens, request.num_tokens))
+            if request.beam is not None:
+                # A beam's tokens are chosen by its group from its top logprobs.
+                logprobs = runner_out.logprobs.get(rid)
+                if logprobs:
+                    outputs.extend(self.beams.report(request, logprobs[-1].top))
+                continue
             status = None
             for n, token_id in enumerate(new_ids):
                 request.append_output_token(token_id)
@@ -452,7 +491,7 @@ class Scheduler:
                 # the request waits: it leaves the queue it is in.
                 queue = self.waiting if request.status == RequestStatus.PREEMPTED else self.running
                 queue.remove(request)
-                self._finish(request, status)
+                self.finish(request, status)
             outputs.append(EngineCoreOutput(
                 request_id=rid,
                 new_token_ids=new_ids,
@@ -470,13 +509,13 @@ class Scheduler:
     def _finish_pooled(self, request: Request, pooled: list[float]) -> EngineCoreOutput:
         """An embedding request whose prompt this step computed: it is done."""
         self.running.remove(request)
-        self._finish(request, RequestStatus.FINISHED_STOPPED)
+        self.finish(request, RequestStatus.FINISHED_STOPPED)
         return EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
                                 finish_reason="stop",
                                 first_scheduled_time=request.first_scheduled_time,
                                 pooled=pooled)
 
-    def _finish(self, request: Request, status: RequestStatus) -> None:
+    def finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         request.finished_time = time.monotonic()
         self.kv.free(request.request_id)

@@ -6,6 +6,7 @@ import dataclasses
 import time
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.beam_search import beam_search_request
 from tokenmill.engine.core import EngineCore, ModelInfo
 from tokenmill.engine.output_processor import OutputKind, OutputProcessor
 from tokenmill.engine.pooling import EMBEDDING_SAMPLING, EmbeddingRequests, embedding_prompt
@@ -187,7 +188,9 @@ class LLMEngine:
         except BaseException:
             self.core.abort_requests(added)
             raise
-        self.processor.add_request(request_id, [c.request_id for c in children], text,
+        beam = children[0].beam
+        output_ids = beam.output_ids if beam is not None else [c.request_id for c in children]
+        self.processor.add_request(request_id, output_ids, text,
                                    token_ids, params, kind, arrival)
 
     def _add_embedding(self, request_id: str, prompt: PromptType, params: PoolingParams,
@@ -206,6 +209,9 @@ class LLMEngine:
     def _child_requests(self, request_id: str, token_ids: list[int], params: SamplingParams,
                         arrival: float) -> list[Request]:
         eos = self.tokenizer.eos_token_ids
+        if params.use_beam_search:
+            return [beam_search_request(request_id, token_ids, params, eos, self.vocab_size,
+                                        arrival)]
         if params.n == 1:
             return [Request(request_id, token_ids, params, eos, arrival_time=arrival)]
         children = []
