@@ -15,6 +15,8 @@ default_thread_policy()  # before anything imports torch
 from tokenmill.engine.llm import LLM
 from tokenmill.lora import LoRARequest
 from tokenmill.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
     ClassificationResult,
     CompletionOutput,
     EmbeddingRequestOutput,
@@ -23,9 +25,10 @@ from tokenmill.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from tokenmill.sampling_params import PoolingParams, SamplingParams
+from tokenmill.sampling_params import BeamSearchParams, PoolingParams, SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics",
            "ClassificationResult", "PoolingParams", "EmbeddingRequestOutput",
-           "ScoringRequestOutput", "ScoringOutput", "LoRARequest"]
+           "ScoringRequestOutput", "ScoringOutput", "LoRARequest", "BeamSearchParams",
+           "BeamSearchOutput", "BeamSearchSequence"]
 __version__ = "0.1.0"

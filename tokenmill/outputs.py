@@ -119,6 +119,30 @@ class RequestOutput:
 
 
 @dataclass
+class BeamSearchSequence:
+    """One hypothesis of ``LLM.beam_search`` (vLLM's fields): ``tokens`` and ``text`` are the
+    whole sequence, prompt included."""
+
+    tokens: list[int]
+    text: str
+    cum_logprob: float
+    num_prompt_tokens: int
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def output_tokens(self) -> list[int]:
+        return self.tokens[self.num_prompt_tokens:]
+
+
+@dataclass
+class BeamSearchOutput:
+    """The hypotheses of one prompt's beam search, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+@dataclass
 class ClassificationResult:
     """One input's classification: the most likely label and every label's probability.
 

@@ -308,6 +308,36 @@ class SamplingParams:
 
 
 @dataclass
+class BeamSearchParams:
+    """vLLM's parameters of ``LLM.beam_search``: ``beam_width`` beams, each up to
+    ``max_tokens`` new tokens; ``early_stopping`` is tokenmill's (Hugging Face's meaning, see
+    SamplingParams). Beams are ranked by the model's own logprobs: ``temperature`` is there
+    for vLLM's signature and must be 0."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: bool | str = False
+
+    def to_sampling_params(self) -> SamplingParams:
+        """The same search as SamplingParams (``n`` beams); ValueError names a bad field."""
+        _check_range("beam_width", self.beam_width, 1, MAX_N, integer=True)
+        _check_number("temperature", self.temperature)
+        if self.temperature != 0.0:
+            raise ValueError(f"temperature must be 0 for beam search (beams are ranked by the "
+                             f"model's own logprobs), got {self.temperature!r}")
+        return SamplingParams(
+            n=self.beam_width, use_beam_search=True, max_tokens=self.max_tokens,
+            ignore_eos=self.ignore_eos, length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping, temperature=0.0,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=False)
+
+
+@dataclass
 class PoolingParams:
     """What an embedding request asks of its pooled vector, with vLLM's names.
 

@@ -32,7 +32,13 @@ from tokenmill.api.tools import (
     forced_call,
     tool_prompt,
 )
-from tokenmill.api.validation import ServedModel, check_context, check_grammar, sampling_params
+from tokenmill.api.validation import (
+    ServedModel,
+    beam_max_tokens,
+    check_context,
+    check_grammar,
+    sampling_params,
+)
 from tokenmill.engine.llm_engine import PromptType
 from tokenmill.outputs import RequestOutput, TokenLogprobs
 from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -202,8 +208,13 @@ def prepare_chat(req: ChatCompletionRequest, served: ServedModel,
         else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     check_context(len(ids), max_tokens, served.max_model_len, "messages", param)
+    max_tokens = beam_max_tokens(req, max_tokens, [len(ids)], served.max_model_len)
     params = sampling_params(req, served.vocab_size, max_tokens=max_tokens,
                              logprobs=logprobs_k(req))
+    if forced is not None and params.use_beam_search:
+        raise bad_request("a tool_choice that forces a call cannot be used with "
+                          "use_beam_search: the call is forced by a grammar, and beams are "
+                          "ranked by the model's own logprobs", "tool_choice")
     if forced is not None:
         if params.structured_outputs is not None:
             raise bad_request("a tool_choice that forces a call cannot be combined with "

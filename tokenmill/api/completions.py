@@ -18,6 +18,7 @@ from tokenmill.api.protocol import (
 from tokenmill.api.responses import Collected, TokenTexts, finite
 from tokenmill.api.validation import (
     ServedModel,
+    beam_max_tokens,
     check_context,
     check_grammar,
     check_token_ids,
@@ -122,7 +123,8 @@ class CompletionCall:
         choices = []
         for p_index, (prompt, per_prompt) in enumerate(zip(self.prompts, result.choices,
                                                            strict=True)):
-            if len(per_prompt) > req.n:  # best_of: the most likely samples
+            # best_of: the most likely samples (beam search's hypotheses come best first).
+            if len(per_prompt) > req.n and not self.params.use_beam_search:
                 per_prompt = sorted(per_prompt,
                                     key=lambda c: -sum(lp.logprob for lp in c.logprobs))
             for c_index, c in enumerate(per_prompt[:req.n]):
@@ -237,10 +239,14 @@ def prepare_completion(req: CompletionRequest, served: ServedModel, *,
     max_tokens = 1 if score_only else req.max_tokens
     for p in prompts:
         check_context(len(p.token_ids), max_tokens, served.max_model_len, "prompt")
-    # best_of ranks its samples by the sum of their tokens' logprobs: ask for those.
+    max_tokens = beam_max_tokens(req, max_tokens, [len(p.token_ids) for p in prompts],
+                                 served.max_model_len)
+    # best_of ranks its samples by the sum of their tokens' logprobs: ask for those. With
+    # beam search best_of is the beam width (vLLM's older meaning), its hypotheses ranked.
     k = req.logprobs
+    ranks_samples = best_of > req.n and not req.use_beam_search
     params = sampling_params(req, vocab_size, max_tokens=max_tokens,
-                             logprobs=0 if k is None and best_of > req.n else k,
+                             logprobs=0 if k is None and ranks_samples else k,
                              prompt_logprobs=k if req.echo else None)
     check_grammar(req, params, served)
     return CompletionCall(req, prompts, replace(params, n=best_of), tokenizer, score_only)

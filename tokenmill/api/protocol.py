@@ -90,6 +90,11 @@ class SamplingFields(StrictModel):
     skip_special_tokens: bool = True
     # False opts this request out of the server's speculative decoding.
     speculative: bool = True
+    # Beam search (vLLM's fields): ``n`` (completions: ``best_of`` when given) is the beam
+    # width, and the choices are the best hypotheses, best first (see SamplingParams).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
     # Structured outputs: OpenAI's field, vLLM's, and vLLM's older spellings.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None

@@ -8,8 +8,8 @@ import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from tokenmill.api.errors import bad_request
-from tokenmill.api.protocol import SamplingFields
+from tokenmill.api.errors import APIError, bad_request
+from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from tokenmill.request import ContextOverflow, context_overflow, first_invalid_token_id
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.tokenizer import Tokenizer
@@ -70,11 +70,26 @@ def sampling_params(req: SamplingFields, vocab_size: int, *, max_tokens: int | N
             ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens, speculative=req.speculative,
-            structured_outputs=structured_outputs(req))
+            structured_outputs=structured_outputs(req), use_beam_search=req.use_beam_search,
+            length_penalty=req.length_penalty, early_stopping=req.early_stopping)
         params.validate(vocab_size=vocab_size)
     except ValueError as e:
-        raise bad_request(str(e), _param_of(str(e))) from None
+        message, param = str(e), _param_of(str(e))
+        if param == "structured_outputs":  # name the field the client set the constraint by
+            param = _constraint_field(req)
+            message = message.replace("structured_outputs", param, 1)
+        raise bad_request(message, param) from None
     return params
+
+
+def beam_max_tokens(req: SamplingFields, max_tokens: int | None, prompt_lens: Sequence[int],
+                    max_model_len: int) -> int | None:
+    """``max_tokens``, or for a beam search that sets none, the room the shortest prompt
+    leaves in the context: beams need a length limit, and vLLM's server defaults it so (the
+    engine caps each longer prompt's beams at the context)."""
+    if max_tokens is not None or not req.use_beam_search:
+        return max_tokens
+    return max_model_len - min(prompt_lens)
 
 
 def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
@@ -137,6 +152,18 @@ def _param_of(message: str) -> str | None:
     """The field a SamplingParams error names (its messages start with the field)."""
     head = message.split(" ", 1)[0].split("[", 1)[0]
     return head if head.isidentifier() else None
+
+
+# The fields of a generation request, which an engine refusal may start with.
+_REQUEST_FIELDS = frozenset(ChatCompletionRequest.model_fields) | frozenset(
+    CompletionRequest.model_fields)
+
+
+def engine_refusal(e: ValueError) -> APIError:
+    """The 400 of a request the engine refused on submission (e.g. a beam width over
+    max_num_seqs), naming the request field its message starts with, if it starts with one."""
+    param = _param_of(str(e))
+    return bad_request(str(e), param if param in _REQUEST_FIELDS else None)
 
 
 def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int,

@@ -21,7 +21,7 @@ from tokenmill.api.errors import APIError, bad_request, validate_body
 from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest, now, random_id
 from tokenmill.api.responses import Call, Collected
 from tokenmill.api.scores import RerankRequest, ScoreRequest, prepare_rerank, prepare_score
-from tokenmill.api.validation import default_model_name
+from tokenmill.api.validation import default_model_name, engine_refusal
 from tokenmill.batch import DEFAULT_MAX_IN_FLIGHT
 from tokenmill.batch.format import BatchRequest, api_error_line, response_line
 from tokenmill.engine.classify import LabelRequest
@@ -302,7 +302,7 @@ def _refusal(req: BatchRequest, e: Exception) -> Answer:
     ValueError, else a 500 (logged)."""
     if not isinstance(e, APIError):
         if isinstance(e, ValueError):
-            e = bad_request(str(e))
+            e = engine_refusal(e)
         else:
             logger.exception("batch line %d: unexpected error", req.line, exc_info=e)
             e = APIError(500, f"internal error: {type(e).__name__}: {e}")

@@ -242,6 +242,13 @@ class BeamSearches:
         return group is not None and (group.has_reported(request)
                                       or request.num_pending_tokens > 0)
 
+    def reported_running(self) -> list[Request]:
+        """The running beams that have run this step (their blocks only serve their
+        children now); not those whose token is still in flight."""
+        return [beam for group in self.groups.values() for beam in group.live
+                if beam.status == RequestStatus.RUNNING and group.has_reported(beam)
+                and not beam.num_pending_tokens]
+
     def report(self, request: Request, top: dict[int, float]) -> list[EngineCoreOutput]:
         """A beam's top logprobs from the step that ran it; the group's outputs when this
         ends it."""

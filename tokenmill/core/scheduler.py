@@ -333,7 +333,10 @@ class Scheduler:
         """Start waiting requests in arrival order (only those whose prompt fits in a step's
         budget if ``short_prompts_only``) until one cannot start."""
         i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while i < len(self.waiting) and budget > 0:
+            if len(self.running) >= self.config.max_num_seqs and (
+                    not self._release_reported_beams()):
+                break
             request = self.waiting[i]
             source = self._prompt_source(request)
             # A request preempted while a step in flight samples for it waits for that token.
@@ -348,6 +351,8 @@ class Scheduler:
             else:
                 num_new = self._start(request, budget)
             if num_new is None:
+                if self._release_reported_beams():
+                    continue  # try again, with their blocks free
                 break
             del self.waiting[i]
             self.running.append(request)
@@ -428,7 +433,20 @@ class Scheduler:
             request.num_cached_tokens = num_cached
         return num_new
 
-    def _preempt(self, request: Request) -> None:
+    def _release_reported_beams(self) -> bool:
+        """Free the blocks and batch places of running beams that have run this step and wait
+        for the rest of their group: only their children would read those blocks (and they
+        then recompute from the prefix cache). Without this, groups whose last beam waits for
+        blocks or places that other groups' waiting beams hold would wait forever."""
+        released = self.beams.reported_running()
+        for beam in released:
+            self.running.remove(beam)
+            # At the back: the admission loop's place in the queue stays (and must_wait
+            # skips them until their group replaces them).
+            self._preempt(beam, front=False)
+        return bool(released)
+
+    def _preempt(self, request: Request, front: bool = True) -> None:
         self.kv.free(request.request_id)
         self.beams.unseen.discard(request.request_id)
         request.spec_token_ids = []
@@ -437,7 +455,10 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self._preempted_ids.add(request.request_id)
-        self.waiting.appendleft(request)
+        if front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     def update(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[EngineCoreOutput]:
         """Append the sampled tokens, finish requests that hit a stop condition."""

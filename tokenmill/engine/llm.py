@@ -23,13 +23,15 @@ from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.engine.scoring import cross_encoder_prompts, pair_texts, scores_of
 from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
     ClassificationResult,
     EmbeddingRequestOutput,
     RequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
 )
-from tokenmill.sampling_params import PoolingParams, SamplingParams
+from tokenmill.sampling_params import BeamSearchParams, PoolingParams, SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
 # generate() shows a progress bar (by default) from this many prompts on.
@@ -161,6 +163,33 @@ class LLM:
         batch = _as_batch(prompts)
         params = _params_per_prompt(sampling_params, len(batch))
         return self._run(batch, params, use_tqdm, _loras_per_prompt(lora_request, len(batch)))
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's ``beam_search``: the best ``params.beam_width`` hypotheses of each prompt,
+        best first, in the order of the prompts (the same search as ``generate`` with
+        ``SamplingParams(use_beam_search=True, n=beam_width)``)."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        outputs = self.generate(prompts, params.to_sampling_params(), use_tqdm, lora_request)
+        tok = self.engine.tokenizer
+        results = []
+        for out in outputs:
+            prompt = out.prompt_token_ids
+            results.append(BeamSearchOutput([
+                BeamSearchSequence(tokens=[*prompt, *c.token_ids],
+                                   text=tok.decode([*prompt, *c.token_ids],
+                                                   skip_special_tokens=False),
+                                   cum_logprob=c.cumulative_logprob or 0.0,
+                                   num_prompt_tokens=len(prompt),
+                                   finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                for c in out.outputs]))
+        return results
 
     def chat(
         self,

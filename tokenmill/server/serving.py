@@ -13,9 +13,10 @@ from starlette.types import Receive
 from tokenmill.api.chat import ChatCall
 from tokenmill.api.completions import CompletionCall
 from tokenmill.api.endpoints import prepare
-from tokenmill.api.errors import APIError, bad_request
+from tokenmill.api.errors import APIError
 from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest, now, random_id
 from tokenmill.api.responses import Collected, collect
+from tokenmill.api.validation import engine_refusal
 from tokenmill.engine.async_llm import (
     EngineDeadError,
     EngineOverloadedError,
@@ -44,7 +45,7 @@ async def submit(state: ServerState, served: ServedModel, prompts: Sequence[Prom
     except EngineDeadError as e:
         raise APIError(503, str(e), code="engine_dead") from None
     except ValueError as e:
-        raise bad_request(str(e)) from None
+        raise engine_refusal(e) from None
 
 
 async def collect_unless_gone(group: RequestGroup, num_prompts: int, n: int,
