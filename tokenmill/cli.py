@@ -12,6 +12,7 @@ from collections.abc import Callable
 from tokenmill.batch.cli import add_batch_parser
 from tokenmill.bench import batch as bench_batch
 from tokenmill.bench import (
+    beam,
     compare,
     contention,
     embed,
@@ -316,7 +317,7 @@ BENCH_SUITES: tuple[Registrar, ...] = (
     bench_batch.add_batch_bench_parser, gpu.add_gpu_parser, _add_perplexity_parser,
     fuzz.add_fuzz_parser, structured.add_structured_parser, retrieval.add_retrieval_parser,
     embed.add_embed_parser, rerank.add_rerank_parser, contention.add_contention_parser,
-    lora.add_lora_parser,
+    lora.add_lora_parser, beam.add_beam_parser,
 )
 
 

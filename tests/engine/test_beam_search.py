@@ -322,3 +322,17 @@ def test_refused_by_the_engine(llm: LLM, model: Model) -> None:
         llm.beam_search("t5 t6", BeamSearchParams(beam_width=0, max_tokens=4))
     # The engine goes on.
     assert len(llm.generate("t5 t6", beam_params(2, 4))[0].outputs) == 2
+
+
+def test_the_benchmarks_request_per_step_mode_finds_the_same_beams(llm: LLM) -> None:
+    """`tokenmill bench beam` compares with vLLM's way of searching (a one-token request per
+    beam and step); without an eos both keep the top n by summed logprob, so both must end
+    with the same beams: the benchmark's modes do the same work."""
+    from tokenmill.bench.beam import request_per_step
+
+    prompts = [p[:8] for p in PROMPTS]
+    theirs = request_per_step(llm, prompts, 3, 6)
+    ours = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        beam_params(3, 6, ignore_eos=True))
+    assert theirs == [[p + c.token_ids for c in out.outputs] for p, out in zip(
+        prompts, ours, strict=True)]
