@@ -19,6 +19,11 @@ A request admitted starts from the longest prefix of its tokens found in the pre
 sample of an n > 1 request (``Request.fork_of``) waits until the first sample's prompt is
 computed and then shares its blocks (copy-on-write).
 
+A beam search (``Request.beam``) runs its live beams as requests; once all of them have run a
+step, its group (core/beam_search.py) replaces them with the chosen continuations, new
+requests on their parents' blocks. A beam that has run waits for the rest of its group; when
+a waiting request cannot start for want of blocks or batch places, such beams give theirs up.
+
 An embedding request (``Request.pooling_params``) is admitted only when its whole prompt fits
 in the step's budget (never chunked, never served from the prefix cache: every token's state
 is pooled) and finishes in the ``update`` of that step, with the runner's pooled vector.
@@ -29,9 +34,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
-from enum import Enum
 
 from tokenmill.config import SchedulerConfig
+from tokenmill.core.admission import (
+    PromptSource,
+    fork_prompt,
+    prompt_source,
+    start_prompt,
+    token_limit,
+)
 from tokenmill.core.beam_search import BeamSearches
 from tokenmill.core.kv_cache import KVCacheManager, SlotAllocation
 from tokenmill.core.sched_output import (
@@ -42,18 +53,7 @@ from tokenmill.core.sched_output import (
     SchedulerOutput,
 )
 from tokenmill.metrics.stats import SchedulerStats
-from tokenmill.request import ContextOverflow, Request, RequestStatus, context_overflow
-
-
-class PromptSource(Enum):
-    """Where a waiting request's prompt KV comes from when it is admitted."""
-
-    # Computed by the request itself, after any prefix-cache hit.
-    COMPUTE = "compute"
-    # Shared from its leader, a running sample of the same prompt that has computed it.
-    SHARE_LEADER = "share_leader"
-    # Its leader is still computing the prompt: the request waits, letting others pass.
-    WAIT_FOR_LEADER = "wait_for_leader"
+from tokenmill.request import Request, RequestStatus
 
 
 class Scheduler:
@@ -87,31 +87,12 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a request; ValueError when it could never run here."""
-        rid = request.request_id
-        if rid in self.requests:
-            raise ValueError(f"request_id {rid!r} is already in use")
-        n = request.num_prompt_tokens
-        if n == 0:
-            raise ValueError("the prompt must contain at least one token")
-        if request.pooling_params is not None:
-            limit = self._check_pooling(n)
-        elif context_overflow(n, None, self.max_model_len) is ContextOverflow.PROMPT:
-            raise ValueError(
-                f"the prompt has {n} tokens, but max_model_len is {self.max_model_len}: "
-                "it must leave room for at least one generated token")
-        else:
-            limit = self.max_model_len
-            if request.max_total_tokens is not None:
-                limit = min(limit, request.max_total_tokens)
-        request.max_total_tokens = limit
-        if not self.kv.can_ever_fit(limit):
-            raise ValueError(
-                f"the request needs up to {limit} tokens of KV cache but the whole cache holds "
-                f"{self.kv.max_num_tokens}; lower max_tokens or give the KV cache more memory")
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
         if request.lora_request is not None and not self.max_loras:
             raise ValueError("this engine runs no LoRA adapters (start it with enable_lora)")
-        if request.beam is not None:
-            self._check_beam_search(request.beam.beam_width, limit)
+        request.max_total_tokens = token_limit(request, self.config, self.kv,
+                                               self.max_model_len)
         self.register(request)
         self.waiting.append(request)
         if request.beam is not None:
@@ -125,29 +106,6 @@ class Scheduler:
             lora_id = request.lora_request.lora_int_id
             self._lora_live[lora_id] = self._lora_live.get(lora_id, 0) + 1
         self.requests[rid] = request
-
-    def _check_beam_search(self, beam_width: int, limit: int) -> None:
-        """ValueError when a beam search of ``beam_width`` beams of up to ``limit`` tokens
-        could never run here (its beams all run in one step)."""
-        if beam_width > self.config.max_num_seqs:
-            raise ValueError(f"n (the beam width) is {beam_width}, more than max_num_seqs "
-                             f"{self.config.max_num_seqs}: every beam runs in each step")
-        if not self.kv.can_ever_fit(beam_width * limit):
-            raise ValueError(
-                f"{beam_width} beams of up to {limit} tokens need more KV cache than the "
-                f"whole cache holds ({self.kv.max_num_tokens} tokens); lower n or max_tokens")
-
-    def _check_pooling(self, n: int) -> int:
-        """The token limit of an embedding request of ``n`` prompt tokens (all of them: it
-        generates nothing); ValueError when it cannot be computed in one step."""
-        if n > self.max_model_len:
-            raise ValueError(f"the input has {n} tokens, more than max_model_len "
-                             f"{self.max_model_len}")
-        budget = self.config.max_num_batched_tokens
-        if n > budget:
-            raise ValueError(f"the input has {n} tokens, more than max_num_batched_tokens "
-                             f"{budget}: an embedding is computed in one step")
-        return n
 
     def finish_requests(self, request_ids: list[str] | set[str], status: RequestStatus) -> None:
         """End requests from outside the step (abort, or a stop string seen by the detokenizer)."""
@@ -338,7 +296,7 @@ class Scheduler:
                     not self._release_reported_beams()):
                 break
             request = self.waiting[i]
-            source = self._prompt_source(request)
+            source = prompt_source(request, self.requests)
             # A request preempted while a step in flight samples for it waits for that token.
             if request.num_pending_tokens or source is PromptSource.WAIT_FOR_LEADER or (
                     self.beams.must_wait(request)) or (
@@ -347,9 +305,9 @@ class Scheduler:
                 i += 1
                 continue
             if source is PromptSource.SHARE_LEADER:
-                num_new = self._fork(request, out)
+                num_new = fork_prompt(request, self.kv, out)
             else:
-                num_new = self._start(request, budget)
+                num_new = start_prompt(request, self.kv, self.config, budget)
             if num_new is None:
                 if self._release_reported_beams():
                     continue  # try again, with their blocks free
@@ -375,63 +333,6 @@ class Scheduler:
             pooling_params=request.pooling_params,
             lora_request=request.lora_request,
         )
-
-    def _prompt_source(self, request: Request) -> PromptSource:
-        """Whether ``request`` shares a running leader's prompt blocks now, waits for them, or
-        computes its prompt itself (not a later sample, resumed with outputs, or no leader)."""
-        if request.fork_of is None or request.num_output_tokens:
-            return PromptSource.COMPUTE
-        leader = self.requests.get(request.fork_of)
-        if leader is None or leader.status != RequestStatus.RUNNING:
-            return PromptSource.COMPUTE
-        # An output token means the step that computed the prompt has run: its KV is written.
-        if leader.num_output_tokens:
-            return PromptSource.SHARE_LEADER
-        return PromptSource.WAIT_FOR_LEADER
-
-    def _fork(self, request: Request, out: SchedulerOutput) -> int | None:
-        """Share the leader's prompt blocks and recompute only the last prompt token (for this
-        sample's own first token); that token's write copies the block it lands in (the copy
-        goes to ``out``; the request's NewRequestData carries its whole block list)."""
-        assert request.fork_of is not None  # _prompt_source said SHARE_LEADER
-        n = request.num_prompt_tokens
-        self.kv.fork(request.fork_of, request.request_id, n)
-        allocation = self.kv.allocate_slots(request.request_id, n, n - 1)
-        if allocation is None:
-            self.kv.free(request.request_id)
-            return None
-        out.kv_copies.extend(allocation.copies)
-        request.num_computed_tokens = n - 1
-        return 1
-
-    def _start(self, request: Request, budget: int) -> int | None:
-        """Blocks for a request's first chunk after its cached prefix; None if it cannot start."""
-        rid = request.request_id
-        params = request.sampling_params
-        # Prompt logprobs are computed in the prefill: the cache may serve only the tokens
-        # before the first one whose logprob is wanted (whose logits score that one).
-        tokens = request.all_token_ids
-        if params.prompt_logprobs is not None:
-            tokens = tokens[:params.prompt_logprobs_start]
-        # An embedding pools the states of every prompt token, so none may come from the
-        # cache, and it is computed whole in one step (an encoder attends both ways; a
-        # decoder's mean pooling would otherwise need the states of earlier chunks).
-        pooling = request.pooling_params is not None
-        use_cache = not pooling and (params.prompt_logprobs is None
-                                     or params.prompt_logprobs_start > 1)
-        cached = self.kv.find_cached_prefix(rid, tokens) if use_cache else []
-        num_cached = len(cached) * self.kv.block_size
-        remaining = request.num_tokens - num_cached
-        num_new = min(remaining, budget)
-        if num_new < remaining and (pooling or not self.config.enable_chunked_prefill):
-            return None
-        if self.kv.allocate_new(rid, cached, num_cached + num_new,
-                                request.num_prompt_tokens if use_cache else None) is None:
-            return None
-        request.num_computed_tokens = num_cached
-        if request.num_cached_tokens is None:
-            request.num_cached_tokens = num_cached
-        return num_new
 
     def _release_reported_beams(self) -> bool:
         """Free the blocks and batch places of running beams that have run this step and wait
