@@ -6,14 +6,10 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import ComputeUsage
 from tokenmill.sampling_params import PoolingParams, SamplingParams
-
-if TYPE_CHECKING:
-    from tokenmill.core.beam_search import BeamGroup
 
 
 class RequestStatus(enum.Enum):
@@ -72,6 +68,26 @@ def context_overflow(prompt_len: int, max_tokens: int | None,
     return None
 
 
+@dataclass(frozen=True)
+class BeamSpec:
+    """A beam search's settings, shared by its beams (see tokenmill/core/beam_search.py)."""
+
+    # The request ids its n outputs carry, as the output processor knows them; the first is
+    # the root request's.
+    output_ids: tuple[str, ...]
+    length_penalty: float
+    early_stopping: bool | str
+    # Tokens that end a hypothesis (eos ids unless ignore_eos, and stop_token_ids); those of
+    # stop_token_ids are the stop_reason of the hypotheses they end.
+    ending_ids: frozenset[int]
+    stop_token_ids: frozenset[int] = frozenset()
+    min_tokens: int = 0
+
+    @property
+    def beam_width(self) -> int:
+        return len(self.output_ids)
+
+
 @dataclass
 class Request:
     """One sequence: its prompt, the tokens generated so far and how much of it is in the KV cache.
@@ -100,8 +116,9 @@ class Request:
     pooling_params: PoolingParams | None = None
     # The LoRA adapter it runs with (None: the base model).
     lora_request: LoRARequest | None = None
-    # The beam search it is a beam of (SamplingParams.use_beam_search); None otherwise.
-    beam: BeamGroup | None = field(default=None, repr=False, compare=False)
+    # Set on every beam of a beam search (SamplingParams.use_beam_search): how its group
+    # ranks and ends its beams (the scheduler keeps the group's state).
+    beam: BeamSpec | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -14,7 +14,7 @@ from tokenmill.core.kv_cache import KVCacheManager
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.outputs import TokenLogprobs
-from tokenmill.request import Request
+from tokenmill.request import BeamSpec, Request
 from tokenmill.sampling_params import SamplingParams
 
 EOS = 2
@@ -94,11 +94,12 @@ def test_tight_scheduling_ends_with_the_same_hypotheses(options: dict) -> None:
     assert run_to_end(tight) == expected
     assert tight.kv.pool.num_free_blocks == tight.kv.pool.num_usable_blocks
     assert not tight.requests and not tight.beams.groups and not tight.beams.unseen
+    assert not tight.beams.group_of
 
 
 def group(n: int = 2, **kw: object) -> BeamGroup:
-    g = BeamGroup([f"r#{i}" for i in range(n)], n, kw.pop("length_penalty", 1.0),
-                  kw.pop("early_stopping", False), frozenset({EOS}))
+    g = BeamGroup(BeamSpec(tuple(f"r#{i}" for i in range(n)), kw.pop("length_penalty", 1.0),
+                           kw.pop("early_stopping", False), frozenset({EOS})))
     root = Request("r#0", [7, 8], SamplingParams(max_tokens=10), max_total_tokens=12)
     g.start(root)
     return g

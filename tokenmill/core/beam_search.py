@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from tokenmill.core.sched_output import EngineCoreOutput
 from tokenmill.outputs import ComputeUsage
-from tokenmill.request import Request, RequestStatus
+from tokenmill.request import BeamSpec, Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -71,16 +71,7 @@ def num_candidates(beam_width: int, num_ending_ids: int) -> int:
 class BeamGroup:
     """The state of one beam search request."""
 
-    # The request ids its n outputs carry (as the output processor knows them).
-    output_ids: list[str]
-    beam_width: int
-    length_penalty: float
-    early_stopping: bool | str
-    # Tokens that end a hypothesis (eos ids unless ignore_eos, and stop_token_ids); those of
-    # stop_token_ids are the stop_reason of the hypotheses they end.
-    ending_ids: frozenset[int]
-    stop_token_ids: frozenset[int] = frozenset()
-    min_tokens: int = 0
+    spec: BeamSpec
     max_new_tokens: int = 0
     live: list[Request] = field(default_factory=list)
     # The top logprobs of each live beam that has run this step: [(token id, logprob)].
@@ -95,7 +86,15 @@ class BeamGroup:
 
     @property
     def root_id(self) -> str:
-        return self.output_ids[0]
+        return self.spec.output_ids[0]
+
+    @property
+    def beam_width(self) -> int:
+        return self.spec.beam_width
+
+    @property
+    def ending_ids(self) -> frozenset[int]:
+        return self.spec.ending_ids
 
     @property
     def num_candidates(self) -> int:
@@ -114,7 +113,7 @@ class BeamGroup:
     def report(self, request: Request, top: dict[int, float]) -> bool:
         """Record a live beam's top logprobs; True when every live beam has them."""
         ranked = sorted(top.items(), key=lambda item: -item[1])
-        if self.num_generated + 1 <= self.min_tokens:
+        if self.num_generated + 1 <= self.spec.min_tokens:
             # Too short to end yet: the ending tokens are no candidates (transformers masks
             # them; the runner gave K more than needed for this).
             ranked = [c for c in ranked if c[0] not in self.ending_ids]
@@ -154,16 +153,16 @@ class BeamGroup:
         return c.token_id in self.ending_ids or length >= self.max_new_tokens
 
     def _full_and_stopping(self) -> bool:
-        return self.early_stopping is True and len(self.finished) >= self.beam_width
+        return self.spec.early_stopping is True and len(self.finished) >= self.beam_width
 
     def _hypothesis(self, c: Continuation, length: int) -> Hypothesis:
         parent = self.live[c.parent]
         if c.token_id in self.ending_ids:
             reason = "stop"
-            stop_reason = c.token_id if c.token_id in self.stop_token_ids else None
+            stop_reason = c.token_id if c.token_id in self.spec.stop_token_ids else None
         else:
             reason, stop_reason = "length", None
-        score = c.cumulative_logprob / (length ** self.length_penalty)
+        score = c.cumulative_logprob / (length ** self.spec.length_penalty)
         return Hypothesis([*parent.output_token_ids, c.token_id], c.cumulative_logprob, score,
                           reason, stop_reason)
 
@@ -174,9 +173,10 @@ class BeamGroup:
         if len(self.finished) < self.beam_width or not going_on:
             return
         length = self.num_generated
-        if self.early_stopping == "never" and self.length_penalty > 0:
+        penalty = self.spec.length_penalty
+        if self.spec.early_stopping == "never" and penalty > 0:
             length = self.max_new_tokens
-        best = going_on[0].cumulative_logprob / (length ** self.length_penalty)
+        best = going_on[0].cumulative_logprob / (length ** penalty)
         if best <= self.finished[-1].score:
             self.improvable = False
 
@@ -197,9 +197,9 @@ def beam_search_request(request_id: str, token_ids: list[int], params: SamplingP
     if wanted > vocab_size:
         raise ValueError(f"n (the beam width) is {n}: beam search ranks {wanted} candidates "
                          f"per beam, more than the vocabulary's {vocab_size} tokens")
-    output_ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
-    group = BeamGroup(output_ids, n, params.length_penalty, params.early_stopping, ending,
-                      stop_ids, params.min_tokens)
+    output_ids = (request_id,) if n == 1 else tuple(f"{request_id}#{i}" for i in range(n))
+    spec = BeamSpec(output_ids, params.length_penalty, params.early_stopping, ending,
+                    stop_ids, params.min_tokens)
     # Each beam is one greedy row that reports its top logprobs (their count is past the API's
     # bound, so it is set on the engine's own copy, after validation).
     core_params = dataclasses.replace(params, n=1, temperature=0.0, seed=None,
@@ -210,7 +210,7 @@ def beam_search_request(request_id: str, token_ids: list[int], params: SamplingP
     core_params.stop_token_ids = []
     core_params.min_tokens = 0
     return Request(output_ids[0], token_ids, core_params, eos_token_ids,
-                   arrival_time=arrival_time, beam=group)
+                   arrival_time=arrival_time, beam=spec)
 
 
 def _cumulative(request: Request) -> float:
@@ -225,20 +225,23 @@ class BeamSearches:
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
+        # By root request id, and by the id of each live beam.
         self.groups: dict[str, BeamGroup] = {}
+        self.group_of: dict[str, BeamGroup] = {}
         # Beams the runner has not seen yet: their first schedule sends their whole state.
         self.unseen: set[str] = set()
 
     def start(self, root: Request) -> None:
-        group = root.beam
-        assert group is not None
+        assert root.beam is not None
+        group = BeamGroup(root.beam)
         group.start(root)
         self.groups[group.root_id] = group
+        self.group_of[root.request_id] = group
 
     def must_wait(self, request: Request) -> bool:
         """Whether a beam cannot run now: it has run this step and waits for its group (or
         for the token in flight that ends its step, with asynchronous scheduling)."""
-        group = request.beam
+        group = self.group_of.get(request.request_id)
         return group is not None and (group.has_reported(request)
                                       or request.num_pending_tokens > 0)
 
@@ -252,8 +255,7 @@ class BeamSearches:
     def report(self, request: Request, top: dict[int, float]) -> list[EngineCoreOutput]:
         """A beam's top logprobs from the step that ran it; the group's outputs when this
         ends it."""
-        group = request.beam
-        assert group is not None
+        group = self.group_of[request.request_id]
         if not group.report(request, top):
             return []
         selection = group.select()
@@ -284,7 +286,8 @@ class BeamSearches:
         child.output_token_ids = [*parent.output_token_ids, c.token_id]
         child.all_token_ids = [*parent.all_token_ids, c.token_id]
         child.cumulative_logprob = c.cumulative_logprob
-        child.beam = group
+        child.beam = parent.beam
+        self.group_of[child.request_id] = group
         child.first_scheduled_time = parent.first_scheduled_time
         child.num_cached_tokens = parent.num_cached_tokens
         child.first_token_time = parent.first_token_time
@@ -322,6 +325,7 @@ class BeamSearches:
                    status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:
         sched = self.scheduler
         for beam in beams:
+            self.group_of.pop(beam.request_id, None)
             if beam.is_finished:
                 continue
             if beam.status == RequestStatus.RUNNING:
@@ -337,7 +341,7 @@ class BeamSearches:
         than n continuations had a finite logprob: the rest end empty.)"""
         results = group.results()
         outputs = []
-        for i, rid in enumerate(group.output_ids):
+        for i, rid in enumerate(group.spec.output_ids):
             hyp = results[i] if i < len(results) else Hypothesis([], float("-inf"),
                                                                  float("-inf"), "length")
             outputs.append(EngineCoreOutput(

@@ -189,7 +189,8 @@ class LLMEngine:
             self.core.abort_requests(added)
             raise
         beam = children[0].beam
-        output_ids = beam.output_ids if beam is not None else [c.request_id for c in children]
+        output_ids = list(beam.output_ids) if beam is not None else [c.request_id
+                                                                    for c in children]
         self.processor.add_request(request_id, output_ids, text,
                                    token_ids, params, kind, arrival)
 
