@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from test_scheduler import run_to_end as run_scheduler
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.core.beam_search import BeamGroup, beam_search_request
@@ -43,15 +44,8 @@ def fake_run(sched: Scheduler, out: SchedulerOutput) -> RunnerOutput:
     return result
 
 
-def run_to_end(sched: Scheduler, max_steps: int = 2000) -> dict[str, list[int]]:
-    outputs: dict[str, list[int]] = {}
-    for _ in range(max_steps):
-        if not sched.has_unfinished():
-            return outputs
-        out = sched.schedule()
-        for o in sched.update(out, fake_run(sched, out)):
-            outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
-    raise AssertionError("the scheduler did not finish: it hangs")
+def run_to_end(sched: Scheduler) -> dict[str, list[int]]:
+    return run_scheduler(sched, 2000, fake_run)
 
 
 def make_scheduler(num_blocks: int = 256, max_num_seqs: int = 16, budget: int = 64,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from tokenmill.config import SchedulerConfig
@@ -40,13 +42,17 @@ def fake_run(sched: Scheduler, out: SchedulerOutput) -> RunnerOutput:
     return result
 
 
-def run_to_end(sched: Scheduler, max_steps: int = 1000) -> dict[str, list[int]]:
+def run_to_end(sched: Scheduler, max_steps: int = 1000,
+               run: Callable[[Scheduler, SchedulerOutput], RunnerOutput] | None = None
+               ) -> dict[str, list[int]]:
+    """Every request's output tokens, stepping with ``run`` (default: fake_run)."""
+    run = run or fake_run
     outputs: dict[str, list[int]] = {}
     for _ in range(max_steps):
         if not sched.has_unfinished():
             return outputs
         out = sched.schedule()
-        for o in sched.update(out, fake_run(sched, out)):
+        for o in sched.update(out, run(sched, out)):
             outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
     raise AssertionError("the scheduler did not finish: it hangs")
 
