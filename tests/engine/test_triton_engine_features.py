@@ -124,3 +124,26 @@ def test_speculative_decoding_through_triton_gives_the_plain_tokens(spec: dict) 
     assert got == want
     stats = llm.engine.core.spec_stats
     assert stats is not None and stats.num_accepted_tokens > 0
+
+
+def test_beam_search_through_triton_gives_the_reference_beams() -> None:
+    """Beams are decode rows of the graphs, each a new request on its parent's blocks (a
+    partly filled block copied on the device when two beams continue one parent), beside a
+    plain request."""
+    prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7, 8] * 5, [11, 12, 13],
+                                                 [21, 22] * 9 + [23])]
+    params = [SamplingParams(n=3, use_beam_search=True, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+              SamplingParams(n=2, use_beam_search=True, max_tokens=16, length_penalty=0.5,
+                             ignore_eos=True)]
+
+    def beams(llm: LLM) -> list[list[list[int]]]:
+        return [[c.token_ids for c in o.outputs]
+                for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    want = beams(_reference(num_kv_blocks=64))
+    _free_device_memory()
+    llm = _cuda_path(num_kv_blocks=64)
+    assert beams(llm) == want
+    kv = llm.engine.core.scheduler.kv
+    assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks
