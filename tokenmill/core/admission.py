@@ -59,8 +59,9 @@ def _check_beam_search(beam_width: int, limit: int, config: SchedulerConfig,
                          f"{config.max_num_seqs}: every beam runs in each step")
     if not kv.can_ever_fit(beam_width * limit):
         raise ValueError(
-            f"{beam_width} beams of up to {limit} tokens need more KV cache than the "
-            f"whole cache holds ({kv.max_num_tokens} tokens); lower n or max_tokens")
+            f"n (the beam width) is {beam_width}: {beam_width} beams of up to {limit} tokens "
+            f"need more KV cache than the whole cache holds ({kv.max_num_tokens} tokens); "
+            "lower n or max_tokens")
 
 
 class PromptSource(Enum):

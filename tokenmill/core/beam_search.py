@@ -195,8 +195,10 @@ def beam_search_request(request_id: str, token_ids: list[int], params: SamplingP
     # as many more, so that K others remain.
     wanted = k + (len(ending) if params.min_tokens else 0)
     if wanted > vocab_size:
-        raise ValueError(f"n (the beam width) is {n}: beam search ranks {wanted} candidates "
-                         f"per beam, more than the vocabulary's {vocab_size} tokens")
+        raise ValueError(f"n (the beam width) is {n}: with {len(ending)} ending token ids "
+                         f"(eos and stop_token_ids){' and min_tokens' if params.min_tokens else ''}"
+                         f" beam search ranks {wanted} candidates per beam, more than the "
+                         f"vocabulary's {vocab_size} tokens")
     output_ids = (request_id,) if n == 1 else tuple(f"{request_id}#{i}" for i in range(n))
     spec = BeamSpec(output_ids, params.length_penalty, params.early_stopping, ending,
                     stop_ids, params.min_tokens)
