@@ -7,8 +7,8 @@ run computes the same tokens: each beam runs to ``--output-len``), run by:
 - ``request_per_step``: vLLM's way (its ``LLM.beam_search``) on the same engine: each step,
   every live beam is a new one-token request carrying its whole sequence, served from the
   prefix cache, and the beams are chosen outside the engine;
-- ``n_samples``: plain sampling with ``n = beam width`` (the same number of rows per step,
-  without beam search: what its bookkeeping costs on top);
+- ``n_samples``: ``n = beam width`` greedy samples with as many top logprobs (the same rows
+  per step and the same sampling path, without beam search: what its bookkeeping costs);
 - ``transformers`` (unless ``--no-transformers``): ``generate(num_beams=...)`` on the same
   GGUF file (dequantized to fp32), the prompts as one left-padded batch.
 
@@ -79,8 +79,10 @@ def _run(args: argparse.Namespace, model: str) -> dict[str, Any]:
     prompts = [tok.encode(r.prompt) for r in requests]
     beams = SamplingParams(n=width, use_beam_search=True, max_tokens=args.output_len,
                            ignore_eos=True)
-    samples = SamplingParams(n=width, temperature=1.0, seed=0, max_tokens=args.output_len,
-                             ignore_eos=True)
+    # Greedy, so that its rows take the same sampling path as the beams' (argmax and top
+    # logprobs): the difference is the beam search's own work.
+    samples = SamplingParams(n=width, temperature=0.0, max_tokens=args.output_len,
+                             ignore_eos=True, logprobs=min(2 * width, MAX_LOGPROBS))
     runs_of = {
         "engine_beams": lambda: llm.generate(prompts, beams, use_tqdm=False),
         "request_per_step": lambda: request_per_step(llm, prompts, width, args.output_len),
