@@ -26,20 +26,18 @@ from tokenmill.runner.fused_decode import (
     make_invariant_decoder,
 )
 from tokenmill.runner.kv_memory import KVCacheShape
-from tokenmill.runner.launched import HostCopy, LaunchedStep, SampledRows, sample_is_history_free
+from tokenmill.runner.launched import LaunchedStep
 from tokenmill.runner.platform import Platform
 from tokenmill.runner.pooling import pool_embeddings
-from tokenmill.runner.request_state import RequestState, SamplingState, advance_grammar
+from tokenmill.runner.request_state import RequestState, SamplingState
+from tokenmill.runner.sample_rows import sample_rows, verify_rows
 from tokenmill.runner.sampler import (
     Sampler,
     compute_prompt_logprobs,
-    plain_greedy,
 )
-from tokenmill.runner.sampling_metadata import SamplingMetadata
-from tokenmill.runner.spec_verify import SpecRequest, verify_drafts
-from tokenmill.runner.step_inputs import SpecRows, StepInputs, prepare_inputs
-from tokenmill.structured.matcher import GrammarState, allocate_bitmask, fill_rows
-from tokenmill.utils import ListSlice, env_switch, host_tensor
+from tokenmill.runner.step_inputs import StepInputs, prepare_inputs
+from tokenmill.structured.matcher import GrammarState
+from tokenmill.utils import env_switch, host_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -239,9 +237,11 @@ class ModelRunner:
                 picked = hidden.index_select(0, host_tensor(wanted, torch.int64, self.device))
             logits = self._compute_logits(picked)
             if num_sampled:
-                launched.sampled = self._sample(logits[:num_sampled], inputs.sample_states)
+                launched.sampled, sampled_ids = sample_rows(
+                    self.sampler, logits[:num_sampled], inputs.sample_states, self.device)
+                self._last_sampled = (sampled_ids, inputs.sample_states)
             if inputs.spec.states:
-                self._verify(logits[num_sampled:].float(), inputs.spec, draft_probs or {}, out)
+                verify_rows(logits[num_sampled:].float(), inputs.spec, draft_probs or {}, out)
                 launched.overlappable = False
         if launched.sampled is None:
             self._last_sampled = None
@@ -357,83 +357,6 @@ class ModelRunner:
             k = state.params.prompt_logprobs or 0
             lps = compute_prompt_logprobs(logits, target_t, k)
             out.prompt_logprobs[state.request_id] = [None] * skipped + lps
-
-    def _sample(self, logits: torch.Tensor, states: list[RequestState]) -> SampledRows:
-        """Queue the sampling of ``states``' next tokens; the host copies of the results are
-        read by :meth:`SampledRows.finish`."""
-        if all(s.sampling.grammar is None and plain_greedy(s.params) for s in states) and (
-                result := self.sampler.greedy(logits)) is not None:
-            # Greedy decoding and nothing else: no metadata to build (~50 us of a ~5 ms
-            # batch-1 step on a 2-core Xeon).
-            self._last_sampled = (result.sampled_token_ids, states)
-            return SampledRows(states, HostCopy(result.sampled_token_ids, result.chosen_logprobs),
-                               None, overlappable=True)
-        meta = SamplingMetadata.build(
-            params=[s.params for s in states],
-            prompt_token_ids=[ListSlice(s.token_ids, 0, s.num_prompt_tokens) for s in states],
-            output_token_ids=[ListSlice(s.token_ids, s.num_prompt_tokens) for s in states],
-            generators=[s.sampling.generator for s in states],
-            stop_token_ids=[s.stop_ids for s in states],
-            device=self.device,
-            allowed_tokens=self._grammar_bitmask(states, [[]] * len(states), logits.shape[1]),
-        )
-        result = self.sampler(logits, meta)
-        self._last_sampled = (result.sampled_token_ids, states)
-        # The top logprobs are read now (a wait for this step); they are rare.
-        logprobs = result.to_token_logprobs() if result.has_logprobs else None
-        return SampledRows(states, HostCopy(result.sampled_token_ids, result.chosen_logprobs),
-                            logprobs, overlappable=logprobs is None and all(
-                                sample_is_history_free(s) for s in states))
-
-    @staticmethod
-    def _grammar_bitmask(states: list[RequestState], drafts: list[list[int]],
-                         vocab_size: int) -> tuple[torch.Tensor, list[int]] | None:
-        """The allowed-token bitmask of a batch whose request i has ``1 + len(drafts[i])``
-        rows (one per position it samples), with the rows it constrains; None without
-        grammars. Every row of a request without a grammar allows everything."""
-        if not any(s.sampling.grammar is not None for s in states):
-            return None
-        bitmask = allocate_bitmask(sum(len(d) + 1 for d in drafts), vocab_size)
-        rows: list[int] = []
-        singles: tuple[list[GrammarState], list[int]] = ([], [])  # no drafts: filled together
-        row = 0
-        for state, ds in zip(states, drafts, strict=True):
-            grammar = state.sampling.grammar
-            if grammar is not None and not grammar.finished:
-                if ds:
-                    grammar.fill_drafts(bitmask, row, ds)
-                else:
-                    singles[0].append(grammar)
-                    singles[1].append(row)
-                rows.extend(range(row, row + len(ds) + 1))
-            row += len(ds) + 1
-        fill_rows(bitmask, *singles)
-        return (bitmask, rows) if rows else None
-
-    def _verify(self, logits: torch.Tensor, spec: SpecRows,
-                draft_probs: dict[str, torch.Tensor], out: RunnerOutput) -> None:
-        """Accept or reject each request's drafts; it emits the accepted ones plus one."""
-        requests = [SpecRequest(
-            params=s.params,
-            prompt_token_ids=s.token_ids[:s.num_prompt_tokens],
-            output_token_ids=s.token_ids[s.num_prompt_tokens:],
-            draft_token_ids=drafts,
-            generator=s.sampling.generator,
-            stop_token_ids=s.stop_ids,
-            draft_probs=draft_probs.get(s.request_id),
-        ) for s, drafts in zip(spec.states, spec.drafts, strict=True)]
-        allowed = self._grammar_bitmask(spec.states, spec.drafts, logits.shape[1])
-        result = verify_drafts(logits, requests, allowed)
-        for state, token_ids, logprobs, chosen in zip(spec.states, result.token_ids,
-                                                      result.logprobs, result.chosen_logprobs,
-                                                      strict=True):
-            kept = advance_grammar(state, token_ids, out)
-            state.token_ids.extend(kept)
-            out.sampled_token_ids[state.request_id] = kept
-            out.sampled_logprobs[state.request_id] = chosen[:len(kept)]
-            if logprobs is not None:
-                out.logprobs[state.request_id] = logprobs[:len(kept)]
-
 
 def capture_decode_graphs_if_enabled(runner: ModelRunner, config: EngineConfig,
                                      max_model_len: int) -> bool:
