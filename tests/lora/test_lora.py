@@ -370,3 +370,30 @@ def test_adapters_in_use_stay_in_memory(lora_base: Base, adapters: dict[str, Pat
             engine.add_lora(LoRARequest("qv", 8, str(folder)))
     finally:
         llm.close()
+
+
+def test_beam_search_with_adapters_matches_peft(lora_llm: LLM, lora_base: Base,
+                                                adapters: dict[str, Path]) -> None:
+    """Beam searches of two adapters and of the base model in one batch: each beam runs its
+    search's adapter (new beams too), as PEFT's own beam search does."""
+    peft = pytest.importorskip("peft")
+    names = ["all", None, "mlp"]
+    params = SamplingParams(n=3, use_beam_search=True, max_tokens=8)
+    outs = lora_llm.generate([PROMPTS[0]] * 3, params,
+                             lora_request=[None if n is None else lora_request(adapters, n)
+                                           for n in names])
+    for name, out in zip(names, outs, strict=True):
+        model = lora_base.hf_model if name is None else peft.PeftModel.from_pretrained(
+            lora_base.hf_model, str(adapters[name]))
+        try:
+            with torch.no_grad():
+                ref = model.generate(input_ids=torch.tensor([PROMPTS[0]]), num_beams=3,
+                                     num_return_sequences=3, max_new_tokens=8,
+                                     do_sample=False, pad_token_id=0)
+        finally:
+            if name is not None:
+                model.unload()
+        want = [seq[len(PROMPTS[0]):].tolist() for seq in ref]
+        want = [w[:w.index(2) + 1] if 2 in w else w for w in want]  # the eos ends them
+        assert [c.token_ids for c in out.outputs] == want, name
+    assert not any(lora_llm.engine.core.scheduler.lora_in_use(i) for i in range(1, 5))
