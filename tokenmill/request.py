@@ -82,6 +82,8 @@ class BeamSpec:
     ending_ids: frozenset[int]
     stop_token_ids: frozenset[int] = frozenset()
     min_tokens: int = 0
+    # Top alternatives to give with each output token (SamplingParams.logprobs), or None.
+    logprobs: int | None = None
 
     @property
     def beam_width(self) -> int:

@@ -261,7 +261,6 @@ class SamplingParams:
         unsupported = {
             "structured_outputs": self.structured_outputs is not None,
             "stop": bool(self.stop_strings),
-            "logprobs": self.logprobs is not None,
             "prompt_logprobs": self.prompt_logprobs is not None,
             "presence_penalty": self.presence_penalty != 0.0,
             "frequency_penalty": self.frequency_penalty != 0.0,

@@ -178,6 +178,27 @@ def test_beam_search_api(llm: LLM, model: Model) -> None:
             c.cumulative_logprob for c in gen.outputs]
 
 
+def test_logprobs_are_those_of_each_hypothesis_token(llm: LLM, model: Model) -> None:
+    """With logprobs=k each hypothesis carries, per token, the logprob, rank and top k the
+    model gives it after the tokens before it (checked by scoring the hypothesis as a
+    prompt), summing to its cumulative logprob; the beams are those without logprobs."""
+    prompt = PROMPTS[0]
+    out = llm.generate({"prompt_token_ids": prompt}, beam_params(4, 12, logprobs=3))[0]
+    plain = llm.generate({"prompt_token_ids": prompt}, beam_params(4, 12))[0]
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in plain.outputs]
+    for c in out.outputs:
+        assert [lp.token_id for lp in c.logprobs] == c.token_ids
+        assert sum(lp.logprob for lp in c.logprobs) == pytest.approx(c.cumulative_logprob)
+        scored = llm.generate({"prompt_token_ids": prompt + c.token_ids}, SamplingParams(
+            max_tokens=1, prompt_logprobs=3, prompt_logprobs_start=len(prompt)))[0]
+        want = scored.prompt_logprobs[len(prompt):]
+        for got, ref in zip(c.logprobs, want, strict=True):
+            assert got.logprob == pytest.approx(ref.logprob, abs=1e-4)
+            assert got.rank == ref.rank
+            assert list(got.top) == list(ref.top)
+            assert list(got.top.values()) == pytest.approx(list(ref.top.values()), abs=1e-4)
+
+
 def test_mixed_with_other_requests(llm: LLM, model: Model) -> None:
     """Beam searches of different widths beside sampled and greedy requests in one batch."""
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
@@ -292,7 +313,6 @@ def test_streaming_delivers_the_hypotheses_at_the_end(llm: LLM, model: Model) ->
 
 
 @pytest.mark.parametrize(("kw", "field"), [
-    (dict(logprobs=2), "logprobs"),
     (dict(prompt_logprobs=1), "prompt_logprobs"),
     (dict(stop=["t5"]), "stop"),
     (dict(presence_penalty=0.5), "presence_penalty"),

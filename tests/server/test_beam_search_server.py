@@ -304,9 +304,7 @@ def test_stream_ends_with_done(beam_server: Server) -> None:
 COMPLETIONS = {"prompt": words(PROMPTS[1]), "n": 3, "max_tokens": MAX_TOKENS, **BEAM}
 CHAT = {"messages": user(PROMPTS[1]), "n": 3, "max_tokens": MAX_TOKENS, **BEAM}
 REFUSALS = [
-    ("/v1/completions", {"logprobs": 1}, "logprobs"),
-    ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
-    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"echo": True, "logprobs": 1}, "echo"),
     ("/v1/completions", {"stop": ["t5"]}, "stop"),
     ("/v1/chat/completions", {"stop": "t5"}, "stop"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
@@ -350,8 +348,31 @@ def test_refusals_name_the_field(client: openai.OpenAI, beam_server: Server, off
 def test_refusals_through_the_openai_client(client: openai.OpenAI, beam_server: Server) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=beam_server.model, messages=user(PROMPTS[1]), n=2,
-                                       max_tokens=4, logprobs=True, extra_body=BEAM)
-    assert e.value.body["param"] == "logprobs" and "use_beam_search" in e.value.body["message"]
+                                       max_tokens=4, presence_penalty=0.5, extra_body=BEAM)
+    assert e.value.body["param"] == "presence_penalty"
+    assert "use_beam_search" in e.value.body["message"]
+
+
+def test_logprobs_of_each_hypothesis(client: openai.OpenAI, beam_server: Server,
+                                     offline: LLM) -> None:
+    """Each choice's tokens with their logprobs and top alternatives: the offline search's,
+    summing to its cumulative logprob."""
+    want = search(offline, PROMPTS[1], logprobs=2)
+    got = complete(client, beam_server, words(PROMPTS[1]), logprobs=2)
+    for c, w in zip(got.choices, want, strict=True):
+        assert c.text == w.text
+        assert len(c.logprobs.tokens) == len(w.token_ids)
+        assert c.logprobs.token_logprobs == pytest.approx([lp.logprob for lp in w.logprobs])
+        assert sum(c.logprobs.token_logprobs) == pytest.approx(w.cumulative_logprob)
+        assert all(len(top) == 2 for top in c.logprobs.top_logprobs)
+    chat = client.chat.completions.create(
+        model=beam_server.model, messages=user(PROMPTS[1]), n=3, max_tokens=MAX_TOKENS,
+        logprobs=True, top_logprobs=2, extra_body=BEAM)
+    chat_want = chat_search(offline, PROMPTS[1], logprobs=2)
+    for c, w in zip(chat.choices, chat_want, strict=True):
+        assert [t.logprob for t in c.logprobs.content] == pytest.approx(
+            [lp.logprob for lp in w.logprobs])
+        assert all(len(t.top_logprobs) == 2 for t in c.logprobs.content)
 
 
 # ------------------------------------------------------------------ the engine's life
@@ -411,7 +432,7 @@ def test_batch_lines_run_the_beam_search(tmp_path: Path, offline: LLM) -> None:
     # The lines run together: nine beams of three searches on four batch slots.
     stats = within(120, lambda: run_batch(str(write_jsonl(tmp_path / "in.jsonl", lines)),
                                           str(out), offline, progress=False))
-    assert (stats.succeeded, stats.failed) == (3, 2)
+    assert (stats.succeeded, stats.failed) == (4, 1)
     results = {k: r["response"] for k, r in by_custom_id(read_results(out)).items()}
     p = results["p"]["body"]
     assert [(c["text"], c["finish_reason"]) for c in p["choices"]] == answer(
@@ -421,9 +442,11 @@ def test_batch_lines_run_the_beam_search(tmp_path: Path, offline: LLM) -> None:
         search(offline, PROMPTS[1], length_penalty=3.0))
     assert [(c["message"]["content"], c["finish_reason"])
             for c in results["c"]["body"]["choices"]] == answer(chat_search(offline, PROMPTS[1]))
-    for key, param in (("logprobs", "logprobs"), ("wide", "n")):
-        assert results[key]["status_code"] == 400
-        assert results[key]["body"]["error"]["param"] == param
+    lps = results["logprobs"]["body"]["choices"][0]["logprobs"]
+    assert sum(lps["token_logprobs"]) == pytest.approx(
+        search(offline, PROMPTS[1], logprobs=1)[0].cumulative_logprob)
+    assert results["wide"]["status_code"] == 400
+    assert results["wide"]["body"]["error"]["param"] == "n"
 
 
 def test_ollama_routes_still_answer(client: openai.OpenAI, beam_server: Server) -> None:

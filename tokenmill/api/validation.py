@@ -78,6 +78,8 @@ def sampling_params(req: SamplingFields, vocab_size: int, *, max_tokens: int | N
         if param == "structured_outputs":  # name the field the client set the constraint by
             param = _constraint_field(req)
             message = message.replace("structured_outputs", param, 1)
+        elif param == "prompt_logprobs" and getattr(req, "echo", False):
+            param = "echo"  # completions ask for the prompt's logprobs by echo and logprobs
         raise bad_request(message, param) from None
     return params
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tokenmill.core.sched_output import EngineCoreOutput
-from tokenmill.outputs import ComputeUsage
+from tokenmill.outputs import ComputeUsage, TokenLogprobs
 from tokenmill.request import BeamSpec, Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 
@@ -42,6 +42,21 @@ class Hypothesis:
     score: float
     finish_reason: str
     stop_reason: int | None = None
+    # Per token, its logprob, rank and the top alternatives (when the request asked).
+    logprobs: list[TokenLogprobs] | None = None
+
+
+# A beam's per-token logprobs, newest last, each step's entry pointing at its parent's trail
+# (beams share their history; a hypothesis's list is spelt out only when it finishes).
+Trail = tuple["Trail | None", TokenLogprobs]
+
+
+def _spell(trail: Trail | None) -> list[TokenLogprobs]:
+    entries = []
+    while trail is not None:
+        trail, entry = trail
+        entries.append(entry)
+    return entries[::-1]
 
 
 @dataclass
@@ -51,6 +66,8 @@ class Continuation:
     parent: int
     token_id: int
     cumulative_logprob: float
+    # Its beam's logprobs trail, the new token's entry included (None unless asked for).
+    trail: Trail | None = None
 
 
 @dataclass
@@ -76,6 +93,9 @@ class BeamGroup:
     live: list[Request] = field(default_factory=list)
     # The top logprobs of each live beam that has run this step: [(token id, logprob)].
     candidates: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    # With SamplingParams.logprobs: each live beam's trail, and its step's raw top logprobs.
+    trails: dict[str, Trail | None] = field(default_factory=dict)
+    raw: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     finished: list[Hypothesis] = field(default_factory=list)
     num_generated: int = 0
     num_steps: int = 0
@@ -113,6 +133,8 @@ class BeamGroup:
     def report(self, request: Request, top: dict[int, float]) -> bool:
         """Record a live beam's top logprobs; True when every live beam has them."""
         ranked = sorted(top.items(), key=lambda item: -item[1])
+        if self.spec.logprobs is not None:
+            self.raw[request.request_id] = ranked
         if self.num_generated + 1 <= self.spec.min_tokens:
             # Too short to end yet: the ending tokens are no candidates (transformers masks
             # them; the runner gave K more than needed for this).
@@ -124,7 +146,8 @@ class BeamGroup:
         """Rank the live beams' continuations, keep the finished ones that rank in the top
         ``n``, and choose the beams that go on."""
         k, n = self.num_candidates, self.beam_width
-        pool = [Continuation(i, token_id, _cumulative(beam) + logprob)
+        pool = [Continuation(i, token_id, _cumulative(beam) + logprob,
+                             self._trail(beam.request_id, token_id, logprob))
                 for i, beam in enumerate(self.live)
                 for token_id, logprob in self.candidates[beam.request_id]]
         # sorted() is stable: equal scores keep the beams' order, then the tokens'.
@@ -140,7 +163,7 @@ class BeamGroup:
             del self.finished[n:]
         self.num_generated = length
         self.num_steps += 1
-        self.candidates = {}
+        self.candidates, self.raw = {}, {}
         self._update_improvable(going_on)
         done = not going_on or not self.improvable or self._full_and_stopping()
         return Selection(going_on, done)
@@ -148,6 +171,15 @@ class BeamGroup:
     def results(self) -> list[Hypothesis]:
         """The best ``n`` finished hypotheses, best first."""
         return list(self.finished)
+
+    def _trail(self, beam_id: str, token_id: int, logprob: float) -> Trail | None:
+        """The trail of ``beam_id`` followed by ``token_id`` (None without logprobs)."""
+        k = self.spec.logprobs
+        if k is None:
+            return None
+        raw = self.raw[beam_id]
+        rank = 1 + sum(1 for _, lp in raw if lp > logprob)
+        return (self.trails.get(beam_id), TokenLogprobs(token_id, logprob, rank, dict(raw[:k])))
 
     def _ends(self, c: Continuation, length: int) -> bool:
         return c.token_id in self.ending_ids or length >= self.max_new_tokens
@@ -163,8 +195,9 @@ class BeamGroup:
         else:
             reason, stop_reason = "length", None
         score = c.cumulative_logprob / (length ** self.spec.length_penalty)
+        logprobs = None if self.spec.logprobs is None else _spell(c.trail)
         return Hypothesis([*parent.output_token_ids, c.token_id], c.cumulative_logprob, score,
-                          reason, stop_reason)
+                          reason, stop_reason, logprobs)
 
     def _update_improvable(self, going_on: list[Continuation]) -> None:
         """transformers' early-stop heuristic: once ``n`` hypotheses are finished, stop when
@@ -194,6 +227,8 @@ def beam_search_request(request_id: str, token_ids: list[int], params: SamplingP
     # While min_tokens holds the ending ids back, they may fill the top logprobs: ask for
     # as many more, so that K others remain.
     wanted = k + (len(ending) if params.min_tokens else 0)
+    if params.logprobs is not None:
+        wanted = max(wanted, params.logprobs)
     if wanted > vocab_size:
         raise ValueError(f"n (the beam width) is {n}: with {len(ending)} ending token ids "
                          f"(eos and stop_token_ids){' and min_tokens' if params.min_tokens else ''}"
@@ -201,7 +236,7 @@ def beam_search_request(request_id: str, token_ids: list[int], params: SamplingP
                          f"vocabulary's {vocab_size} tokens")
     output_ids = (request_id,) if n == 1 else tuple(f"{request_id}#{i}" for i in range(n))
     spec = BeamSpec(output_ids, params.length_penalty, params.early_stopping, ending,
-                    stop_ids, params.min_tokens)
+                    stop_ids, params.min_tokens, params.logprobs)
     # Each beam is one greedy row that reports its top logprobs (their count is past the API's
     # bound, so it is set on the engine's own copy, after validation).
     core_params = dataclasses.replace(params, n=1, temperature=0.0, seed=None,
@@ -290,6 +325,8 @@ class BeamSearches:
         child.cumulative_logprob = c.cumulative_logprob
         child.beam = parent.beam
         self.group_of[child.request_id] = group
+        if c.trail is not None:
+            group.trails[child.request_id] = c.trail
         child.first_scheduled_time = parent.first_scheduled_time
         child.num_cached_tokens = parent.num_cached_tokens
         child.first_token_time = parent.first_token_time
@@ -328,6 +365,7 @@ class BeamSearches:
         sched = self.scheduler
         for beam in beams:
             self.group_of.pop(beam.request_id, None)
+            group.trails.pop(beam.request_id, None)
             if beam.is_finished:
                 continue
             if beam.status == RequestStatus.RUNNING:
@@ -351,5 +389,5 @@ class BeamSearches:
                 stop_reason=hyp.stop_reason, first_scheduled_time=last.first_scheduled_time,
                 num_cached_tokens=last.num_cached_tokens,
                 usage=group.usage.copy() if i == 0 else ComputeUsage(),
-                cumulative_logprob=hyp.cumulative_logprob))
+                cumulative_logprob=hyp.cumulative_logprob, new_logprobs=hyp.logprobs))
         return outputs
