@@ -113,3 +113,17 @@ def test_cli_flag() -> None:
     assert engine_config_from_args(p.parse_args(["--deterministic"])).deterministic
     assert not engine_config_from_args(p.parse_args([])).deterministic
 
+
+
+def test_beam_search_beside_other_requests_equals_alone(det_llm: LLM, det_small: LLM) -> None:
+    """A beam search's hypotheses and their logprobs do not depend on what shares its steps
+    (its beams' candidates are each row's own logprobs)."""
+    beams = SamplingParams(n=3, use_beam_search=True, max_tokens=12, logprobs=2)
+
+    def hypotheses(llm: LLM, prompts: list, params: list[SamplingParams]) -> list:
+        out = llm.generate(prompts, params, use_tqdm=False)[0].outputs
+        return [(c.token_ids, [lp.logprob for lp in c.logprobs]) for c in out]
+
+    alone = hypotheses(det_llm, [PROMPTS[3]], [beams])
+    assert hypotheses(det_llm, [PROMPTS[3], *PROMPTS[:8]], [beams] + [GREEDY] * 8) == alone
+    assert hypotheses(det_small, [PROMPTS[3], *PROMPTS], [beams] + [GREEDY] * 16) == alone
