@@ -343,10 +343,11 @@ class BeamSearches:
         age when preemption picks the newest); those that do not fit wait, without KV."""
         sched = self.scheduler
         old_ids = {r.request_id for r in old}
+        # Where the first old beam was (nothing before it is old, so the index holds after
+        # the old ones are taken out).
         at = next((i for i, r in enumerate(sched.running) if r.request_id in old_ids),
                   len(sched.running))
         running = [r for r in sched.running if r.request_id not in old_ids]
-        at -= sum(1 for r in sched.running[:at] if r.request_id in old_ids)
         fits: list[Request] = []
         for child in new:
             if child.status == RequestStatus.RUNNING and (
@@ -363,15 +364,16 @@ class BeamSearches:
     def _end_beams(self, group: BeamGroup, beams: list[Request],
                    status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:
         sched = self.scheduler
+        ending = [beam for beam in beams if not beam.is_finished]
+        ids = {beam.request_id for beam in ending}
+        # Out of the queues in one pass each (_place has taken replaced beams out already).
+        sched.running = [r for r in sched.running if r.request_id not in ids]
+        if any(beam.status != RequestStatus.RUNNING for beam in ending):
+            sched.waiting = deque(r for r in sched.waiting if r.request_id not in ids)
         for beam in beams:
             self.group_of.pop(beam.request_id, None)
             group.trails.pop(beam.request_id, None)
-            if beam.is_finished:
-                continue
-            if beam.status == RequestStatus.RUNNING:
-                sched.running = [r for r in sched.running if r is not beam]
-            else:
-                sched.waiting = deque(r for r in sched.waiting if r is not beam)
+        for beam in ending:
             self.unseen.discard(beam.request_id)
             group.usage.add(beam.usage)
             sched.finish(beam, status)
