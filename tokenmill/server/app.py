@@ -108,10 +108,12 @@ def build_app(state: ServerState, manager: ModelManager | None = None,
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=["*"], allow_headers=["*"])
-    app.add_middleware(RequestIdMiddleware)
-    # Added last, so it runs first: nothing (CORS preflights included) answers a foreign Host.
+    # Added after the others, so it runs before them: nothing (CORS preflights included)
+    # answers a foreign Host.
     app.add_middleware(RequestGuard, policy=HostPolicy(config.host, config.allowed_hosts,
                                                       config.allowed_origins))
+    # Outermost: every answer carries the id, the guard's refusals and crashes' 500s too.
+    app.add_middleware(RequestIdMiddleware)
     return app
 
 

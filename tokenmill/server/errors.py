@@ -1,5 +1,6 @@
-"""OpenAI-shaped HTTP errors: an APIError as a JSON response, FastAPI's own errors in the same
-shape, and a request body read under a size limit (and parsed)."""
+"""HTTP errors: an APIError as a JSON response (OpenAI's body, or Ollama's ``{"error": "..."}``
+under ``/api/``), FastAPI's own errors and unhandled exceptions in the same shape, and a request
+body read under a size limit (and parsed)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.api.errors import APIError, bad_request, parse_json
 from tokenmill.server.state import ServerState
@@ -21,30 +23,69 @@ M = TypeVar("M", bound=BaseModel)
 logger = logging.getLogger(__name__)
 
 
-def error_response(err: APIError) -> JSONResponse:
-    """The error's status, OpenAI body and headers."""
-    return JSONResponse(err.body().model_dump(), status_code=err.status, headers=err.headers)
+def is_ollama_path(path: str) -> bool:
+    """Whether ``path`` is one of Ollama's routes (``/api/...``), whose errors are Ollama's."""
+    return path == "/api" or path.startswith("/api/")
+
+
+def error_response(err: APIError, path: str = "") -> JSONResponse:
+    """The error's status, body and headers: Ollama's ``{"error": message}`` for a ``/api/``
+    ``path``, else OpenAI's."""
+    body = {"error": err.message} if is_ollama_path(path) else err.body().model_dump()
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Make FastAPI's own errors (404 route, 405, validation, crashes) OpenAI-shaped."""
+    """Make FastAPI's own errors (404 route, 405, validation) and crashes the API's errors."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(APIError(exc.status_code, str(exc.detail)))
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(APIError(exc.status_code, str(exc.detail)), request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(bad_request(str(exc)))
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(bad_request(str(exc)), request.url.path)
 
-    @app.exception_handler(Exception)
-    async def _crash(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return error_response(APIError(500, f"internal error: {type(exc).__name__}"))
+    # Added first, so it is the innermost middleware: its 500 passes through the others
+    # (x-request-id, CORS) like any answer.
+    app.add_middleware(UnhandledErrors)
+
+
+class UnhandledErrors:
+    """ASGI middleware: an exception no route handled becomes a 500 with the API's error body,
+    and the connection stays open for the client's next request.
+
+    Starlette's own handler for ``Exception`` answers from the outermost layer, past every
+    middleware (no x-request-id), and then re-raises, so uvicorn drops the keep-alive
+    connection without a ``Connection: close``. An exception after the response started is
+    re-raised: closing the connection is then the only way to end the half-sent answer."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            if started:
+                raise
+            logger.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            err = APIError(500, f"internal error: {type(exc).__name__}")
+            await error_response(err, scope.get("path", ""))(scope, receive, send)
 
 
 def check_json_content_type(request: Request) -> None:
