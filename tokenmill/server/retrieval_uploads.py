@@ -5,14 +5,17 @@ upload never sits in memory and an oversized one costs at most the limit in disk
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from dataclasses import dataclass, field
 
 from fastapi import Request
 from python_multipart.multipart import MultipartParser, parse_options_header
+from starlette.requests import ClientDisconnect
 
 from tokenmill.api.errors import APIError, bad_request
 
+logger = logging.getLogger(__name__)
 # The form's other fields (purpose, expires_after[...]) are a few bytes each.
 MAX_FIELD_BYTES = 64 << 10
 # Multipart framing around the file: boundaries, part headers, the small fields.
@@ -52,12 +55,17 @@ class _Parts:
         self._name: str | None = None
         self._is_file = False
         self._value: list[bytes] = []
+        # The closing boundary was read: python-multipart's finalize() does not check it.
+        self.complete = False
 
     def callbacks(self) -> dict[str, object]:
         return {"on_part_begin": self._part_begin, "on_header_field": self._header_field,
                 "on_header_value": self._header_val, "on_header_end": self._header_end,
                 "on_headers_finished": self._headers_done, "on_part_data": self._data,
-                "on_part_end": self._part_end}
+                "on_part_end": self._part_end, "on_end": self._end}
+
+    def _end(self) -> None:
+        self.complete = True
 
     def _part_begin(self) -> None:
         self._headers, self._name, self._is_file, self._value = {}, None, False, []
@@ -110,6 +118,15 @@ def _boundary(request: Request) -> bytes:
     return opts[b"boundary"]
 
 
+def _dropped(upload: Upload) -> APIError:
+    """Log a client that went away mid-upload in one line (a dropped connection is routine,
+    not a server error) and answer 499, which nobody will read."""
+    logger.info("upload dropped: the client disconnected after %d bytes of the file",
+                upload.size)
+    return APIError(499, "the client disconnected during the upload",
+                    code="client_closed_request")
+
+
 def _write(path: str, chunks: list[bytes]) -> None:
     with open(path, "ab") as f:
         f.writelines(chunks)
@@ -119,8 +136,9 @@ async def receive_upload(request: Request, path: str, limit: int, idle_timeout: 
                          ) -> Upload:
     """Stream a multipart upload to ``path``: 415 if it is not multipart, 413 once the file
     passes ``limit`` bytes (or the declared length says it will), 408 if no data comes for
-    ``idle_timeout`` seconds, 400 for a malformed body or a missing file. On any error the
-    partial file is removed."""
+    ``idle_timeout`` seconds, 400 for a malformed body, one cut short (no closing boundary)
+    or a missing file. A client that goes away mid-upload is one log line, not an error.
+    On any error the partial file is removed."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit + ENVELOPE_BYTES:
         raise too_large(limit)
@@ -135,6 +153,8 @@ async def receive_upload(request: Request, path: str, limit: int, idle_timeout: 
                 chunk = await asyncio.wait_for(stream.__anext__(), idle_timeout)
             except StopAsyncIteration:
                 break
+            except ClientDisconnect:
+                raise _dropped(upload) from None
             except asyncio.TimeoutError:
                 raise APIError(408, f"the upload stalled for {idle_timeout:g} s",
                                code="request_timeout", headers={"Connection": "close"}) from None
@@ -148,9 +168,13 @@ async def receive_upload(request: Request, path: str, limit: int, idle_timeout: 
                 await asyncio.to_thread(_write, path, parts.pending)
                 parts.pending, parts.pending_bytes = [], 0
         parser.finalize()
-        await asyncio.to_thread(_write, path, parts.pending)
         if upload.filename is None:
             raise bad_request("the form has no 'file' field", "file")
+        if not parts.complete:
+            # A truncated body would otherwise be kept as if it were the whole file.
+            raise bad_request("the multipart body ends before its closing boundary: the "
+                              "upload is incomplete", "file")
+        await asyncio.to_thread(_write, path, parts.pending)
         return upload
     except BaseException:
         if os.path.exists(path):
