@@ -347,7 +347,8 @@ def test_runtime_paths_stay_inside_models_dir(tmp_path: Path) -> None:
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "../elsewhere"})
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "lora_path"
-    assert "outside --models-dir" in r.json()["error"]["message"]
+    assert "not found in the models folder" in r.json()["error"]["message"]
+    (tmp_path / "inside").mkdir()
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "inside"})
     assert r.status_code == 400 and "--enable-lora" in r.json()["error"]["message"]
 

@@ -27,7 +27,7 @@ def test_spec_forms(tmp_path) -> None:
     spec = parse_model_spec("org/name=dir/x,max-model-len=2048,int8,no-prefix-caching,"
                             "kv_share=2.5")
     assert spec.name == "org/name" and spec.path == "dir/x" and spec.kv_share == 2.5
-    assert spec.flags == ("--max-model-len", "2048", "--quantization", "int8",
+    assert spec.flags == ("--max-model-len=2048", "--quantization=int8",
                           "--no-prefix-caching")
     assert not spec.own_kv_size and parse_model_spec("a=b,num-kv-blocks=9").own_kv_size
     # A path that exists is a path, even with '=' in it.

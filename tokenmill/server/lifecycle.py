@@ -189,9 +189,10 @@ class ModelManager:
                 out.append({"name": name, "state": what})
         return out
 
-    def resolve_path(self, path: str) -> str:
-        """``path`` inside --models-dir (relative paths are taken from it); 400 outside it."""
-        return path_inside(self.models_dir, path, "path")
+    def resolve_path(self, path: str, param: str = "path") -> str:
+        """``path`` inside --models-dir (relative paths are taken from it); 400 naming
+        ``param`` when it is not there."""
+        return path_inside(self.models_dir, path, param)
 
     async def load(self, req: LoadRequest, on_demand: bool = False) -> ServedModel:
         """Load a model under a new name; 409 if the name is taken or busy."""
@@ -270,6 +271,8 @@ class ModelManager:
             if kv_cache_bytes and not spec.own_kv_size:
                 flags += ("--kv-cache-memory", str(kv_cache_bytes))
             spec = ModelSpec(spec.name, self.resolve_path(req.path), flags, spec.kv_share)
+            spec = spec.with_paths(lambda path, option: self.resolve_path(
+                path, f"options.{option}"))
             config = self.make_config(spec)
         except ValueError as e:
             raise bad_request(str(e)) from None
@@ -303,13 +306,15 @@ class _Change:
 
 def path_inside(models_dir: str | None, path: str, param: str) -> str:
     """``path`` inside ``models_dir`` (a real path; relative paths are taken from it), or as
-    given without one; 400 naming ``param`` for a path outside it or an empty one."""
+    given without one; 400 naming ``param`` for an empty path or one that is not in the
+    folder. The answer is the same for a path outside it and one missing in it: a request
+    learns nothing about the rest of the disk."""
     if not isinstance(path, str) or not path:
         raise bad_request(f"{param} must be a non-empty string", param)
     if models_dir is None:
         return path
     full = os.path.realpath(os.path.join(models_dir, path))
-    if os.path.commonpath([full, models_dir]) != models_dir:
-        raise APIError(400, f"the path {path!r} is outside --models-dir", param=param,
-                       code="path_not_allowed")
+    if os.path.commonpath([full, models_dir]) != models_dir or not os.path.exists(full):
+        raise APIError(400, f"{param} {path!r}: not found in the models folder (--models-dir)",
+                       param=param, code="path_not_found")
     return full

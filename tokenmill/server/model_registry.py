@@ -8,7 +8,10 @@ use the same names without the dashes, e.g.
     tokenmill serve --model chat=model.gguf,max-model-len=4096 --model small=other.gguf,int8
 
 (a bare word is a flag: ``no-prefix-caching``, ``deterministic``; the quantization names are a
-short form of ``quantization=...``). Paths with commas cannot be given this way.
+short form of ``quantization=...``). Paths with commas cannot be given this way. Only the
+engine's own option names are taken, spelt out (no abbreviations: ``mode=`` is no ``model=``);
+the admin API takes the same names, and checks the path-valued ones (``PATH_OPTIONS``) against
+--models-dir.
 
 Memory: with several models the KV budget is one: ``--kv-cache-memory`` bytes if given, else
 ``--kv-cache-memory-fraction`` of the memory free before loading (capped on the CPU as for one
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Callable
@@ -36,8 +40,12 @@ from tokenmill.runner.platform import get_platform
 ENCODER_MODEL_TYPES = frozenset({"bert"})
 # Per-model options that are not engine options.
 _SHARE = "kv-share"
-# Engine options a model may not set for itself: they are one per server.
-_SERVER_WIDE = {"device", "threads", "tensor-parallel-size"}
+# Engine options a model may not set for itself: they are one per server (the kernels' spin
+# time is a setting of the process).
+_SERVER_WIDE = {"device", "threads", "tensor-parallel-size", "kernel-spin-us"}
+# Per-model options whose value is a file or folder (a server with --models-dir keeps them
+# inside it); "self:N" (the target's own first layers) is no path.
+PATH_OPTIONS = frozenset({"speculative-model"})
 
 
 @dataclass(frozen=True)
@@ -55,7 +63,29 @@ class ModelSpec:
     @property
     def own_kv_size(self) -> bool:
         """Whether the model sets its KV cache size itself (outside the shared budget)."""
-        return any(f in ("--kv-cache-memory", "--num-kv-blocks") for f in self.flags)
+        return any(f.partition("=")[0] in ("--kv-cache-memory", "--num-kv-blocks")
+                   for f in self.flags)
+
+    def with_paths(self, resolve: Callable[[str, str], str]) -> ModelSpec:
+        """This spec with the value of each path-valued option replaced by
+        ``resolve(value, option)`` (which may refuse it)."""
+        flags = []
+        for flag in self.flags:
+            key, sep, value = flag.partition("=")
+            if sep and key[2:] in PATH_OPTIONS and not value.startswith("self:"):
+                flag = f"{key}={resolve(value, key[2:])}"
+            flags.append(flag)
+        return dataclasses.replace(self, flags=tuple(flags))
+
+
+@functools.cache
+def model_options() -> frozenset[str]:
+    """The option names a model may set for itself: the engine's options (without dashes,
+    spelt out), less the server-wide ones and ``model`` (the spec's path)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_args(parser)
+    names = {o[2:] for a in parser._actions for o in a.option_strings if o.startswith("--")}
+    return frozenset(names - _SERVER_WIDE - {"model"})
 
 
 def parse_model_spec(value: str) -> ModelSpec:
@@ -85,11 +115,16 @@ def parse_model_spec(value: str) -> ModelSpec:
             if not share > 0:
                 raise ValueError(f"--model {value!r}: kv-share must be > 0, got {arg}")
         elif key in QUANTIZATIONS and not arg:
-            flags += ["--quantization", key]
+            flags.append(f"--quantization={key}")
         elif key in _SERVER_WIDE or key == "model":
             raise ValueError(f"--model {value!r}: {key} is one per server, not per model")
+        elif key not in model_options():
+            raise ValueError(f"--model {value!r}: unknown option {key!r} (the engine's "
+                             "options, spelt out without the dashes: max-model-len=2048, "
+                             "int8, no-prefix-caching, ...)")
         else:
-            flags += [f"--{key}"] + ([arg] if arg else [])
+            # One token, so that no value is ever read as an option of its own.
+            flags.append(f"--{key}={arg}" if arg else f"--{key}")
     path = path.strip()
     return ModelSpec(name, path, tuple(flags), share, needs_kv_cache=not _is_encoder(path))
 
@@ -105,7 +140,11 @@ def _is_encoder(path: str) -> bool:
 
 
 class _SpecParser(argparse.ArgumentParser):
-    """Engine options of one spec: errors raise instead of exiting."""
+    """Engine options of one spec: errors raise instead of exiting; no abbreviations (a
+    request's ``mode`` must not become ``--model``)."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(allow_abbrev=False, **kwargs)  # type: ignore[arg-type]
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise ValueError(message)
