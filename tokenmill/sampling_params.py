@@ -116,10 +116,12 @@ class StructuredOutputsParams:
 
     @property
     def source(self) -> str:
-        """The constraint as text: the key grammars are compiled and cached by."""
+        """The constraint as text: what is compiled, and the key compiled grammars are cached
+        by. A schema keeps its keys' order: xgrammar writes properties in the order the schema
+        lists them ("reasoning" before "answer"), so two orders are two grammars."""
         if self.json is not None:
             return self.json if isinstance(self.json, str) else _json.dumps(
-                self.json, sort_keys=True, ensure_ascii=False)
+                self.json, ensure_ascii=False)
         if self.choice is not None:
             return _json.dumps(self.choice, ensure_ascii=False)
         return self.regex or self.grammar or ""

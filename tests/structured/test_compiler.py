@@ -44,10 +44,15 @@ def walk(state: GrammarState, tokenizer, text: str) -> int:
 def test_compiled_grammars_are_cached_by_source(compiler: GrammarCompiler) -> None:
     a = compiler.compile(StructuredOutputsParams(json={"type": "object", "properties": {
         "x": {"type": "integer"}}}))
-    # The same schema with its keys in another order is the same source.
-    b = compiler.compile(StructuredOutputsParams(json={"properties": {
-        "x": {"type": "integer"}}, "type": "object"}))
+    # The same schema sent again (another dict) is the same source.
+    b = compiler.compile(StructuredOutputsParams(json={"type": "object", "properties": {
+        "x": {"type": "integer"}}}))
     assert a is b
+    # Keys in another order are another source: properties are written in the schema's order.
+    c = compiler.compile(StructuredOutputsParams(json={"type": "object", "properties": {
+        "y": {"type": "integer"}, "x": {"type": "integer"}}}))
+    assert c is not compiler.compile(StructuredOutputsParams(json={"type": "object",
+        "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}}))
     assert compiler.compile(StructuredOutputsParams(regex="a+")) is not a
 
 

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.api.tool_parsers import CallFormat
+from tokenmill.structured.compiler import check_schema
 
 if TYPE_CHECKING:
     import xgrammar
@@ -48,9 +49,11 @@ def arguments_grammar(parameters: Mapping[str, Any] | None) -> xgrammar.Grammar:
     """The arguments of one function, as compact JSON. Strict: properties the schema does not
     name are not generated, so what comes out validates against the schema as given.
     ValueError (naming no field) if xgrammar cannot read the schema."""
+    schema = arguments_schema(parameters)
+    check_schema(schema, "parameters")  # names a bound too big or a $ref to elsewhere
     try:
         return _grammar().from_json_schema(
-            json.dumps(arguments_schema(parameters)), any_whitespace=False, strict_mode=True)
+            json.dumps(schema), any_whitespace=False, strict_mode=True)
     except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError on bad schemas
         raise ValueError(f"the parameters schema cannot be used: {_message(e)}") from None
 

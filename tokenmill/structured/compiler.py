@@ -34,6 +34,13 @@ COMPILE_THREADS = 2
 MAX_BOUND = 10_000
 _BOUND_KEYS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties",
                "maxProperties")
+# A JSON pointer into the schema itself, the only "$ref" xgrammar resolves.
+_LOCAL_REF = re.compile(r"#(/.*)?\Z", re.DOTALL)
+# Keywords whose values are JSON data, not schemas: a "$ref" or a bound inside is just data.
+_DATA_KEYS = frozenset({"const", "enum", "default", "examples"})
+# Keywords whose values map names to schemas.
+_NAME_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                        "dependentSchemas"})
 # {m}, {m,} and {m,n} in a regex or an EBNF rule.
 _REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 
@@ -106,7 +113,8 @@ class GrammarCompiler:
 
 
 def check_bounds(spec: StructuredOutputsParams) -> None:
-    """GrammarError when the constraint asks for a length or repetition over MAX_BOUND."""
+    """GrammarError when the constraint asks for a length or repetition over MAX_BOUND, or a
+    JSON schema refers (``$ref``) to another document."""
     if spec.kind == "json":
         try:
             schema = json.loads(spec.source)
@@ -117,22 +125,39 @@ def check_bounds(spec: StructuredOutputsParams) -> None:
         _check_repeats(spec.source, f"structured_outputs.{spec.kind}")
 
 
+def check_schema(schema: object, where: str) -> None:
+    """GrammarError naming the keyword, under ``where``, of a JSON schema that asks for a bound
+    over MAX_BOUND or refers (``$ref``) to another document."""
+    _check_schema_bounds(schema, where)
+
+
 def _check_schema_bounds(node: object, where: str) -> None:
-    # Iterative: a schema nested thousands deep must not exhaust the recursion limit.
-    stack = [(node, where)]
+    # Iterative: a schema nested thousands deep must not exhaust the recursion limit. Each
+    # entry says whether the dict maps names to schemas ("properties"), where a key named
+    # like a keyword ("default") is a name, not that keyword.
+    stack: list[tuple[object, str, bool]] = [(node, where, False)]
     while stack:
-        item, path = stack.pop()
+        item, path, names = stack.pop()
         if isinstance(item, dict):
             for key, value in item.items():
                 inner = f"{path}.{key}"
-                if key in _BOUND_KEYS and isinstance(value, (int, float)) and value > MAX_BOUND:
-                    raise GrammarError(f"{inner} is {value}; tokenmill compiles bounds up to "
-                                       f"{MAX_BOUND}")
-                if key == "pattern" and isinstance(value, str):
-                    _check_repeats(value, inner)
-                stack.append((value, inner))
+                if not names:
+                    _check_keyword(key, value, inner)
+                if names or key not in _DATA_KEYS:
+                    stack.append((value, inner, not names and key in _NAME_MAPS))
         elif isinstance(item, list):
-            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(item))
+            stack.extend((v, f"{path}[{i}]", False) for i, v in enumerate(item))
+
+
+def _check_keyword(key: str, value: object, where: str) -> None:
+    if key in _BOUND_KEYS and isinstance(value, (int, float)) and value > MAX_BOUND:
+        raise GrammarError(f"{where} is {value}; tokenmill compiles bounds up to {MAX_BOUND}")
+    if key == "pattern" and isinstance(value, str):
+        _check_repeats(value, where)
+    if key == "$ref" and isinstance(value, str) and not _LOCAL_REF.match(value):
+        # xgrammar would read such a reference as "any JSON": refuse it instead.
+        raise GrammarError(f"{where} is {value!r}; tokenmill resolves only references inside "
+                           "the schema ('#' or '#/...'), not other documents")
 
 
 def _check_repeats(source: str, where: str) -> None:
