@@ -1,0 +1,30 @@
+"""The documentation site builds with `mkdocs build --strict`: no broken link, no page left out
+of the navigation, no missing anchor (the same command CI runs)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_site_builds_strictly(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict",
+                           "--site-dir", str(tmp_path / "site")], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-5000:]  # mkdocs logs to stderr
+    assert (tmp_path / "site" / "reference" / "cli" / "index.html").exists()
+
+
+def test_a_broken_link_fails_the_build(tmp_path: Path) -> None:
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "index.md").write_text("# x\n\n[gone](nowhere.md)\n")
+    config = tmp_path / "mkdocs.yml"
+    config.write_text("site_name: t\nstrict: true\ntheme:\n  name: material\n")
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict",
+                           "-f", str(config), "--site-dir", str(tmp_path / "site")],
+                          capture_output=True, text=True)
+    assert done.returncode != 0 and "nowhere.md" in done.stderr
