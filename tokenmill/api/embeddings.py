@@ -1,7 +1,10 @@
 """POST /v1/embeddings as OpenAI defines it: the request, its validation into engine prompts
 and PoolingParams, and the response (floats, or base64 of little-endian float32 as the
 ``openai`` client decodes it). vLLM's ``truncate_prompt_tokens`` cuts long inputs instead of
-refusing them. Every refusal is a 400 naming the field."""
+refusing them. Every refusal is a 400 naming the field. No input text of more than
+MAX_CHARS_PER_TOKEN characters a token of the model's context is ever tokenized: longer ones
+are refused, or with truncation only their start is read (tokenizing megabytes would hold the
+GIL, and so stall the whole server, for seconds)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 from pydantic import BaseModel
 
+from tokenmill.api.chat import MAX_CHARS_PER_TOKEN
 from tokenmill.api.errors import bad_request
 from tokenmill.api.protocol import StrictModel
 from tokenmill.api.validation import ModelFacts
@@ -175,6 +179,7 @@ def embedding_prompts(inputs: Sequence[str | list[int]], params: PoolingParams,
             if bad is not None:
                 raise bad_request(f"{where}: token id {item[bad]!r} at index {bad} is not in "
                                   f"[0, {served.vocab_size})", param)
+        item = _bounded_text(item, where, param, params, served.max_model_len)
         try:
             text, ids = embedding_prompt(encode, tok, item, params, served.max_model_len)
         except ValueError as e:
@@ -182,6 +187,22 @@ def embedding_prompts(inputs: Sequence[str | list[int]], params: PoolingParams,
         prompts.append({"prompt": text, "prompt_token_ids": ids} if text is not None
                        else {"prompt_token_ids": ids})
     return prompts
+
+
+def _bounded_text(item: str | list[int], where: str, param: str, params: PoolingParams,
+                  max_model_len: int) -> str | list[int]:
+    """A text input of at most ``max_model_len * MAX_CHARS_PER_TOKEN`` characters: a longer
+    one is a 400 naming the field and the limit, or, truncated anyway, cut to that many
+    (the tokens kept lie there unless they average more than MAX_CHARS_PER_TOKEN
+    characters)."""
+    limit = max_model_len * MAX_CHARS_PER_TOKEN
+    if not isinstance(item, str) or len(item) <= limit:
+        return item
+    if params.truncate_prompt_tokens is not None:
+        return item[:limit]
+    raise bad_request(f"{where} has {len(item)} characters, more than the {limit} this "
+                      "model's context can take (set truncate_prompt_tokens to read only "
+                      "its start)", param)
 
 
 def truncation_params(k: int | None, served: EmbeddingModel) -> PoolingParams:

@@ -10,6 +10,8 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, runtime_checkable
 
+from tokenmill.api.chat import MAX_CHARS_PER_TOKEN
+
 
 @runtime_checkable
 class Embedder(Protocol):
@@ -19,7 +21,8 @@ class Embedder(Protocol):
     i.e. without the special tokens the model adds), so a chunk is never cut by the model.
     ``token_spans``: the character span ``(start, end)`` of each token of ``text``; chunks
     are cut on token boundaries but keep the original text (a WordPiece ``decode`` would lower-
-    case it and lose its spacing).
+    case it and lose its spacing). Chunking calls it on pieces of a file of at most
+    ``chunking.TOKENIZE_PIECE_CHARS`` characters, so that no call runs long.
     ``embed``: one vector per text, all of the same length.
     """
 
@@ -49,14 +52,32 @@ class TokenizerEmbedder:
     def token_spans(self, text: str) -> list[tuple[int, int]]:
         """Character spans of the tokens of ``text``, special tokens left out."""
         tok = self._tokenizer
+        # A batch of one: the tokenizers library releases the GIL while it encodes a batch,
+        # not while it encodes a single text.
         if hasattr(tok, "encode_batch"):  # tokenizers.Tokenizer
-            return [tuple(o) for o in tok.encode(text, add_special_tokens=False).offsets]
-        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
-        return [tuple(o) for o in enc["offset_mapping"]]
+            return [tuple(o) for o in tok.encode_batch([text], add_special_tokens=False)[0]
+                    .offsets]
+        enc = tok([text], add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+        return [tuple(o) for o in enc["offset_mapping"][0]]
 
     async def embed(self, texts: list[str]) -> list[list[float]]:
-        """The model's vectors for ``texts``."""
-        return await self._embed(texts)
+        """The model's vectors for ``texts``, each cut to what the model can read (see
+        ``readable``)."""
+        return await self._embed([readable(t, self.max_input_tokens) for t in texts])
+
+
+def max_text_chars(max_input_tokens: int) -> int:
+    """The most characters of one text that are ever tokenized for a model reading
+    ``max_input_tokens`` tokens (the chat routes' bound, MAX_CHARS_PER_TOKEN a token)."""
+    return max_input_tokens * MAX_CHARS_PER_TOKEN
+
+
+def readable(text: str, max_input_tokens: int) -> str:
+    """``text`` cut to ``max_text_chars``: the model reads only its first tokens, which lie
+    in that prefix unless they average more than MAX_CHARS_PER_TOKEN characters, and the
+    engine's tokenizer would hold the GIL for seconds on a few megabytes."""
+    limit = max_text_chars(max_input_tokens)
+    return text if len(text) <= limit else text[:limit]
 
 
 _WORD = re.compile(r"\w+|[^\w\s]")

@@ -29,7 +29,7 @@ from tokenmill.api.vector_stores import (
 )
 from tokenmill.retrieval.catalog import Catalog, FileRow, StoreFileRow, StoreRow
 from tokenmill.retrieval.chunking import resolve_chunking
-from tokenmill.retrieval.embedder import Embedder
+from tokenmill.retrieval.embedder import Embedder, max_text_chars
 from tokenmill.retrieval.extract import check_supported
 from tokenmill.retrieval.index import VectorIndex
 from tokenmill.retrieval.ingest import Ingestor
@@ -243,9 +243,22 @@ class StoreMethods:
 
     # --- search --------------------------------------------------------------------------
 
+    def _check_query_lengths(self, queries: list[str], is_list: bool) -> None:
+        """400 for a query longer than the embedding model can read, before anything
+        tokenizes it (a few megabytes would stall the server for seconds)."""
+        tokens = self.embedder.max_input_tokens
+        limit = max_text_chars(tokens)
+        for i, q in enumerate(queries):
+            if len(q) > limit:
+                where = f"query[{i}]" if is_list else "query"
+                raise bad_request(f"{where} has {len(q)} characters, more than the {limit} "
+                                  f"that the embedding model's {tokens} tokens can hold",
+                                  "query")
+
     async def search_page(self, store_id: str, req: SearchRequest) -> SearchPage:
         """``POST /v1/vector_stores/{id}/search`` answered."""
         threshold = req.ranking_options.score_threshold if req.ranking_options else 0.0
+        self._check_query_lengths(req.queries(), isinstance(req.query, list))
         results = await self.search([store_id], req.queries(), req.max_num_results,
                                     req.filters, threshold)
         return SearchPage(search_query=req.queries(), data=[SearchResultObject(
