@@ -25,7 +25,9 @@ def _positive(name: str, value: int | None) -> None:
 class ModelConfig:
     """Which model to run and how to load it.
 
-    ``model`` is a GGUF file or a Hugging Face folder; None means the embedded
+    ``model`` is a GGUF file or a Hugging Face folder, or a repo on the Hugging Face hub
+    (``ORG/NAME``, ``ORG/NAME:QUANT``, ``ORG/NAME/FILE.gguf``, ``@REVISION``: see
+    ``tokenmill.hub``; a local path of the same spelling wins); None means the embedded
     SmolLM2-135M-Instruct GGUF. With ``load_format="dummy"`` it may also name a preset
     architecture (``tokenmill.presets``: "llama-3.1-8b", "qwen3-0.6b") filled with random
     weights, for benchmarks. ``max_model_len`` None means the model's own context length.
@@ -68,9 +70,13 @@ class ModelConfig:
 
             get_preset(self.model)  # ValueError naming the presets
             return
+        from tokenmill.hub.refs import parse_hub_ref
+
+        if parse_hub_ref(self.model) is not None:
+            return  # a model by name: downloaded (or found in the cache) when it loads
         raise ValueError(
             f"model {self.model!r} is neither a GGUF file nor a Hugging Face folder on disk "
-            "(models are never downloaded at run time)")
+            "nor a Hugging Face repo (ORG/NAME, ORG/NAME:QUANT, ORG/NAME/FILE.gguf)")
 
 
 # The model dtype's names, and fp8 (e4m3, CUDA only; "fp8_e4m3" is the same, vLLM's two names);
@@ -83,7 +89,10 @@ class CacheConfig:
     """Size and layout of the paged KV cache.
 
     The memory is, in order of precedence: ``num_blocks`` blocks, ``kv_cache_memory_bytes``
-    bytes, or ``kv_cache_memory_fraction`` of the device memory free after loading the model.
+    bytes, or a default: on CUDA what ``gpu_memory_utilization`` leaves; on the CPU what
+    ``max_num_seqs`` requests of ``max_model_len`` tokens need, at most
+    ``kv_cache_memory_fraction`` of the memory free after loading the model, a few times the
+    model's weights (at least one whole request) and 4 GiB (see runner/kv_memory.py).
     ``enable_prefix_caching`` reuses the KV blocks of earlier requests that share a prefix.
     ``kv_cache_dtype`` is how K and V are stored: "auto" keeps the model's dtype, except fp16
     for a quantized model on the CPU (its K and V come out of bf16 projections, so fp16 keeps
@@ -107,6 +116,9 @@ class CacheConfig:
     # The share of the budget above (fraction or gpu_memory_utilization) this engine takes, when
     # several engines share it (set by the multi-model server; explicit sizes ignore it).
     kv_cache_share: float = 1.0
+    # The most bytes a default-sized cache may take: this model's part of a budget that several
+    # models share (set by the server; explicit sizes ignore it).
+    kv_cache_max_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -118,6 +130,7 @@ class CacheConfig:
                              f"got {self.gpu_memory_utilization!r}")
         _positive("num_blocks", self.num_blocks)
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        _positive("kv_cache_max_bytes", self.kv_cache_max_bytes)
         if not 0.0 < self.kv_cache_share <= 1.0:
             raise ValueError(f"kv_cache_share must be in (0, 1], got {self.kv_cache_share!r}")
         if not 0.0 < self.kv_cache_memory_fraction <= 0.95:

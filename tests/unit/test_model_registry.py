@@ -70,11 +70,13 @@ def test_the_kv_budget_is_split_once(tmp_path) -> None:
                       f"c={x},kv-cache-memory=1000")
     specs = [parse_model_spec(v) for v in args.model]
     configs = engine_configs(args, specs)
-    # CPU, no --kv-cache-memory: the fraction of free memory, capped, split 1:3.
+    # CPU, no --kv-cache-memory: the fraction of free memory, capped, split 1:3, as the most
+    # each model's default size may take.
     cpu = share_kv_budget(configs, specs, None, free_memory=8 << 30, on_cuda=False)
     budget = int((8 << 30) * configs[0].cache.kv_cache_memory_fraction)
-    assert cpu[0].cache.kv_cache_memory_bytes == budget // 4
-    assert cpu[1].cache.kv_cache_memory_bytes == budget * 3 // 4
+    assert cpu[0].cache.kv_cache_max_bytes == budget // 4
+    assert cpu[1].cache.kv_cache_max_bytes == budget * 3 // 4
+    assert cpu[0].cache.kv_cache_memory_bytes is None
     assert cpu[2].cache.kv_cache_memory_bytes == 1000  # its own size, outside the split
     # An explicit total is split the same way, on any device.
     given = share_kv_budget(configs, specs, 4000, free_memory=0, on_cuda=True)

@@ -154,6 +154,8 @@ class Platform:
 
 
 def _host_available_memory() -> int:
+    """Bytes of host memory free now: Linux's MemAvailable, else the free pages; where the
+    system tells neither (macOS has no SC_AVPHYS_PAGES), half the physical memory."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -161,7 +163,10 @@ def _host_available_memory() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
 
 
 def get_platform(device: str = "auto") -> Platform:

@@ -15,7 +15,9 @@ the admin API takes the same names, and checks the path-valued ones (``PATH_OPTI
 
 Memory: with several models the KV budget is one: ``--kv-cache-memory`` bytes if given, else
 ``--kv-cache-memory-fraction`` of the memory free before loading (capped on the CPU as for one
-model), split among the models in proportion to their ``kv-share`` (default 1 each). A model
+model), split among the models in proportion to their ``kv-share`` (default 1 each): an explicit
+total is each model's size, a default one is the most each model's default size may take (a
+small model takes less; models loaded later, on demand, share what is left). A model
 with its own ``kv-cache-memory`` or ``num-kv-blocks`` keeps exactly that, outside the split. On
 CUDA the split is of what ``--gpu-memory-utilization`` leaves: the models load one after
 another and each takes its share of what is left for the models still to load.
@@ -202,14 +204,23 @@ def share_kv_budget(configs: list[EngineConfig], specs: list[ModelSpec],
             out[i] = dataclasses.replace(out[i], cache=cache)
             left -= specs[i].kv_share
         return out
+    # An explicit total is split as it is; a default one caps each model's default size, which
+    # stays what its workload and weights make sensible (see runner/kv_memory.py).
+    field = "kv_cache_memory_bytes" if budget_bytes is not None else "kv_cache_max_bytes"
     if budget_bytes is None:
-        fraction = configs[0].cache.kv_cache_memory_fraction
-        budget_bytes = min(int(free_memory * fraction), CPU_DEFAULT_KV_BYTES_CAP)
+        budget_bytes = default_server_kv_budget(configs[0], free_memory)
     for i in splitting:
         share = max(int(budget_bytes * specs[i].kv_share / total_share), 1)
-        cache = dataclasses.replace(out[i].cache, kv_cache_memory_bytes=share)
+        cache = dataclasses.replace(out[i].cache, **{field: share})
         out[i] = dataclasses.replace(out[i], cache=cache)
     return out
+
+
+def default_server_kv_budget(config: EngineConfig, free_memory: int) -> int:
+    """The KV bytes a CPU server gives all its models together without --kv-cache-memory:
+    ``kv_cache_memory_fraction`` of the memory free before any model loads, capped."""
+    fraction = config.cache.kv_cache_memory_fraction
+    return min(int(free_memory * fraction), CPU_DEFAULT_KV_BYTES_CAP)
 
 
 def default_specs(args: argparse.Namespace | None = None) -> list[ModelSpec]:
