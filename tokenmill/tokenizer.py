@@ -172,14 +172,21 @@ class Tokenizer:
             found.append(m.group(0))
             return f"\ue000{nonce}{len(found) - 1}\ue001"
 
+        self._check_roles(messages)  # before hiding: a refusal quotes the caller's role
         hidden = _map_strings(messages, lambda s: self._special_re.sub(hide, s))  # type: ignore[union-attr]
         hidden_kwargs = _map_strings(kwargs, lambda s: self._special_re.sub(hide, s))  # type: ignore[union-attr]
-        rendered = self.apply_chat_template(hidden, add_generation_prompt, **hidden_kwargs)
-        _check_length(rendered, max_chars)
-        placeholder = re.compile(f"\ue000{nonce}(\\d+)\ue001")
+        # A placeholder as rendered, or as repr() writes it in an error message.
+        placeholder = re.compile(f"(?:\ue000|\\\\ue000){nonce}(\\d+)(?:\ue001|\\\\ue001)")
 
         def show(piece: str) -> str:
             return placeholder.sub(lambda m: found[int(m.group(1))], piece)
+
+        try:
+            rendered = self.apply_chat_template(hidden, add_generation_prompt, **hidden_kwargs)
+        except Exception as e:  # the template's own refusals may quote the caller's text
+            e.args = tuple(show(a) if isinstance(a, str) else a for a in e.args)
+            raise
+        _check_length(rendered, max_chars)
 
         ids: list[int] = []
         pos = 0
@@ -192,12 +199,9 @@ class Tokenizer:
             ids += self.encode_plain(show(rendered[pos:]), at_start=pos == 0)
         return show(rendered), ids
 
-    def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """Render ``messages`` with the model's chat template (extra kwargs such as ``tools``
-        are passed to the template). A role outside STANDARD_ROLES is refused unless the
-        template tests for it by name. To tokenize the result, use ``encode_chat``: encoding
-        this text reads special-token text inside the messages as control tokens."""
+    def _check_roles(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``messages`` checked by validate_messages; ValueError naming the first role the
+        chat template does not know (or that there is no template)."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         checked = validate_messages(messages)
@@ -209,6 +213,15 @@ class Tokenizer:
                 raise ValueError(f"messages[{i}].role {msg['role']!r} is not a role this "
                                  f"model's chat template knows (known: "
                                  f"{', '.join(sorted(self._roles))})")
+        return checked
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """Render ``messages`` with the model's chat template (extra kwargs such as ``tools``
+        are passed to the template). A role outside STANDARD_ROLES is refused unless the
+        template tests for it by name. To tokenize the result, use ``encode_chat``: encoding
+        this text reads special-token text inside the messages as control tokens."""
+        checked = self._check_roles(messages)
         reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"} & set(kwargs)
         if reserved:
             raise ValueError(f"template arguments may not set {', '.join(sorted(reserved))}")
