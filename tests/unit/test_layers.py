@@ -1,6 +1,8 @@
 """The package's layering, read from its imports (module level, inside functions and under
-TYPE_CHECKING alike): every import goes to a lower layer, and no units import each other in a
-circle. The README's engine map shows the same table."""
+TYPE_CHECKING alike): every import goes to a lower layer, no units import each other in a
+circle, and the "never" rules of the architecture hold (benchmarks never reach the runner or
+attention; the scheduler never imports torch; models never import engine code; the server
+talks to the engine only). The README's engine map shows the same table."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ PACKAGE_DIR = Path(tokenmill.__file__).parent
 # units of a lower layer only (never one of its own layer, never a higher one).
 LAYERS: list[tuple[str, ...]] = [
     ("utils", "csrc"),
-    ("presets", "sampling_params", "lora_request", "pdl"),
+    ("presets", "sampling_params", "lora_request", "pdl", "hub"),
     ("config", "outputs", "chat_template", "gguf_tokenizer"),
     ("request", "metrics", "tokenizer"),
     ("detokenizer", "core", "distributed", "structured"),
@@ -37,6 +39,32 @@ LAYERS: list[tuple[str, ...]] = [
 
 # Modules that only their own subpackage may import: the outside uses the public surface.
 PRIVATE_MODULES = {"tokenmill.engine.core": "tokenmill.engine"}
+
+# The architecture's "never" rules, on top of "downward only". Each: the unit, the units it
+# never imports (even lower ones), and why.
+NEVER: list[tuple[str, frozenset[str], str]] = [
+    # A benchmark drives public interfaces (the LLM, the engine, the server, the CLI).
+    ("bench", frozenset({"runner", "attention", "executor", "spec_decode"}),
+     "benchmarks drive public interfaces, never the runner or attention"),
+    # A model is a plain nn.Module: it knows nothing of requests, the scheduler or the cache.
+    ("models", frozenset({"core", "request", "detokenizer", "metrics", "structured",
+                          "outputs", "sampling_params", "lora_request", "tokenizer"}),
+     "models never import engine code"),
+]
+# The server (HTTP only) reaches the engine through api/ and the engine's public modules, and
+# the services beside the engine (retrieval, ops); besides those, only plain data types.
+SERVER_TALKS_TO = frozenset({"api", "engine", "retrieval", "ops", "config", "outputs",
+                             "sampling_params", "lora_request", "metrics", "utils"})
+# Known exceptions, each an import that is still to be moved behind the engine. This list may
+# only shrink: a new entry is a new violation.
+SERVER_EXCEPTIONS: frozenset[str] = frozenset({
+    # The shared KV budget's inputs: to go through tokenmill.engine.device.
+    "tokenmill.server.model_registry -> tokenmill.runner.kv_memory",
+    "tokenmill.server.model_registry -> tokenmill.runner.platform",
+})
+# The scheduler and the block pool are pure Python: none of core/'s modules, nor anything they
+# import when loaded (the package root, the users' facade, aside), imports these.
+TORCH_MODULES = frozenset({"torch", "triton", "numpy"})
 
 
 def _modules() -> dict[str, Path]:
@@ -156,3 +184,87 @@ def test_the_checker_sees_function_level_imports(tmp_path: Path) -> None:
             "tokenmill.cli": Path("x"), "tokenmill.config": Path("x")}
     assert _imported("tokenmill.bench.m", src, mods) == {
         "tokenmill.engine.core", "tokenmill.cli", "tokenmill.config"}
+
+
+def test_never_rules() -> None:
+    """The architecture's "never" rules: each names the import that breaks it."""
+    wrong = []
+    for module, targets in _import_graph().items():
+        src = _unit(module)
+        for unit, banned, rule in NEVER:
+            wrong += [f"{module} -> {t} ({rule})" for t in targets
+                      if src == unit and _unit(t) in banned]
+        if src == "server":
+            wrong += [f"{module} -> {t} (the server talks to the engine only)" for t in targets
+                      if _unit(t) not in SERVER_TALKS_TO | {"server"}
+                      and f"{module} -> {t}" not in SERVER_EXCEPTIONS]
+    assert sorted(wrong) == []
+
+
+def _runtime_imports(module: str, path: Path) -> set[str]:
+    """What ``module`` (at ``path``) imports when it is loaded: module and class bodies,
+    ``try``/``if`` blocks, never function bodies or ``if TYPE_CHECKING:``."""
+    found: set[str] = set()
+    package = (module if path.name == "__init__.py" else module.rsplit(".", 1)[0]).split(".")
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
+                origin = ".".join(p for p in (base, node.module or "") if p)
+                found.add(origin)
+                found.update(f"{origin}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test):
+                visit(node.orelse)
+            elif isinstance(node, (ast.If, ast.Try, ast.With, ast.ClassDef, ast.For)):
+                for part in ("body", "orelse", "finalbody", "handlers"):
+                    for child in getattr(node, part, []):
+                        visit(child.body if isinstance(child, ast.ExceptHandler) else [child])
+    visit(ast.parse(path.read_text(), str(path)).body)
+    return found
+
+
+def _loaded_with(module: str, mods: dict[str, Path]) -> set[str]:
+    """Every name imported while ``module`` loads: its own imports, its packages' ``__init__``
+    files and theirs, transitively (the package root aside)."""
+    seen: set[str] = set()
+    names: set[str] = set()
+    todo = [module]
+    while todo:
+        mod = todo.pop()
+        parts = mod.split(".")
+        for i in range(2, len(parts) + 1):  # the packages on the way, then the module
+            name = ".".join(parts[:i])
+            if name in mods and name not in seen:
+                seen.add(name)
+                imported = _runtime_imports(name, mods[name])
+                names |= imported
+                todo += [n for n in imported if n.split(".")[0] == "tokenmill" and n in mods]
+    return names
+
+
+def test_the_scheduler_never_imports_torch() -> None:
+    mods = _modules()
+    wrong = [f"{m} loads {n}" for m in sorted(mods) if _unit(m) == "core"
+             for n in sorted(_loaded_with(m, mods)) if n.split(".")[0] in TORCH_MODULES]
+    assert wrong == [], "core/ (scheduler, block pool) must stay pure Python"
+
+
+def test_the_rules_see_a_violation(tmp_path: Path) -> None:
+    """The readers behind the rules find torch loaded two imports away, and not under
+    TYPE_CHECKING or in a function."""
+    pkg = tmp_path / "tokenmill"
+    (pkg / "core").mkdir(parents=True)
+    (pkg / "core" / "__init__.py").write_text("")
+    (pkg / "core" / "sched.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import numpy\n"
+        "def f():\n    import triton\ntry:\n    from .. import helper\nexcept ImportError:\n"
+        "    pass\n")
+    (pkg / "helper.py").write_text("class A:\n    import torch.nn as nn\n")
+    mods = {"tokenmill.core": pkg / "core" / "__init__.py",
+            "tokenmill.core.sched": pkg / "core" / "sched.py", "tokenmill.helper": pkg / "helper.py"}
+    loaded = _loaded_with("tokenmill.core.sched", mods)
+    assert "torch.nn" in loaded and "tokenmill.helper" in loaded
+    assert not {"numpy", "triton"} & loaded

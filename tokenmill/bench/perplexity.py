@@ -2,7 +2,8 @@
 
 The text is tokenized once and scored in sliding windows of ``--context`` tokens that start
 every ``--stride`` tokens (Hugging Face's recipe): each window is one sequence through the
-model's own ``forward`` on a paged KV cache (the runner's :class:`PromptScorer`), and only the tokens not scored by an earlier
+model's own ``forward`` on a paged KV cache (the engine's
+:class:`~tokenmill.engine.evaluate.EvalModel`), and only the tokens not scored by an earlier
 window count, so every token after the first is scored exactly once (for stride < context),
 with at least ``context - stride`` tokens of history once the first window is past.
 
@@ -34,8 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.attention.backend import AttentionBackend, TorchAttentionBackend
-from tokenmill.runner.scoring import PromptScorer
+from tokenmill.engine.evaluate import EvalModel
 
 DEFAULT_TEXT_PACKAGE = "numpy"
 DEFAULT_TEXT_NAME = "LICENSE.txt"
@@ -80,16 +80,12 @@ def window_spans(num_tokens: int, context: int, stride: int) -> list[tuple[int, 
 
 
 @torch.inference_mode()
-def perplexity(model: nn.Module, token_ids: list[int], context: int = 512, stride: int = 256,
-               backend: AttentionBackend | None = None) -> PerplexityResult:
-    """Perplexity of ``token_ids`` under ``model`` (a tokenmill model: ``forward(ids, positions,
-    attn_meta)`` and ``compute_logits``), in sliding windows (see :func:`window_spans`)."""
+def perplexity(model: EvalModel | nn.Module, token_ids: list[int], context: int = 512,
+               stride: int = 256) -> PerplexityResult:
+    """Perplexity of ``token_ids`` under ``model`` (an :class:`EvalModel`, or a bare tokenmill
+    model scored with torch attention), in sliding windows (see :func:`window_spans`)."""
     spans = window_spans(len(token_ids), context, stride)
-    # The final norm stays float under every quantization: it tells the activation dtype.
-    dtype = model.model.norm.weight.dtype
-    device = model.model.norm.weight.device
-    scorer = PromptScorer(model, backend or TorchAttentionBackend(),
-                          min(context, len(token_ids)), dtype, device)
+    scorer = model if isinstance(model, EvalModel) else EvalModel(model)
     nll = 0.0
     scored = 0
     for begin, end, first in spans:
@@ -175,22 +171,20 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
     """Load the model as configured, score the text, and return the run's facts."""
     from tokenmill.bench.report import peak_rss_mib
-    from tokenmill.quant.model import model_weight_bytes
 
     text_path = args.text or default_text_path()
     text = _read_text(text_path)  # before the model: a wrong path should fail fast
     started = time.perf_counter()
-    loaded, platform, after_load = _load(args)
+    loaded, after_load = _load(args)
     load_s = time.perf_counter() - started
     rss_after_load = _current_rss_mib()
     ids = loaded.tokenizer.encode(text, add_special_tokens=False)
     used = ids if args.max_tokens is None else ids[:args.max_tokens]
     started = time.perf_counter()
-    result = perplexity(loaded.model, used, args.context, args.stride,
-                        platform.attention_backend())
+    result = perplexity(loaded, used, args.context, args.stride)
     eval_s = time.perf_counter() - started
     method = args.quantization if after_load else loaded.quantization
-    dtype = loaded.model.model.norm.weight.dtype
+    dtype = loaded.dtype
     return {
         "label": _label(method, args.group_size, args.requantize, dtype),
         "quantization": method, "group_size": args.group_size if method == "int4" else None,
@@ -199,7 +193,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "text": {"path": text_path, "sha256": _sha256(text_path), "num_tokens": len(ids)},
         **asdict(result),
-        "weight_mib": model_weight_bytes(loaded.model) / 2**20,
+        "weight_mib": loaded.weight_bytes / 2**20,
         "rss_after_load_mib": rss_after_load, "peak_rss_mib": peak_rss_mib(),
         "load_s": load_s, "eval_s": eval_s,
         "window_tokens_per_s": sum(e - b for b, e, _ in window_spans(
@@ -207,30 +201,20 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _load(args: argparse.Namespace) -> tuple[Any, Any, bool]:
-    """``(LoadedModel, Platform, quantized after loading?)`` for the engine options.
+def _load(args: argparse.Namespace) -> tuple[EvalModel, bool]:
+    """``(EvalModel, quantized after loading?)`` for the engine options.
 
     An int4 group size other than 32, or ``--requantize``, loads float weights and quantizes
-    them with ``quantize_model`` (the engine's own option is int4 in groups of 32).
+    them after loading (the engine's own option is int4 in groups of 32).
     """
-    from dataclasses import replace
-
     from tokenmill.engine.args import engine_config_from_args
-    from tokenmill.model_loader import load_model
-    from tokenmill.quant import quantize_model
-    from tokenmill.runner.platform import get_platform
 
     config = engine_config_from_args(args)
     method = config.model.quantization
     regroup = method == "int4" and args.group_size != 32
     after_load = method in ("int8", "int4") and (args.requantize or regroup)
-    model_config = replace(config.model, quantization="none") if after_load else config.model
-    platform = get_platform(config.device.device)
-    platform.set_num_threads(config.device.num_threads)
-    loaded = load_model(model_config, platform.device, platform.resolve_dtype(config.model.dtype))
-    if after_load:
-        quantize_model(loaded.model, method, args.group_size)
-    return loaded, platform, after_load
+    loaded = EvalModel.load(config, method if after_load else None, args.group_size)
+    return loaded, after_load
 
 
 def _run_child(args: argparse.Namespace, spec: str) -> dict[str, Any]:

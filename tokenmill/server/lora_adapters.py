@@ -21,7 +21,7 @@ from tokenmill.api.errors import APIError, bad_request
 from tokenmill.api.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from tokenmill.config import EngineConfig
 from tokenmill.engine.args import LoRAModule
-from tokenmill.lora import LoRARequest
+from tokenmill.lora_request import LoRARequest
 from tokenmill.server.errors import read_json
 from tokenmill.server.lifecycle import DRAIN_POLL_S, path_inside
 from tokenmill.server.state import GENERATE, ServedModel, ServerState

@@ -18,7 +18,7 @@ from tokenmill.api.errors import APIError
 from tokenmill.api.protocol import now
 from tokenmill.config import ServerConfig
 from tokenmill.engine.async_llm import AsyncLLM, StepLoop
-from tokenmill.lora import LoRARequest
+from tokenmill.lora_request import LoRARequest
 from tokenmill.metrics.live import LiveStats
 from tokenmill.metrics.prometheus import PrometheusMetrics
 from tokenmill.ops.registry import MonitorRegistry
