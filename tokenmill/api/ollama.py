@@ -4,25 +4,32 @@ turned back into Ollama's NDJSON lines (https://github.com/ollama/ollama/blob/ma
 
 What maps to what:
 - ``options``: temperature, top_k, top_p, min_p, seed, num_predict (``max_tokens``; -1 and -2:
-  no limit but the context), stop, repeat_penalty (``repetition_penalty``), presence_penalty,
+  no limit but the context; absent: ``DEFAULT_NUM_PREDICT``, within the context left), stop, repeat_penalty (``repetition_penalty``), presence_penalty,
   frequency_penalty. Options that tune Ollama's own runtime (num_ctx, num_thread, num_gpu,
   mirostat...) change nothing here and are accepted; an option of the wrong type is a 400.
 - ``format``: ``"json"`` is OpenAI's ``json_object``, a JSON schema its ``json_schema``.
 - /api/generate applies the model's chat template to ``system`` + ``prompt`` unless ``raw``.
+  Its last line carries ``context``: the token ids of prompt and answer, which a client may
+  send back as ``context`` to continue from them (the new prompt's ids follow them).
 - ``keep_alive`` is accepted; models stay loaded as the server's own options say.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 from typing import Any
 
 from pydantic import ValidationError
 
+from tokenmill.api.chat import MAX_CHARS_PER_TOKEN, ChatCall, render_prompt
+from tokenmill.api.completions import CompletionCall
 from tokenmill.api.embeddings import EmbeddingRequest
+from tokenmill.api.endpoints import prepare
 from tokenmill.api.errors import APIError, bad_request
 from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest
+from tokenmill.api.validation import ServedModel, check_token_ids
 from tokenmill.outputs import RequestMetrics
 
 # Ollama option -> OpenAI request field.
@@ -32,6 +39,10 @@ OPTION_FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p
                  "frequency_penalty": "frequency_penalty"}
 # The version /api/version reports: the Ollama API release whose routes and fields these are.
 OLLAMA_API_VERSION = "0.6.0"
+# The most tokens a request without ``num_predict`` generates (fewer when the context has less
+# room). Ollama's default, -1, runs until its context window is full, and that window is
+# small (``num_ctx``: 2,048 tokens in this API version); a model here may have 32,768.
+DEFAULT_NUM_PREDICT = 2048
 
 
 def _need_dict(body: Any, what: str) -> dict[str, Any]:
@@ -70,7 +81,8 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
     """Ollama chat messages as OpenAI's (images are refused: no vision models here)."""
     if not isinstance(raw, list) or not raw:
         raise bad_request("messages must be a non-empty list", "messages")
-    out = []
+    out: list[dict[str, Any]] = []
+    pending: list[tuple[str, str]] = []  # (id, function name) of calls not yet answered
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
             raise bad_request(f"messages[{i}] must be an object", f"messages[{i}]")
@@ -78,15 +90,39 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
             raise bad_request("images are not supported: no served model reads images",
                               f"messages[{i}].images")
         msg = {k: v for k, v in m.items() if k in ("role", "content", "name", "tool_call_id")}
-        if m.get("tool_calls"):
-            msg["tool_calls"] = [
-                {"id": f"call_{i}_{j}", "type": "function",
-                 "function": {"name": c.get("function", {}).get("name"),
-                              "arguments": json.dumps(c.get("function", {}).get("arguments",
-                                                                                {}))}}
-                for j, c in enumerate(m["tool_calls"])]
+        if m.get("tool_calls") is not None:
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], f"messages[{i}].tool_calls", i)
+            pending = [(c["id"], c["function"]["name"]) for c in msg["tool_calls"]]
+        elif m.get("role") == "tool" and "tool_call_id" not in m and pending:
+            # Ollama's tool results name no call id (at most the function, ``tool_name``):
+            # each answers the earliest unanswered call of the assistant turn before it.
+            named = [p for p in pending if p[1] == m.get("tool_name")] or pending
+            msg["tool_call_id"] = named[0][0]
+            pending.remove(named[0])
         out.append(msg)
     return out
+
+
+def _tool_calls(raw: Any, where: str, i: int) -> list[dict[str, Any]]:
+    """Ollama's ``[{"function": {"name", "arguments": {...}}}]`` as OpenAI's tool calls."""
+    if not isinstance(raw, list):
+        raise bad_request(f"{where} must be a list of objects", where)
+    calls = []
+    for j, c in enumerate(raw):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict):
+            raise bad_request(f'{where}[{j}] must be an object with a "function" object',
+                              f"{where}[{j}]")
+        name, args = fn.get("name"), fn.get("arguments", {})
+        if not isinstance(name, str) or not name:
+            raise bad_request(f"{where}[{j}].function.name must be a non-empty string",
+                              f"{where}[{j}].function.name")
+        if not isinstance(args, dict):
+            raise bad_request(f"{where}[{j}].function.arguments must be an object",
+                              f"{where}[{j}].function.arguments")
+        calls.append({"id": f"call_{i}_{j}", "type": "function",
+                      "function": {"name": name, "arguments": json.dumps(args)}})
+    return calls
 
 
 def _validated(model: type[Any], body: dict[str, Any]) -> Any:
@@ -127,6 +163,61 @@ def generate_request(body: Any) -> ChatCompletionRequest | CompletionRequest:
     messages = ([{"role": "system", "content": body["system"]}] if body.get("system") else [])
     messages.append({"role": "user", "content": prompt})
     return _validated(ChatCompletionRequest, {**common, "messages": messages})
+
+
+def context_ids(body: dict[str, Any]) -> list[int] | None:
+    """/api/generate's ``context``: the token ids an earlier answer returned (None: absent or
+    empty); 400 unless a list of integers (the vocabulary is checked in ``prepare_ollama``)."""
+    raw = body.get("context")
+    if raw is None or raw == []:
+        return None
+    if not isinstance(raw, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in raw):
+        raise bad_request("context must be a list of token ids (integers), as an earlier "
+                          "/api/generate answer returned it", "context")
+    return raw
+
+
+def prepare_ollama(req: ChatCompletionRequest | CompletionRequest, body: dict[str, Any],
+                   served: ServedModel, context: list[int] | None = None,
+                   **options: Any) -> ChatCall | CompletionCall:
+    """``prepare`` (``options``: its keywords) of the request an Ollama body became, the
+    ``context`` token ids (validated against the vocabulary) before its prompt, and
+    ``DEFAULT_NUM_PREDICT`` when the body's options set no ``num_predict``."""
+    if context is not None:
+        check_token_ids(context, served.vocab_size, "context")
+        req = _continued(req, context, served)
+    call = prepare(req, served, **options)
+    if (body.get("options") or {}).get("num_predict") is None and call.params.max_tokens is None:
+        room = served.max_model_len - max(len(ids) for ids in _prompt_ids(call))
+        call.params = dataclasses.replace(call.params,
+                                          max_tokens=min(DEFAULT_NUM_PREDICT, room))
+    return call
+
+
+def _continued(req: ChatCompletionRequest | CompletionRequest, context: list[int],
+               served: ServedModel) -> CompletionRequest:
+    """The request as token ids: ``context``, then its prompt (templated unless raw)."""
+    tokenizer = served.tokenizer
+    if isinstance(req, CompletionRequest):
+        assert isinstance(req.prompt, str)
+        limit = served.max_model_len * MAX_CHARS_PER_TOKEN
+        if len(req.prompt) > limit:
+            raise bad_request(f"prompt is longer than {limit} characters", "prompt")
+        ids = tokenizer.encode(req.prompt, add_special_tokens=False)
+    else:
+        # The turn as the template renders it, as Ollama appends it to the context (a BOS
+        # the template writes stays: on SmolLM it is the turn's own <|im_start|>).
+        ids = render_prompt(tokenizer, req, served.max_model_len)[1]
+    fields = req.model_dump(exclude_unset=True, exclude={"messages", "prompt"})
+    return _validated(CompletionRequest, {**fields, "prompt": [*context, *ids],
+                                          "max_tokens": req.max_tokens})
+
+
+def _prompt_ids(call: ChatCall | CompletionCall) -> list[list[int]]:
+    if isinstance(call, CompletionCall):
+        return [p.token_ids for p in call.prompts]
+    return [p["prompt_token_ids"] for p in call.engine_prompts]  # type: ignore[index]
 
 
 def embed_request(body: Any, legacy: bool = False) -> EmbeddingRequest:

@@ -1,54 +1,59 @@
 """Ollama's API on the same server, for the `ollama` client library, Open WebUI and the other
 tools that speak it: /api/version, /api/tags, /api/ps, /api/show, /api/chat and /api/generate
 (NDJSON streams unless ``"stream": false``), /api/embed and /api/embeddings. Requests become
-the OpenAI ones of tokenmill/api/ollama.py and run through the same validation, engine and
-disconnect handling; errors are Ollama's ``{"error": "..."}``."""
+the OpenAI ones of tokenmill/api/ollama.py and run through the same validation (bodies: JSON
+declared as such, strict, nested at most 64 levels), engine and disconnect handling; errors
+are Ollama's ``{"error": "..."}`` (server/errors.py answers every error under /api/ so)."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
 import json
+import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenmill.api import ollama
+from tokenmill.api.chat import ChatCall
+from tokenmill.api.completions import CompletionCall
 from tokenmill.api.embeddings import prepare_embeddings
-from tokenmill.api.errors import APIError
+from tokenmill.api.errors import APIError, bad_request, loads_json
 from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest, random_id
 from tokenmill.api.responses import StreamUsage, engine_error
 from tokenmill.engine.async_llm import EngineDeadError, RequestGroup, collect_embeddings
-from tokenmill.server.errors import read_body
-from tokenmill.server.serving import start_generation, submit
+from tokenmill.server.errors import check_json_content_type, read_body
+from tokenmill.server.serving import submit
 from tokenmill.server.state import EMBED, GENERATE, ServedModel, ServerState
 from tokenmill.server.streaming import EngineStreamingResponse, until_disconnect
 
-Handler = Callable[..., Awaitable[Response]]
-
-
-def _ollama_errors(handler: Handler) -> Handler:
-    """Answer an APIError as Ollama does: its status and ``{"error": message}``."""
-    @functools.wraps(handler)
-    async def wrapped(*args: Any, **kwargs: Any) -> Response:
-        try:
-            return await handler(*args, **kwargs)
-        except APIError as e:
-            return JSONResponse(ollama.ollama_error(e), status_code=e.status)
-
-    return wrapped
+# The weight files of a model folder, whose sizes make the model's size: the first kind of
+# these it has (a folder may hold the same weights as .safetensors and as .bin).
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth")
 
 
 async def _body(state: ServerState, request: Request) -> Any:
-    """The JSON body (any JSON: the mapping checks its shape)."""
+    """The JSON body, parsed as strictly as the /v1 routes' (any JSON value: the mapping
+    checks its shape): 415 unless declared JSON, 413/408 for too large or too slow, 400 for
+    invalid UTF-8, invalid JSON, NaN / Infinity, or nesting past 64 levels."""
+    check_json_content_type(request)
     raw = await read_body(request, state.config.max_body_bytes, state.config.body_timeout)
+    return await state.offload(_parse, raw)
+
+
+def _parse(raw: bytes) -> Any:
+    if not raw:
+        return {}
     try:
-        return json.loads(raw or b"{}")
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the body is not JSON: {e}") from None
+        return loads_json(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise bad_request(f"the body is not valid UTF-8 (byte {e.start})") from None
+    except ValueError as e:
+        raise bad_request(f"the body is not valid JSON: {e}") from None
 
 
 async def _resolve(state: ServerState, name: Any, task: str | None) -> ServedModel:
@@ -76,30 +81,54 @@ def _details(served: ServedModel) -> dict[str, Any]:
 
 
 def _modelfile(served: ServedModel) -> str:
-    """What Ollama's Modelfile would say: the weights, and an adapter's base."""
+    """What Ollama's Modelfile would say: the weights, and an adapter's base, by file or
+    folder name (where they lie on the server is not the client's business)."""
     if served.base is None:
-        return f"FROM {served.path}\n"
-    return f"FROM {served.base.path}\nADAPTER {served.path}\n"
+        return f"FROM {_file_name(served.path)}\n"
+    return f"FROM {_file_name(served.base.path)}\nADAPTER {_file_name(served.path)}\n"
+
+
+def _file_name(path: str) -> str:
+    return os.path.basename(path.rstrip("/" + os.sep))
+
+
+def _file_size(path: str) -> int:
+    """Bytes of the model on disk, as Ollama's size is its file's: the file, or a folder's
+    weight files (0 when none can be read)."""
+    try:
+        if os.path.isfile(path):
+            return os.path.getsize(path)
+        with os.scandir(path) as entries:
+            files = [(e.name, e.stat().st_size) for e in entries if e.is_file()]
+    except OSError:
+        return 0
+    for suffix in WEIGHT_SUFFIXES:
+        sizes = [size for name, size in files if name.endswith(suffix)]
+        if sizes:
+            return sum(sizes)
+    return 0
 
 
 def _entry(served: ServedModel) -> dict[str, Any]:
-    """One model in /api/tags and /api/ps."""
+    """One model in /api/tags (``size``: its file's bytes, as Ollama's)."""
     return {"name": served.name, "model": served.name,
             "modified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(served.loaded_at)),
-            "size": served.weight_bytes + served.kv_cache_bytes,
+            "size": _file_size(served.path),
             # A stable id of the model file (Ollama's is its blob's sha256).
             "digest": hashlib.sha256(served.path.encode()).hexdigest(),
             "details": _details(served)}
 
 
 async def _lines(group: RequestGroup, call: Any, model: str, key: str) -> AsyncIterator[dict]:
-    """Ollama's stream objects of one generation: the text as it comes, then the stats."""
+    """Ollama's stream objects of one generation: the text as it comes, then the stats (and
+    for /api/generate the ``context``: prompt and answer token ids)."""
     chunks = call.chunks(model, random_id(call.id_prefix), int(time.time()))
-    usage, last, finish = StreamUsage(), None, None
+    usage, last, finish, answer = StreamUsage(), None, None, []
     try:
         async for index, out in group:
             usage.add(index, out)
             last = out
+            answer += out.outputs[0].token_ids if out.outputs else []
             delta = chunks.delta(index, out)
             if delta is None or not delta.choices:
                 continue
@@ -126,10 +155,12 @@ async def _lines(group: RequestGroup, call: Any, model: str, key: str) -> AsyncI
         return
     info = usage.info()
     end = {"role": "assistant", "content": ""} if key == "message" else ""
+    context = ({"context": [*last.prompt_token_ids, *answer]}
+               if key == "response" and last is not None else {})
     yield {"model": model, "created_at": ollama.now_iso(), key: end, "done": True,
            "done_reason": "length" if finish == "length" else "stop",
            **ollama.final_stats(last.metrics if last else None, info.prompt_tokens,
-                                info.completion_tokens)}
+                                info.completion_tokens), **context}
 
 
 def _args(call: Any) -> Any:
@@ -139,11 +170,26 @@ def _args(call: Any) -> Any:
         return call.function.arguments
 
 
+async def _start(state: ServerState, served: ServedModel,
+                 req: ChatCompletionRequest | CompletionRequest, body: dict[str, Any],
+                 context: list[int] | None) -> tuple[ChatCall | CompletionCall, RequestGroup]:
+    """serving.start_generation with Ollama's ways (api/ollama.prepare_ollama): validate off
+    the event loop and queue in ``served``'s engine, holding the model meanwhile."""
+    prepare = functools.partial(ollama.prepare_ollama, context=context,
+                                split_special_tokens=state.config.split_special_tokens,
+                                tool_call_parser=state.config.tool_call_parser)
+    with served.lease():
+        call = await state.offload(prepare, req, body, served.client)
+        group = await submit(state, served, call.engine_prompts, call.params, call.id_prefix)
+    return call, group
+
+
 async def _generate(state: ServerState, request: Request, body: Any,
-                    req: ChatCompletionRequest | CompletionRequest, key: str) -> Response:
+                    req: ChatCompletionRequest | CompletionRequest, key: str,
+                    context: list[int] | None = None) -> Response:
     """Run a chat or generate request and answer as NDJSON lines or one object."""
     served = await _resolve(state, req.model, GENERATE)
-    call, group = await start_generation(state, served, req)
+    call, group = await _start(state, served, req, body, context)
     lines = _lines(group, call, served.name, key)
     if body.get("stream", True):
         async def ndjson() -> AsyncIterator[str]:
@@ -223,11 +269,12 @@ def ollama_router(state: ServerState) -> APIRouter:
 
     @router.get("/ps")
     async def ps() -> JSONResponse:
+        # Ollama's running models report the memory they hold: weights and KV cache.
         return JSONResponse({"models": [{**_entry(m), "expires_at": "0001-01-01T00:00:00Z",
+                                         "size": m.weight_bytes + m.kv_cache_bytes,
                                          "size_vram": 0} for m in served()]})
 
     @router.post("/show")
-    @_ollama_errors
     async def show(request: Request) -> Response:
         body = await _body(state, request)
         served = await _resolve(state, body.get("model") if isinstance(body, dict) else None,
@@ -242,27 +289,24 @@ def ollama_router(state: ServerState) -> APIRouter:
                            "context_length": info.max_model_len,
                            "embedding_length": info.num_attention_heads * info.head_dim},
             "capabilities": ["embedding"] if served.task == EMBED else ["completion", "tools"],
-            "modified_at": _entry(served)["modified_at"]})
+            "modified_at": _entry(served)["modified_at"], "size": _file_size(served.path)})
 
     @router.post("/chat")
-    @_ollama_errors
     async def chat(request: Request) -> Response:
         body = await _body(state, request)
         return await _generate(state, request, body, ollama.chat_request(body), "message")
 
     @router.post("/generate")
-    @_ollama_errors
     async def generate(request: Request) -> Response:
         body = await _body(state, request)
-        return await _generate(state, request, body, ollama.generate_request(body), "response")
+        req = ollama.generate_request(body)
+        return await _generate(state, request, body, req, "response", ollama.context_ids(body))
 
     @router.post("/embed")
-    @_ollama_errors
     async def embed(request: Request) -> Response:
         return await _embed(state, request, await _body(state, request), legacy=False)
 
     @router.post("/embeddings")
-    @_ollama_errors
     async def embeddings(request: Request) -> Response:
         return await _embed(state, request, await _body(state, request), legacy=True)
 
