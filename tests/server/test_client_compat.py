@@ -128,8 +128,11 @@ def test_start_up_prints_its_progress(server: Server) -> None:
     """What `tokenmill serve` says while it starts: each model as it begins to load, when it
     has loaded, and how long the whole start took."""
     log = server.log()
-    first = log.index("loading model 1 of 2: the embedded model")
-    assert first < log.index("tokenmill.model_loader: loaded ") < log.index("loading model 2 of 2")
+    first = log.index("loading model 1 of 2: the embedded SmolLM2-135M-Instruct (chat)")
+    second = log.index("loading model 2 of 2: the embedded all-MiniLM-L6-v2 (embeddings)")
+    assert first < log.index("tokenmill.model_loader: loaded ") < second
+    # Notices about the machine, not the model, are said once.
+    assert log.count("CPU energy is estimated") <= 1 and log.count("energy: ") <= 1, log
     ready = re.search(r"serving .* on http://127\.0\.0\.1:\d+/v1 \(auth off\); ready "
                       r"(\d+\.\d) s after the process started", log)
     assert ready is not None and 0 < float(ready.group(1)) < 3600, log[-2000:]

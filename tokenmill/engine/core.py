@@ -143,7 +143,6 @@ class EngineCore:
         # Each step's time, energy and cost, shared out to its requests by tokens.
         econ = config.economics
         self.accountant = StepAccountant(EnergyMeter(econ.cpu_watts), econ.cost_per_hour)
-        logger.info("energy: %s", ", ".join(self.accountant.meter.sources))
         # The C heap's free pages back to the OS now and then (CPU engines, glibc).
         self._heap = HeapTrimmer.for_device(self.platform.is_cuda)
 

@@ -14,6 +14,7 @@ number that includes it says ``estimated``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -48,6 +49,7 @@ class EnergyMeter:
         self.estimated = self._cpus is None
         self.sources = (["rapl"] if self._cpus is not None else ["cpu-time estimate"]) + (
             ["gpu"] if self._gpus is not None else [])
+        notice(f"energy: {', '.join(self.sources)}")
         self._start_mj = self._counters_mj()
         self._start_cpu_s = time.process_time()
 
@@ -76,6 +78,13 @@ COUNTER_PATHS = ("/sys/class/powercap/intel-rapl", "/sys/class/powercap/intel-ra
                  "/proc/driver/nvidia", "/dev/kfd")
 
 
+@functools.cache
+def notice(message: str) -> None:
+    """Log ``message`` once per process: every engine makes a meter, but the machine and its
+    counters are one (a server of two models said each notice twice)."""
+    logger.info(message)
+
+
 def counters_visible(paths: tuple[str, ...] | None = None) -> bool:
     """Whether any energy counter Zeus could read is there at all (``paths``: COUNTER_PATHS)."""
     return any(os.path.exists(p) for p in (COUNTER_PATHS if paths is None else paths))
@@ -86,13 +95,13 @@ def _zeus_devices() -> tuple[object | None, object | None]:
     counter (or Zeus is not installed). Where no counter is visible Zeus is not imported: its
     GPU modules take ~0.25 s of every start, for nothing on a VM or a laptop without RAPL."""
     if not counters_visible():
-        logger.info("no energy counter on this machine (no RAPL in /sys/class/powercap, no GPU "
-                    "driver): CPU energy is estimated from CPU time")
+        notice("no energy counter on this machine (no RAPL in /sys/class/powercap, no GPU "
+               "driver): CPU energy is estimated from CPU time")
         return None, None
     try:
         from zeus.device import get_cpus, get_gpus
     except ImportError:  # an optional dependency: the estimate still works
-        logger.info("zeus is not installed: energy is estimated from CPU time")
+        notice("zeus is not installed: energy is estimated from CPU time")
         return None, None
     cpus = gpus = None
     # Zeus logs a warning for every GPU library it cannot load (AMD's on an NVIDIA or CPU-only
@@ -105,7 +114,7 @@ def _zeus_devices() -> tuple[object | None, object | None]:
         if len(cpus) == 0:
             cpus = None
     except Exception as e:  # noqa: BLE001 - any failure means: no counter to read
-        logger.info("no CPU energy counter (%s): CPU energy is estimated from CPU time", e)
+        notice(f"no CPU energy counter ({e}): CPU energy is estimated from CPU time")
     try:
         gpus = get_gpus()
         if len(gpus) == 0:

@@ -35,6 +35,9 @@ from tokenmill.utils import freeze_startup_heap, process_age_s
 
 logger = logging.getLogger(__name__)
 
+# What a config without a model path runs, by task (the packages the model loader reads).
+EMBEDDED_MODELS = {"generate": "the embedded SmolLM2-135M-Instruct (chat)",
+                   "embed": "the embedded all-MiniLM-L6-v2 (embeddings)"}
 # Seconds between an engine failure and the process exit: errors reach clients, probes see 503.
 FAULT_EXIT_GRACE_S = 2.0
 # Seconds between checks that every model's engine is alive.
@@ -109,7 +112,7 @@ def load_models(models: list[tuple[str | None, EngineConfig]],
     try:
         for i, (name, engine_config) in enumerate(models, 1):
             logger.info("loading model %d of %d: %s%s", i, len(models),
-                        f"{name} = " if name else "", engine_config.model.model or "the embedded model")
+                        f"{name} = " if name else "", model_label(engine_config))
             # Not in this thread: see load_engine_for_thread.
             engines.append((name, load_engine_for_thread(engine_config)))
         names = served_names(engines, config.served_model_name)
@@ -125,6 +128,13 @@ def load_models(models: list[tuple[str | None, EngineConfig]],
             state, name, engine,
             debug_fail_at_step=config.debug_fail_at_step if i == 0 else None)
     return state
+
+
+def model_label(config: EngineConfig) -> str:
+    """What the start log calls a model: its path, or which embedded model runs without one."""
+    if config.model.model:
+        return config.model.model
+    return EMBEDDED_MODELS["embed" if config.model.task == "embed" else "generate"]
 
 
 def served_names(engines: list[tuple[str | None, LLMEngine]],
