@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import uvicorn
+from fastapi.testclient import TestClient
 from server_harness import free_port
 
 from tokenmill.config import ServerConfig
@@ -90,3 +91,20 @@ def test_a_refused_host_has_a_request_id(app_server: tuple[str, ServerState]) ->
     r = httpx.get(f"{url}/version", headers={"host": "evil.example", "x-request-id": "h-1"},
                   timeout=10)
     assert r.status_code == 400 and r.headers["x-request-id"] == "h-1"
+    assert r.json()["error"]["param"] == "host"
+    ollama = httpx.get(f"{url}/api/tags", headers={"origin": "http://evil.example"},
+                       timeout=10)
+    assert ollama.status_code == 403 and "origin" in ollama.json()["error"]
+    assert ollama.headers["x-request-id"]
+
+
+def test_auth_errors_under_api_are_ollama_errors() -> None:
+    fake = SimpleNamespace(num_seqs_in_flight=0, engine=SimpleNamespace(lora_enabled=False))
+    state = ServerState(ServerConfig(allowed_hosts=("*",), api_key="k"),
+                        {"m": ServedModel("m", fake)}, PrometheusMetrics())  # type: ignore[arg-type]
+    client = TestClient(build_app(state))
+    refused = client.get("/api/tags")
+    assert refused.status_code == 401 and "API key" in refused.json()["error"]
+    assert client.get("/api/version", headers={"authorization": "Bearer k"}).status_code == 200
+    assert client.get("/v1/models").json()["error"]["code"] == "invalid_api_key"
+    state.workers.shutdown(wait=False)

@@ -14,6 +14,7 @@ The rules:
 from __future__ import annotations
 
 import ipaddress
+import json
 import socket
 from collections.abc import Iterable
 from typing import Any
@@ -23,6 +24,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill.api.errors import APIError
+from tokenmill.server.errors import is_ollama_path
 
 
 def split_host(host: str) -> tuple[str, str | None]:
@@ -90,7 +92,7 @@ def _default_port(scheme: str) -> str:
 
 class RequestGuard:
     """ASGI middleware: refuse requests whose Host or Origin the policy does not allow, with
-    OpenAI's error body (400 for a Host, 403 for an Origin)."""
+    the API's error body (400 for a Host, 403 for an Origin; Ollama's under /api/)."""
 
     def __init__(self, app: ASGIApp, policy: HostPolicy) -> None:
         self.app = app
@@ -114,11 +116,12 @@ class RequestGuard:
         if err is None:
             await self.app(scope, receive, send)
             return
-        await _send_error(send, err)
+        await _send_error(send, err, scope.get("path", ""))
 
 
-async def _send_error(send: Send, err: APIError) -> None:
-    body = err.body().model_dump_json().encode()
+async def _send_error(send: Send, err: APIError, path: str) -> None:
+    body = (json.dumps({"error": err.message}).encode() if is_ollama_path(path)
+            else err.body().model_dump_json().encode())
     start: dict[str, Any] = {
         "type": "http.response.start", "status": err.status,
         "headers": [(b"content-type", b"application/json"),
