@@ -28,3 +28,14 @@ def test_a_broken_link_fails_the_build(tmp_path: Path) -> None:
                            "-f", str(config), "--site-dir", str(tmp_path / "site")],
                           capture_output=True, text=True)
     assert done.returncode != 0 and "nowhere.md" in done.stderr
+
+
+def test_readme_stays_a_front_page() -> None:
+    """The README is the front page (what, how, a few measured numbers, links): the guides and
+    the dated benchmark history live in docs/. No development machine's paths anywhere."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) < 400
+    pages = [readme, *(p.read_text(encoding="utf-8") for p in (ROOT / "docs").rglob("*.md"))]
+    for text in pages:
+        for path in ("/work/", "/root/", "/home/", "site-packages/"):
+            assert path not in text
