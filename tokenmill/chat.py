@@ -8,11 +8,12 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import TYPE_CHECKING, Protocol, TextIO
 
-from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.output_processor import OutputKind
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the engine (and torch) load only for offline use, not for --url
+    from tokenmill.engine.llm_engine import LLMEngine
 
 HELP = """commands (never sent to the model):
   /help           this list
@@ -49,6 +50,8 @@ class Answer:
 def stream_answer(engine: LLMEngine, prompt: str | dict, params: SamplingParams,
                   out: TextIO) -> Answer:
     """Run one request, writing its text to ``out`` as it comes; what it was."""
+    from tokenmill.engine.output_processor import OutputKind
+
     rid = f"cli-{time.monotonic_ns()}"
     answer = Answer()
     start = time.perf_counter()
@@ -120,12 +123,32 @@ def _enable_line_editing() -> None:
     atexit.register(save)
 
 
-class ChatSession:
-    """A conversation with the engine; lines starting with '/' are commands for the session."""
+class ChatBackend(Protocol):
+    """Who answers a chat: the offline engine (EngineChat) or a server (chat_remote)."""
 
-    def __init__(self, engine: LLMEngine, params: SamplingParams, system: str | None) -> None:
+    def answer(self, messages: list[dict]) -> Answer:
+        """Answer the conversation, streaming the text to stdout; ValueError if refused."""
+        ...
+
+
+class EngineChat:
+    """ChatSession's backend on the offline engine: the chat template, then the engine."""
+
+    def __init__(self, engine: LLMEngine, params: SamplingParams) -> None:
         self.engine = engine
         self.params = params
+
+    def answer(self, messages: list[dict]) -> Answer:
+        text, ids = self.engine.tokenizer.encode_chat(messages, add_generation_prompt=True)
+        return stream_answer(self.engine, {"prompt": text, "prompt_token_ids": ids},
+                             self.params, sys.stdout)
+
+
+class ChatSession:
+    """A conversation; lines starting with '/' are commands for the session."""
+
+    def __init__(self, backend: ChatBackend, system: str | None) -> None:
+        self.backend = backend
         self.system = system
         self.history: list[dict] = []
 
@@ -156,11 +179,8 @@ class ChatSession:
     def say(self, line: str) -> None:
         """Send one user message and stream the answer."""
         self.history.append({"role": "user", "content": line})
-        text, ids = self.engine.tokenizer.encode_chat(self.messages(),
-                                                      add_generation_prompt=True)
         try:
-            answer = stream_answer(self.engine, {"prompt": text, "prompt_token_ids": ids},
-                                   self.params, sys.stdout)
+            answer = self.backend.answer(self.messages())
         except ValueError as e:  # e.g. the history outgrew the context
             self.history.pop()
             print(f"\nerror: {e}", file=sys.stderr)

@@ -1,71 +1,195 @@
-"""The `tokenmill` command: serve, generate, chat, info here; bench, batch and stream in their
-packages, every one registered from the `COMMANDS` table."""
+"""The `tokenmill` command: every sub-command registered from the `COMMANDS` table.
+
+Only the command being run has its parser built (and its modules imported): `tokenmill
+--help`, `pull`, `list` and `chat --url` never import torch. Interactive commands log warnings
+only unless -v; serve, bench, batch and stream log at INFO unless -q.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-from tokenmill.batch.cli import add_batch_parser
-from tokenmill.bench import batch as bench_batch
-from tokenmill.bench import (
-    beam,
-    compare,
-    contention,
-    embed,
-    fuzz,
-    gpu,
-    latency,
-    lora,
-    prefix_cache,
-    rerank,
-    retrieval,
-    spec,
-    structured,
-    throughput,
+
+@dataclass(frozen=True)
+class Command:
+    """One `tokenmill` command: its name and one-line help (what `tokenmill --help` lists
+    without importing it), the ``module:function`` that registers its parser, and whether it
+    is interactive (quiet logs by default)."""
+
+    name: str
+    help: str
+    register: str
+    interactive: bool = False
+
+
+# Every `tokenmill` command, in the order `tokenmill --help` lists them: the one place that
+# says which commands exist, so no subpackage needs to import this module.
+COMMANDS: tuple[Command, ...] = (
+    Command("serve", "serve the OpenAI-compatible HTTP API",
+            "tokenmill.cli:add_serve_parser"),
+    Command("chat", "interactive chat with history (offline, or a server's with --url)",
+            "tokenmill.cli:add_chat_parser", interactive=True),
+    Command("generate", "generate from a prompt, streaming to the terminal",
+            "tokenmill.cli:add_generate_parser", interactive=True),
+    Command("pull", "download a model from the Hugging Face hub into the local cache",
+            "tokenmill.hub.cli:add_pull_parser", interactive=True),
+    Command("list", "the models in the local cache", "tokenmill.hub.cli:add_list_parser",
+            interactive=True),
+    Command("rm", "remove models from the local cache", "tokenmill.hub.cli:add_rm_parser",
+            interactive=True),
+    Command("models", "the models of a running server: list (/v1/models); load, unload, swap "
+            "(admin API)", "tokenmill.server.admin_cli:add_models_parser", interactive=True),
+    Command("info", "print model, device, dtype and the KV memory plan",
+            "tokenmill.cli:add_info_parser", interactive=True),
+    Command("bench", "benchmarks: load generator, throughput, latency, compare",
+            "tokenmill.cli:add_bench_parser"),
+    Command("batch", "answer an OpenAI Batch API JSONL file (resumable)",
+            "tokenmill.batch.cli:add_batch_parser"),
+    Command("stream", "answer records from stdin or a Redis Stream as they arrive",
+            "tokenmill.stream.cli:add_stream_parser"),
+    Command("monitor", "the drift monitor of a running server",
+            "tokenmill.server.monitor_cli:add_monitor_parser"),
+    Command("tokenizer", "the model's tokenizer for other tools",
+            "tokenmill.cli:add_tokenizer_parser", interactive=True),
 )
-from tokenmill.bench import serve as bench_serve
-from tokenmill.chat import ChatSession, run_generate
-from tokenmill.config import TOOL_CALL_PARSERS, ServerConfig
-from tokenmill.engine.args import (
-    add_engine_args,
-    add_lora_modules_arg,
-    add_sampling_args,
-    engine_config_from_args,
-    parse_lora_module,
-    sampling_params_from_args,
+
+# `tokenmill bench <suite>`, in the order `tokenmill bench --help` lists them.
+BENCH_SUITES: tuple[str, ...] = (
+    "tokenmill.bench.serve:add_serve_parser", "tokenmill.bench.throughput:add_throughput_parser",
+    "tokenmill.bench.latency:add_latency_parser", "tokenmill.bench.compare:add_compare_parser",
+    "tokenmill.bench.prefix_cache:add_prefix_cache_parser",
+    "tokenmill.bench.spec:add_spec_parser", "tokenmill.bench.batch:add_batch_bench_parser",
+    "tokenmill.bench.gpu:add_gpu_parser", "tokenmill.cli:_add_perplexity_parser",
+    "tokenmill.bench.fuzz:add_fuzz_parser", "tokenmill.bench.structured:add_structured_parser",
+    "tokenmill.bench.retrieval:add_retrieval_parser", "tokenmill.bench.embed:add_embed_parser",
+    "tokenmill.bench.rerank:add_rerank_parser",
+    "tokenmill.bench.contention:add_contention_parser", "tokenmill.bench.lora:add_lora_parser",
+    "tokenmill.bench.beam:add_beam_parser",
 )
-from tokenmill.engine.llm_engine import LLMEngine, ModelInfo
-from tokenmill.server.admin_cli import add_models_parser
-from tokenmill.server.monitor_cli import (
-    add_monitor_args,
-    add_monitor_parser,
-    monitor_config_from_args,
-)
-from tokenmill.stream.cli import add_stream_parser
+
+# Registers one sub-command on a subparsers action: its name, help, options, and its handler
+# as the `func` default, all of which belong to the module that runs the command.
+Registrar = Callable[[argparse._SubParsersAction], None]
+
+
+def _registrar(target: str) -> Registrar:
+    """The function a ``module:function`` string names, imported now."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `tokenmill serve` (its options: tokenmill.server.serve_cli)."""
+    from tokenmill.server.serve_cli import add_serve_parser as add_options
+
+    add_options(subparsers)
+    subparsers.choices["serve"].set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Run `tokenmill serve` until SIGTERM / SIGINT, the models named on the hub fetched
+    first."""
+    from tokenmill.server.serve_cli import merge_model_args, run_serve
+
+    merge_model_args(args)
+    fetch_named_models(args)
+    return run_serve(args)
+
+
+def fetch_named_models(args: argparse.Namespace) -> None:
+    """Replace each ``--model`` that names a hub repo by its files in the local cache
+    (downloaded first if need be), served under the repo's name unless it has a name of its
+    own or --served-model-name gives one (vLLM serves a repo id as its name)."""
+    from tokenmill.hub.download import Hub, fetch
+    from tokenmill.hub.refs import parse_hub_ref
+    from tokenmill.server.model_registry import parse_model_spec
+
+    values, named = [], 0
+    for value in args.model or []:
+        spec = parse_model_spec(value)
+        ref = None
+        if spec.path is not None and not os.path.exists(spec.path) and \
+                args.load_format != "dummy":
+            ref = parse_hub_ref(spec.path, args.revision)
+        if ref is None:
+            values.append(value)
+            continue
+        named += 1
+        path = fetch(ref, Hub())
+        name = spec.name or (None if args.served_model_name else ref.name)
+        values.append(",".join([f"{name}={path}" if name else path, *value.split(",")[1:]]))
+    if args.revision is not None and not named:
+        raise ValueError(f"--revision {args.revision!r} is for a model named on the Hugging "
+                         "Face hub (ORG/NAME); no model is")
+    args.model = values or args.model
+
+
+def fetch_model(args: argparse.Namespace) -> None:
+    """A --model named on the Hugging Face hub is fetched (or found in the cache) before the
+    engine starts, so its progress bar and errors come first; a local path always wins."""
+    from tokenmill.hub.download import resolve_model
+
+    if args.model is None or args.load_format == "dummy":
+        if args.revision is not None:
+            raise ValueError("--revision is for a model named on the Hugging Face hub "
+                             "(--model ORG/NAME)")
+        return
+    args.model = resolve_model(args.model, args.revision)
+
+
+def _engine(args: argparse.Namespace):  # -> LLMEngine (not imported here: torch)
+    from tokenmill.engine.args import engine_config_from_args
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    fetch_model(args)
+    return LLMEngine(engine_config_from_args(args))
+
+
+def _server(args: argparse.Namespace):  # -> ServerClient
+    from tokenmill.chat_remote import ServerClient
+
+    return ServerClient(args.url, args.api_key or os.environ.get("TOKENMILL_API_KEY"),
+                        args.model)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Run `tokenmill generate`: one prompt, streamed to stdout, then a summary."""
-    engine = LLMEngine(engine_config_from_args(args))
-    return run_generate(engine, args.prompt, sampling_params_from_args(args))
+    from tokenmill.engine.args import sampling_params_from_args
+
+    params = sampling_params_from_args(args)
+    if args.url:
+        from tokenmill.chat_remote import run_generate_remote
+
+        return run_generate_remote(_server(args), args.prompt, params)
+    from tokenmill.chat import run_generate
+
+    return run_generate(_engine(args), args.prompt, params)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Run `tokenmill chat`: read messages from the terminal until /exit or EOF."""
-    engine = LLMEngine(engine_config_from_args(args))
-    return ChatSession(engine, sampling_params_from_args(args), args.system).run()
+    from tokenmill.chat import ChatSession, EngineChat
+    from tokenmill.engine.args import sampling_params_from_args
+
+    params = sampling_params_from_args(args)
+    if args.url:
+        from tokenmill.chat_remote import ServerChat
+
+        return ChatSession(ServerChat(_server(args), params), args.system).run()
+    return ChatSession(EngineChat(_engine(args), params), args.system).run()
 
 
 def cmd_info(args: argparse.Namespace) -> int:
     """Run `tokenmill info`: load the engine and print what it runs and how."""
     import torch
 
-    engine = LLMEngine(engine_config_from_args(args))
-    info = engine.model_info()
+    info = _engine(args).model_info()
     rows = [
         ("model", info.path),
         ("architecture", info.architecture),
@@ -80,7 +204,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("dtype", info.dtype),
         ("threads", str(torch.get_num_threads())),
         ("attention backend", info.attention_backend),
-        ("decode CUDA graphs", _describe_graphs(info)),
+        ("decode CUDA graphs", _describe_graphs(info.decode_graph_sizes,
+                                                info.decode_graph_max_seq_len)),
         ("max model len", str(info.max_model_len)),
         ("kv cache", info.kv_cache.describe().removeprefix("KV cache: ")),
         ("torch", torch.__version__),
@@ -91,147 +216,49 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _describe_graphs(info: ModelInfo) -> str:
-    sizes = info.decode_graph_sizes
+def _describe_graphs(sizes: Sequence[int], max_seq_len: int | None) -> str:
     if not sizes:
         return "off"
     return (f"batch sizes {sizes[0]}..{sizes[-1]} ({len(sizes)} graphs), "
-            f"contexts up to {info.decode_graph_max_seq_len}")
+            f"contexts up to {max_seq_len}")
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    """Run `tokenmill serve` until SIGTERM / SIGINT."""
-    from tokenmill.server.launcher import run_server
-    from tokenmill.server.model_registry import config_factory, served_models
+def _add_model_args(p: argparse.ArgumentParser, remote: bool) -> None:
+    """The engine's options (a model named on the hub too); ``remote``: --url and --api-key
+    to use a running server's model instead."""
+    from tokenmill.engine.args import add_engine_args
+    from tokenmill.hub.cli import add_revision_arg
 
-    if args.model_path is not None:
-        if args.model:
-            raise ValueError(f"the model is given twice: as MODEL ({args.model_path!r}) and as "
-                             f"--model {args.model}; give one of them")
-        args.model = [args.model_path]
-
-    config = ServerConfig(
-        served_model_name=args.served_model_name, host=args.host, port=args.port,
-        api_key=args.api_key or os.environ.get("TOKENMILL_API_KEY") or None,
-        max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
-        drain_timeout=args.drain_timeout, auth_health_metrics=args.auth_health_metrics,
-        debug_fail_at_step=args.debug_fail_at_step, allowed_hosts=_names(args.allowed_hosts),
-        allowed_origins=_names(args.allowed_origins), header_timeout=args.header_timeout,
-        body_timeout=args.body_timeout, max_connections=args.max_connections,
-        split_special_tokens=args.split_special_tokens, tool_call_parser=args.tool_call_parser,
-        admin_key=args.admin_key or os.environ.get("TOKENMILL_ADMIN_KEY") or None,
-        models_dir=args.models_dir, max_loaded_models=args.max_loaded_models,
-        keep_alive=args.keep_alive if args.keep_alive > 0 else None,
-        log_stats_interval=args.log_stats_interval, webui=args.webui,
-        data_dir=args.data_dir, max_upload_bytes=args.max_upload_bytes,
-        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
-        monitor=monitor_config_from_args(args))
-    lora_modules = [parse_lora_module(v) for v in args.lora_modules]
-    return run_server(served_models(args), config, config_factory(args), lora_modules)
-
-
-def _names(values: list[str]) -> tuple[str, ...]:
-    """Repeated or comma-separated option values as one tuple."""
-    return tuple(n.strip() for v in values for n in v.split(",") if n.strip())
-
-
-def add_serve_args(p: argparse.ArgumentParser) -> None:
-    """Options of the OpenAI-compatible HTTP server."""
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default=ServerConfig.host, help="address to bind (default: loopback)")
-    g.add_argument("--port", type=int, default=ServerConfig.port, help="port to listen on")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' (default: $TOKENMILL_API_KEY)")
-    g.add_argument("--admin-key", default=None,
-                   help="turn the admin API on (/admin/models: load, unload, swap models "
-                   "while serving) behind this key (default: $TOKENMILL_ADMIN_KEY; unset: off)")
-    g.add_argument("--models-dir", default=None, metavar="DIR",
-                   help="models to load on demand: a request for a model that is not loaded "
-                   "loads DIR/<model> (a GGUF file or HF folder); the admin API loads from "
-                   "this folder only")
-    g.add_argument("--max-loaded-models", type=int, default=None, metavar="N",
-                   help="at most N models loaded at once: the least recently used idle "
-                   "on-demand model is unloaded to make room (default: no limit)")
-    g.add_argument("--keep-alive", type=float, default=ServerConfig.keep_alive,
-                   metavar="SECONDS", help="unload an on-demand model idle this long "
-                   "(0: never; default: %(default)s)")
-    g.add_argument("--no-webui", dest="webui", action="store_false",
-                   help="do not serve the web page (chat playground at /, dashboard at "
-                   "/dashboard)")
-    g.add_argument("--log-stats-interval", type=float, default=ServerConfig.log_stats_interval,
-                   metavar="SECONDS", help="log each model's throughput, running and waiting "
-                   "requests and KV cache usage this often while it works (0: never; default: "
-                   "%(default)s)")
-    g.add_argument("--served-model-name", default=None,
-                   help="the name clients send as `model` (default: the model file's name)")
-    g.add_argument("--max-queue", type=int, default=ServerConfig.max_queue,
-                   help="sequences that may wait beyond --max-num-seqs before 503s")
-    g.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
-                   help="larger request bodies get 413")
-    g.add_argument("--drain-timeout", type=float, default=ServerConfig.drain_timeout,
-                   help="seconds SIGTERM waits for requests in flight before aborting them")
-    g.add_argument("--auth-health-metrics", action="store_true",
-                   help="also require the API key on /health and /metrics")
-    g.add_argument("--allowed-hosts", action="append", default=[], metavar="HOST[,HOST]",
-                   help="Host names to answer besides IP addresses, localhost and this "
-                   "machine's names ('.example.com': a domain and its subdomains; '*': any)")
-    g.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGIN[,ORIGIN]",
-                   help="browser origins (https://app.example.com) allowed to call the API, "
-                   "with CORS; '*': any (default: none, only the server's own)")
-    g.add_argument("--header-timeout", type=float, default=ServerConfig.header_timeout,
-                   help="seconds a client has to send a request's headers")
-    g.add_argument("--body-timeout", type=float, default=ServerConfig.body_timeout,
-                   help="seconds a client has to send a request's body (then 408)")
-    g.add_argument("--max-connections", type=int, default=ServerConfig.max_connections,
-                   help="open connections at most; more are answered 503 and closed")
-    g.add_argument("--split-special-tokens", action="store_true",
-                   help="read special-token text (<|im_end|>...) in /v1/completions prompts "
-                   "as plain text; chat messages always are")
-    g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
-                   default=ServerConfig.tool_call_parser,
-                   help="the format of the model's tool calls on /v1/chat/completions: hermes "
-                   "(<tool_call> per call: Qwen, Hermes), smollm (<tool_call>[...]: SmolLM2), "
-                   "or auto (by the chat template)")
-    add_lora_modules_arg(g, "a request names one as its model (base_model_name picks the "
-                         "model it runs on; default: the first text-generation model)")
-    g.add_argument("--allow-runtime-lora-updating", action="store_true",
-                   help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind "
-                   "the admin key if there is one, else the API key); needs --enable-lora")
-    g.add_argument("--data-dir", default=None,
-                   help="folder of uploaded files and vector stores (default: tokenmill's "
-                   "folder in the user's data directory)")
-    g.add_argument("--max-upload-bytes", type=int, default=ServerConfig.max_upload_bytes,
-                   help="larger files sent to /v1/files get 413")
-    g.add_argument("--debug-fail-at-step", type=int, default=None, metavar="N",
-                   help="TESTING ONLY: make the N-th engine step raise (fault injection)")
-
-
-def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register `tokenmill serve`."""
-    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    p.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
-                   help="the model to serve, as `vllm serve MODEL` takes it: the same as one "
-                        "--model [NAME=]PATH[,OPT] (default: the embedded models)")
-    add_engine_args(p, several_models=True)
-    add_serve_args(p)
-    add_monitor_args(p)
-    p.set_defaults(func=cmd_serve)
+    add_engine_args(p)
+    add_revision_arg(p)
+    if remote:
+        g = p.add_argument_group("a running server (instead of the offline engine)")
+        g.add_argument("--url", default=None, metavar="URL",
+                       help="talk to the server at URL (http://127.0.0.1:8000) through its "
+                       "OpenAI API; --model names its model (default: its first), the engine "
+                       "options are unused")
+        g.add_argument("--api-key", default=None,
+                       help="the server's API key (default: $TOKENMILL_API_KEY)")
 
 
 def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `tokenmill generate`."""
+    from tokenmill.engine.args import add_sampling_args
+
     p = subparsers.add_parser("generate", help="generate from a prompt, streaming to the terminal")
     p.add_argument("prompt")
-    add_engine_args(p)
+    _add_model_args(p, remote=True)
     add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
 
 
 def add_chat_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `tokenmill chat`."""
+    from tokenmill.engine.args import add_sampling_args
+
     p = subparsers.add_parser("chat", help="interactive chat with history")
     p.add_argument("--system", default=None, help="system message")
-    add_engine_args(p)
+    _add_model_args(p, remote=True)
     add_sampling_args(p)
     p.set_defaults(func=cmd_chat)
 
@@ -239,7 +266,7 @@ def add_chat_parser(subparsers: argparse._SubParsersAction) -> None:
 def add_info_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `tokenmill info`."""
     p = subparsers.add_parser("info", help="print model, device, dtype and the KV memory plan")
-    add_engine_args(p)
+    _add_model_args(p, remote=False)
     p.set_defaults(func=cmd_info)
 
 
@@ -247,16 +274,15 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `tokenmill bench` and its suites (`BENCH_SUITES`)."""
     p = subparsers.add_parser("bench", help="benchmarks: load generator, throughput, latency, compare")
     suites = p.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
-    for register in BENCH_SUITES:
-        register(suites)
+    for target in BENCH_SUITES:
+        _registrar(target)(suites)
 
 
 def _add_perplexity_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `bench perplexity` from tokenmill/bench/perplexity.py, a separate module.
 
-    This parser is built for every `tokenmill` command, so a missing module leaves the
-    sub-command out and a broken one only breaks `bench perplexity` itself (it then explains
-    the import error), never `tokenmill serve` and the rest.
+    A missing module leaves the sub-command out and a broken one only breaks `bench
+    perplexity` itself (it then explains the import error), never the other benchmarks.
     """
     try:
         from tokenmill.bench.perplexity import add_perplexity_parser  # type: ignore[import-not-found]
@@ -277,12 +303,6 @@ def _add_perplexity_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=unavailable)
 
 
-# Registers one sub-command on a subparsers action: its name, help, options, and its handler
-# as the `func` default, all of which belong to the module that runs the command.
-Registrar = Callable[[argparse._SubParsersAction], None]
-
-# Every `tokenmill` command, in the order `tokenmill --help` lists them: the one place that
-# says which commands exist, so no subpackage needs to import this module.
 def add_tokenizer_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `tokenmill tokenizer export`."""
     p = subparsers.add_parser("tokenizer", help="the model's tokenizer for other tools")
@@ -304,42 +324,52 @@ def cmd_tokenizer_export(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS: tuple[Registrar, ...] = (
-    add_serve_parser, add_generate_parser, add_chat_parser, add_info_parser, add_bench_parser,
-    add_batch_parser, add_stream_parser, add_models_parser, add_monitor_parser,
-    add_tokenizer_parser,
-)
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml's)."""
+    from importlib.metadata import PackageNotFoundError, version
 
-# `tokenmill bench <suite>`, in the order `tokenmill bench --help` lists them.
-BENCH_SUITES: tuple[Registrar, ...] = (
-    bench_serve.add_serve_parser, throughput.add_throughput_parser, latency.add_latency_parser,
-    compare.add_compare_parser, prefix_cache.add_prefix_cache_parser, spec.add_spec_parser,
-    bench_batch.add_batch_bench_parser, gpu.add_gpu_parser, _add_perplexity_parser,
-    fuzz.add_fuzz_parser, structured.add_structured_parser, retrieval.add_retrieval_parser,
-    embed.add_embed_parser, rerank.add_rerank_parser, contention.add_contention_parser,
-    lora.add_lora_parser, beam.add_beam_parser,
-)
+    try:
+        return version("tokenmill")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "(not installed)"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `tokenmill` parser with every command of `COMMANDS`."""
-    parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference engine")
-    parser.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for register in COMMANDS:
-        register(sub)
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The `tokenmill` parser. With ``argv``, only the command it names is built in full (the
+    others are listed by name and help, unimported); without, every command is."""
+    wanted = None if argv is None else next((a for a in argv if not a.startswith("-")), "")
+    parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference engine",
+                                     allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    _add_log_options(parser, None)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in COMMANDS:
+        if wanted is None or command.name == wanted:
+            _registrar(command.register)(sub)
+        else:
+            sub.add_parser(command.name, help=command.help)
     _accept_global_options(sub)
     return parser
 
 
+def _add_log_options(p: argparse.ArgumentParser, default: object) -> None:
+    """-q and -v; ``default`` None: the top level's (False), else SUPPRESS (a command's: the
+    value given before its name stays)."""
+    quiet = {} if default is None else {"default": default}
+    if "--quiet" not in p._option_string_actions:
+        p.add_argument("-q", "--quiet", action="store_true", help="log warnings only", **quiet)
+    if "--verbose" not in p._option_string_actions:
+        p.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO) too, "
+                       "also for the interactive commands (chat, generate, pull...)", **quiet)
+
+
 def _accept_global_options(sub: argparse._SubParsersAction) -> None:
     """Let every command (and sub-command) take the global options after its name too:
-    `tokenmill chat -q` as well as `tokenmill -q chat`. Their default is SUPPRESS, so a
-    command without them keeps the value given before its name."""
+    `tokenmill chat -q` as well as `tokenmill -q chat`; and refuse abbreviated options
+    (`--admin` is not `--admin-key`) everywhere."""
     for p in sub.choices.values():
-        if "--quiet" not in p._option_string_actions:
-            p.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
-                           help="log warnings only")
+        p.allow_abbrev = False
+        _add_log_options(p, argparse.SUPPRESS)
         for action in p._actions:
             if isinstance(action, argparse._SubParsersAction):
                 _accept_global_options(action)
@@ -357,11 +387,22 @@ def _show_default(action: argparse.Action) -> None:
     action.help += " (default: %(default)s)"
 
 
+def _log_level(args: argparse.Namespace) -> int:
+    """WARNING with -q; INFO with -v; else the command's own: warnings only for interactive
+    commands (their output is the point), progress for servers and jobs."""
+    if args.quiet:
+        return logging.WARNING
+    interactive = any(c.interactive for c in COMMANDS if c.name == args.command)
+    return logging.WARNING if interactive and not args.verbose else logging.INFO
+
+
 def main(argv: list[str] | None = None) -> int:
     """The `tokenmill` entry point: parse, set up logging, run the command; 2 on a user error."""
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
-                        format="%(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    logging.basicConfig(level=_log_level(args), format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "httpx2"):  # a line per HTTP request (huggingface_hub's too)
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         return args.func(args)
     except ValueError as e:

@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("api",),
     ("retrieval", "ops"),
     ("server", "batch", "stream", "chat"),
-    ("bench",),
+    ("bench", "chat_remote"),
     ("cli",),
     ("__main__",),
 ]

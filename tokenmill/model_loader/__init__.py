@@ -46,10 +46,16 @@ class LoadedModel:
 
 
 def resolve_model_path(model: str | None, task: str = "auto") -> str:
-    """The path to load: the given one, else the embedded all-MiniLM-L6-v2 folder for task
-    "embed" and the embedded SmolLM2 GGUF otherwise."""
+    """The path to load: the given one (a model named on the Hugging Face hub: its files in
+    the local cache, downloaded first if need be), else the embedded all-MiniLM-L6-v2 folder
+    for task "embed" and the embedded SmolLM2 GGUF otherwise."""
     if model is not None:
-        return model
+        if os.path.exists(model):
+            return model
+        from tokenmill.hub.download import resolve_model
+        from tokenmill.hub.refs import parse_hub_ref
+
+        return resolve_model(model) if parse_hub_ref(model) is not None else model
     return embedded_embedding_model_path() if task == "embed" else embedded_model_path()
 
 

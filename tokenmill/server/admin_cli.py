@@ -21,8 +21,11 @@ def add_models_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server")
     p.add_argument("--admin-key", default=None,
                    help="the server's --admin-key (default: $TOKENMILL_ADMIN_KEY)")
+    p.add_argument("--api-key", default=None, help="the server's --api-key, for list without "
+                   "the admin key (default: $TOKENMILL_API_KEY)")
     sub = p.add_subparsers(dest="action", required=True)
-    sub.add_parser("list", help="the loaded models, their state and memory")
+    sub.add_parser("list", help="the served models (GET /v1/models); with the admin key, "
+                   "also their state and memory (the admin API)")
     load = sub.add_parser("load", help="load a model under a new name")
     load.add_argument("name")
     load.add_argument("path")
@@ -46,9 +49,30 @@ def _options(values: list[str]) -> dict[str, Any]:
     return out
 
 
+def _list_served(args: argparse.Namespace) -> int:
+    """`models list` without the admin key: the OpenAI API's model list, as JSON."""
+    key = args.api_key or os.environ.get("TOKENMILL_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    r = httpx.get(args.url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
+    return _print(r)
+
+
+def _print(r: httpx.Response) -> int:
+    try:
+        body = r.json()
+    except ValueError:
+        body = {"status": r.status_code, "text": r.text}
+    json.dump(body, sys.stdout, indent=2)
+    print()
+    return 0 if r.is_success else 1
+
+
 def cmd_models(args: argparse.Namespace) -> int:
-    """Run one admin call and print its JSON answer; 1 if the server refused it."""
+    """Run one admin call (or list the served models without the admin key) and print its
+    JSON answer; 1 if the server refused it."""
     key = args.admin_key or os.environ.get("TOKENMILL_ADMIN_KEY")
+    if not key and args.action == "list":
+        return _list_served(args)
     if not key:
         raise ValueError("tokenmill models needs the server's admin key (--admin-key or "
                          "$TOKENMILL_ADMIN_KEY)")
@@ -65,10 +89,4 @@ def cmd_models(args: argparse.Namespace) -> int:
                                                         "options": _options(args.option)})
         else:
             r = client.delete(f"{base}/{args.name}")
-    try:
-        body = r.json()
-    except ValueError:
-        body = {"status": r.status_code, "text": r.text}
-    json.dump(body, sys.stdout, indent=2)
-    print()
-    return 0 if r.is_success else 1
+    return _print(r)
