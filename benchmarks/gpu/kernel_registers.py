@@ -171,7 +171,7 @@ def compile_like_runtime(fn: triton.JITFunction, constexprs: dict, options: dict
     16-byte aligned and the integer arguments ALIGNED_INTS names marked as multiples of 16;
     without, nothing marked (a launch whose pointers or strides are not). Pointers are bf16
     unless POINTERS or ``pointers`` say otherwise; a constexpr not in ``constexprs`` takes its
-    default (``PDL``: off). The slow compile test (tests/unit/test_triton_compile.py)
+    default (``PDL``: off). The slow compile test (tests/compile/test_triton_compile.py)
     compiles every kernel through this too."""
     types = {**POINTERS, **(pointers or {})}
     constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default},
