@@ -2,29 +2,29 @@
 
 The server splits one KV-cache budget among its models before any of them loads: it needs the
 memory free on the device and the CPU's default cap, which the runner's platform knows. This is
-its door to them (the server talks to the engine only).
+its door to them (the server talks to the engine only, never to the runner).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from tokenmill.runner.kv_memory import CPU_DEFAULT_KV_BYTES_CAP
 from tokenmill.runner.platform import get_platform
 
-__all__ = ["CPU_DEFAULT_KV_BYTES_CAP", "DeviceMemory", "device_memory"]
+__all__ = ["CPU_DEFAULT_KV_BYTES_CAP", "EngineDevice"]
 
 
-@dataclass(frozen=True)
-class DeviceMemory:
-    """Memory of the device an engine would run on, before anything loads."""
+class EngineDevice:
+    """The device an engine configured with ``device`` ("auto", "cpu", "cuda", "cuda:N") runs
+    on; ValueError for CUDA where there is none."""
 
-    # Bytes free now: host memory available on the CPU, free device memory on CUDA.
-    free_bytes: int
-    is_cuda: bool
+    def __init__(self, device: str = "auto") -> None:
+        self._platform = get_platform(device)
 
+    @property
+    def is_cuda(self) -> bool:
+        """Whether it is a CUDA device."""
+        return self._platform.is_cuda
 
-def device_memory(device: str = "auto") -> DeviceMemory:
-    """The memory of ``device`` ("auto", "cpu", "cuda", "cuda:N"), as the engine would pick it."""
-    platform = get_platform(device)
-    return DeviceMemory(platform.available_memory(), platform.is_cuda)
+    def available_memory(self) -> int:
+        """Bytes free now: available host memory on the CPU, free device memory on CUDA."""
+        return self._platform.available_memory()
