@@ -119,6 +119,9 @@ class CacheConfig:
     # The most bytes a default-sized cache may take: this model's part of a budget that several
     # models share (set by the server; explicit sizes ignore it).
     kv_cache_max_bytes: int | None = None
+    # Publish the prefix cache's changes in vLLM's KV-event format on a ZeroMQ PUB socket bound
+    # here (e.g. tcp://*:5557), for KV-aware routers (see tokenmill/core/kv_events.py).
+    kv_events_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -455,7 +458,8 @@ class ServerConfig:
     # model that is not loaded loads it (None: no loading on demand).
     models_dir: str | None = None
     # At most this many models loaded at once (the least recently used idle on-demand model
-    # is unloaded to make room); None: no limit.
+    # is unloaded to make room); None: the models loaded at start plus one on-demand model per
+    # 8 GiB of memory, 1 to 3 (see server/lifecycle.py).
     max_loaded_models: int | None = None
     # Seconds an on-demand model stays loaded while idle; None: until it must make room.
     keep_alive: float | None = 300.0

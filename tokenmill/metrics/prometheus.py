@@ -138,9 +138,31 @@ class PrometheusMetrics:
         """The stat logger of one served model."""
         return PrometheusStatLogger(model_name, self)
 
+    def _all_families(self) -> list[Gauge | Counter | Histogram]:
+        return [*self.families.values(), self.finished, self.cache_config, self.drift_score,
+                self.spec_accepted_per_pos, self.lora_info]
+
+    def forget(self, model_name: str, family: Gauge | Counter | Histogram | None = None) -> None:
+        """Remove every series of ``model_name`` (of one ``family``, or of all): a model
+        that is unloaded is no longer scraped as if it were still served."""
+        for fam in [family] if family is not None else self._all_families():
+            for labels in series_of(fam, model_name):
+                fam.remove(*labels)
+
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def series_of(family: Gauge | Counter | Histogram, model_name: str) -> list[tuple[str, ...]]:
+    """The label values of each series of ``family`` that belongs to ``model_name``."""
+    names = family._labelnames  # prometheus_client lists no children otherwise
+    found: set[tuple[str, ...]] = set()
+    for metric in family.collect():
+        for sample in metric.samples:
+            if sample.labels.get("model_name") == model_name:
+                found.add(tuple(sample.labels[n] for n in names))
+    return sorted(found)
 
 
 class PrometheusStatLogger:
@@ -261,7 +283,9 @@ class PrometheusStatLogger:
 
     def set_cache_config(self, block_size: int, num_blocks: int, dtype: str,
                          prefix_caching: bool) -> None:
-        """Publish the KV cache's configuration (vLLM's cache_config_info)."""
+        """Publish the KV cache's configuration (vLLM's cache_config_info): one sample per
+        model, so a new version (a swap) replaces the old one's."""
+        self.metrics.forget(self._model_name, self.metrics.cache_config)
         self.metrics.cache_config.labels(self._model_name, str(block_size), str(num_blocks),
                                          dtype, str(prefix_caching)).set(1)
 

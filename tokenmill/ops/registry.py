@@ -77,6 +77,11 @@ class MonitorRegistry:
                         self.config.drift_threshold)
         return monitor
 
+    def forget(self, name: str) -> None:
+        """Drop the monitor of a model that is no longer served (its gauges go with the
+        model's other series)."""
+        self.monitors.pop(name, None)
+
     def _reference_for(self, name: str) -> ModelProfile | None:
         """The saved profile of ``name``; the only one of a file that holds one, for the first
         model the server names; None without a file."""

@@ -27,7 +27,7 @@ from tokenmill.server.app import build_app
 from tokenmill.server.connections import GuardedH11Protocol
 from tokenmill.server.lifecycle import ModelManager, serve_engine
 from tokenmill.server.lora_adapters import LoRAModule, check_lora_options, load_lora_modules
-from tokenmill.server.model_registry import ModelSpec
+from tokenmill.server.model_registry import ModelFactory, ModelSpec
 from tokenmill.server.monitoring import make_monitors, prompt_embedder
 from tokenmill.server.retrieval_setup import build_retrieval
 from tokenmill.server.state import EMBED, ServerState
@@ -174,8 +174,9 @@ def run_server(models: list[tuple[str | None, EngineConfig]], config: ServerConf
     if config.admin_key is not None or config.models_dir is not None:
         if make_config is None:
             raise ValueError("the admin API and loading on demand need make_config")
+        budget = make_config.budget if isinstance(make_config, ModelFactory) else None
         manager = ModelManager(state, make_config, config.models_dir,
-                               config.max_loaded_models, config.keep_alive)
+                               config.max_loaded_models, config.keep_alive, budget)
     if config.debug_fail_at_step is not None:
         logger.warning("fault injection is on: engine step %d will raise",
                        config.debug_fail_at_step)

@@ -10,6 +10,7 @@ reach.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -24,7 +25,7 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.metrics.live import LiveStats
 from tokenmill.metrics.log_stats import LoggingStatLogger
 from tokenmill.metrics.stats import StatLogger
-from tokenmill.server.model_registry import ModelSpec, parse_model_spec
+from tokenmill.server.model_registry import LoadBudget, ModelSpec, parse_model_spec
 from tokenmill.server.state import EMBED, GENERATE, ServedModel, ServerState
 
 logger = logging.getLogger(__name__)
@@ -88,12 +89,14 @@ class ModelManager:
 
     def __init__(self, state: ServerState, make_config: Callable[[ModelSpec], EngineConfig],
                  models_dir: str | None = None, max_loaded_models: int | None = None,
-                 keep_alive: float | None = None) -> None:
+                 keep_alive: float | None = None, budget: LoadBudget | None = None) -> None:
         self.state = state
         self.make_config = make_config
         self.models_dir = os.path.realpath(models_dir) if models_dir else None
-        self.max_loaded_models = max_loaded_models
+        self.max_loaded_models = (max_loaded_models if max_loaded_models is not None
+                                  else default_max_loaded_models(len(state.models)))
         self.keep_alive = keep_alive
+        self.budget = budget if budget is not None else LoadBudget()
         self._busy: dict[str, str] = {}  # name -> what is being done to it
         self._loading: dict[str, asyncio.Future[ServedModel]] = {}  # on-demand loads
         self._reaper: asyncio.Task[None] | None = None
@@ -114,23 +117,27 @@ class ModelManager:
 
     async def load_on_demand(self, name: str) -> ServedModel | None:
         """Load ``name`` from --models-dir for a request that names it (None: no such model
-        there); requests for a model being loaded wait for that load."""
-        pending = self._loading.get(name)
-        if pending is not None:
-            return await asyncio.shield(pending)
+        there). Every spelling of one file (``x.gguf``, ``./x.gguf``, its full path) is the
+        one model, named by its path in the folder; requests for a model being loaded wait
+        for that load."""
         if self.models_dir is None or name in self.state.models:
             return self.state.models.get(name)
         try:
             path = self.resolve_path(name)
         except APIError:
             return None
-        if not os.path.exists(path):
-            return None
+        name = os.path.relpath(path, self.models_dir)
+        served = self.state.models.get(name) or self._serving(path)
+        if served is not None:
+            return served
+        pending = self._loading.get(name)
+        if pending is not None:
+            return await asyncio.shield(pending)
         future: asyncio.Future[ServedModel] = asyncio.get_running_loop().create_future()
         self._loading[name] = future
         try:
-            await self._make_room()
-            served = await self.load(LoadRequest(name, name, {}), on_demand=True)
+            await self._make_room(_size_on_disk(path))
+            served = await self.load(LoadRequest(name, path, {}), on_demand=True)
             future.set_result(served)
             return served
         except BaseException as e:
@@ -140,16 +147,43 @@ class ModelManager:
         finally:
             del self._loading[name]
 
-    async def _make_room(self) -> None:
-        """Unload the least recently used idle on-demand model while the server is at
-        --max-loaded-models; 503 when every one is in use."""
+    def _serving(self, path: str) -> ServedModel | None:
+        """A loaded model of the file or folder ``path`` (a real path), if there is one."""
+        return next((m for m in self.state.models.values()
+                     if m.path and os.path.realpath(m.path) == path), None)
+
+    def _kv_left(self) -> int | None:
+        """Bytes of the shared KV budget no loaded model holds (None: no shared budget)."""
+        if self.budget.kv_bytes is None:
+            return None
+        return self.budget.kv_bytes - sum(m.kv_cache_bytes for m in self.state.models.values())
+
+    async def _make_room(self, weight_bytes: int) -> None:
+        """Unload the least recently used idle on-demand models while the server is at
+        --max-loaded-models, has less than a fair share of the KV budget left (the budget over
+        --max-loaded-models) or less free memory than the new model's ``weight_bytes``; 503
+        when none is idle and the count is reached or nothing is left."""
         limit = self.max_loaded_models
-        while limit is not None and len(self.state.models) + len(self._loading) > limit:
+        fair = None if self.budget.kv_bytes is None else self.budget.kv_bytes // limit
+        while True:
+            over = len(self.state.models) + len(self._loading) > limit
+            left = self._kv_left()
+            free = self.budget.free_memory() if self.budget.free_memory else None
+            short_kv = left is not None and fair is not None and left < fair
+            short_memory = free is not None and weight_bytes > free
+            if not (over or short_kv or short_memory):
+                return
             idle = [m for m in self.state.models.values() if self._unloadable(m)]
             if not idle:
-                raise APIError(503, f"{len(self.state.models)} models are loaded "
-                               f"(--max-loaded-models {limit}) and none is idle; retry later",
-                               code="model_capacity", headers={"Retry-After": "5"})
+                if over:
+                    raise _capacity(f"{len(self.state.models)} models are loaded "
+                                    f"(--max-loaded-models {limit}) and none is idle")
+                if short_memory:
+                    raise _capacity(f"the model takes {weight_bytes / 2**20:.0f} MiB and "
+                                    f"{free / 2**20:.0f} MiB of memory are free")
+                if left is not None and left <= 0:
+                    raise _capacity("the loaded models hold the whole KV cache budget")
+                return  # the new model takes what is left of the budget
             victim = min(idle, key=lambda m: m.last_used)
             logger.info("unloading %r (least recently used) to make room", victim.name)
             await self.unload(victim.name)
@@ -203,7 +237,8 @@ class ModelManager:
             raise APIError(409, f"a LoRA adapter is named {req.name!r}", param="name",
                            code="model_exists")
         with self._changing(req.name, "loading"):
-            served = await self._build(req)
+            # On demand, the model takes its default size within what the budget has left.
+            served = await self._build(req, kv_max_bytes=self._kv_left() if on_demand else None)
             served.on_demand = on_demand
             self.state.models[req.name] = served
             served.client.start()
@@ -237,6 +272,10 @@ class ModelManager:
         with self._changing(name, "unloading"):
             del self.state.models[name]
             await self._drain_and_close(served)
+            # Its series go with it (/metrics would go on reporting a model no longer served).
+            self.state.metrics.forget(name)
+            if self.state.monitors is not None:
+                self.state.monitors.forget(name)
         logger.info("unloaded %r", name)
 
     def _loaded(self, name: str) -> ServedModel:
@@ -262,9 +301,11 @@ class ModelManager:
                            param="name", code="model_busy")
         return _Change(self._busy, name, what)
 
-    async def _build(self, req: LoadRequest, kv_cache_bytes: int | None = None) -> ServedModel:
+    async def _build(self, req: LoadRequest, kv_cache_bytes: int | None = None,
+                     kv_max_bytes: int | None = None) -> ServedModel:
         """Load the engine on a thread of its own (the server keeps serving); a failure is a
-        400 with the reason. ``kv_cache_bytes``: the KV size unless the options set one."""
+        400 with the reason. ``kv_cache_bytes``: the KV size unless the options set one;
+        ``kv_max_bytes``: the most its default KV size may take."""
         try:
             spec = req.spec()
             flags = spec.flags
@@ -274,6 +315,11 @@ class ModelManager:
             spec = spec.with_paths(lambda path, option: self.resolve_path(
                 path, f"options.{option}"))
             config = self.make_config(spec)
+            cache = config.cache
+            if (kv_max_bytes is not None and cache.kv_cache_memory_bytes is None
+                    and cache.num_blocks is None):
+                config = dataclasses.replace(config, cache=dataclasses.replace(
+                    cache, kv_cache_max_bytes=max(kv_max_bytes, 1)))
         except ValueError as e:
             raise bad_request(str(e)) from None
         try:
@@ -289,6 +335,29 @@ class ModelManager:
         while served.leases or served.client.num_seqs_in_flight:
             await asyncio.sleep(DRAIN_POLL_S)
         await served.client.shutdown()
+
+
+def default_max_loaded_models(at_start: int) -> int:
+    """--max-loaded-models by default: the models loaded at start, and one on-demand model
+    per 8 GiB of the machine's memory (1 to 3; Ollama's default on the CPU is 3)."""
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        memory = 8 << 30
+    return at_start + min(max(memory // (8 << 30), 1), 3)
+
+
+def _size_on_disk(path: str) -> int:
+    """Bytes of a model file, or of every file in a model folder."""
+    if not os.path.isdir(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(root, f))
+               for root, _, files in os.walk(path) for f in files)
+
+
+def _capacity(why: str) -> APIError:
+    return APIError(503, f"no room to load another model: {why}; retry later",
+                    code="model_capacity", headers={"Retry-After": "5"})
 
 
 class _Change:

@@ -208,7 +208,8 @@ def share_kv_budget(configs: list[EngineConfig], specs: list[ModelSpec],
     # stays what its workload and weights make sensible (see runner/kv_memory.py).
     field = "kv_cache_memory_bytes" if budget_bytes is not None else "kv_cache_max_bytes"
     if budget_bytes is None:
-        budget_bytes = default_server_kv_budget(configs[0], free_memory)
+        budget_bytes = default_server_kv_budget(configs[0].cache.kv_cache_memory_fraction,
+                                                free_memory)
     for i in splitting:
         share = max(int(budget_bytes * specs[i].kv_share / total_share), 1)
         cache = dataclasses.replace(out[i].cache, **{field: share})
@@ -216,10 +217,10 @@ def share_kv_budget(configs: list[EngineConfig], specs: list[ModelSpec],
     return out
 
 
-def default_server_kv_budget(config: EngineConfig, free_memory: int) -> int:
+def default_server_kv_budget(fraction: float, free_memory: int) -> int:
     """The KV bytes a CPU server gives all its models together without --kv-cache-memory:
-    ``kv_cache_memory_fraction`` of the memory free before any model loads, capped."""
-    fraction = config.cache.kv_cache_memory_fraction
+    ``fraction`` (--kv-cache-memory-fraction) of the memory free before any model loads,
+    capped."""
     return min(int(free_memory * fraction), CPU_DEFAULT_KV_BYTES_CAP)
 
 
@@ -243,7 +244,36 @@ def served_models(args: argparse.Namespace) -> list[tuple[str | None, EngineConf
     return [(spec.name, c) for spec, c in zip(specs, configs, strict=True)]
 
 
-def config_factory(args: argparse.Namespace) -> Callable[[ModelSpec], EngineConfig]:
-    """The EngineConfig of a model loaded later (admin API): the command line's options, then
-    the spec's own."""
-    return lambda spec: engine_configs(args, [spec])[0]
+@dataclass(frozen=True)
+class LoadBudget:
+    """What the models loaded while serving share: ``kv_bytes`` of KV cache in all (None: each
+    sizes its own, as on CUDA or with --kv-cache-memory) and ``free_memory``, which says how
+    much host memory is free now (None: not checked, as on CUDA)."""
+
+    kv_bytes: int | None = None
+    free_memory: Callable[[], int] | None = None
+
+
+@dataclass(frozen=True)
+class ModelFactory:
+    """The EngineConfig of a model loaded later (admin API, on demand): the command line's
+    options, then the spec's own; and the budget such models share."""
+
+    args: argparse.Namespace
+    budget: LoadBudget = LoadBudget()
+
+    def __call__(self, spec: ModelSpec) -> EngineConfig:
+        return engine_configs(self.args, [spec])[0]
+
+
+def config_factory(args: argparse.Namespace) -> ModelFactory:
+    """The factory of models loaded later; call it before the first model loads: the default
+    KV budget is a share of the memory free then."""
+    platform = get_platform(args.device)
+    if platform.is_cuda:
+        return ModelFactory(args)
+    kv_bytes = None
+    if args.kv_cache_memory is None:
+        kv_bytes = default_server_kv_budget(args.kv_cache_memory_fraction,
+                                            platform.available_memory())
+    return ModelFactory(args, LoadBudget(kv_bytes, platform.available_memory))

@@ -123,7 +123,10 @@ class ServerState:
         demand (a name it cannot load stays a 404)."""
         if (requested is not None and not self.serves(requested)
                 and self.load_on_demand is not None):
-            await self.load_on_demand(requested)
+            served = await self.load_on_demand(requested)
+            if served is not None:
+                # The name may be another spelling of a loaded file (./x.gguf, its full path).
+                requested = served.name
         return self.model(requested, task)
 
     def model(self, requested: str | None, task: str | None = GENERATE) -> ServedModel:
