@@ -100,6 +100,20 @@ install_hint() {  # install_hint compiler|headers|venv: the command that install
   esac
 }
 
+cuda_build_by_default() {  # whether a plain `pip install torch==X` here brings a CUDA build
+  "$PY" -m pip install --dry-run --quiet --no-deps --ignore-installed --report - \
+      "torch==$TORCH_VERSION" 2>/dev/null | "$PY" -c '
+import json, sys
+try:
+    meta = [p["metadata"] for p in json.load(sys.stdin)["install"]
+            if p["metadata"]["name"] == "torch"][0]
+except Exception:  # no answer (an old pip, no network): keep the CPU index
+    sys.exit(0)
+cuda = "+cpu" not in meta["version"] and any(
+    r.startswith("nvidia-") for r in meta.get("requires_dist", []))
+sys.exit(0 if cuda else 1)' 2>/dev/null
+}
+
 # ------------------------------------------------------------------ 1. the machine
 step "checking the machine" "a few seconds"
 PY=${PYTHON:-python3}
@@ -245,6 +259,9 @@ elif [ "$torch_kind" = cuda ]; then
   step "torch $TORCH_VERSION, CUDA build from PyPI (~3 GB)" "~3-10 min"
   "${pip[@]}" "torch==$TORCH_VERSION"
 else
+  # The CPU build's index only where the configured one offers a CUDA build (PyPI's Linux
+  # wheels): asked with a dry run, which reads the wheel's metadata and installs nothing.
+  if [ -n "$torch_index" ] && ! cuda_build_by_default; then torch_index=""; fi
   step "torch $TORCH_VERSION, CPU build${torch_index:+ from $torch_index} (~200 MB)" "~1-3 min"
   "${pip[@]}" ${torch_index:+--extra-index-url "$torch_index"} "torch==$TORCH_VERSION"
 fi
