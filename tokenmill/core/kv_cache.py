@@ -23,6 +23,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tokenmill.core.kv_events import AllBlocksCleared, BlockRemoved, KVCacheEvent, stored_events
 from tokenmill.utils import cdiv
 
 # Never handed out (see above). Counts of blocks against tokens go through the two helpers
@@ -76,6 +77,8 @@ class BlockPool:
         # Unreferenced blocks, the next to hand out first. Registered ones are still cache hits.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self._cached: dict[BlockHash, int] = {}
+        # Changes of the prefix cache since they were last taken (kv_events.py); None: off.
+        self.events: list[KVCacheEvent] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -101,6 +104,8 @@ class BlockPool:
             block = self.blocks[i]
             if block.block_hash is not None:
                 del self._cached[block.block_hash]
+                if self.events is not None:
+                    self.events.append(BlockRemoved([block.block_hash]))
                 block.block_hash = None
             block.ref_cnt = 1
         return ids
@@ -129,20 +134,24 @@ class BlockPool:
     def lookup(self, block_hash: BlockHash) -> int | None:
         return self._cached.get(block_hash)
 
-    def register(self, block_id: int, block_hash: BlockHash) -> None:
-        """Make a full block a cache hit for ``block_hash``. If another block already holds the
-        same content, that one stays the hit and this one is left unregistered."""
+    def register(self, block_id: int, block_hash: BlockHash) -> bool:
+        """Make a full block a cache hit for ``block_hash``; whether it became one. If another
+        block already holds the same content, that one stays the hit and this one is left
+        unregistered."""
         block = self.blocks[block_id]
         if block.block_hash is not None or block_hash in self._cached:
-            return
+            return False
         block.block_hash = block_hash
         self._cached[block_hash] = block_id
+        return True
 
     def reset_prefix_cache(self) -> None:
         """Forget every registered hash (e.g. after the weights changed)."""
         for block_id in self._cached.values():
             self.blocks[block_id].block_hash = None
         self._cached.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
 
 
 @dataclass
@@ -176,10 +185,13 @@ class SlotAllocation:
 class KVCacheManager:
     """Which blocks each request holds; grows a request's blocks as its tokens are scheduled."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 enable_kv_events: bool = False) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        if enable_kv_events:
+            self.pool.events = []
         self.req_blocks: dict[str, list[int]] = {}
         # Per request: hashes of its full blocks of tokens so far (kept across preemption: the
         # tokens only grow), and how many of its held blocks are registered.
@@ -275,9 +287,19 @@ class KVCacheManager:
         if full <= start:
             return
         hashes = self.block_hashes(request_id, token_ids, full)
-        for i in range(start, full):
-            self.pool.register(blocks[i], hashes[i])
+        stored = [i for i in range(start, full) if self.pool.register(blocks[i], hashes[i])]
         self._num_registered[request_id] = full
+        if self.pool.events is not None and stored:
+            self.pool.events += stored_events(stored, hashes, self._salts.get(request_id),
+                                              token_ids, self.block_size)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The prefix cache's changes since the last call (none when events are off)."""
+        events = self.pool.events
+        if not events:
+            return []
+        self.pool.events = []
+        return events
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()

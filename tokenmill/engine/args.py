@@ -133,6 +133,12 @@ def _add_cache_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=CacheConfig.enable_prefix_caching,
                    help="reuse the KV cache of shared prompt prefixes (--no-prefix-caching: off)")
+    g.add_argument("--kv-events-endpoint", default=CacheConfig.kv_events_endpoint,
+                   metavar="ZMQ_ENDPOINT",
+                   help="publish the prefix cache's changes (vLLM's KV events: BlockStored, "
+                        "BlockRemoved, AllBlocksCleared; msgpack over ZeroMQ PUB) on this "
+                        "endpoint, e.g. tcp://*:5557, for KV-aware routers (needs pyzmq and "
+                        "msgpack: pip install tokenmill[ray])")
     # The short spelling the help names, beside BooleanOptionalAction's --no-enable-prefix-caching.
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help=argparse.SUPPRESS)
@@ -247,7 +253,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=args.enable_prefix_caching,
-                          kv_cache_dtype=args.kv_cache_dtype),
+                          kv_cache_dtype=args.kv_cache_dtype,
+                          kv_events_endpoint=getattr(args, "kv_events_endpoint", None)),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   prefill_first=args.prefill_first,

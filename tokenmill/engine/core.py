@@ -12,6 +12,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache import KVCacheManager, NoKVCache
+from tokenmill.core.kv_events import ZmqEventPublisher
 from tokenmill.core.sched_output import EngineCoreOutput, SchedulerOutput
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.heap import HeapTrimmer
@@ -113,7 +114,11 @@ class EngineCore:
                 logger.info("decode CUDA graphs captured for batch sizes %s",
                             executor.runner.decode_graphs.sizes)  # type: ignore[union-attr]
             kv = KVCacheManager(self.kv_plan.num_blocks, config.cache.block_size,
-                                config.cache.enable_prefix_caching)
+                                config.cache.enable_prefix_caching,
+                                enable_kv_events=config.cache.kv_events_endpoint is not None)
+        # Where the prefix cache's changes go after each step (None: nowhere).
+        self.kv_events = (ZmqEventPublisher(config.cache.kv_events_endpoint)
+                          if config.cache.kv_events_endpoint is not None else None)
         if self.task == "embed" and sched_config.max_num_batched_tokens < self.max_model_len:
             # An embedding is computed in one step: any input up to max_model_len must fit.
             sched_config = dataclasses.replace(sched_config,
@@ -166,6 +171,8 @@ class EngineCore:
         """Stop the executor (the tensor-parallel workers, if any); idempotent. No step runs
         afterwards."""
         self.executor.close()
+        if getattr(self, "kv_events", None) is not None:
+            self.kv_events.close()
 
     def _resolve_max_model_len(self, asked: int | None, max_seq_length: int | None) -> int:
         model_max = self.arch.max_position_embeddings
@@ -208,6 +215,8 @@ class EngineCore:
         min_tokens, top logprobs) finish before the next is scheduled.
         """
         outputs = self._step_overlapped() if self.async_scheduling else self._step_in_turn()
+        if self.kv_events is not None:
+            self.kv_events.publish(self.scheduler.kv.take_events())
         if self._heap is not None:
             self._heap.after_step(self.last_batch[1])
         return outputs
