@@ -193,8 +193,11 @@ def test_hermes_parser_option() -> None:
         for call in out.message.tool_calls:
             _valid(call, set(SCHEMAS))
         chunks = list(client.chat.completions.create(stream=True, **kwargs))
-        deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or [] if c.choices]
-        assert [(d.function.name, d.function.arguments) for d in deltas] == \
+        deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+        streamed: dict[int, list[str]] = {}
+        for d in deltas:  # the name first, then the arguments in pieces
+            streamed.setdefault(d.index, []).append(d.function.name or d.function.arguments)
+        assert [(p[0], "".join(p[1:])) for _, p in sorted(streamed.items())] == \
             [(c.function.name, c.function.arguments) for c in out.message.tool_calls]
     finally:
         assert server.stop() == 0, server.log()

@@ -12,6 +12,7 @@ from tokenmill.api.tool_parsers import (
     ParsedCall,
     SmolLMParser,
     ToolParser,
+    assemble,
     parse_text,
     resolve_parser,
 )
@@ -49,9 +50,7 @@ CASES: list[tuple[str, str | None, list[ParsedCall]]] = [
     # the markup's text inside an argument is part of the argument
     ('<tool_call>{"name": "get_weather", "arguments": {"city": "</tool_call>\\"<tool_call>"}}'
      '</tool_call>', None, [ParsedCall("get_weather", '{"city": "</tool_call>\\"<tool_call>"}')]),
-    # malformed: everything stays content, character for character
-    ('<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',
-     '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>', []),
+    # malformed before a call starts: everything stays content, character for character
     ('x\n<tool_call>{"name": "send_mail", "arguments": {}}</tool_call>',
      'x\n<tool_call>{"name": "send_mail", "arguments": {}}</tool_call>', []),
     ('<tool_call>{"name": "get_weather", "arguments": [1]}</tool_call>',
@@ -64,13 +63,39 @@ CASES: list[tuple[str, str | None, list[ParsedCall]]] = [
     ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
      '<tool_call>{"name": "nope", "arguments": {}}</tool_call>',
      '<tool_call>{"name": "nope", "arguments": {}}</tool_call>', [WEATHER]),
-    # a list with one bad entry is not a call at all
-    ('<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": 3}]'
-     '</tool_call>',
-     '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": 3}]'
-     '</tool_call>', []),
+    # a call whose arguments began stands (they were streamed): JSON that breaks off ends its
+    # arguments there, and the rest of its block is dropped
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call> after',
+     "after", [ParsedCall("get_weather", '{"city": ')]),
     ('<tool_call>{"name": "get_weather", "arguments": {"t": NaN}}</tool_call>',
-     '<tool_call>{"name": "get_weather", "arguments": {"t": NaN}}</tool_call>', []),
+     None, [ParsedCall("get_weather", '{"t": ')]),
+    ('<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": 3}]'
+     '</tool_call>', None, [WEATHER]),
+    # cut off by max_tokens: the arguments written so far
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', None,
+     [ParsedCall("get_weather", '{"city": "Par')]),
+    ('<tool_call>{"name": "get_weather", "arguments": ', '<tool_call>{"name": "get_weather", '
+     '"arguments": ', []),
+    # whitespace between tokens as json.dumps writes it; tokens as the model wrote them
+    ('<tool_call>{ "name" :"get_weather","arguments":{\n "city" :"Pa\\u00efris\\n",'
+     '"n":[1 ,-2.5e3,{ }],"ok" : null } }</tool_call>', None,
+     [ParsedCall("get_weather", '{"city": "Pa\\u00efris\\n", "n": [1, -2.5e3, {}], '
+                 '"ok": null}')]),
+    # arguments before the name, no arguments, other keys ignored
+    ('<tool_call>{"arguments": {"city": "Paris"}, "id": 7, "name": "get_weather"}</tool_call>',
+     None, [WEATHER]),
+    ('<tool_call>{"name": "get_time", "id": [1, {"a": 2}]}</tool_call>', None,
+     [ParsedCall("get_time", "{}")]),
+    # names that are not strings, twice given, or unknown; a body that is no object
+    ('<tool_call>{"name": "get_time", "name": "get_weather"}</tool_call>',
+     '<tool_call>{"name": "get_time", "name": "get_weather"}</tool_call>', []),
+    ("<tool_call>{}</tool_call>", "<tool_call>{}</tool_call>", []),
+    ('<tool_call>"get_time"</tool_call>', '<tool_call>"get_time"</tool_call>', []),
+    ('<tool_call>{"name": "get_weather", "arguments": "[1]"}</tool_call>',
+     '<tool_call>{"name": "get_weather", "arguments": "[1]"}</tool_call>', []),
+    # text after the JSON inside the block: a call that started stands, the rest is dropped
+    ('<tool_call>{"name": "get_time", "arguments": {}} oops</tool_call>x', "x",
+     [ParsedCall("get_time", "{}")]),
 ]
 
 
@@ -81,14 +106,19 @@ def test_whole(text: str, content: str | None, calls: list[ParsedCall]) -> None:
 
 def _streamed(parser: ToolParser, pieces: list[str]) -> tuple[str, list[ParsedCall]]:
     stream = parser.stream(NAMES)
-    content, calls = "", []
+    content, deltas = "", []
     for i, piece in enumerate(pieces):
         events = stream.feed(piece)
         if i == len(pieces) - 1:
             events.extend(stream.finish())
         content += events.content
-        calls += events.calls
-    return content, calls
+        deltas += events.deltas
+    # Each call: first its name with arguments "", then only pieces of its arguments.
+    firsts = [d for d in deltas if d.name is not None]
+    assert [d.index for d in firsts] == list(range(len(firsts)))
+    assert all(d.arguments == "" for d in firsts)
+    assert all(d.arguments for d in deltas if d.name is None)
+    return content, assemble(deltas)
 
 
 @pytest.mark.parametrize(("text", "content", "calls"), CASES)

@@ -188,6 +188,8 @@ def prepare_ollama(req: ChatCompletionRequest | CompletionRequest, body: dict[st
         check_token_ids(context, served.vocab_size, "context")
         req = _continued(req, context, served)
     call = prepare(req, served, **options)
+    if isinstance(call, ChatCall) and call.tools is not None:
+        call.tools.whole_calls = True  # Ollama streams each call whole
     if (body.get("options") or {}).get("num_predict") is None and call.params.max_tokens is None:
         room = served.max_model_len - max(len(ids) for ids in _prompt_ids(call))
         call.params = dataclasses.replace(call.params,

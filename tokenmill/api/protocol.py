@@ -11,7 +11,13 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
 
 
 def random_id(prefix: str) -> str:
@@ -259,12 +265,21 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class DeltaFunctionCall(BaseModel):
+class _OmitsNone(BaseModel):
+    """Written without its None fields: a tool call's later deltas carry only what they add
+    (as vLLM's do; a client that appends each delta's name would append "null")."""
+
+    @model_serializer(mode="wrap")
+    def _without_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_OmitsNone):
     name: str | None = None
     arguments: str | None = None
 
 
-class DeltaToolCall(BaseModel):
+class DeltaToolCall(_OmitsNone):
     """A streamed piece of a tool call; ``index`` says which call it continues."""
 
     index: int

@@ -189,6 +189,8 @@ def prepare_response(plan: ResponsePlan, served: ServedModel,
             parts.append(sources_block(sources))
         messages = _with_system(plan.messages, parts)
         chat = prepare_chat(_chat_request(plan, messages), served, tool_call_parser)
+        if chat.tools is not None:  # a function_call item is written whole
+            chat.tools.whole_calls = True
     except APIError as e:
         raise _responses_error(e) from None
     return ResponsesCall(plan, chat, results, sources, list(plan.messages))

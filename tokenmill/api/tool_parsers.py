@@ -7,10 +7,12 @@ reader accepts either body (an object or a list of them), since a model does not
 to its own format.
 
 Reading is incremental (``ToolCallStream``): the text outside the markup passes through as
-content, the markup is held back until its closing tag, and a block whose calls do not parse
-or name an unknown function is given back as plain content. A whole text is read by feeding it
-in one piece, so the streamed and the whole answer always agree. Whitespace next to a call
-that parsed is dropped; every other character of the model's text is kept.
+content, and the JSON inside a block is read as it comes (api/tool_json.py): a call's first
+delta names the function, the next ones carry its arguments in pieces. A block that turns out
+not to be a call (not JSON, an unknown function) before any call in it started is given back
+as plain content. A whole text is read by feeding it in one piece, so the streamed and the
+whole answer always agree. Whitespace next to a call is dropped; every other character of the
+model's text outside a call is kept.
 """
 
 from __future__ import annotations
@@ -21,10 +23,9 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from tokenmill.api.errors import loads_json
+from tokenmill.api.tool_json import CLOSE_TAG, CallBlock, CallDelta
 
 OPEN_TAG = "<tool_call>"
-CLOSE_TAG = "</tool_call>"
 
 
 @dataclass(frozen=True)
@@ -37,57 +38,25 @@ class ParsedCall:
 
 @dataclass
 class ToolEvents:
-    """What a piece of model text turned into: content to pass on, and finished calls."""
+    """What a piece of model text turned into: content to pass on, and pieces of calls."""
 
     content: str = ""
-    calls: list[ParsedCall] = field(default_factory=list)
+    deltas: list[CallDelta] = field(default_factory=list)
 
     def extend(self, other: ToolEvents) -> None:
         self.content += other.content
-        self.calls.extend(other.calls)
+        self.deltas.extend(other.deltas)
 
 
-def _call_of(obj: Any, names: Collection[str]) -> ParsedCall | None:
-    """A call from ``{"name": ..., "arguments": {...}}`` (``parameters`` is read as
-    ``arguments``; arguments sent as a JSON text are accepted), or None."""
-    if not isinstance(obj, dict) or obj.get("name") not in names:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = loads_json(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
-
-
-def parse_block(body: str, names: Collection[str]) -> list[ParsedCall] | None:
-    """The calls inside one ``<tool_call>`` block (an object, or a non-empty list of them);
-    None if any of them does not parse or names a function not in ``names``."""
-    try:
-        obj = loads_json(body.strip())
-    except ValueError:
-        return None
-    items = obj if isinstance(obj, list) else [obj]
-    calls = [_call_of(item, names) for item in items]
-    if not calls or any(c is None for c in calls):
-        return None
-    return calls  # type: ignore[return-value]
-
-
-def _in_json_string(text: str) -> bool:
-    """Whether ``text``, read as the start of JSON, ends inside a string."""
-    inside = escaped = False
-    for ch in text:
-        if escaped:
-            escaped = False
-        elif inside and ch == "\\":
-            escaped = True
-        elif ch == '"':
-            inside = not inside
-    return inside
+def assemble(deltas: Iterable[CallDelta]) -> list[ParsedCall]:
+    """The calls that ``deltas`` (all of a sequence's, in order) add up to."""
+    names: dict[int, str] = {}
+    arguments: dict[int, list[str]] = {}
+    for d in deltas:
+        if d.name is not None:
+            names[d.index] = d.name
+        arguments.setdefault(d.index, []).append(d.arguments)
+    return [ParsedCall(names[i], "".join(arguments[i])) for i in sorted(names)]
 
 
 def _partial_tag_len(text: str, tag: str) -> int:
@@ -103,35 +72,41 @@ class ToolCallStream:
 
     def __init__(self, names: Collection[str]) -> None:
         self.names = names
-        self._buf = ""  # text received and not yet passed on
-        self._inside = False  # after an opening tag, waiting for its closing tag
-        self._gap = ""  # whitespace before the open tag: dropped if the call parses
+        self._buf = ""  # text outside the markup received and not yet passed on
+        self._block: CallBlock | None = None  # the block being read
+        self._gap = ""  # whitespace before the open tag: dropped if the block is a call
         self._after_call = False  # whitespace that follows a call is dropped
-        self._scan_from = 0  # where in the block the closing tag may start
-        self.num_calls = 0
+        self._done_calls = 0  # calls of the blocks already ended
+
+    @property
+    def num_calls(self) -> int:
+        """Calls started so far."""
+        return self._done_calls + (self._block.started if self._block is not None else 0)
+
+    @property
+    def ended_calls(self) -> int:
+        """Calls known to be whole: those of the blocks that have ended."""
+        return self._done_calls
 
     def feed(self, text: str) -> ToolEvents:
-        """The content and the finished calls that ``text`` (the next piece) makes known."""
+        """The content and the pieces of calls that ``text`` (the next piece) makes known."""
         self._buf += text
         out = ToolEvents()
         while True:
-            if self._inside:
-                end = self._buf.find(CLOSE_TAG, self._scan_from)
-                if end < 0:
-                    self._scan_from = max(self._scan_from, len(self._buf) - len(CLOSE_TAG) + 1)
+            if self._block is not None:
+                rest = self._block.feed(self._buf)
+                self._buf = ""
+                out.deltas.extend(self._block.take())
+                if rest is None:
                     return out
-                if _in_json_string(self._buf[:end]):  # the tag's text is inside an argument
-                    self._scan_from = end + 1
-                    continue
-                body, self._buf = self._buf[:end], self._buf[end + len(CLOSE_TAG):]
-                out.extend(self._close(body, CLOSE_TAG))
+                out.content += self._end_block(closed=True)
+                self._buf = rest
                 continue
             start = self._buf.find(OPEN_TAG)
             if start < 0:
                 # Hold back what may begin a tag, and trailing whitespace a call may drop.
                 keep = len(self._buf) - _partial_tag_len(self._buf, OPEN_TAG)
-                head = self._buf[:keep]
-                cut = len(head.rstrip())
+                cut = len(self._buf[:keep].rstrip())
                 out.content += self._content(self._buf[:cut])
                 self._buf = self._buf[cut:]
                 return out
@@ -140,14 +115,14 @@ class ToolCallStream:
             out.content += self._content(stripped)
             self._gap = before[len(stripped):]
             self._buf = self._buf[start + len(OPEN_TAG):]
-            self._inside = True
+            self._block = CallBlock(self.names, self.num_calls)
 
     def finish(self) -> ToolEvents:
-        """Whatever is still held back, at the end of the sequence: an unclosed block is read
-        as a call if its body parses, else given back as content."""
-        if self._inside:
-            body, self._buf = self._buf, ""
-            return self._close(body, "")
+        """Whatever is still held back, at the end of the sequence: an unclosed block whose
+        calls started keeps them, any other is given back as content."""
+        if self._block is not None:
+            deltas = self._block.take()
+            return ToolEvents(self._end_block(closed=False), deltas)
         rest, self._buf = self._buf, ""
         if self._after_call and not rest.strip():
             return ToolEvents()
@@ -159,16 +134,16 @@ class ToolCallStream:
             self._after_call = not text
         return text
 
-    def _close(self, body: str, close: str) -> ToolEvents:
-        self._inside, self._scan_from = False, 0
-        calls = parse_block(body, self.names)
-        if calls is None:  # not a call after all: the markup is plain text
-            gap, self._gap = self._gap, ""
-            return ToolEvents(self._content(gap) + OPEN_TAG + body + close)
-        self._gap = ""
-        self._after_call = True
-        self.num_calls += len(calls)
-        return ToolEvents(calls=calls)
+    def _end_block(self, closed: bool) -> str:
+        """The content an ended block gives back: none if it was a call, else all of it."""
+        block, self._block = self._block, None
+        assert block is not None
+        gap, self._gap = self._gap, ""
+        if block.started:
+            self._done_calls += block.started
+            self._after_call = True
+            return ""
+        return self._content(gap) + OPEN_TAG + block.raw + (CLOSE_TAG if closed else "")
 
 
 def parse_text(text: str, names: Collection[str]) -> tuple[str | None, list[ParsedCall]]:
@@ -176,7 +151,8 @@ def parse_text(text: str, names: Collection[str]) -> tuple[str | None, list[Pars
     stream = ToolCallStream(names)
     events = stream.feed(text)
     events.extend(stream.finish())
-    return (events.content or None) if events.calls else events.content, events.calls
+    calls = assemble(events.deltas)
+    return (events.content or None) if calls else events.content, calls
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from tokenmill.api.protocol import (
     ToolDefinition,
 )
 from tokenmill.api.tool_grammar import tool_call_grammar
+from tokenmill.api.tool_json import CallDelta
 from tokenmill.api.tool_parsers import ParsedCall, ToolCallStream, ToolParser, parse_text
 from tokenmill.api.validation import ServedModel
 from tokenmill.chat_template import template_roles, validate_messages
@@ -242,16 +243,19 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-
-
 @dataclass
 class ToolReader:
     """Reads a request's outputs for calls: whole (``message``) or streamed (``delta``, one
-    ToolCallStream per output sequence)."""
+    ToolCallStream per output sequence, arguments in pieces as they are generated)."""
 
     parser: ToolParser
     names: frozenset[str]
     streams: dict[int, ToolCallStream] = field(default_factory=dict)
+    # True: ``delta`` gives each call whole once its block has ended (Ollama's stream and the
+    # Responses API's items want whole calls); False: its arguments in pieces, as vLLM does.
+    whole_calls: bool = False
+    # Per sequence, the calls read but not yet given whole: index -> [name, pieces].
+    _pending: dict[int, dict[int, list[str]]] = field(default_factory=dict)
 
     def message(self, text: str,
                 finish_reason: str | None) -> tuple[ChatMessage, str | None]:
@@ -266,16 +270,40 @@ class ToolReader:
         """The delta of sequence ``index``'s next piece of text (None when everything is
         held back), and its finish reason."""
         stream = self.streams.setdefault(index, self.parser.stream(self.names))
-        first = stream.num_calls
         events = stream.feed(text)
         if finished:
             events.extend(stream.finish())
-        deltas = [DeltaToolCall(index=first + k, id=new_call_id(), type="function",
-                                function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
-                  for k, c in enumerate(events.calls)]
+        if self.whole_calls:
+            deltas = self._whole(index, events.deltas, stream.ended_calls)
+        else:
+            deltas = [_delta_tool_call(d) for d in events.deltas]
         delta = DeltaMessage(content=events.content or None, tool_calls=deltas or None) \
             if events.content or deltas else None
         return delta, _finish_reason(stream.num_calls > 0, finish_reason)
+
+
+    def _whole(self, index: int, deltas: list[CallDelta], ended: int) -> list[DeltaToolCall]:
+        """The calls of sequence ``index`` that ``deltas`` completed, each in one delta."""
+        pending = self._pending.setdefault(index, {})
+        for d in deltas:
+            pending.setdefault(d.index, []).append(d.name if d.name is not None
+                                                   else d.arguments)
+        out = []
+        for i in sorted(i for i in pending if i < ended):
+            name, *pieces = pending.pop(i)
+            out.append(DeltaToolCall(index=i, id=new_call_id(), type="function",
+                                     function=DeltaFunctionCall(name=name,
+                                                                arguments="".join(pieces))))
+        return out
+
+
+def _delta_tool_call(d: CallDelta) -> DeltaToolCall:
+    """vLLM's shape: a call's first delta has its id, type and name (arguments ""), the next
+    ones only its index and a piece of its arguments."""
+    if d.name is None:
+        return DeltaToolCall(index=d.index, function=DeltaFunctionCall(arguments=d.arguments))
+    return DeltaToolCall(index=d.index, id=new_call_id(), type="function",
+                         function=DeltaFunctionCall(name=d.name, arguments=d.arguments))
 
 
 def _finish_reason(called: bool, reason: str | None) -> str | None:
