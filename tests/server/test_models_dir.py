@@ -138,3 +138,27 @@ def test_an_unloaded_embedding_model_loads_back(server: Server) -> None:
     assert again.status_code == 200, again.text
     assert again.json()["data"][0]["embedding"] == first.json()["data"][0]["embedding"]
     assert complete(server, "m").status_code == 200
+
+
+@pytest.fixture(scope="module")
+def defaults(folders: tuple[Path, Path]) -> Iterator[Server]:
+    """The two embedded models (chat and embeddings), with a models folder beside them."""
+    inside, _ = folders
+    s = start_server("--admin-key", KEY, "--models-dir", str(inside))
+    yield s
+    assert s.stop() == 0, s.log()
+
+
+def test_the_embedded_embedding_model_loads_back(defaults: Server) -> None:
+    """It is no file in --models-dir: once unloaded, nothing could load it again."""
+    name = "all-MiniLM-L6-v2"
+    first = embed(defaults, name)
+    assert first.status_code == 200, first.text
+    r = httpx.delete(f"{defaults.url}/admin/models/{name}", headers=ADMIN, timeout=60)
+    assert r.status_code == 200, r.text
+    again = embed(defaults, name)
+    assert again.status_code == 200, again.text
+    assert again.json()["data"][0]["embedding"] == first.json()["data"][0]["embedding"]
+    chat = httpx.post(f"{defaults.url}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+    assert chat.status_code == 200, chat.text

@@ -15,8 +15,9 @@ from tokenmill.cli import build_parser
 from tokenmill.config import EngineConfig
 from tokenmill.metrics.prometheus import PrometheusMetrics
 from tokenmill.server import lifecycle
-from tokenmill.server.lifecycle import ModelManager, default_max_loaded_models
-from tokenmill.server.model_registry import LoadBudget, ModelFactory
+from tokenmill.server.lifecycle import ModelManager
+from tokenmill.server.model_registry import LoadBudget, ModelFactory, ModelSpec
+from tokenmill.server.models_dir import default_max_loaded_models
 from tokenmill.server.state import ServedModel, ServerState
 
 MIB = 1 << 20
@@ -57,13 +58,15 @@ def models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, list[
 
 
 def manager(folder: Path, budget: LoadBudget, limit: int | None = 4,
-            pinned_kv: int = 400 * MIB) -> ModelManager:
+            pinned_kv: int = 400 * MIB,
+            started: dict[str, EngineConfig] | None = None) -> ModelManager:
     """A manager over one command-line model (not on demand) holding ``pinned_kv``."""
-    state = ServerState(SimpleNamespace(), {}, PrometheusMetrics())  # type: ignore[arg-type]
+    state = ServerState(SimpleNamespace(monitor=None), {},  # type: ignore[arg-type]
+                        PrometheusMetrics())
     state.models["m"] = ServedModel("m", FakeClient(), path="/elsewhere/m.gguf",  # type: ignore[arg-type]
                                     kv_cache_bytes=pinned_kv)
     factory = ModelFactory(build_parser().parse_args(["serve"]), budget)
-    return ModelManager(state, factory, str(folder), limit, budget=budget)
+    return ModelManager(state, factory, str(folder), limit, budget=budget, started=started)
 
 
 def test_every_spelling_of_a_file_is_one_model(models: tuple[Path, list]) -> None:
@@ -143,3 +146,24 @@ def test_max_loaded_models_has_a_default(models: tuple[Path, list]) -> None:
 
     loaded = asyncio.run(go())
     assert len(loaded) <= m.max_loaded_models and loaded[0] == "m" and loaded[-1] == "c.gguf"
+
+
+def test_a_model_given_at_start_loads_back_after_an_unload(models: tuple[Path, list]) -> None:
+    """The embedded embedding model is no file in --models-dir: once unloaded, it could not
+    be loaded back."""
+    folder, made = models
+    args = build_parser().parse_args(["serve", "--task", "embed"])
+    embedded = ModelFactory(args)(ModelSpec(None, None, ("--task", "embed")))
+    m = manager(folder, LoadBudget(), started={"e": embedded})
+    m.state.models["e"] = ServedModel("e", FakeClient(), task="embed")  # type: ignore[arg-type]
+
+    async def go() -> ServedModel | None:
+        await m.unload("e")
+        assert "e" not in m.state.models
+        return await m.load_on_demand("e")
+
+    served = asyncio.run(go())
+    assert served is not None and served.name == "e" and made == [embedded]
+    assert list(m.state.models) == ["m", "e"]
+    # A name that is neither a file in the folder nor a model given at start is still none.
+    assert asyncio.run(m.load_on_demand("nothing")) is None

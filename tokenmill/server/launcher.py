@@ -175,8 +175,9 @@ def run_server(models: list[tuple[str | None, EngineConfig]], config: ServerConf
         if make_config is None:
             raise ValueError("the admin API and loading on demand need make_config")
         budget = make_config.budget if isinstance(make_config, ModelFactory) else None
+        started = {name: c for name, (_, c) in zip(state.models, models, strict=True)}
         manager = ModelManager(state, make_config, config.models_dir,
-                               config.max_loaded_models, config.keep_alive, budget)
+                               config.max_loaded_models, config.keep_alive, budget, started)
     if config.debug_fail_at_step is not None:
         logger.warning("fault injection is on: engine step %d will raise",
                        config.debug_fail_at_step)

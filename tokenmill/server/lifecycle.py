@@ -26,6 +26,7 @@ from tokenmill.metrics.live import LiveStats
 from tokenmill.metrics.log_stats import LoggingStatLogger
 from tokenmill.metrics.stats import StatLogger
 from tokenmill.server.model_registry import LoadBudget, ModelSpec, parse_model_spec
+from tokenmill.server.models_dir import default_max_loaded_models, path_inside, size_on_disk
 from tokenmill.server.state import EMBED, GENERATE, ServedModel, ServerState
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,8 @@ class LoadRequest:
     name: str
     path: str
     options: dict[str, Any]
+    # A model the server was started with: its own config (path and options are not read).
+    config: EngineConfig | None = None
 
     def spec(self) -> ModelSpec:
         """The `--model` spec these fields spell; ValueError naming a bad option."""
@@ -89,7 +92,8 @@ class ModelManager:
 
     def __init__(self, state: ServerState, make_config: Callable[[ModelSpec], EngineConfig],
                  models_dir: str | None = None, max_loaded_models: int | None = None,
-                 keep_alive: float | None = None, budget: LoadBudget | None = None) -> None:
+                 keep_alive: float | None = None, budget: LoadBudget | None = None,
+                 started: dict[str, EngineConfig] | None = None) -> None:
         self.state = state
         self.make_config = make_config
         self.models_dir = os.path.realpath(models_dir) if models_dir else None
@@ -97,6 +101,9 @@ class ModelManager:
                                   else default_max_loaded_models(len(state.models)))
         self.keep_alive = keep_alive
         self.budget = budget if budget is not None else LoadBudget()
+        # The models the server started with, by name: one unloaded loads back on demand
+        # (the embedded models, say, are no files in --models-dir).
+        self.started = dict(started or {})
         self._busy: dict[str, str] = {}  # name -> what is being done to it
         self._loading: dict[str, asyncio.Future[ServedModel]] = {}  # on-demand loads
         self._reaper: asyncio.Task[None] | None = None
@@ -122,6 +129,10 @@ class ModelManager:
         for that load."""
         if self.models_dir is None or name in self.state.models:
             return self.state.models.get(name)
+        started = self.started.get(name)
+        if started is not None:
+            return await self._load_once(LoadRequest(name, started.model.model or name, {},
+                                                     config=started), 0)
         try:
             path = self.resolve_path(name)
         except APIError:
@@ -130,14 +141,18 @@ class ModelManager:
         served = self.state.models.get(name) or self._serving(path)
         if served is not None:
             return served
-        pending = self._loading.get(name)
+        return await self._load_once(LoadRequest(name, path, {}), size_on_disk(path))
+
+    async def _load_once(self, req: LoadRequest, weight_bytes: int) -> ServedModel:
+        """Load ``req`` on demand, once however many requests ask for it meanwhile."""
+        pending = self._loading.get(req.name)
         if pending is not None:
             return await asyncio.shield(pending)
         future: asyncio.Future[ServedModel] = asyncio.get_running_loop().create_future()
-        self._loading[name] = future
+        self._loading[req.name] = future
         try:
-            await self._make_room(_size_on_disk(path))
-            served = await self.load(LoadRequest(name, path, {}), on_demand=True)
+            await self._make_room(weight_bytes)
+            served = await self.load(req, on_demand=True)
             future.set_result(served)
             return served
         except BaseException as e:
@@ -145,7 +160,7 @@ class ModelManager:
             future.exception()  # retrieved: waiting requests re-raise it themselves
             raise
         finally:
-            del self._loading[name]
+            del self._loading[req.name]
 
     def _serving(self, path: str) -> ServedModel | None:
         """A loaded model of the file or folder ``path`` (a real path), if there is one."""
@@ -307,14 +322,8 @@ class ModelManager:
         400 with the reason. ``kv_cache_bytes``: the KV size unless the options set one;
         ``kv_max_bytes``: the most its default KV size may take."""
         try:
-            spec = req.spec()
-            flags = spec.flags
-            if kv_cache_bytes and not spec.own_kv_size:
-                flags += ("--kv-cache-memory", str(kv_cache_bytes))
-            spec = ModelSpec(spec.name, self.resolve_path(req.path), flags, spec.kv_share)
-            spec = spec.with_paths(lambda path, option: self.resolve_path(
-                path, f"options.{option}"))
-            config = self.make_config(spec)
+            config = req.config if req.config is not None else self._config_of(
+                req, kv_cache_bytes)
             cache = config.cache
             if (kv_max_bytes is not None and cache.kv_cache_memory_bytes is None
                     and cache.num_blocks is None):
@@ -330,29 +339,22 @@ class ModelManager:
                            param="path", code="load_failed") from None
         return serve_engine(self.state, req.name, engine)
 
+    def _config_of(self, req: LoadRequest, kv_cache_bytes: int | None) -> EngineConfig:
+        """The EngineConfig ``req`` asks for, its paths inside --models-dir; ValueError or
+        APIError naming what is wrong."""
+        spec = req.spec()
+        flags = spec.flags
+        if kv_cache_bytes and not spec.own_kv_size:
+            flags += ("--kv-cache-memory", str(kv_cache_bytes))
+        spec = ModelSpec(spec.name, self.resolve_path(req.path), flags, spec.kv_share)
+        spec = spec.with_paths(lambda path, option: self.resolve_path(path, f"options.{option}"))
+        return self.make_config(spec)
+
     async def _drain_and_close(self, served: ServedModel) -> None:
         """Wait until no request holds or is about to reach the model, then close it."""
         while served.leases or served.client.num_seqs_in_flight:
             await asyncio.sleep(DRAIN_POLL_S)
         await served.client.shutdown()
-
-
-def default_max_loaded_models(at_start: int) -> int:
-    """--max-loaded-models by default: the models loaded at start, and one on-demand model
-    per 8 GiB of the machine's memory (1 to 3; Ollama's default on the CPU is 3)."""
-    try:
-        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        memory = 8 << 30
-    return at_start + min(max(memory // (8 << 30), 1), 3)
-
-
-def _size_on_disk(path: str) -> int:
-    """Bytes of a model file, or of every file in a model folder."""
-    if not os.path.isdir(path):
-        return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(root, f))
-               for root, _, files in os.walk(path) for f in files)
 
 
 def _capacity(why: str) -> APIError:
@@ -371,19 +373,3 @@ class _Change:
 
     def __exit__(self, *exc: object) -> None:
         self.busy.pop(self.name, None)
-
-
-def path_inside(models_dir: str | None, path: str, param: str) -> str:
-    """``path`` inside ``models_dir`` (a real path; relative paths are taken from it), or as
-    given without one; 400 naming ``param`` for an empty path or one that is not in the
-    folder. The answer is the same for a path outside it and one missing in it: a request
-    learns nothing about the rest of the disk."""
-    if not isinstance(path, str) or not path:
-        raise bad_request(f"{param} must be a non-empty string", param)
-    if models_dir is None:
-        return path
-    full = os.path.realpath(os.path.join(models_dir, path))
-    if os.path.commonpath([full, models_dir]) != models_dir or not os.path.exists(full):
-        raise APIError(400, f"{param} {path!r}: not found in the models folder (--models-dir)",
-                       param=param, code="path_not_found")
-    return full
