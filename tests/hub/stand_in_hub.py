@@ -71,6 +71,8 @@ class StandInHub:
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range)
         # File name -> bytes after which the next full GET of it drops the connection.
         self.drop_once: dict[str, int] = {}
+        # Set: every request gets this status (the hub is down).
+        self.fail_with: int | None = None
         self._etags: dict[tuple[str, str, str], str] = {}
         self._lock = threading.Lock()
 
@@ -106,7 +108,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _answer(self, body: bool) -> None:
         path = unquote(urlsplit(self.path).path)
         self.hub.requests.append((self.command, path, self.headers.get("Range")))
-        if m := _API.match(path):
+        if self.hub.fail_with is not None:
+            self._error(self.hub.fail_with, "", body, "the hub is down")
+        elif m := _API.match(path):
             self._api(m["repo"], m["kind"], m["rev"] or "main", body)
         elif m := _RESOLVE.match(path):
             self._file(m["repo"], m["rev"], m["file"], body)
@@ -168,7 +172,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _error(self, status: int, code: str, body: bool, message: str = "",
                commit: str | None = None) -> None:
-        headers = {"X-Error-Code": code, "Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json"} | ({"X-Error-Code": code} if code else {})
         if message:
             headers["X-Error-Message"] = message
         if commit:

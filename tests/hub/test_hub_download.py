@@ -96,7 +96,7 @@ def _closed_port_url() -> str:
 
 
 def test_without_network_the_cache_serves_and_a_miss_says_how_to_work_offline(
-        hub: Hub, monkeypatch: pytest.MonkeyPatch) -> None:
+        hub: Hub, stand_in_hub: tuple[str, StandInHub], monkeypatch: pytest.MonkeyPatch) -> None:
     q8 = resolve_model(f"{GGUF_REPO}:Q8_0", hub=hub)
     offline = Hub(endpoint=_closed_port_url(), cache_dir=hub.cache_dir)
     assert resolve_model(f"{GGUF_REPO}:Q8_0", hub=offline) == q8
@@ -107,6 +107,11 @@ def test_without_network_the_cache_serves_and_a_miss_says_how_to_work_offline(
         resolve_model("tokenmill-test/never-pulled", hub=offline)
     from huggingface_hub import constants
 
+    monkeypatch.setattr(stand_in_hub[1], "fail_with", 503)  # the hub is down: the same
+    assert resolve_model(f"{GGUF_REPO}:Q8_0", hub=hub) == q8
+    with pytest.raises(ValueError, match="cannot reach .* not in the local cache"):
+        resolve_model(f"{GGUF_REPO}:Q2_K", hub=hub)
+    monkeypatch.setattr(stand_in_hub[1], "fail_with", None)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     assert resolve_model(f"{GGUF_REPO}:Q8_0", hub=hub) == q8
     with pytest.raises(ValueError, match="not in the local cache .* HF_HUB_OFFLINE is set"):

@@ -90,7 +90,7 @@ def _listing(ref: HubRef, hub: Hub) -> tuple[list[str], bool]:
         info = api.model_info(ref.repo_id, revision=ref.revision)
         return [s.rfilename for s in info.siblings or []], True
     except Exception as e:
-        if not _is_network_error(e):
+        if not _is_network_error(e) and not _is_server_error(e):
             raise _user_error(e, ref, hub) from None
         cached = _cached_files(ref, hub)
         if cached is None:
@@ -148,6 +148,14 @@ def _network_errors() -> tuple[type[BaseException], ...]:
 
 def _is_network_error(e: BaseException) -> bool:
     return isinstance(e, _network_errors())
+
+
+def _is_server_error(e: BaseException) -> bool:
+    """The hub is down (5xx): what is in the cache still serves."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    response = e.response if isinstance(e, HfHubHTTPError) else None
+    return response is not None and response.status_code >= 500
 
 
 def _is_not_cached(e: BaseException) -> bool:
