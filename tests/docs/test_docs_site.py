@@ -39,3 +39,14 @@ def test_readme_stays_a_front_page() -> None:
     for text in pages:
         for path in ("/work/", "/root/", "/home/", "site-packages/"):
             assert path not in text
+
+
+def test_readme_links_reach_files() -> None:
+    """mkdocs checks the links inside docs/; the README's own relative links are checked here."""
+    import re
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    targets = [t for t in re.findall(r"\]\(([^)\s]+)\)", readme) if "://" not in t]
+    assert targets
+    missing = [t for t in targets if not (ROOT / t.split("#")[0]).exists()]
+    assert missing == []
