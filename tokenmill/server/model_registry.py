@@ -35,8 +35,7 @@ from dataclasses import dataclass
 
 from tokenmill.config import QUANTIZATIONS, EngineConfig
 from tokenmill.engine.args import add_engine_args, engine_config_from_args
-from tokenmill.runner.kv_memory import CPU_DEFAULT_KV_BYTES_CAP
-from tokenmill.runner.platform import get_platform
+from tokenmill.engine.device import CPU_DEFAULT_KV_BYTES_CAP, EngineDevice
 
 # Hugging Face model types that are encoders (they keep no KV cache).
 ENCODER_MODEL_TYPES = frozenset({"bert"})
@@ -238,7 +237,7 @@ def served_models(args: argparse.Namespace) -> list[tuple[str | None, EngineConf
     specs = [parse_model_spec(v) for v in args.model] if args.model else default_specs(args)
     configs = engine_configs(args, specs)
     if len(configs) > 1:
-        platform = get_platform(configs[0].device.device)
+        platform = EngineDevice(configs[0].device.device)
         configs = share_kv_budget(configs, specs, args.kv_cache_memory,
                                   platform.available_memory(), platform.is_cuda)
     return [(spec.name, c) for spec, c in zip(specs, configs, strict=True)]
@@ -269,7 +268,7 @@ class ModelFactory:
 def config_factory(args: argparse.Namespace) -> ModelFactory:
     """The factory of models loaded later; call it before the first model loads: the default
     KV budget is a share of the memory free then."""
-    platform = get_platform(args.device)
+    platform = EngineDevice(args.device)
     if platform.is_cuda:
         return ModelFactory(args)
     kv_bytes = None
