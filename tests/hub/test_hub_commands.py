@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import GGUF_REPO, gguf_repo
+from conftest import GATED_REPO, GATED_TOKEN, GGUF_REPO, byte_repos, gguf_repo
 from stand_in_hub import Repo, commit_id, serve_hub
 
 TESTS = Path(__file__).resolve().parent.parent
@@ -46,7 +46,7 @@ def hub_env(tmp_path_factory: pytest.TempPathFactory, smollm_path: str) -> Itera
     """The environment of a process that uses the stand-in hub and a fresh HF_HOME."""
     folder = tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
     files: dict[str, bytes | str] = {p.name: str(p) for p in folder.iterdir()}
-    repos = {GGUF_REPO: gguf_repo(smollm_path),
+    repos = {GGUF_REPO: gguf_repo(smollm_path), GATED_REPO: byte_repos(smollm_path)[GATED_REPO],
              LLAMA_REPO: Repo(commits={commit_id("llama"): files},
                               refs={"main": commit_id("llama")})}
     with serve_hub(repos) as (endpoint, _):
@@ -78,6 +78,15 @@ def test_pull_list_rm(hub_env: dict) -> None:
     assert "no models in the cache" in tokenmill(hub_env, "list").stdout
     gone = tokenmill(hub_env, "rm", GGUF_REPO)
     assert gone.returncode == 2 and "not in the cache" in gone.stderr
+
+
+def test_a_gated_repo_wants_hf_token(hub_env: dict) -> None:
+    refused = tokenmill(hub_env, "pull", GATED_REPO)
+    assert refused.returncode == 2
+    assert "gated repo: accept its conditions" in refused.stderr and "HF_TOKEN" in refused.stderr
+    pulled = tokenmill({**hub_env, "HF_TOKEN": GATED_TOKEN}, "pull", GATED_REPO)
+    assert pulled.returncode == 0, pulled.stderr
+    assert Path(pulled.stdout.strip()).read_bytes() == b"gated"
 
 
 def test_serve_by_name_answers_a_chat(hub_env: dict) -> None:
