@@ -71,6 +71,11 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _prose(text: str) -> str:
+    """Help text in a table cell: angle brackets shown as written, not read as HTML tags."""
+    return _cell(text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;"))
+
+
 def cli_page() -> str:
     """docs/reference/cli.md."""
     from tokenmill.cli import build_parser
@@ -82,7 +87,7 @@ def cli_page() -> str:
         out.append(f"\n## {line}\n\n")
         description = parser.description or ""
         if description and line != "tokenmill":
-            out.append(" ".join(description.split()) + "\n\n")
+            out.append(_prose(" ".join(description.split())) + "\n\n")
         for group in parser._action_groups:
             rows = [a for a in group._group_actions
                     if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))
@@ -91,14 +96,14 @@ def cli_page() -> str:
                 continue
             out.append(f"**{group.title}**\n\n| option | what it does |\n| --- | --- |\n")
             for action in rows:
-                out.append(f"| {_cell(_option_cell(action))} | {_cell(_help(action))} |\n")
+                out.append(f"| {_cell(_option_cell(action))} | {_prose(_help(action))} |\n")
             out.append("\n")
         subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
         for action in subs:
             helps = {c.dest: c.help for c in action._choices_actions}
             out.append("| command | what it does |\n| --- | --- |\n")
             for name in action.choices:
-                out.append(f"| `{line} {name}` | {_cell(helps.get(name) or '')} |\n")
+                out.append(f"| `{line} {name}` | {_prose(helps.get(name) or '')} |\n")
             out.append("\n")
     return "".join(out).rstrip() + "\n"
 
@@ -159,7 +164,7 @@ def _schema_table(name: str, schema: dict[str, Any]) -> list[str]:
     props = schema.get("properties", {})
     out = [f"\n### {name}\n\n"]
     if schema.get("description"):
-        out.append(" ".join(schema["description"].split()) + "\n\n")
+        out.append(_prose(" ".join(schema["description"].split())) + "\n\n")
     if not props:
         out.append(f"Type: {_cell(_type(schema))}.\n")
         return out
@@ -169,7 +174,7 @@ def _schema_table(name: str, schema: dict[str, Any]) -> list[str]:
         default = "required" if field in required else (
             f"`{json.dumps(spec['default'])}`" if "default" in spec else "")
         text = " ".join(spec.get("description", "").split())
-        out.append(f"| `{field}` | {_cell(_type(spec))} | {_cell(default)} | {_cell(text)} |\n")
+        out.append(f"| `{field}` | {_cell(_type(spec))} | {_cell(default)} | {_prose(text)} |\n")
     return out
 
 
@@ -236,7 +241,7 @@ def metrics_page() -> str:
         shown = family.name + ("_total" if family.type == "counter" else "")
         names = ", ".join(labels.get(family.name, ()))
         out.append(f"| `{shown}` | {family.type} | {names} | "
-                   f"{_cell(' '.join(family.documentation.split()))} |\n")
+                   f"{_prose(' '.join(family.documentation.split()))} |\n")
     return "".join(out)
 
 
