@@ -14,6 +14,11 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported when a command runs, not to list the commands
+    from tokenmill.chat_remote import ServerClient
+    from tokenmill.engine.llm_engine import LLMEngine
 
 
 @dataclass(frozen=True)
@@ -143,7 +148,7 @@ def fetch_model(args: argparse.Namespace) -> None:
     args.model = resolve_model(args.model, args.revision)
 
 
-def _engine(args: argparse.Namespace):  # -> LLMEngine (not imported here: torch)
+def _engine(args: argparse.Namespace) -> LLMEngine:
     from tokenmill.engine.args import engine_config_from_args
     from tokenmill.engine.llm_engine import LLMEngine
 
@@ -151,7 +156,7 @@ def _engine(args: argparse.Namespace):  # -> LLMEngine (not imported here: torch
     return LLMEngine(engine_config_from_args(args))
 
 
-def _server(args: argparse.Namespace):  # -> ServerClient
+def _server(args: argparse.Namespace) -> ServerClient:
     from tokenmill.chat_remote import ServerClient
 
     return ServerClient(args.url, args.api_key or os.environ.get("TOKENMILL_API_KEY"),

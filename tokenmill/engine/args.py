@@ -45,12 +45,15 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
     if several_models:
         g.add_argument("--model", action="append", default=None, metavar="[NAME=]PATH[,OPT]",
                        help="a model to serve (repeatable): GGUF file or Hugging Face folder, "
+                            "or a Hugging Face repo (ORG/NAME[:QUANT]), "
                             "with the name clients use and engine options of its own, e.g. "
                             "chat=model.gguf,max-model-len=4096 (default: the embedded "
                             "SmolLM2-135M-Instruct)")
     else:
         g.add_argument("--model", default=ModelConfig.model,
-                       help="GGUF file or Hugging Face folder (default: embedded "
+                       help="GGUF file or Hugging Face folder, or a Hugging Face repo "
+                            "(ORG/NAME, ORG/NAME:QUANT, ORG/NAME/FILE.gguf) fetched into the "
+                            "local cache (default: embedded "
                             "SmolLM2-135M-Instruct); with --load-format dummy also a preset: "
                             "llama-3.1-8b, qwen3-0.6b")
     g.add_argument("--dtype", default=ModelConfig.dtype, choices=DTYPES, help="compute dtype (auto: float32 on the CPU, bfloat16/float16 on CUDA)")
