@@ -4,6 +4,7 @@ stream, or each call whole once its block has ended (Ollama's stream, the Respon
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -76,3 +77,43 @@ def test_a_cut_off_call_is_given_whole_at_the_end() -> None:
     assert reason == "length"
     assert [d.function.name for d in delta.tool_calls] == ["save_note"]
     assert text.endswith(delta.tool_calls[0].function.arguments)
+
+
+def _random_json(rng: random.Random, depth: int = 0) -> object:
+    kinds = ["str", "int", "float", "bool", "null"] + (["list", "dict"] if depth < 3 else [])
+    kind = rng.choice(kinds)
+    if kind == "str":
+        return "".join(rng.choice('ab "\\/\n\t\u00e9\u2713<>{}[],:') for _ in range(rng.randrange(8)))
+    if kind == "int":
+        return rng.randrange(-10**6, 10**6)
+    if kind == "float":
+        return rng.uniform(-1e6, 1e6) * 10 ** rng.randrange(-8, 8)
+    if kind == "bool":
+        return rng.random() < 0.5
+    if kind == "null":
+        return None
+    if kind == "list":
+        return [_random_json(rng, depth + 1) for _ in range(rng.randrange(4))]
+    return {f"k{i}": _random_json(rng, depth + 1) for i in range(rng.randrange(4))}
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_arguments_in_random_pieces(seed: int) -> None:
+    """Whatever the arguments and however the text is split, the pieces add up to the
+    arguments as json.dumps writes them, and to the whole answer's."""
+    rng = random.Random(seed)
+    args = {"a": _random_json(rng), "b": _random_json(rng)}
+    parser = rng.choice([HermesParser(), SmolLMParser()])
+    text = parser.format_calls([("save_note", args)])
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(1, 40))))
+    pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    reader = ToolReader(parser, NAMES)
+    streamed = ""
+    for k, piece in enumerate(pieces):
+        delta, _ = reader.delta(0, piece, k == len(pieces) - 1, "stop")
+        for d in (delta.tool_calls if delta is not None else None) or []:
+            streamed += d.function.arguments
+    whole, reason = ToolReader(parser, NAMES).message(text, "stop")
+    assert reason == "tool_calls" and whole.content is None
+    assert streamed == whole.tool_calls[0].function.arguments == \
+        json.dumps(args, ensure_ascii=False)
