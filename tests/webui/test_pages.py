@@ -1,57 +1,35 @@
-"""The web page in a real headless browser: the chat playground streams an answer, stop
-aborts it on the server, model output is shown as text only, conversations survive a reload,
-the dashboard's numbers follow the traffic, an API key is asked for and sent, and
-`--no-webui` removes the pages. With TOKENMILL_SCREENSHOT_DIR set it saves each page's
-screenshot there (the README's images)."""
+"""The chat page in a real headless browser: it streams an answer, stop aborts it on the server
+and counts what came, a refused request leaves no empty turn behind, model output is shown as
+text only (markdown built as elements), conversations survive a reload, an empty one shows a
+hint, an API key is asked for and sent (its button only where the server wants one), and
+`--no-webui` removes the pages. With TOKENMILL_SCREENSHOT_DIR set it saves the page's
+screenshot there (the docs' images)."""
 
 from __future__ import annotations
 
 import json
-import os
+import re
 
 import httpx
 import pytest
+from page_helpers import (
+    answer_done,
+    last_answer,
+    open_chat,
+    open_dashboard,
+    running,
+    saved_conversations,
+    screenshot,
+    set_field,
+    severe_logs,
+    wait,
+)
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support import expected_conditions as ec
-from selenium.webdriver.support.ui import Select, WebDriverWait
+from selenium.webdriver.support.ui import Select
 from server_harness import Server, start_server
 
 KEY = "page-test-key"
-
-
-def wait(browser, seconds: float = 60) -> WebDriverWait:
-    return WebDriverWait(browser, seconds, poll_frequency=0.2)
-
-
-def severe_logs(browser) -> list[str]:
-    return [e["message"] for e in browser.get_log("browser") if e["level"] == "SEVERE"]
-
-
-def open_chat(browser, server: Server) -> None:
-    browser.get(server.url + "/")
-    wait(browser).until(lambda b: Select(b.find_element(By.ID, "model")).options)
-
-
-def set_field(browser, element_id: str, value: str) -> None:
-    el = browser.find_element(By.ID, element_id)
-    el.clear()
-    if value:
-        el.send_keys(value)
-
-
-def screenshot(browser, name: str) -> None:
-    folder = os.environ.get("TOKENMILL_SCREENSHOT_DIR")
-    if folder:
-        os.makedirs(folder, exist_ok=True)
-        browser.save_screenshot(os.path.join(folder, name))
-
-
-def running(server: Server) -> int:
-    return httpx.get(f"{server.url}/stats", timeout=10).json()["models"][server.model]["running"]
-
-
-def last_answer(browser):
-    return browser.find_elements(By.CSS_SELECTOR, ".msg.assistant")[-1]
 
 
 def test_chat_streams_an_answer_and_lists_only_chat_models(browser, server: Server) -> None:
@@ -59,12 +37,12 @@ def test_chat_streams_an_answer_and_lists_only_chat_models(browser, server: Serv
     assert severe_logs(browser) == []
     options = [o.text for o in Select(browser.find_element(By.ID, "model")).options]
     assert options == [server.model]  # the embedding model is not offered for chat
+    assert not browser.find_element(By.ID, "key-button").is_displayed()  # no --api-key
     set_field(browser, "temperature", "0")
     set_field(browser, "max-tokens", "24")
     set_field(browser, "input", "Name three rivers.")
     browser.find_element(By.ID, "send").click()
-    wait(browser).until(lambda b: "tokens" in last_answer(b).find_element(
-        By.CLASS_NAME, "stats").text and "streaming" not in last_answer(b).text)
+    wait(browser).until(answer_done)
     answer = last_answer(browser)
     stats = answer.find_element(By.CLASS_NAME, "stats").text
     assert "TTFT" in stats and "tokens/s" in stats and "24 tokens" in stats, stats
@@ -92,8 +70,83 @@ def test_stop_aborts_the_request_on_the_server(browser, server: Server) -> None:
     wait(browser, 30).until(lambda b: running(server) == 0)
     wait(browser, 30).until(lambda b: server.metrics().get(
         "tokenmill:request_success_total[abort]", 0.0) == before + 1)
-    assert "stopped" in last_answer(browser).find_element(By.CLASS_NAME, "stats").text
-    assert browser.find_element(By.ID, "send").is_enabled()
+    wait(browser, 30).until(lambda b: b.find_element(By.ID, "send").is_enabled())
+    stats = last_answer(browser).find_element(By.CLASS_NAME, "stats").text
+    assert "stopped" in stats
+    # No usage chunk comes after a stop: the deltas shown are counted instead of "0 tokens".
+    shown = len(saved_conversations(browser)[0]["messages"][-1]["content"])
+    tokens = int(re.search(r"~(\d+) tokens", stats).group(1))
+    assert 0 < tokens <= shown, stats
+    # The next request is answered as before.
+    set_field(browser, "max-tokens", "8")
+    set_field(browser, "input", "And a short one?")
+    browser.find_element(By.ID, "send").click()
+    wait(browser).until(lambda b: answer_done(b) and len(b.find_elements(
+        By.CSS_SELECTOR, ".msg.assistant")) == 2)
+    stats = last_answer(browser).find_element(By.CLASS_NAME, "stats").text
+    assert re.search(r"(^| )[1-8] tokens", stats), stats  # the server's own count
+
+
+def test_a_refused_request_leaves_no_empty_turn(browser, server: Server) -> None:
+    open_chat(browser, server)
+    browser.find_element(By.ID, "new-chat").click()
+    set_field(browser, "temperature", "0")
+    set_field(browser, "max-tokens", "100000")  # beyond the context: refused with a 400
+    set_field(browser, "input", "Name a colour.")
+    browser.find_element(By.ID, "send").click()
+    wait(browser).until(lambda b: b.find_element(By.ID, "error").text
+                        and b.find_element(By.ID, "send").is_enabled())
+    assert "maximum context length" in browser.find_element(By.ID, "error").text
+    assert [m for m in severe_logs(browser) if "400 (Bad Request)" not in m] == []
+    # Nothing empty is saved; the question is back in the input box to send again.
+    assert [m["content"] for m in saved_conversations(browser)[0]["messages"]] == []
+    assert browser.find_element(By.ID, "input").get_attribute("value") == "Name a colour."
+    assert browser.find_elements(By.CSS_SELECTOR, ".msg") == []
+    set_field(browser, "max-tokens", "8")
+    browser.find_element(By.ID, "send").click()
+    wait(browser).until(answer_done)
+    messages = saved_conversations(browser)[0]["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant"]
+    assert messages[0]["content"] == "Name a colour." and messages[1]["content"]
+    assert browser.find_element(By.ID, "error").text == ""
+
+
+def test_an_empty_turn_saved_earlier_is_not_sent_back(browser, server: Server) -> None:
+    open_chat(browser, server)
+    browser.execute_script(
+        "localStorage.setItem('tokenmill.conversations', JSON.stringify([{id: 1, title: 'old',"
+        " messages: [{role: 'user', content: 'Hi'}, {role: 'assistant', content: '',"
+        " stats: '0 tokens'}]}]));")
+    open_chat(browser, server)
+    # Record the bodies the page sends.
+    browser.execute_script(
+        "window.sentBodies = []; const f = window.fetch; window.fetch = (u, o) => {"
+        " if (o && o.body) window.sentBodies.push(JSON.parse(o.body)); return f(u, o); };")
+    set_field(browser, "max-tokens", "8")
+    set_field(browser, "input", "Hello again.")
+    browser.find_element(By.ID, "send").click()
+    wait(browser).until(lambda b: answer_done(b) and len(b.find_elements(
+        By.CSS_SELECTOR, ".msg.assistant")) == 2)
+    sent = browser.execute_script("return window.sentBodies;")
+    assert [(m["role"], m["content"]) for m in sent[-1]["messages"]] == [
+        ("user", "Hi"), ("user", "Hello again.")]
+    browser.execute_script("localStorage.clear();")
+
+
+def test_an_empty_conversation_shows_a_hint(browser, server: Server) -> None:
+    open_chat(browser, server)
+    browser.find_element(By.ID, "new-chat").click()
+    hint = browser.find_element(By.ID, "empty-hint")
+    assert hint.is_displayed() and server.model in hint.text and "Enter" in hint.text
+    set_field(browser, "max-tokens", "4")
+    set_field(browser, "input", "Hi.")
+    browser.find_element(By.ID, "send").click()
+    wait(browser).until(answer_done)
+    assert browser.find_elements(By.ID, "empty-hint") == []
+    # A fresh page with no conversation at all shows it too.
+    browser.execute_script("localStorage.clear();")
+    open_chat(browser, server)
+    wait(browser).until(lambda b: server.model in b.find_element(By.ID, "empty-hint").text)
 
 
 def test_model_output_is_text_not_html(browser, server: Server) -> None:
@@ -106,8 +159,7 @@ def test_model_output_is_text_not_html(browser, server: Server) -> None:
     set_field(browser, "max-tokens", "80")
     set_field(browser, "input", "Say something.")
     browser.find_element(By.ID, "send").click()
-    wait(browser).until(lambda b: "tokens" in last_answer(b).find_element(
-        By.CLASS_NAME, "stats").text and "streaming" not in last_answer(b).text)
+    wait(browser).until(answer_done)
     content = last_answer(browser).find_element(By.CLASS_NAME, "content")
     assert "<script>document.title='pwned'</script>" in content.text
     assert content.find_elements(By.TAG_NAME, "script") == []
@@ -129,28 +181,71 @@ def test_model_output_is_text_not_html(browser, server: Server) -> None:
     assert severe_logs(browser) == []
 
 
-def test_dashboard_follows_the_traffic(browser, server: Server) -> None:
-    browser.get(server.url + "/dashboard")
-    wait(browser).until(lambda b: b.find_element(By.ID, "d-finished").text != "-")
-    assert severe_logs(browser) == []
-    before = int(browser.find_element(By.ID, "d-finished").text)
-    for _ in range(6):  # a few seconds of traffic, for the charts
-        r = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
-            "model": server.model, "prompt": "Once upon a time", "max_tokens": 16,
-            "ignore_eos": True})
-        assert r.status_code == 200
-    wait(browser).until(lambda b: int(b.find_element(By.ID, "d-finished").text) >= before + 3)
-    assert float(browser.find_element(By.ID, "d-output-tps").text) > 0
-    assert browser.find_element(By.ID, "d-ttft").text != "-"
-    assert browser.find_element(By.ID, "d-energy").text.endswith("J (est.)")
-    assert "script" in browser.find_element(By.ID, "d-drift").text  # the drift signals
-    screenshot(browser, "webui-dashboard.png")
+def render(browser, text: str) -> str:
+    """The page's markdown renderer on ``text``, as the HTML of the elements it built."""
+    return browser.execute_script(
+        "const d = document.createElement('div'); renderMarkdown(arguments[0], d);"
+        " return d.innerHTML;", text)
+
+
+MARKDOWN = """# Title
+
+Some *italic*, **bold *nested*** and `a<b>` text,
+on two lines.
+
+- one
+- two with `code`
+
+3. third
+4. fourth
+
+> quoted
+
+```python
+if a < b:
+    print("<b>")
+```"""
+
+
+def test_answers_are_rendered_as_markdown_built_from_elements(browser, server: Server) -> None:
+    open_chat(browser, server)
+    assert render(browser, MARKDOWN) == (
+        "<h1>Title</h1>"
+        "<p>Some <em>italic</em>, <strong>bold <em>nested</em></strong> and "
+        "<code>a&lt;b&gt;</code> text,\non two lines.</p>"
+        "<ul><li>one</li><li>two with <code>code</code></li></ul>"
+        '<ol start="3"><li>third</li><li>fourth</li></ol>'
+        "<blockquote><p>quoted</p></blockquote>"
+        '<pre><code data-lang="python">if a &lt; b:\n    print("&lt;b&gt;")</code></pre>')
+    # While an answer streams, an unclosed fence is already a code block.
+    assert render(browser, "Code:\n```\nx = 1") == "<p>Code:</p><pre><code>x = 1</code></pre>"
+    # HTML in any markdown construct stays text, in the page as in the renderer.
+    evil = ("# <img src=x onerror=\"document.title='h1'\">\n\n"
+            "- <script>document.title='li'</script>\n\n"
+            "> <iframe src=\"javascript:document.title='q'\"></iframe>\n\n"
+            "**<svg onload=\"document.title='b'\"></svg>** *<b>i</b>* `<i>c</i>`\n\n"
+            "```\n<img src=y onerror=\"document.title='pre'\">\n```")
+    browser.execute_script(
+        "localStorage.setItem('tokenmill.conversations', JSON.stringify([{id: 1, title: 'md',"
+        " messages: [{role: 'assistant', content: arguments[0], stats: ''}]}]));", evil)
+    browser.refresh()
+    content = wait(browser).until(lambda b: b.find_element(By.CSS_SELECTOR,
+                                                           ".msg.assistant .content"))
+    tags = [e.tag_name for e in content.find_elements(By.CSS_SELECTOR, "*")]
+    assert tags == ["h1", "ul", "li", "blockquote", "p", "p", "strong", "em", "code", "pre",
+                    "code"], tags
+    for shown in ("<img src=x onerror=", "<script>document.title='li'</script>", "<iframe",
+                  "<svg onload=", "<b>i</b>", "<i>c</i>", "<img src=y"):
+        assert shown in content.text
+    assert browser.title == "tokenmill: chat"
+    browser.execute_script("localStorage.clear();")
     assert severe_logs(browser) == []
 
 
 @pytest.fixture(scope="module")
 def keyed() -> Server:
-    s = start_server("--api-key", KEY, headers={"Authorization": f"Bearer {KEY}"})
+    s = start_server("--api-key", KEY, "--cost-per-hour", "3.6",
+                     headers={"Authorization": f"Bearer {KEY}"})
     yield s
     assert s.stop() == 0, s.log()
 
@@ -168,6 +263,19 @@ def test_the_page_asks_for_the_key_and_sends_it(browser, keyed: Server) -> None:
     assert not dialog.is_displayed()
     assert [o.text for o in Select(browser.find_element(By.ID, "model")).options] == [
         keyed.model]
+    assert browser.find_element(By.ID, "key-button").is_displayed()  # to change the key
+    # The dashboard too; with --cost-per-hour it shows a price in a few digits.
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(f"{keyed.url}/v1/completions", headers=auth, timeout=120, json={
+        "model": keyed.model, "prompt": "Hello", "max_tokens": 4})
+    assert r.status_code == 200
+    entry = httpx.get(f"{keyed.url}/stats", headers=auth, timeout=10).json()
+    assert entry["api_key_required"] is True
+    assert entry["models"][keyed.model]["usd_per_1k_output_tokens"] > 0
+    open_dashboard(browser, keyed)
+    assert browser.find_element(By.ID, "key-button").is_displayed()
+    assert re.fullmatch(r"\$\d+(\.\d{1,2}|\.0*\d{1,2})?", browser.find_element(
+        By.ID, "d-cost").text)
     browser.execute_script("localStorage.clear();")
 
 

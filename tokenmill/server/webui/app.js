@@ -1,6 +1,6 @@
 // The chat playground: models from /v1/models, answers streamed from /v1/chat/completions,
 // conversations kept in local storage. Model output is only ever put in the page as text
-// (textContent), never as HTML.
+// nodes (markdown.js builds elements around them), never as HTML.
 "use strict";
 
 const STORE = "tokenmill.conversations";
@@ -10,45 +10,6 @@ let controller = null;
 
 function save() {
   localStorage.setItem(STORE, JSON.stringify(conversations));
-}
-
-// Markdown as DOM nodes: fenced code blocks, paragraphs, `inline code` and **bold**.
-function renderMarkdown(text, el) {
-  el.replaceChildren();
-  const parts = text.split(/```/);
-  parts.forEach((part, i) => {
-    if (i % 2 === 1) {  // inside a fence: the first line may name the language
-      const pre = document.createElement("pre");
-      const code = document.createElement("code");
-      const nl = part.indexOf("\n");
-      const lang = nl > 0 ? part.slice(0, nl).trim() : "";
-      if (lang && /^[\w+-]+$/.test(lang)) code.dataset.lang = lang;
-      code.textContent = nl >= 0 && /^[\w+-]*$/.test(part.slice(0, nl).trim())
-        ? part.slice(nl + 1) : part;
-      pre.appendChild(code);
-      el.appendChild(pre);
-      return;
-    }
-    for (const para of part.split(/\n{2,}/)) {
-      if (!para.trim()) continue;
-      const p = document.createElement("p");
-      for (const piece of para.split(/(`[^`\n]+`|\*\*[^*\n]+\*\*)/)) {
-        if (!piece) continue;
-        if (piece.startsWith("`") && piece.endsWith("`") && piece.length > 2) {
-          const c = document.createElement("code");
-          c.textContent = piece.slice(1, -1);
-          p.appendChild(c);
-        } else if (piece.startsWith("**") && piece.endsWith("**") && piece.length > 4) {
-          const b = document.createElement("strong");
-          b.textContent = piece.slice(2, -2);
-          p.appendChild(b);
-        } else {
-          p.appendChild(document.createTextNode(piece));
-        }
-      }
-      el.appendChild(p);
-    }
-  });
 }
 
 function messageElement(role, text, stats) {
@@ -79,10 +40,26 @@ function showConversation() {
   }
   const box = document.getElementById("messages");
   box.replaceChildren();
-  for (const m of (current ? current.messages : [])) {
+  const messages = current ? current.messages : [];
+  for (const m of messages) {
     box.appendChild(messageElement(m.role, m.content, m.stats));
   }
+  if (!messages.length) box.appendChild(emptyHint());
   box.scrollTop = box.scrollHeight;
+}
+
+// What an empty conversation shows instead of nothing.
+function emptyHint() {
+  const hint = document.createElement("div");
+  hint.id = "empty-hint";
+  const model = document.getElementById("model").value;
+  const title = document.createElement("strong");
+  title.textContent = model ? "Ask " + model + " anything." : "Ask the model anything.";
+  const how = document.createElement("p");
+  how.textContent = "Type below: Enter sends, Shift+Enter starts a new line, Stop ends an "
+    + "answer early. Sampling settings are on the right; conversations stay in this browser.";
+  hint.append(title, how);
+  return hint;
 }
 
 function newConversation() {
@@ -99,7 +76,9 @@ async function loadModels() {
   // The dashboard's stats say which models generate text; embedding models are left out.
   let tasks = {};
   try {
-    tasks = (await (await api("/stats")).json()).models;
+    const stats = await (await api("/stats")).json();
+    tasks = stats.models;
+    showKeyButton(stats.api_key_required);
   } catch (e) { /* older server: offer them all */ }
   select.replaceChildren();
   for (const id of models) {
@@ -108,6 +87,7 @@ async function loadModels() {
     option.value = option.textContent = id;
     select.appendChild(option);
   }
+  if (!current || !current.messages.length) showConversation();  // the hint names the model
 }
 
 function requestBody(messages) {
@@ -163,66 +143,97 @@ async function send() {
   input.value = "";
   let body;
   try {
-    body = requestBody(current.messages.map((m) => ({ role: m.role, content: m.content })));
+    // Empty assistant turns (a failed answer saved by an older page) are not sent back.
+    body = requestBody(current.messages.filter((m) => m.role !== "assistant" || m.content)
+      .map((m) => ({ role: m.role, content: m.content })));
   } catch (e) {
     setText("error", "JSON schema: " + e.message);
     current.messages.pop();
     return;
   }
   showConversation();
-  const answer = { role: "assistant", content: "", stats: "" };
   const el = messageElement("assistant", "", "waiting...");
   document.getElementById("messages").appendChild(el);
-  const content = el.querySelector(".content");
-  const stats = el.querySelector(".stats");
   controller = new AbortController();
   document.getElementById("send").disabled = true;
   document.getElementById("stop").disabled = false;
-  const started = performance.now();
-  let first = null;
-  let tokens = 0;
-  let finish = null;
+  const run = { started: performance.now(), first: null, usage: null, deltas: 0, finish: null,
+                content: "", failed: false, convo: current };
   try {
-    const response = await api("/v1/chat/completions", {
-      method: "POST", headers: { "Content-Type": "application/json" },
-      body: JSON.stringify(body), signal: controller.signal });
-    if (!response.ok) {
-      const err = await response.json().catch(() => ({}));
-      throw new Error((err.error && err.error.message) || response.statusText);
-    }
-    await readEvents(response, (chunk) => {
-      if (chunk.error) throw new Error(chunk.error.message);
-      if (chunk.usage) tokens = chunk.usage.completion_tokens;
-      for (const choice of chunk.choices || []) {
-        if (choice.delta && choice.delta.content) {
-          if (first === null) first = performance.now();
-          answer.content += choice.delta.content;
-          renderMarkdown(answer.content, content);
-        }
-        if (choice.finish_reason) finish = choice.finish_reason;
-      }
-      stats.textContent = "streaming...";
-    });
+    await stream(body, run, el);
   } catch (e) {
-    if (e.name === "AbortError") finish = "stopped";
-    else setText("error", String(e.message || e));
+    if (e.name === "AbortError") run.finish = "stopped";
+    else { run.failed = true; setText("error", String(e.message || e)); }
   } finally {
-    const end = performance.now();
-    const parts = [];
-    if (first !== null) parts.push("TTFT " + ((first - started) / 1000).toFixed(2) + " s");
-    if (tokens > 1 && first !== null && end > first) {
-      parts.push((((tokens - 1) * 1000) / (end - first)).toFixed(1) + " tokens/s");
-    }
-    parts.push(tokens + " tokens");
-    if (finish) parts.push(finish);
-    answer.stats = parts.join(" · ");
-    stats.textContent = answer.stats;
-    current.messages.push(answer);
-    save();
+    keep(run, el, text);
     controller = null;
     document.getElementById("send").disabled = false;
     document.getElementById("stop").disabled = true;
   }
+}
+
+// Stream the answer into el, noting in run what arrived.
+async function stream(body, run, el) {
+  const content = el.querySelector(".content");
+  const stats = el.querySelector(".stats");
+  const response = await api("/v1/chat/completions", {
+    method: "POST", headers: { "Content-Type": "application/json" },
+    body: JSON.stringify(body), signal: controller.signal });
+  if (!response.ok) {
+    const err = await response.json().catch(() => ({}));
+    throw new Error((err.error && err.error.message) || response.statusText);
+  }
+  await readEvents(response, (chunk) => {
+    if (chunk.error) throw new Error(chunk.error.message);
+    if (chunk.usage) run.usage = chunk.usage.completion_tokens;
+    for (const choice of chunk.choices || []) {
+      if (choice.delta && choice.delta.content) {
+        if (run.first === null) run.first = performance.now();
+        run.deltas++;
+        run.content += choice.delta.content;
+        renderMarkdown(run.content, content);
+      }
+      if (choice.finish_reason) run.finish = choice.finish_reason;
+    }
+    stats.textContent = "streaming...";
+  });
+}
+
+// The answer's line: TTFT, speed, tokens (the server's count; a stopped or failed stream sends
+// none, so the deltas counted, about one token each) and how it ended.
+function statsLine(run) {
+  const end = performance.now();
+  const tokens = run.usage !== null ? run.usage : run.deltas;
+  const parts = [];
+  if (run.first !== null) parts.push("TTFT " + ((run.first - run.started) / 1000).toFixed(2) + " s");
+  if (tokens > 1 && run.first !== null && end > run.first) {
+    parts.push((((tokens - 1) * 1000) / (end - run.first)).toFixed(1) + " tokens/s");
+  }
+  parts.push((run.usage !== null ? "" : "~") + tokens + " tokens");
+  if (run.failed) parts.push("error");
+  else if (run.finish) parts.push(run.finish);
+  return parts.join(" · ");
+}
+
+// Save the finished answer. With no text at all (a refused request, Stop before the first
+// token) neither turn is kept: the question goes back into the input box, and the next
+// request does not carry an empty answer.
+function keep(run, el, question) {
+  const convo = run.convo;  // the user may have opened another conversation meanwhile
+  if (!run.content) {
+    convo.messages.pop();
+    if (!convo.messages.length) convo.title = "";
+    const input = document.getElementById("input");
+    if (!input.value) input.value = question;
+    if (!run.failed) setText("error", "Stopped before the first token.");
+    save();
+    showConversation();
+    return;
+  }
+  const answer = { role: "assistant", content: run.content, stats: statsLine(run) };
+  el.querySelector(".stats").textContent = answer.stats;
+  convo.messages.push(answer);
+  save();
 }
 
 document.addEventListener("DOMContentLoaded", () => {

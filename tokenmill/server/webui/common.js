@@ -37,6 +37,13 @@ function askForKey(message) {
   return keyPrompt;
 }
 
+// The key button (hidden in the HTML): shown only where the server wants a key, as its
+// /stats says or a 401 shows.
+function showKeyButton(required) {
+  const button = document.getElementById("key-button");
+  if (button) button.hidden = !required;
+}
+
 // fetch() with the key; a 401 asks for the key and tries again.
 async function api(path, options) {
   for (;;) {
@@ -44,6 +51,7 @@ async function api(path, options) {
     opts.headers = authHeaders(opts.headers);
     const response = await fetch(path, opts);
     if (response.status !== 401) return response;
+    showKeyButton(true);
     await askForKey(apiKey() ? "That key was refused: type the server's --api-key."
                              : "This server needs an API key (its --api-key).");
   }

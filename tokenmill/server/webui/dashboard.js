@@ -1,10 +1,11 @@
 // The live dashboard: /stats every second, numbers and small canvas charts of the last
-// POINTS seconds for the chosen model.
+// POINTS seconds for the chosen model. The charts start from the server's own history
+// (/stats/history), so a new tab shows the last minutes at once.
 "use strict";
 
-const POINTS = 120;
+const POINTS = 300;
 const COLORS = ["#2f6fed", "#e8832a", "#2a9d5c"];
-const history = {};  // model -> array of snapshots
+const chartHistory = {};  // model -> array of its /stats entries (or history samples)
 
 function fmt(x, digits) {
   return x === null || x === undefined ? "-" : Number(x).toFixed(digits);
@@ -19,21 +20,43 @@ function triple(p, scale, digits) {
   return [p.p50, p.p90, p.p99].map((v) => (v * scale).toFixed(digits)).join(" / ");
 }
 
-// Lines of series (arrays of numbers or nulls) on one canvas, from 0 to their maximum.
+// A money amount in a few significant digits ("$0.0042", "$1.25"), never "$0.000000".
+function money(x) {
+  if (x === null || x === undefined) return "no price set";
+  if (x === 0) return "$0";
+  return "$" + (x >= 1 ? x.toFixed(2) : Number(x.toPrecision(2)).toString());
+}
+
+// The y axis of values (numbers; nulls and NaNs ignored): its top, a round number (1, 2, 4,
+// 8 or 10 times a power of ten) above the largest value with room to spare (1 when there is
+// nothing above 0: an idle chart), and the labels of its 5 grid lines from 0.
+function axisTicks(values) {
+  const seen = values.filter((v) => v !== null && v !== undefined && Number.isFinite(v));
+  const max = Math.max(0, ...seen) * 1.1;
+  let top = 1;
+  if (max > 0) {
+    const power = Math.pow(10, Math.floor(Math.log10(max)));
+    top = [1, 2, 4, 8, 10].map((m) => m * power).find((t) => t >= max);
+  }
+  const labels = [0, 1, 2, 3, 4].map((i) => Number(((i / 4) * top).toPrecision(3)).toString());
+  return { top, labels };
+}
+
+// Lines of series (arrays of numbers or nulls) on one canvas, from 0 to a round top.
 function drawChart(id, series) {
   const canvas = document.getElementById(id);
   const ctx = canvas.getContext("2d");
-  const w = canvas.width, h = canvas.height, pad = 40;
+  const w = canvas.width, h = canvas.height, pad = 40, left = 70;
   ctx.clearRect(0, 0, w, h);
-  const values = series.flat().filter((v) => v !== null && !Number.isNaN(v));
-  const top = Math.max(1e-9, ...values) * 1.1;
+  const { top, labels } = axisTicks(series.flat());
   ctx.strokeStyle = "#ccd";
   ctx.fillStyle = "#667";
   ctx.font = "20px system-ui";
+  ctx.textAlign = "right";
   for (let i = 0; i <= 4; i++) {
     const y = h - pad - (i / 4) * (h - 2 * pad);
-    ctx.beginPath(); ctx.moveTo(pad, y); ctx.lineTo(w - 10, y); ctx.stroke();
-    ctx.fillText(((i / 4) * top).toPrecision(3), 2, y - 2);
+    ctx.beginPath(); ctx.moveTo(left, y); ctx.lineTo(w - 10, y); ctx.stroke();
+    ctx.fillText(labels[i], left - 8, y + 7);
   }
   series.forEach((data, k) => {
     ctx.strokeStyle = COLORS[k % COLORS.length];
@@ -42,7 +65,7 @@ function drawChart(id, series) {
     let started = false;
     data.forEach((v, i) => {
       if (v === null || v === undefined) { started = false; return; }
-      const x = pad + (i / (POINTS - 1)) * (w - pad - 10);
+      const x = left + (i / (POINTS - 1)) * (w - left - 10);
       const y = h - pad - (v / top) * (h - 2 * pad);
       if (started) ctx.lineTo(x, y); else { ctx.moveTo(x, y); started = true; }
     });
@@ -87,11 +110,11 @@ function show(name, entry) {
   const est = entry.energy_estimated ? " (est.)" : "";
   setText("d-energy", entry.joules_per_1k_output_tokens === null ? "-"
     : fmt(entry.joules_per_1k_output_tokens, 1) + " J" + est);
-  setText("d-cost", entry.usd_per_1k_output_tokens === null ? "-"
-    : "$" + fmt(entry.usd_per_1k_output_tokens, 6));
+  setText("d-cost", money(entry.usd_per_1k_output_tokens));
   showDrift(entry);
-  const h = history[name];
-  const col = (f) => h.map(f).concat(Array(POINTS - h.length).fill(null)).slice(0, POINTS);
+  const h = chartHistory[name] || [];
+  // The newest sample at the right edge.
+  const col = (f) => Array(Math.max(0, POINTS - h.length)).fill(null).concat(h.map(f)).slice(-POINTS);
   drawChart("c-throughput", [col((e) => e.output_tokens_per_s), col((e) => e.prompt_tokens_per_s)]);
   drawChart("c-requests", [col((e) => e.running), col((e) => e.waiting)]);
   drawChart("c-latency", [col((e) => (e.ttft_seconds.p50 ?? null)),
@@ -115,8 +138,9 @@ async function poll() {
         select.appendChild(o);
       }
     }
+    showKeyButton(stats.api_key_required);
     for (const n of names) {
-      history[n] = (history[n] || []).concat([stats.models[n]]).slice(-POINTS);
+      chartHistory[n] = (chartHistory[n] || []).concat([stats.models[n]]).slice(-POINTS);
     }
     const name = select.value || names[0];
     if (name) show(name, stats.models[name]);
@@ -127,8 +151,22 @@ async function poll() {
   }
 }
 
-document.addEventListener("DOMContentLoaded", () => {
+// The server's last minutes of samples, before the first poll adds the present.
+async function loadHistory() {
+  try {
+    const response = await api("/stats/history");
+    if (!response.ok) return;  // an older server: the charts start empty
+    for (const [name, samples] of Object.entries((await response.json()).models)) {
+      chartHistory[name] = samples.slice(-POINTS);
+    }
+  } catch (e) {
+    setText("error", "cannot read /stats/history: " + e.message);
+  }
+}
+
+document.addEventListener("DOMContentLoaded", async () => {
   document.getElementById("key-button").onclick = () => askForKey("The server's --api-key:");
+  await loadHistory();
   poll();
   setInterval(poll, 1000);
 });
