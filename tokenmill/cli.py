@@ -91,19 +91,24 @@ def _registrar(target: str) -> Registrar:
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `tokenmill serve` (its options: tokenmill.server.serve_cli)."""
+    from tokenmill.serve_ray.cli import add_ray_serve_args
     from tokenmill.server.serve_cli import add_serve_parser as add_options
 
     add_options(subparsers)
+    add_ray_serve_args(subparsers.choices["serve"])
     subparsers.choices["serve"].set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run `tokenmill serve` until SIGTERM / SIGINT, the models named on the hub fetched
     first."""
+    from tokenmill.serve_ray.cli import run_ray_serve, wants_ray
     from tokenmill.server.serve_cli import merge_model_args, run_serve
 
     merge_model_args(args)
     fetch_named_models(args)
+    if wants_ray(args):  # --replicas / --min-replicas / --max-replicas: on Ray Serve
+        return run_ray_serve(args)
     return run_serve(args)
 
 

@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("api",),
     ("retrieval", "ops"),
     ("server", "batch", "stream", "chat"),
-    ("bench", "chat_remote"),
+    ("bench", "chat_remote", "serve_ray"),
     ("cli",),
     ("__main__",),
 ]

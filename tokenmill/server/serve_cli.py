@@ -88,10 +88,18 @@ def run_serve(args: argparse.Namespace) -> int:
     from tokenmill.engine.args import parse_lora_module
     from tokenmill.server.launcher import run_server
     from tokenmill.server.model_registry import config_factory, served_models
-    from tokenmill.server.monitor_cli import monitor_config_from_args
 
     merge_model_args(args)
-    config = ServerConfig(
+    config = server_config_from_args(args)
+    lora_modules = [parse_lora_module(v) for v in args.lora_modules]
+    return run_server(served_models(args), config, config_factory(args), lora_modules)
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The ServerConfig of `tokenmill serve`'s options."""
+    from tokenmill.server.monitor_cli import monitor_config_from_args
+
+    return ServerConfig(
         served_model_name=args.served_model_name, host=args.host, port=args.port,
         api_key=args.api_key or os.environ.get("TOKENMILL_API_KEY") or None,
         max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
@@ -107,8 +115,6 @@ def run_serve(args: argparse.Namespace) -> int:
         data_dir=args.data_dir, max_upload_bytes=args.max_upload_bytes,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         monitor=monitor_config_from_args(args))
-    lora_modules = [parse_lora_module(v) for v in args.lora_modules]
-    return run_server(served_models(args), config, config_factory(args), lora_modules)
 
 
 def _names(values: list[str]) -> tuple[str, ...]:
@@ -132,7 +138,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "this folder only")
     g.add_argument("--max-loaded-models", type=int, default=None, metavar="N",
                    help="at most N models loaded at once: the least recently used idle "
-                   "on-demand model is unloaded to make room (default: no limit)")
+                   "on-demand model is unloaded to make room (default: the models given at "
+                   "start plus one per 8 GiB of memory, 1 to 3)")
     g.add_argument("--keep-alive", type=float, default=ServerConfig.keep_alive,
                    metavar="SECONDS", help="unload an on-demand model idle this long "
                    "(0: never; default: %(default)s)")

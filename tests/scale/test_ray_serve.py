@@ -1,0 +1,195 @@
+"""`tokenmill serve --replicas 2` on a local Ray (kept on 127.0.0.1): two replicas of the
+embedded model with a small KV cache behind the ingress, against one in-process server.
+
+Answers equal a single server's; requests sharing a long prefix land on one replica and hit
+its prefix cache; unrelated prompts spread over both; a replica killed with ``ray.kill`` loses
+no request that had not started."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+from tokenmill.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+)
+from tokenmill.serve_ray.app import REPLICA_DEPLOYMENT, ScaleConfig, build_application  # noqa: E402
+from tokenmill.serve_ray.messages import REPLICA_HEADER  # noqa: E402
+
+SYSTEM = ("You are the support assistant of a hardware shop. Answer in one short sentence, "
+          "politely, and never invent prices or stock levels. ") * 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_config() -> EngineConfig:
+    return EngineConfig(model=ModelConfig(max_model_len=1024),
+                        cache=CacheConfig(num_blocks=96, block_size=16),
+                        scheduler=SchedulerConfig(max_num_seqs=4),
+                        device=DeviceConfig(num_threads=1))
+
+
+@pytest.fixture(scope="module")
+def server_config() -> ServerConfig:
+    return ServerConfig(host="127.0.0.1", port=_free_port())
+
+
+@pytest.fixture(scope="module")
+def cluster(server_config: ServerConfig) -> Iterator[str]:
+    """Two replicas on a local Ray; the ingress's base URL."""
+    saved = {k: os.environ.get(k) for k in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
+                                            "OMP_NUM_THREADS")}
+    # Keeps the local Ray on 127.0.0.1 (--node-ip-address alone does not).
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ["OMP_NUM_THREADS"] = "1"
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             _node_ip_address="127.0.0.1")
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": server_config.port})
+        app = build_application([(None, engine_config())], server_config,
+                                ScaleConfig(replicas=2, replica_cpus=1.0))
+        serve.run(app, name="tokenmill", route_prefix="/")
+        yield f"http://127.0.0.1:{server_config.port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def single(server_config: ServerConfig) -> Iterator[httpx.Client]:
+    """One in-process server (`tokenmill serve`'s application) to compare with."""
+    from fastapi.testclient import TestClient
+
+    from tokenmill.server.app import build_app
+    from tokenmill.server.launcher import load_models
+
+    state = load_models([(None, engine_config())], server_config)
+    with TestClient(build_app(state), base_url="http://127.0.0.1") as client:
+        yield client
+
+
+def chat(prompt: str, system: str = SYSTEM, **extra: object) -> dict:
+    return {"messages": [{"role": "system", "content": system},
+                                       {"role": "user", "content": prompt}],
+            "max_tokens": 6, "temperature": 0.0, **extra}
+
+
+def _answer(body: dict) -> tuple:
+    return (body["choices"], body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"])
+
+
+def test_answers_equal_a_single_servers(cluster: str, single: httpx.Client) -> None:
+    with httpx.Client(base_url=cluster, timeout=300) as client:
+        req = chat("Do you sell soldering irons?")
+        got, want = client.post("/v1/chat/completions", json=req), single.post(
+            "/v1/chat/completions", json=req)
+        assert got.status_code == want.status_code == 200
+        assert got.headers[REPLICA_HEADER]
+        assert _answer(got.json()) == _answer(want.json())
+        comp = {"prompt": "The capital of France is", "max_tokens": 5, "temperature": 0.0}
+        got, want = client.post("/v1/completions", json=comp), single.post(
+            "/v1/completions", json=comp)
+        assert got.json()["choices"] == want.json()["choices"]
+        # A streamed answer: the same events, ids and timestamps aside.
+        stream = {**req, "stream": True}
+        got_text = client.post("/v1/chat/completions", json=stream).text
+        want_text = single.post("/v1/chat/completions", json=stream).text
+        assert _deltas(got_text) == _deltas(want_text) and got_text.endswith("data: [DONE]\n\n")
+        # Errors are the same bytes.
+        bad = {"messages": [], "max_tokens": -1}
+        got, want = client.post("/v1/chat/completions", json=bad), single.post(
+            "/v1/chat/completions", json=bad)
+        assert (got.status_code, got.content) == (want.status_code, want.content)
+        assert client.get("/health").json() == single.get("/health").json()
+        model = single.get("/v1/models").json()["data"][0]["id"]
+        assert client.get("/v1/models").json()["data"][0]["id"] == model
+        ollama = {"model": model, "prompt": "Hi", "stream": False,
+                  "options": {"temperature": 0, "num_predict": 4}}
+        got, want = client.post("/api/generate", json=ollama), single.post(
+            "/api/generate", json=ollama)
+        assert got.status_code == want.status_code == 200, got.text
+        assert got.json()["response"] == want.json()["response"]
+        embed = {"input": "hello"}
+        got, want = client.post("/v1/embeddings", json=embed), single.post(
+            "/v1/embeddings", json=embed)
+        assert (got.status_code, got.content) == (want.status_code, want.content)
+
+
+def _deltas(sse: str) -> list[str]:
+    import json
+
+    out = []
+    for line in sse.splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:]).get("choices", []):
+                out.append(choice.get("delta", {}).get("content") or "")
+    return out
+
+
+def test_shared_prefix_lands_on_one_replica(cluster: str) -> None:
+    with httpx.Client(base_url=cluster, timeout=300) as client:
+        replicas, cached = set(), []
+        for question in ["Do you open on Sunday?", "Where is the shop?", "Any discounts?",
+                         "Can I return a cable?"]:
+            r = client.post("/v1/chat/completions", json=chat(question))
+            assert r.status_code == 200
+            replicas.add(r.headers[REPLICA_HEADER])
+            cached.append(r.json()["usage"].get("prompt_tokens_details", {})
+                          .get("cached_tokens", 0))
+        assert len(replicas) == 1
+        assert all(c >= 64 for c in cached[1:]), cached
+
+
+def test_unrelated_prompts_spread(cluster: str) -> None:
+    with httpx.Client(base_url=cluster, timeout=300) as client:
+        seen = set()
+        for i in range(6):
+            system = f"Topic {i}: " + " ".join(f"w{i}x{j}" for j in range(40))
+            r = client.post("/v1/chat/completions", json=chat("Go on.", system=system))
+            assert r.status_code == 200
+            seen.add(r.headers[REPLICA_HEADER])
+        assert len(seen) == 2
+
+
+def test_killed_replica_loses_no_request(cluster: str) -> None:
+    """Requests sent while a replica is killed are all answered: those that had not started
+    there (no answer had begun) are sent to the other; the next request is answered too."""
+
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(base_url=cluster, timeout=300) as client:
+            first = await client.post("/v1/chat/completions", json=chat("Warm up."))
+            victim = first.headers[REPLICA_HEADER]
+            batch = [asyncio.ensure_future(client.post(
+                "/v1/chat/completions", json=chat(f"Question {i}?", system=f"S{i} " * 30)))
+                for i in range(6)]
+            await asyncio.sleep(0.5)
+            name = f"SERVE_REPLICA::tokenmill#{REPLICA_DEPLOYMENT}#{victim}"
+            ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+            answers = await asyncio.gather(*batch)
+            return [a.status_code for a in answers]
+
+    assert asyncio.run(run()) == [200] * 6
+    with httpx.Client(base_url=cluster, timeout=300) as client:
+        assert client.post("/v1/chat/completions", json=chat("After.")).status_code == 200

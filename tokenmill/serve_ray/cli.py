@@ -1,0 +1,98 @@
+"""`tokenmill serve`'s options for Ray Serve (--replicas, --router, ...) and the command that
+runs when they are given. No Ray import until then: `tokenmill serve --help` stays light."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+
+from tokenmill.serve_ray import ROUTERS
+
+logger = logging.getLogger(__name__)
+
+
+def add_ray_serve_args(p: argparse.ArgumentParser) -> None:
+    """The "scaling out (Ray Serve)" group of `tokenmill serve`."""
+    g = p.add_argument_group("scaling out (Ray Serve; pip install tokenmill[ray])")
+    g.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="serve on Ray Serve with N replicas of the engines behind one ingress "
+                   "(the same HTTP API, each answer naming its replica in x-tokenmill-replica)")
+    g.add_argument("--min-replicas", type=int, default=None, metavar="N",
+                   help="autoscale on queue length between --min-replicas and --max-replicas "
+                   "(instead of --replicas)")
+    g.add_argument("--max-replicas", type=int, default=None, metavar="N")
+    g.add_argument("--target-ongoing-requests", type=float, default=4.0, metavar="N",
+                   help="autoscaling: requests in flight or queued per replica to aim for "
+                   "(default: %(default)s)")
+    g.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                   help="join a running Ray cluster (`ray start --head` prints it; 'auto': the "
+                   "one on this machine); default: start a local one")
+    g.add_argument("--router", choices=ROUTERS, default="prefix",
+                   help="prefix: the replica that already holds the prompt's prefix in its KV "
+                   "cache, unless the load is unbalanced; pow2: the less loaded of two; "
+                   "round_robin: in turn (default: %(default)s)")
+    g.add_argument("--replica-cpus", type=float, default=1.0, metavar="N",
+                   help="CPUs Ray reserves for each replica (default: %(default)s)")
+    g.add_argument("--replica-gpus", type=float, default=0.0, metavar="N",
+                   help="GPUs Ray reserves for each replica (default: %(default)s)")
+
+
+def wants_ray(args: argparse.Namespace) -> bool:
+    """Whether `tokenmill serve` runs on Ray Serve (any replica option given)."""
+    return any(getattr(args, name, None) is not None
+               for name in ("replicas", "min_replicas", "max_replicas"))
+
+
+def scale_config_from_args(args: argparse.Namespace):  # -> ScaleConfig
+    """The ScaleConfig of the options; ValueError for a contradiction."""
+    from tokenmill.serve_ray.app import ScaleConfig
+
+    autoscale = args.min_replicas is not None or args.max_replicas is not None
+    if autoscale and args.replicas is not None:
+        raise ValueError("give --replicas or --min-replicas/--max-replicas, not both")
+    if autoscale:
+        low = args.min_replicas if args.min_replicas is not None else 1
+        high = args.max_replicas if args.max_replicas is not None else max(low, 1)
+        return ScaleConfig(replicas=None, min_replicas=low, max_replicas=high,
+                           target_ongoing_requests=args.target_ongoing_requests,
+                           router=args.router, replica_cpus=args.replica_cpus,
+                           replica_gpus=args.replica_gpus)
+    return ScaleConfig(replicas=args.replicas, router=args.router,
+                       replica_cpus=args.replica_cpus, replica_gpus=args.replica_gpus)
+
+
+def run_ray_serve(args: argparse.Namespace) -> int:
+    """Serve ``args``'s models on Ray Serve until SIGTERM / SIGINT (then the replicas drain
+    for up to --drain-timeout seconds)."""
+    import ray
+    from ray import serve
+
+    from tokenmill.serve_ray.app import build_application
+    from tokenmill.server.model_registry import served_models
+    from tokenmill.server.serve_cli import merge_model_args, server_config_from_args
+
+    merge_model_args(args)
+    server = server_config_from_args(args)
+    if server.admin_key is not None or server.models_dir is not None or args.lora_modules:
+        raise ValueError("--replicas serves the models named at start: the admin API, "
+                         "--models-dir and --lora-modules are for one server")
+    scale = scale_config_from_args(args)
+    application = build_application(served_models(args), server, scale)
+    ray.init(address=args.ray_address, ignore_reinit_error=True)
+    serve.start(http_options={"host": server.host, "port": server.port})
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.run(application, name="tokenmill", route_prefix="/")
+        logger.info("serving on Ray Serve at http://%s:%d/v1 (%s, router %s)", server.host,
+                    server.port, f"{scale.replicas} replicas" if scale.replicas else
+                    f"{scale.min_replicas}-{scale.max_replicas} replicas", scale.router)
+        stop.wait()
+        logger.info("draining the replicas")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0

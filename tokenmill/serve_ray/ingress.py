@@ -1,0 +1,122 @@
+"""The ingress: Ray Serve's HTTP entry point, forwarding each request whole to a replica that
+answers it with ``tokenmill serve``'s application, and streaming the answer back with the
+replica's name in ``x-tokenmill-replica``.
+
+The ingress computes the prompt's block hashes (``route_key``) with the model's tokenizer, for
+the prefix-aware router. A replica that dies before it sends the head of its answer (the
+request had not started there) is left for another: the request is sent again, up to
+``MAX_ATTEMPTS`` times. An answer already streaming when its replica dies ends with an error
+event (server-sent events) instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+from ray.serve.handle import DeploymentHandle
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from tokenmill.serve_ray.messages import REPLICA_HEADER, HTTPRequestData, ResponseHead
+from tokenmill.serve_ray.routing import ROUTE_KEY, block_hashes
+from tokenmill.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+# Tries of a request whose replica died before answering (then a 503).
+MAX_ATTEMPTS = 3
+# Seconds between those tries: Ray notices the dead replica meanwhile.
+RETRY_BACKOFF_S = 0.5
+# What a dead replica raises in the caller.
+REPLICA_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+# Routes whose body names a prompt (JSON fields read for the route key).
+PROMPT_ROUTES = ("/v1/chat/completions", "/v1/completions", "/api/chat", "/api/generate",
+                 "/v1/responses")
+
+
+def prompt_token_ids(body: dict[str, Any], tokenizer: Tokenizer) -> list[int] | None:
+    """The prompt's tokens as the replica's engine will see them, for routing only (None
+    when the body names no plain prompt: the router then balances the load)."""
+    messages = body.get("messages")
+    if isinstance(body.get("input"), list):
+        messages = body["input"]
+    if isinstance(messages, list) and messages:
+        return tokenizer.encode_chat(messages)[1]
+    for field in ("prompt", "input"):
+        prompt = body.get(field)
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return tokenizer.encode(prompt)
+    return None
+
+
+class Ingress:
+    """Forwards HTTP requests to the replicas (``replicas``: their deployment's handle)."""
+
+    def __init__(self, replicas: DeploymentHandle) -> None:
+        self.replicas = replicas
+        self._tokenizers: dict[str, tuple[Tokenizer, int]] | None = None
+
+    async def _route_key(self, req: HTTPRequestData) -> list[bytes] | None:
+        if req.method != "POST" or req.path not in PROMPT_ROUTES:
+            return None
+        if self._tokenizers is None:
+            self._tokenizers = await self.replicas.tokenizers.remote()
+        try:
+            body = json.loads(req.body)
+            model = body.get("model")
+            tokenizer, block_size = (self._tokenizers.get(model)
+                                     or next(iter(self._tokenizers.values())))
+            ids = await asyncio.to_thread(prompt_token_ids, body, tokenizer)
+        except Exception:  # a malformed body: the replica answers it; any replica will do
+            return None
+        return block_hashes(ids, block_size) if ids else None
+
+    async def _open(self, req: HTTPRequestData) -> tuple[ResponseHead, AsyncIterator[Any]]:
+        """Send the request to a replica; its head and the rest of its answer."""
+        key = await self._route_key(req)
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            stream = self.replicas.options(stream=True).handle.remote(req, **{ROUTE_KEY: key})
+            try:
+                head = await stream.__anext__()
+                return head, stream
+            except REPLICA_GONE as e:
+                logger.warning("replica gone before answering (try %d of %d): %s",
+                               attempt, MAX_ATTEMPTS, e)
+                await asyncio.sleep(RETRY_BACKOFF_S * attempt)
+        raise ConnectionError(f"no replica answered in {MAX_ATTEMPTS} tries")
+
+    async def __call__(self, request: Request) -> Response:
+        """Answer one HTTP request through a replica."""
+        client = request.client
+        req = HTTPRequestData(request.method, request.url.path, request.url.query.encode(),
+                              list(request.headers.raw), await request.body(),
+                              (client.host, client.port) if client else None)
+        try:
+            head, stream = await self._open(req)
+        except ConnectionError as e:
+            return JSONResponse({"error": {"message": str(e), "type": "server_error",
+                                           "code": "no_replica"}}, status_code=503)
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in head.headers}
+        headers[REPLICA_HEADER] = head.replica
+        sse = headers.get("content-type", "").startswith("text/event-stream")
+        return StreamingResponse(_body(stream, sse), status_code=head.status, headers=headers)
+
+
+async def _body(stream: AsyncIterator[bytes], sse: bool) -> AsyncIterator[bytes]:
+    """The rest of the replica's answer; an error event if the replica dies mid-stream."""
+    try:
+        async for chunk in stream:
+            yield chunk
+    except REPLICA_GONE as e:
+        logger.warning("replica died while streaming: %s", e)
+        if sse:
+            error = {"error": {"message": "the replica serving this stream died",
+                               "type": "server_error", "code": "replica_died"}}
+            yield f"data: {json.dumps(error)}\n\n".encode()
