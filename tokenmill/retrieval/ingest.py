@@ -93,25 +93,32 @@ class Ingestor:
         file = await self._db(self.catalog.get_file, file_id)
         if row is None or file is None or row.status != "in_progress":
             return
-        chunks = await asyncio.to_thread(self._chunks, file_id, file.filename,
-                                         Chunking(row.max_tokens, row.overlap))
-        vectors: list[list[float]] = []
+        chunks, text_bytes = await asyncio.to_thread(self._chunks, file_id, file.filename,
+                                                     Chunking(row.max_tokens, row.overlap))
+        # Each batch becomes float32 at once: a whole file's vectors as Python floats take
+        # 32 bytes a number, and converting them in one call would block the event loop.
+        batches: list[np.ndarray] = []
         for start in range(0, len(chunks), EMBED_BATCH):
-            vectors.extend(await self.embedder.embed(chunks[start:start + EMBED_BATCH]))
-        matrix = normalise(np.array(vectors, dtype=np.float32))
-        if matrix.ndim != 2 or matrix.shape[0] != len(chunks):
-            raise RuntimeError(f"the embedder returned {matrix.shape} for {len(chunks)} texts")
-        usage = sum(len(c.encode()) for c in chunks) + matrix.nbytes
-        await self._db(self._commit, store_id, file_id, chunks, matrix, usage)
+            texts = chunks[start:start + EMBED_BATCH]
+            batch = np.array(await self.embedder.embed(texts), dtype=np.float32)
+            if batch.ndim != 2 or batch.shape[0] != len(texts):
+                raise RuntimeError(f"the embedder returned {batch.shape} for {len(texts)} "
+                                   "texts")
+            batches.append(normalise(batch))
+        matrix = await asyncio.to_thread(np.concatenate, batches)
+        await self._db(self._commit, store_id, file_id, chunks, matrix,
+                       text_bytes + matrix.nbytes)
 
-    def _chunks(self, file_id: str, filename: str, chunking: Chunking) -> list[str]:
+    def _chunks(self, file_id: str, filename: str, chunking: Chunking) -> tuple[list[str], int]:
+        """The file's chunks and their size in bytes (UTF-8)."""
         with open(os.path.join(self.files_dir, file_id), "rb") as f:
             data = f.read()
         text = extract_text(data, filename)
+        del data
         chunks = [c.text for c in chunk_text(text, self.embedder.token_spans, chunking)]
         if not chunks:
             raise InvalidFile(f"{filename!r} holds no text the embedding model can read")
-        return chunks
+        return chunks, sum(len(c.encode()) for c in chunks)
 
     def _commit(self, store_id: str, file_id: str, chunks: list[str], matrix: np.ndarray,
                 usage: int) -> None:
