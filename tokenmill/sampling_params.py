@@ -173,6 +173,9 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    # Scheduling priority (vLLM's `priority`): lower runs first; equal priorities run in
+    # arrival order, and a waiting request may preempt a running one of a higher value.
+    priority: int = 0
     # Normalised copies filled by __post_init__.
     stop_strings: list[str] = field(default_factory=list, init=False, repr=False)
 
@@ -240,6 +243,7 @@ class SamplingParams:
         self._validate_stops()
         self._validate_token_ids(vocab_size)
         self._validate_beam_search()
+        _check_range("priority", self.priority, -(1 << 31), (1 << 31) - 1, integer=True)
         so = self.structured_outputs
         if so is not None:
             if not isinstance(so, StructuredOutputsParams):

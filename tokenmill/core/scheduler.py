@@ -94,7 +94,7 @@ class Scheduler:
         request.max_total_tokens = token_limit(request, self.config, self.kv,
                                                self.max_model_len)
         self.register(request)
-        self.waiting.append(request)
+        self._enqueue(request)
         if request.beam is not None:
             self.beams.start(request)
 
@@ -147,6 +147,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         self._step_loras = set()
+        self._preempt_for_priority()
         if self.config.prefill_first:
             budget = self._schedule_running(out, scheduled, budget, short_prompts_only=True)
             # After a preemption the cache is full: admitting more would only preempt again.
@@ -357,9 +358,45 @@ class Scheduler:
         self.num_preemptions_total += 1
         self._preempted_ids.add(request.request_id)
         if front:
-            self.waiting.appendleft(request)
+            # First among the waiting requests of its priority (all of them when every
+            # request has the same priority).
+            prio = _priority(request)
+            at = next((i for i, r in enumerate(self.waiting) if _priority(r) >= prio),
+                      len(self.waiting))
+            self.waiting.insert(at, request)
         else:
             self.waiting.append(request)
+
+    def _enqueue(self, request: Request) -> None:
+        """Queue a new request after every waiting one of its priority or a more urgent one
+        (vLLM's priority policy: ordered by priority, then arrival; FCFS when all are equal)."""
+        prio = _priority(request)
+        if not self.waiting or _priority(self.waiting[-1]) <= prio:
+            self.waiting.append(request)
+            return
+        at = next(i for i, r in enumerate(self.waiting) if _priority(r) > prio)
+        self.waiting.insert(at, request)
+
+    def _preempt_for_priority(self) -> None:
+        """While the most urgent waiting request is more urgent than the least urgent running
+        one (the newest of its priority) and cannot start, for want of a batch place or of free
+        blocks for its first chunk, preempt that running request (it is recomputed later).
+        Nothing happens while all priorities are equal."""
+        if not self.waiting or not self.running:
+            return
+        head = self.waiting[0]
+        need = self.kv.blocks_needed(
+            min(head.num_tokens, self.config.max_num_batched_tokens)) + 1
+        while self.running:
+            victim = max((r for r in self.running if r.beam is None),
+                         key=lambda r: (_priority(r), r.arrival_time), default=None)
+            if victim is None or _priority(victim) <= _priority(head):
+                return
+            if (len(self.running) < self.config.max_num_seqs
+                    and self.kv.pool.num_free_blocks >= need):
+                return
+            self.running.remove(victim)
+            self._preempt(victim)
 
     def update(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[EngineCoreOutput]:
         """Append the sampled tokens, finish requests that hit a stop condition."""
@@ -470,3 +507,8 @@ def _lora_names(requests: Iterable[Request]) -> tuple[str, ...]:
     """The distinct adapters of ``requests``, by name, sorted."""
     return tuple(sorted({r.lora_request.lora_name for r in requests
                          if r.lora_request is not None}))
+
+
+def _priority(request: Request) -> int:
+    """A request's scheduling priority: lower runs first (vLLM's reading)."""
+    return request.sampling_params.priority
