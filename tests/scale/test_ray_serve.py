@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import socket
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -173,6 +175,24 @@ def test_unrelated_prompts_spread(cluster: str) -> None:
         assert len(seen) == 2
 
 
+def test_metrics_of_every_replica(cluster: str) -> None:
+    """/metrics: every replica's samples, labelled by replica; ?replica=NAME: its own."""
+    with httpx.Client(base_url=cluster, timeout=300) as client:
+        for _ in range(100):
+            text = client.get("/metrics").text
+            names = set(re.findall(r'replica="([^"]+)"', text))
+            if len(names) == 2:
+                break
+            time.sleep(0.2)
+        assert len(names) == 2, text[:500]
+        assert re.search(r'tokenmill:prefix_cache_hits_total\{[^}]*replica=', text)
+        one = client.get("/metrics", params={"replica": sorted(names)[0]})
+        assert one.status_code == 200 and "tokenmill:prefix_cache_hits" in one.text
+        assert 'replica="' not in one.text
+        missing = client.get("/metrics", params={"replica": "nope"})
+        assert missing.status_code == 404 and missing.json()["error"]["param"] == "replica"
+
+
 def test_killed_replica_loses_no_request(cluster: str) -> None:
     """Requests sent while a replica is killed are all answered: those that had not started
     there (no answer had begun) are sent to the other; the next request is answered too."""
@@ -192,4 +212,20 @@ def test_killed_replica_loses_no_request(cluster: str) -> None:
 
     assert asyncio.run(run()) == [200] * 6
     with httpx.Client(base_url=cluster, timeout=300) as client:
+        assert client.post("/v1/chat/completions", json=chat("After.")).status_code == 200
+
+
+def test_stream_of_a_killed_replica_ends_with_an_error(cluster: str) -> None:
+    """A stream already running when its replica dies ends with an error event, no hang."""
+    body = chat("Tell me a long story.", system="You tell stories. " * 10, max_tokens=400,
+                stream=True, ignore_eos=True)
+    with httpx.Client(base_url=cluster, timeout=300) as client:
+        with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
+            name = f"SERVE_REPLICA::tokenmill#{REPLICA_DEPLOYMENT}#{r.headers[REPLICA_HEADER]}"
+            ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+            rest = [line for line in lines if line]
+        assert "replica_died" in rest[-1] and "data: [DONE]" not in rest
         assert client.post("/v1/chat/completions", json=chat("After.")).status_code == 200

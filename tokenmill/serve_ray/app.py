@@ -81,4 +81,5 @@ def build_application(models: Sequence[tuple[str | None, EngineConfig]], server:
     ingress = serve.deployment(Ingress, name=INGRESS_DEPLOYMENT,
                                ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=100_000)
-    return ingress.bind(replicas.bind(list(models), server))
+    return ingress.bind(replicas.bind(list(models), server),
+                        own_metrics=not server.auth_health_metrics)

@@ -79,7 +79,11 @@ def run_ray_serve(args: argparse.Namespace) -> int:
         raise ValueError("--replicas serves the models named at start: the admin API, "
                          "--models-dir and --lora-modules are for one server")
     scale = scale_config_from_args(args)
-    application = build_application(served_models(args), server, scale)
+    models = served_models(args)
+    if any(c.cache.kv_events_endpoint for _, c in models):
+        raise ValueError("--kv-events-endpoint is for one server (the replicas would bind one "
+                         "endpoint); with --replicas the router already knows each prefix")
+    application = build_application(models, server, scale)
     ray.init(address=args.ray_address, ignore_reinit_error=True)
     serve.start(http_options={"host": server.host, "port": server.port})
     stop = threading.Event()

@@ -18,11 +18,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
+from prometheus_client import CONTENT_TYPE_LATEST
 from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from tokenmill.serve_ray.messages import REPLICA_HEADER, HTTPRequestData, ResponseHead
+from tokenmill.serve_ray.metrics import aggregate, open_board
 from tokenmill.serve_ray.routing import ROUTE_KEY, block_hashes
 from tokenmill.tokenizer import Tokenizer
 
@@ -59,9 +61,12 @@ def prompt_token_ids(body: dict[str, Any], tokenizer: Tokenizer) -> list[int] | 
 class Ingress:
     """Forwards HTTP requests to the replicas (``replicas``: their deployment's handle)."""
 
-    def __init__(self, replicas: DeploymentHandle) -> None:
+    def __init__(self, replicas: DeploymentHandle, own_metrics: bool = True) -> None:
         self.replicas = replicas
         self._tokenizers: dict[str, tuple[Tokenizer, int]] | None = None
+        # /metrics of every replica, answered here (off when /metrics needs the API key:
+        # then a replica answers it, with its own numbers, behind its own check).
+        self._board = open_board() if own_metrics else None
 
     async def _route_key(self, req: HTTPRequestData) -> list[bytes] | None:
         if req.method != "POST" or req.path not in PROMPT_ROUTES:
@@ -92,8 +97,23 @@ class Ingress:
                 await asyncio.sleep(RETRY_BACKOFF_S * attempt)
         raise ConnectionError(f"no replica answered in {MAX_ATTEMPTS} tries")
 
+    async def _metrics(self, request: Request) -> Response:
+        """Every replica's metrics labelled by replica, or one replica's (?replica=NAME)."""
+        texts = await self._board.latest.remote()
+        replica = request.query_params.get("replica")
+        if replica is not None:
+            if replica not in texts:
+                return JSONResponse({"error": {"message": f"no replica {replica!r}; replicas: "
+                                               f"{', '.join(sorted(texts))}",
+                                               "type": "invalid_request_error",
+                                               "param": "replica"}}, status_code=404)
+            return Response(texts[replica], media_type=CONTENT_TYPE_LATEST)
+        return Response(aggregate(texts), media_type=CONTENT_TYPE_LATEST)
+
     async def __call__(self, request: Request) -> Response:
         """Answer one HTTP request through a replica."""
+        if request.method == "GET" and request.url.path == "/metrics" and self._board is not None:
+            return await self._metrics(request)
         client = request.client
         req = HTTPRequestData(request.method, request.url.path, request.url.query.encode(),
                               list(request.headers.raw), await request.body(),

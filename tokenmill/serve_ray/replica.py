@@ -18,6 +18,7 @@ from ray import serve
 
 from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.serve_ray.messages import HTTPRequestData, ResponseHead, run_asgi
+from tokenmill.serve_ray.metrics import PUSH_INTERVAL_S, find_board
 from tokenmill.server.app import build_app
 from tokenmill.server.launcher import load_models
 from tokenmill.tokenizer import Tokenizer
@@ -35,6 +36,7 @@ class ReplicaServer:
         self.name = serve.get_replica_context().replica_id.unique_id
         self._lifespan: contextlib.AbstractAsyncContextManager[None] | None = None
         self._start_lock = asyncio.Lock()
+        self._pusher: asyncio.Future[None] | None = None
 
     async def _started(self) -> None:
         """Start the engines' step loops (the app's lifespan) on the replica's event loop,
@@ -44,6 +46,16 @@ class ReplicaServer:
                 lifespan = self.app.router.lifespan_context(self.app)
                 await lifespan.__aenter__()
                 self._lifespan = lifespan
+                self._pusher = asyncio.ensure_future(self._push_metrics())
+
+    async def _push_metrics(self) -> None:
+        """Post this replica's exposition to the ingress's board now and then (metrics.py)."""
+        while True:
+            board = find_board()
+            if board is not None:
+                body, _ = self.state.metrics.render()
+                board.put.remote(self.name, body.decode() if isinstance(body, bytes) else body)
+            await asyncio.sleep(PUSH_INTERVAL_S)
 
     async def handle(self, request: HTTPRequestData, route_key: list[bytes] | None = None
                      ) -> AsyncIterator[ResponseHead | bytes]:
@@ -62,11 +74,6 @@ class ReplicaServer:
         """The name this replica gives in the x-tokenmill-replica header."""
         return self.name
 
-    async def metrics(self) -> bytes:
-        """This replica's Prometheus exposition."""
-        body, _ = self.state.metrics.render()
-        return body if isinstance(body, bytes) else body.encode()
-
     def check_health(self) -> None:
         """Raise (Ray then replaces this replica) once an engine has died."""
         if self.state.dead_reason is not None:
@@ -74,6 +81,8 @@ class ReplicaServer:
 
     async def __del__(self) -> None:
         # Ray Serve awaits an async __del__ at shutdown, after requests in flight drained.
+        if self._pusher is not None:
+            self._pusher.cancel()
         if self._lifespan is not None:
             with contextlib.suppress(Exception):
                 await self._lifespan.__aexit__(None, None, None)
