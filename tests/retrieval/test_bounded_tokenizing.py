@@ -20,7 +20,7 @@ from tokenmill.api.chat import MAX_CHARS_PER_TOKEN
 from tokenmill.api.embeddings import EmbeddingRequest, prepare_embeddings
 from tokenmill.api.errors import APIError
 from tokenmill.model_loader import embedded_embedding_model_path
-from tokenmill.retrieval import HashEmbedder
+from tokenmill.retrieval import HashEmbedder, extract
 from tokenmill.retrieval.chunking import (
     TOKENIZE_PIECE_CHARS,
     Chunk,
@@ -210,3 +210,40 @@ def test_the_embedder_cuts_what_the_model_cannot_read() -> None:
     asyncio.run(emb.embed(["a" * (limit + 10), "short"]))
     assert seen == [["a" * limit, "short"]]
 
+
+
+# --- decoding an upload -------------------------------------------------------------------
+
+def test_a_large_file_is_decoded_in_bounded_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    sizes: list[int] = []
+    real = extract.codecs.getincrementaldecoder
+
+    def counting(encoding: str) -> Any:
+        class Decoder(real(encoding)):  # type: ignore[misc,valid-type]
+            def decode(self, data: Any, final: bool = False) -> str:
+                sizes.append(len(data))
+                return super().decode(data, final)
+        return Decoder
+
+    monkeypatch.setattr(extract.codecs, "getincrementaldecoder", counting)
+    data = (WORDS * 30_000).encode()  # 3.5 MB, not all ASCII
+    assert extract.extract_text(data, "big.txt") == data.decode()
+    assert sizes and max(sizes) <= extract.DECODE_PIECE_BYTES and sum(sizes) == len(data)
+
+
+@pytest.mark.parametrize("piece", [1, 2, 3, 1 << 20])
+def test_decoding_in_pieces_changes_nothing(monkeypatch: pytest.MonkeyPatch,
+                                            piece: int) -> None:
+    monkeypatch.setattr(extract, "DECODE_PIECE_BYTES", piece)
+    bom = b"\xef\xbb\xbf"
+    for text in [WORDS, "日本 😀 x", "a\ufeff b"]:
+        assert extract.extract_text(text.encode(), "a.md") == text
+        assert extract.extract_text(bom + text.encode(), "a.md") == text
+    # The offset of the first bad byte in the file, a byte-order mark included.
+    for data, offset in [(b"ab\xffcd", 2), (bom + b"ab\xffcd", 5), ("日本".encode()[:-1], 3),
+                         (bom + "é日".encode() + b"\x80", 8)]:
+        with pytest.raises(extract.InvalidFile, match=f"invalid byte at offset {offset}\\)"):
+            extract.extract_text(data, "a.txt")
+    for blank in [b"", b" \n\t", bom + b" ", "\u3000".encode()]:
+        with pytest.raises(extract.InvalidFile, match="empty|holds no text"):
+            extract.extract_text(blank, "a.txt")
