@@ -36,12 +36,14 @@ from tokenmill.server.lora_adapters import lora_router
 from tokenmill.server.monitoring import monitor_router
 from tokenmill.server.ollama_routes import ollama_router
 from tokenmill.server.openapi import install_openapi, json_body
+from tokenmill.server.organization_routes import install_tenancy
 from tokenmill.server.request_id import RequestIdMiddleware
 from tokenmill.server.responses_routes import responses_router
 from tokenmill.server.retrieval_routes import retrieval_limits, retrieval_router
 from tokenmill.server.serving import create_response
 from tokenmill.server.state import ServedModel, ServerState
 from tokenmill.server.webui_routes import stats_router, webui_router
+from tokenmill.tenancy.meter import current_tab
 
 
 def build_app(state: ServerState, manager: ModelManager | None = None,
@@ -76,7 +78,9 @@ def build_app(state: ServerState, manager: ModelManager | None = None,
     install_error_handlers(app)
 
     async def require_key(request: Request) -> None:
-        if not state.key_matches(request.headers.get("authorization")):
+        # A project key was checked by the tenancy guard (organization_routes.py).
+        if current_tab.get() is None and not state.key_matches(
+                request.headers.get("authorization")):
             raise APIError(401, "missing or invalid API key (send Authorization: Bearer <key>)",
                            code="invalid_api_key")
 
@@ -104,6 +108,7 @@ def build_app(state: ServerState, manager: ModelManager | None = None,
         app.include_router(admin_router(state, manager))
         if state.monitors is not None:
             app.include_router(monitor_router(state, state.monitors))
+    install_tenancy(app, state)
     config = state.config
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),

@@ -15,6 +15,7 @@ from tokenmill.api.completions import CompletionCall
 from tokenmill.api.endpoints import prepare
 from tokenmill.api.errors import APIError
 from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest, now, random_id
+from tokenmill.api.reasoning import ReasoningSetup
 from tokenmill.api.responses import Collected, collect
 from tokenmill.api.validation import engine_refusal
 from tokenmill.engine.async_llm import (
@@ -26,6 +27,7 @@ from tokenmill.engine.llm_engine import PromptType
 from tokenmill.sampling_params import PoolingParams, SamplingParams
 from tokenmill.server.state import ServedModel, ServerState
 from tokenmill.server.streaming import EngineStreamingResponse, stream_events, until_disconnect
+from tokenmill.tenancy.meter import meter, with_priority
 
 # Seconds a client is told to wait after a 503 for a full queue.
 RETRY_AFTER_S = 1
@@ -38,7 +40,9 @@ async def submit(state: ServerState, served: ServedModel, prompts: Sequence[Prom
     if state.draining:
         raise APIError(503, "the server is shutting down", code="shutting_down")
     try:
-        return await served.client.submit(prompts, params, prefix, lora_request=served.lora)
+        # A project's request runs at its project's priority and is metered for it.
+        return meter(await served.client.submit(prompts, with_priority(params), prefix,
+                                                lora_request=served.lora), served.name)
     except EngineOverloadedError as e:
         raise APIError(503, f"the server is overloaded ({e}); retry later", code="overloaded",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -60,6 +64,11 @@ async def collect_unless_gone(group: RequestGroup, num_prompts: int, n: int,
         group.close()
 
 
+def reasoning_setup(state: ServerState) -> ReasoningSetup:
+    """The server's reasoning parser and default thinking budget."""
+    return ReasoningSetup(state.config.reasoning_parser, state.config.max_thinking_tokens)
+
+
 async def start_generation(state: ServerState, served: ServedModel,
                            req: ChatCompletionRequest | CompletionRequest,
                            ) -> tuple[ChatCall | CompletionCall, RequestGroup]:
@@ -68,7 +77,8 @@ async def start_generation(state: ServerState, served: ServedModel,
     with served.lease():
         call = await state.offload(functools.partial(
             prepare, split_special_tokens=state.config.split_special_tokens,
-            tool_call_parser=state.config.tool_call_parser), req, served.client)
+            tool_call_parser=state.config.tool_call_parser,
+            reasoning=reasoning_setup(state)), req, served.client)
         group = await submit(state, served, call.engine_prompts, call.params, call.id_prefix)
     return call, group
 

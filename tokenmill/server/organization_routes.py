@@ -1,0 +1,132 @@
+"""OpenAI's Administration API for projects and their keys (``/v1/organization/...``), behind
+the admin key: create, list, retrieve, modify (name, priority class, limits) and archive
+projects; create, list, retrieve and revoke a project's API keys; read the audit log."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+from tokenmill.api.errors import APIError, parse_json
+from tokenmill.api.organization import (
+    ApiKeyBody,
+    ProjectBody,
+    api_key_object,
+    deleted_key_object,
+    list_page,
+    project_object,
+)
+from tokenmill.retrieval.service import default_data_dir
+from tokenmill.server.admin_routes import admin_key_check
+from tokenmill.server.errors import check_json_content_type, read_body
+from tokenmill.server.state import ServerState
+from tokenmill.server.tenancy_guard import TenancyGuard
+from tokenmill.tenancy.limits import Limiter
+from tokenmill.tenancy.store import NotFound, TenancyStore
+
+# Who the audit log names for what the admin key does.
+ADMIN_ACTOR = "admin_key"
+
+
+def _not_found(what: str, ident: str, param: str) -> APIError:
+    return APIError(404, f"no {what} with id {ident!r}", param=param, code="not_found")
+
+
+def organization_router(state: ServerState, store: TenancyStore) -> APIRouter:
+    """The /v1/organization routes, behind the admin key."""
+    router = APIRouter(prefix="/v1/organization",
+                       dependencies=[Depends(admin_key_check(state))])
+
+    async def body_of(request: Request, model: type[BaseModel]) -> Any:
+        check_json_content_type(request)
+        raw = await read_body(request, state.config.max_body_bytes, state.config.body_timeout)
+        return await state.offload(parse_json, raw, model)
+
+    def project_or_404(project_id: str) -> Any:
+        try:
+            return store.project(project_id)
+        except NotFound:
+            raise _not_found("project", project_id, "project_id") from None
+
+    @router.get("/projects")
+    async def list_projects(limit: int = Query(20, ge=1, le=100), after: str | None = None,
+                            include_archived: bool = False) -> JSONResponse:
+        items = [project_object(p) for p in store.projects(include_archived)]
+        return JSONResponse(list_page(items, limit, after))
+
+    @router.post("/projects")
+    async def create_project(request: Request) -> JSONResponse:
+        body: ProjectBody = await body_of(request, ProjectBody)
+        if body.name is None:
+            raise APIError(400, "name is required", param="name", code="missing_required_parameter")
+        project = store.create_project(body.name, ADMIN_ACTOR, body.priority or 0, body.limits())
+        return JSONResponse(project_object(project))
+
+    @router.get("/projects/{project_id}")
+    async def retrieve_project(project_id: str) -> JSONResponse:
+        return JSONResponse(project_object(project_or_404(project_id)))
+
+    @router.post("/projects/{project_id}")
+    async def modify_project(project_id: str, request: Request) -> JSONResponse:
+        project_or_404(project_id)
+        body: ProjectBody = await body_of(request, ProjectBody)
+        try:
+            project = store.update_project(project_id, ADMIN_ACTOR, body.changes())
+        except ValueError as e:
+            raise APIError(400, str(e), param="project_id") from None
+        return JSONResponse(project_object(project))
+
+    @router.post("/projects/{project_id}/archive")
+    async def archive_project(project_id: str) -> JSONResponse:
+        project_or_404(project_id)
+        return JSONResponse(project_object(store.archive_project(project_id, ADMIN_ACTOR)))
+
+    @router.get("/projects/{project_id}/api_keys")
+    async def list_keys(project_id: str, limit: int = Query(20, ge=1, le=100),
+                        after: str | None = None) -> JSONResponse:
+        project_or_404(project_id)
+        items = [api_key_object(k) for k in store.keys(project_id)]
+        return JSONResponse(list_page(items, limit, after))
+
+    @router.post("/projects/{project_id}/api_keys")
+    async def create_key(project_id: str, request: Request) -> JSONResponse:
+        project_or_404(project_id)
+        body: ApiKeyBody = await body_of(request, ApiKeyBody)
+        try:
+            key, value = store.create_key(project_id, body.name, ADMIN_ACTOR)
+        except ValueError as e:
+            raise APIError(400, str(e), param="project_id") from None
+        return JSONResponse(api_key_object(key, value))
+
+    @router.get("/projects/{project_id}/api_keys/{key_id}")
+    async def retrieve_key(project_id: str, key_id: str) -> JSONResponse:
+        project_or_404(project_id)
+        try:
+            return JSONResponse(api_key_object(store.key(project_id, key_id)))
+        except NotFound:
+            raise _not_found("API key", key_id, "key_id") from None
+
+    @router.delete("/projects/{project_id}/api_keys/{key_id}")
+    async def delete_key(project_id: str, key_id: str) -> JSONResponse:
+        project_or_404(project_id)
+        try:
+            store.revoke_key(project_id, key_id, ADMIN_ACTOR)
+        except NotFound:
+            raise _not_found("API key", key_id, "key_id") from None
+        return JSONResponse(deleted_key_object(key_id))
+
+    return router
+
+
+def install_tenancy(app: FastAPI, state: ServerState) -> TenancyStore | None:
+    """With an admin key: the projects store (``<data dir>/tenancy.sqlite``), its routes and
+    the guard that resolves project keys. Call it before the outer middlewares are added."""
+    if state.config.admin_key is None:
+        return None
+    store = TenancyStore(state.config.data_dir or default_data_dir())
+    app.include_router(organization_router(state, store))
+    app.add_middleware(TenancyGuard, store=store, limiter=Limiter(store.spent_since))
+    return store

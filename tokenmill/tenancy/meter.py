@@ -1,0 +1,115 @@
+"""Who a request belongs to while the server handles it, and the metering of its engine
+outputs: tokens counted towards the project's per-minute limit as the engine produces them,
+and one usage row (tokens, cost, finish reason, latency) when the call ends.
+
+The server's tenancy guard sets ``current_tab`` for a request made with a project key; the
+code that queues engine requests reads it (``meter``) without knowing about projects."""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.tenancy.limits import Limiter
+from tokenmill.tenancy.store import Caller, TenancyStore
+
+
+@dataclass
+class Tab:
+    """One HTTP request of a project: its caller and where its usage goes."""
+
+    caller: Caller
+    store: TenancyStore
+    limiter: Limiter
+    started: float = field(default_factory=time.monotonic)
+
+    def priority(self, requested: int) -> int:
+        """The priority a request runs with: its own ``priority`` field, never more urgent
+        (lower) than its project's class allows."""
+        return max(requested, self.caller.project.priority)
+
+
+current_tab: contextvars.ContextVar[Tab | None] = contextvars.ContextVar(
+    "tokenmill_tenancy_tab", default=None)
+
+
+def with_priority(params: Any) -> Any:
+    """``params`` with the priority the current project allows (unchanged outside a project,
+    and for params without a priority, such as pooling's)."""
+    tab = current_tab.get()
+    if tab is None or not hasattr(params, "priority"):
+        return params
+    wanted = tab.priority(params.priority)
+    return params if wanted == params.priority else dataclasses.replace(params, priority=wanted)
+
+
+def meter(group: Any, model: str) -> Any:
+    """``group`` (an engine RequestGroup) counted for the current project; itself when the
+    request has no project."""
+    tab = current_tab.get()
+    return group if tab is None else MeteredGroup(group, tab, model)
+
+
+class MeteredGroup:
+    """A RequestGroup whose outputs are counted as they arrive: every attribute is the
+    group's, iteration counts tokens, and the end (or ``close``) writes the usage row."""
+
+    def __init__(self, group: Any, tab: Tab, model: str) -> None:
+        self._group = group
+        self._tab = tab
+        self._model = model
+        self._prompt_seen: set[int] = set()
+        self._input = self._output = 0
+        self._cost: dict[int, float] = {}
+        self._finish: str | None = None
+        self._kind = "completions"
+        self._recorded = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._group, name)
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, Any]]:
+        try:
+            async for index, out in self._group:
+                self._count(index, out)
+                yield index, out
+        finally:
+            self._record()
+
+    def _count(self, index: int, out: Any) -> None:
+        new = 0
+        if index not in self._prompt_seen:
+            self._prompt_seen.add(index)
+            new += len(out.prompt_token_ids)
+            self._input += len(out.prompt_token_ids)
+        if hasattr(out, "embedding"):
+            self._kind = "embeddings"
+        else:
+            generated = sum(len(o.token_ids) for o in out.outputs)
+            new += generated
+            self._output += generated
+            reasons = [o.finish_reason for o in out.outputs if o.finish_reason]
+            self._finish = reasons[-1] if reasons else self._finish
+        self._cost[index] = out.metrics.usage.cost_usd
+        self._tab.limiter.add_tokens(self._tab.caller.project.id, new)
+
+    def close(self) -> None:
+        """Close the group, recording what it used."""
+        self._group.close()
+        self._record()
+
+    def _record(self) -> None:
+        if self._recorded:
+            return
+        self._recorded = True
+        caller = self._tab.caller
+        self._tab.store.record_usage({
+            "time": time.time(), "project_id": caller.project.id, "key_id": caller.key_id,
+            "model": self._model, "kind": self._kind, "input_tokens": self._input,
+            "output_tokens": self._output, "cost": sum(self._cost.values()),
+            "finish_reason": self._finish,
+            "latency": time.monotonic() - self._tab.started})
