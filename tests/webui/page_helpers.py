@@ -19,12 +19,21 @@ def severe_logs(browser) -> list[str]:
     return [e["message"] for e in browser.get_log("browser") if e["level"] == "SEVERE"]
 
 
+def leave_page(browser) -> None:
+    """Go to a blank page and drop the console of the one before (a dashboard polling a server
+    that a finished test stopped logs errors until it is left)."""
+    browser.get("about:blank")
+    browser.get_log("browser")
+
+
 def open_chat(browser, server: Server) -> None:
+    leave_page(browser)
     browser.get(server.url + "/")
     wait(browser).until(lambda b: Select(b.find_element(By.ID, "model")).options)
 
 
 def open_dashboard(browser, server: Server) -> None:
+    leave_page(browser)
     browser.get(server.url + "/dashboard")
     wait(browser).until(lambda b: b.find_element(By.ID, "d-finished").text != "-")
 

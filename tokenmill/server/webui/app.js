@@ -240,6 +240,9 @@ document.addEventListener("DOMContentLoaded", () => {
   document.getElementById("send").onclick = send;
   document.getElementById("stop").onclick = () => { if (controller) controller.abort(); };
   document.getElementById("new-chat").onclick = newConversation;
+  document.getElementById("model").onchange = () => {
+    if (!current || !current.messages.length) showConversation();  // the hint names it
+  };
   document.getElementById("key-button").onclick = () => askForKey("The server's --api-key:");
   document.getElementById("input").addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); send(); }

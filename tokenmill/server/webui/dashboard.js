@@ -4,6 +4,9 @@
 "use strict";
 
 const POINTS = 300;
+// The narrowest time window drawn: a young server's few samples are not squeezed into a
+// corner of a five-minute chart.
+const MIN_POINTS = 60;
 const COLORS = ["#2f6fed", "#e8832a", "#2a9d5c"];
 const chartHistory = {};  // model -> array of its /stats entries (or history samples)
 
@@ -58,6 +61,11 @@ function drawChart(id, series) {
     ctx.beginPath(); ctx.moveTo(left, y); ctx.lineTo(w - 10, y); ctx.stroke();
     ctx.fillText(labels[i], left - 8, y + 7);
   }
+  // The time axis: one sample a second, the newest at the right edge.
+  const span = series[0].length;
+  ctx.fillText("now", w - 10, h - 6);
+  ctx.textAlign = "left";
+  ctx.fillText(span >= 120 ? Math.round(span / 60) + " min ago" : span + " s ago", left, h - 6);
   series.forEach((data, k) => {
     ctx.strokeStyle = COLORS[k % COLORS.length];
     ctx.lineWidth = 3;
@@ -65,7 +73,7 @@ function drawChart(id, series) {
     let started = false;
     data.forEach((v, i) => {
       if (v === null || v === undefined) { started = false; return; }
-      const x = left + (i / (POINTS - 1)) * (w - left - 10);
+      const x = left + (i / (data.length - 1)) * (w - left - 10);
       const y = h - pad - (v / top) * (h - 2 * pad);
       if (started) ctx.lineTo(x, y); else { ctx.moveTo(x, y); started = true; }
     });
@@ -113,8 +121,9 @@ function show(name, entry) {
   setText("d-cost", money(entry.usd_per_1k_output_tokens));
   showDrift(entry);
   const h = chartHistory[name] || [];
-  // The newest sample at the right edge.
-  const col = (f) => Array(Math.max(0, POINTS - h.length)).fill(null).concat(h.map(f)).slice(-POINTS);
+  // The newest sample at the right edge of a window of MIN_POINTS to POINTS samples.
+  const span = Math.min(POINTS, Math.max(MIN_POINTS, h.length));
+  const col = (f) => Array(Math.max(0, span - h.length)).fill(null).concat(h.map(f)).slice(-span);
   drawChart("c-throughput", [col((e) => e.output_tokens_per_s), col((e) => e.prompt_tokens_per_s)]);
   drawChart("c-requests", [col((e) => e.running), col((e) => e.waiting)]);
   drawChart("c-latency", [col((e) => (e.ttft_seconds.p50 ?? null)),

@@ -11,10 +11,11 @@ const ITEM = /^\s*([-*+]|\d{1,9}[.)])\s+(.*)$/;
 const QUOTE = /^ {0,3}>\s?(.*)$/;
 const RULE = /^ {0,3}([-*_])(\s*\1){2,}\s*$/;
 // Inline spans, first match wins: code (any run of backticks, closed by the same run), bold,
-// italic. Bold and italic need a non-space just inside their markers, as in CommonMark.
+// italic. Bold and italic need a non-space just inside their markers, as in CommonMark; bold
+// ends at the last of a run of stars, so **bold *italic*** nests.
 const INLINE = new RegExp([
   "(`+)([\\s\\S]*?[^`])\\1(?!`)",
-  "\\*\\*(?=\\S)([\\s\\S]*?\\S)\\*\\*",
+  "\\*\\*(?=\\S)([\\s\\S]*?\\S)\\*\\*(?!\\*)",
   "__(?=\\S)([\\s\\S]*?\\S)__(?!\\w)",
   "\\*([^\\s*](?:[^*]*[^\\s*])?)\\*",
   "(?<![\\w])_(?=\\S)([^_]*?\\S)_(?!\\w)",
