@@ -410,6 +410,7 @@ class MonitorConfig:
 
 # The tool-call formats the server reads (tokenmill/api/tool_parsers.py); auto picks one.
 TOOL_CALL_PARSERS = ("auto", "hermes", "smollm")
+REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek_r1")
 
 
 @dataclass(frozen=True)
@@ -448,6 +449,11 @@ class ServerConfig:
     max_connections: int = 1024
     split_special_tokens: bool = False
     tool_call_parser: str = "auto"
+    # Reasoning models (api/reasoning.py): the parser that splits the thinking from the answer
+    # (one of REASONING_PARSERS; auto: by the chat template; none: thinking stays in the
+    # content), and the thinking budget of a request that sets none (None: unbounded).
+    reasoning_parser: str = "auto"
+    max_thinking_tokens: int | None = None
     # Files and vector stores (tokenmill/retrieval): their folder (None: the user's data
     # folder, see retrieval.default_data_dir) and the largest upload /v1/files takes.
     data_dir: str | None = None
@@ -501,6 +507,11 @@ class ServerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
+        if self.max_thinking_tokens is not None and self.max_thinking_tokens < 0:
+            raise ValueError(f"max_thinking_tokens must be >= 0, got {self.max_thinking_tokens}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}")

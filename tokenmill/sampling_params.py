@@ -127,6 +127,31 @@ class StructuredOutputsParams:
         return self.regex or self.grammar or ""
 
 
+@dataclass(frozen=True)
+class ThinkingBudget:
+    """A hard limit on a reasoning model's thinking: once ``max_tokens`` tokens of thinking
+    have been generated, the sampler forces ``end_token_ids`` (the end-of-thinking marker and
+    whatever transition the family needs around it) and the answer follows.
+
+    Thinking is the output between ``start_token_id`` and the marker ``end_token_id`` (which
+    ``end_token_ids`` contains); ``starts_inside``: the prompt already opened it (a chat
+    template that ends the generation prompt with the start marker)."""
+
+    max_tokens: int
+    start_token_id: int
+    end_token_id: int
+    end_token_ids: tuple[int, ...]
+    starts_inside: bool = False
+
+    def validate(self) -> None:
+        """ValueError naming the field that is wrong."""
+        _check_range("thinking_token_budget", self.max_tokens, 0, MAX_TOKEN_COUNT, integer=True)
+        for tid in (self.start_token_id, self.end_token_id, *self.end_token_ids):
+            _check_range("thinking budget token id", tid, 0, MAX_TOKEN_COUNT, integer=True)
+        if self.end_token_id not in self.end_token_ids:
+            raise ValueError("thinking budget: end_token_ids must contain end_token_id")
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request's output tokens.
@@ -173,6 +198,8 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    # A hard limit on a reasoning model's thinking (None: it thinks until it stops itself).
+    thinking_budget: ThinkingBudget | None = None
     # Scheduling priority (vLLM's `priority`): lower runs first; equal priorities run in
     # arrival order, and a waiting request may preempt a running one of a higher value.
     priority: int = 0
@@ -201,6 +228,10 @@ class SamplingParams:
                 raise ValueError(f"logit_bias must be a dict of token id to bias, got "
                                  f"{type(self.logit_bias).__name__}")
             self.logit_bias = dict(self.logit_bias)
+        if self.thinking_budget is not None:
+            # Drafts are verified without the budget's forced tokens: a budgeted request
+            # decodes one token per step.
+            self.speculative = False
         self.validate()
 
     @property
@@ -244,6 +275,11 @@ class SamplingParams:
         self._validate_token_ids(vocab_size)
         self._validate_beam_search()
         _check_range("priority", self.priority, -(1 << 31), (1 << 31) - 1, integer=True)
+        if self.thinking_budget is not None:
+            if not isinstance(self.thinking_budget, ThinkingBudget):
+                raise ValueError(f"thinking_budget must be a ThinkingBudget, got "
+                                 f"{type(self.thinking_budget).__name__}")
+            self.thinking_budget.validate()
         so = self.structured_outputs
         if so is not None:
             if not isinstance(so, StructuredOutputsParams):

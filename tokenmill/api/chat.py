@@ -18,9 +18,16 @@ from tokenmill.api.protocol import (
     ChatLogprobs,
     ChatMessage,
     ChatTokenLogprob,
+    CompletionTokensDetails,
     DeltaMessage,
     TopLogprob,
     UsageInfo,
+)
+from tokenmill.api.reasoning import ReasoningReader, ReasoningSetup, resolve_reasoning_parser
+from tokenmill.api.reasoning_request import (
+    apply_reasoning,
+    check_template_switch,
+    requested_budget,
 )
 from tokenmill.api.responses import Collected, TokenTexts, finite
 from tokenmill.api.tool_parsers import ToolParser, resolve_parser
@@ -115,6 +122,8 @@ class ChatCall:
     tokenizer: Tokenizer
     # Reads the outputs for tool calls (None: plain text).
     tools: ToolReader | None = None
+    # Reads the outputs for a reasoning model's thinking (None: all of it is the answer).
+    reasoning: ReasoningReader | None = None
 
     def response(self, result: Collected, model: str, rid: str,
                  created: int) -> ChatCompletionResponse:
@@ -123,15 +132,25 @@ class ChatCall:
         k = logprobs_k(self.req)
         choices = []
         for i, c in enumerate(result.choices[0]):
-            message, reason = ChatMessage(content="".join(c.text)), c.finish_reason
+            text, thinking = "".join(c.text), None
+            if self.reasoning is not None:
+                thinking, text = self.reasoning.split(text)
+            message, reason = ChatMessage(content=text), c.finish_reason
             if self.tools is not None:
-                message, reason = self.tools.message("".join(c.text), reason)
+                message, reason = self.tools.message(text, reason)
+            if thinking is not None:
+                message.content = message.content or None
+                message.reasoning_content = message.reasoning = thinking
             choices.append(ChatChoice(
                 index=i, message=message,
                 logprobs=chat_logprobs(c.logprobs, k, texts) if k is not None else None,
                 finish_reason=reason, stop_reason=c.stop_reason))
+        usage = result.usage()
+        if self.reasoning is not None:
+            usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=sum(
+                self.reasoning.count(c.token_ids) for c in result.choices[0]))
         return ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
-                                      usage=result.usage())
+                                      usage=usage)
 
     def chunks(self, model: str, rid: str, created: int) -> ChatChunks:
         """The builder of this request's streamed chunks (see StreamChunks)."""
@@ -172,24 +191,38 @@ class ChatChunks:
                 self.done.add(c.index)
             lps = chat_logprobs(c.logprobs or [], self.k, self.texts) \
                 if self.k is not None else None
-            delta, reason = DeltaMessage(content=c.text), c.finish_reason
+            text, thinking = c.text, ""
+            if self.call.reasoning is not None:
+                self.call.reasoning.observe(c.index, c.token_ids)
+                thinking, text = self.call.reasoning.delta(c.index, c.text, c.finished)
+            delta, reason = DeltaMessage(content=text), c.finish_reason
             if self.call.tools is not None:
-                delta, reason = self.call.tools.delta(c.index, c.text, c.finished, reason)
-                if delta is None and lps is None and not c.finished:
-                    continue  # held back: the text may be a call's markup
+                delta, reason = self.call.tools.delta(c.index, text, c.finished, reason)
+            elif self.call.reasoning is not None and not text:
+                delta = None
+            if thinking:
+                delta = delta or DeltaMessage()
+                delta.reasoning_content = delta.reasoning = thinking
+            if delta is None and lps is None and not c.finished:
+                continue  # held back: the text may be markup (a call's, the thinking's)
             choices.append(ChatChunkChoice(
                 index=c.index, delta=delta or DeltaMessage(), logprobs=lps,
                 finish_reason=reason, stop_reason=c.stop_reason))
         return self._chunk(choices) if choices else None
 
     def usage(self, usage: UsageInfo) -> ChatCompletionChunk:
+        if self.call.reasoning is not None:
+            usage.completion_tokens_details = CompletionTokensDetails(
+                reasoning_tokens=self.call.reasoning.streamed_count)
         return self._chunk([], usage)
 
 
 def prepare_chat(req: ChatCompletionRequest, served: ServedModel,
-                 tool_call_parser: str = "auto") -> ChatCall:
+                 tool_call_parser: str = "auto",
+                 reasoning: ReasoningSetup | None = None) -> ChatCall:
     """The engine prompt and sampling parameters of a chat request; 400 names the bad field.
-    ``tool_call_parser``: the tool-call format (see api/tool_parsers.py).
+    ``tool_call_parser``: the tool-call format (see api/tool_parsers.py); ``reasoning``: the
+    reasoning parser and default thinking budget (see api/reasoning.py).
 
     Shared by the server and the batch job, so both accept and reject the same bodies."""
     if not req.messages:
@@ -202,6 +235,11 @@ def prepare_chat(req: ChatCompletionRequest, served: ServedModel,
     tokenizer = served.tokenizer
     setup = check_tools(req)
     parser = resolve_parser(tool_call_parser, tokenizer.chat_template)
+    reasoning = reasoning or ReasoningSetup()
+    thinker = resolve_reasoning_parser(reasoning.parser, tokenizer.chat_template)
+    check_template_switch(req.chat_template_kwargs, thinker, tokenizer.chat_template)
+    budget = requested_budget({"thinking_token_budget": req.thinking_token_budget,
+                               "max_thinking_tokens": req.max_thinking_tokens})
     forced = forced_call(setup, parser)
     text, ids = render_prompt(tokenizer, req, served.max_model_len, (setup, parser))
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
@@ -223,5 +261,8 @@ def prepare_chat(req: ChatCompletionRequest, served: ServedModel,
         check_forced_call(params, served)
     else:
         check_grammar(req, params, served)
+    thinking, params = apply_reasoning(thinker, budget, reasoning.max_thinking_tokens, text,
+                                       tokenizer, params)
     reader = ToolReader(parser, frozenset(setup.names)) if setup.parses else None
-    return ChatCall(req, [{"prompt": text, "prompt_token_ids": ids}], params, tokenizer, reader)
+    return ChatCall(req, [{"prompt": text, "prompt_token_ids": ids}], params, tokenizer, reader,
+                    thinking)

@@ -9,6 +9,7 @@ from tokenmill.api.classify import ClassifyRequest
 from tokenmill.api.completions import CompletionCall, prepare_completion
 from tokenmill.api.embeddings import EmbeddingRequest
 from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest
+from tokenmill.api.reasoning import ReasoningSetup
 from tokenmill.api.scores import RerankRequest, ScoreRequest
 from tokenmill.api.validation import ServedModel
 
@@ -27,10 +28,12 @@ ENDPOINTS: dict[str, type[BaseModel]] = {
 
 def prepare(req: ChatCompletionRequest | CompletionRequest, served: ServedModel, *,
             split_special_tokens: bool = False,
-            tool_call_parser: str = "auto") -> ChatCall | CompletionCall:
+            tool_call_parser: str = "auto",
+            reasoning: ReasoningSetup | None = None) -> ChatCall | CompletionCall:
     """The engine prompts and sampling parameters of a request; 400 names the bad field.
     ``split_special_tokens``: completions' text prompts read special-token text as plain text
-    (chat messages always do). ``tool_call_parser``: the format of chat's tool calls."""
+    (chat messages always do). ``tool_call_parser``: the format of chat's tool calls;
+    ``reasoning``: chat's reasoning parser and default thinking budget."""
     if isinstance(req, ChatCompletionRequest):
-        return prepare_chat(req, served, tool_call_parser)
+        return prepare_chat(req, served, tool_call_parser, reasoning)
     return prepare_completion(req, served, split_special_tokens=split_special_tokens)

@@ -153,6 +153,10 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # Reasoning models (see api/reasoning.py): a hard limit on the thinking tokens, under
+    # vLLM's name and llama.cpp's; at most one of them.
+    thinking_token_budget: int | None = None
+    max_thinking_tokens: int | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -203,12 +207,19 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     # OpenAI's: how many prompt tokens came from the prefix cache.
     prompt_tokens_details: PromptTokensDetails | None = None
+    # OpenAI's: how many completion tokens were thinking (set when a reasoning parser reads
+    # the output).
+    completion_tokens_details: CompletionTokensDetails | None = None
     # tokenmill's additions: the request's share of the engine steps that computed it, their
     # energy (J; energy_estimated when not read from a counter) and cost (USD).
     compute_seconds: float | None = None
@@ -242,10 +253,23 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
+class _OmitsNoneReasoning(BaseModel):
+    """Written without its reasoning fields when they are None: a model that does not think
+    answers exactly as before."""
+
+    @model_serializer(mode="wrap")
+    def _without_reasoning(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items()
+                if v is not None or k not in ("reasoning_content", "reasoning")}
+
+
+class ChatMessage(_OmitsNoneReasoning):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
+    # The model's thinking (vLLM's field, and its newer name).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChoice(BaseModel):
@@ -288,10 +312,12 @@ class DeltaToolCall(_OmitsNone):
     function: DeltaFunctionCall | None = None
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_OmitsNoneReasoning):
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChunkChoice(BaseModel):

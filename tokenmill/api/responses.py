@@ -54,6 +54,8 @@ class Choice:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Its token ids (a reasoning model's thinking tokens are counted from them).
+    token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -73,7 +75,8 @@ class Collected:
         """The same, from each prompt's final (FINAL_ONLY or CUMULATIVE) output, in order."""
         return cls(
             [[Choice([c.text], len(c.token_ids), list(c.logprobs or []), c.finish_reason,
-                     c.stop_reason) for c in out.outputs] for out in outputs],
+                     c.stop_reason, list(c.token_ids)) for c in out.outputs]
+             for out in outputs],
             [out.prompt_token_ids for out in outputs], [out.prompt_logprobs for out in outputs],
             [out.metrics.usage for out in outputs],
             [out.metrics.num_cached_tokens for out in outputs])
@@ -100,6 +103,7 @@ async def collect(group: RequestGroup, num_prompts: int, n: int) -> Collected:
                 choice = out.choices[index][c.index]
                 choice.text.append(c.text)
                 choice.num_tokens += len(c.token_ids)
+                choice.token_ids.extend(c.token_ids)
                 choice.logprobs.extend(c.logprobs or [])
                 choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
     except EngineDeadError as e:

@@ -36,6 +36,7 @@ from tokenmill.runner.sampler import (
     compute_prompt_logprobs,
 )
 from tokenmill.runner.step_inputs import StepInputs, prepare_inputs
+from tokenmill.runner.thinking import ThinkingTracker
 from tokenmill.structured.matcher import GrammarState
 from tokenmill.utils import env_switch, host_tensor
 
@@ -309,6 +310,9 @@ class ModelRunner:
                     generator = torch.Generator(self.device).manual_seed(params.seed)
                 grammar = None if new.grammar is None else GrammarState(new.grammar)
                 sampling = SamplingState(generator, grammar=grammar)
+                if params.thinking_budget is not None:
+                    sampling.thinking = ThinkingTracker(params.thinking_budget,
+                                                        new.num_prompt_tokens)
                 self.sampling_states[new.request_id] = sampling
             stop_ids = list(params.stop_token_ids)
             if not params.ignore_eos:

@@ -9,6 +9,7 @@ import torch
 
 from tokenmill.core.sched_output import RunnerOutput
 from tokenmill.lora_request import LoRARequest
+from tokenmill.runner.thinking import ThinkingTracker
 from tokenmill.sampling_params import PoolingParams, SamplingParams
 from tokenmill.structured.matcher import GrammarState
 
@@ -21,6 +22,8 @@ class SamplingState:
     generator: torch.Generator | None
     num_prompt_logprobs_done: int = 0
     grammar: GrammarState | None = None
+    # The thinking budget's count and forced ending (None: no budget).
+    thinking: ThinkingTracker | None = None
 
 
 @dataclass

@@ -36,6 +36,7 @@ def sample_rows(sampler: Sampler, logits: torch.Tensor, states: list[RequestStat
         stop_token_ids=[s.stop_ids for s in states],
         device=device,
         allowed_tokens=grammar_bitmask(states, [[]] * len(states), logits.shape[1]),
+        forced_tokens=forced_tokens(states),
     )
     result = sampler(logits, meta)
     # The top logprobs are read now (a wait for this step); they are rare.
@@ -44,6 +45,18 @@ def sample_rows(sampler: Sampler, logits: torch.Tensor, states: list[RequestStat
                        logprobs, overlappable=logprobs is None and all(
                            sample_is_history_free(s) for s in states))
     return rows, result.sampled_token_ids
+
+
+def forced_tokens(states: list[RequestState]) -> dict[int, int] | None:
+    """Row -> the token its spent thinking budget forces; None when no row has a budget."""
+    if not any(s.sampling.thinking is not None for s in states):
+        return None
+    forced = {}
+    for row, state in enumerate(states):
+        tracker = state.sampling.thinking
+        if tracker is not None and (token := tracker.forced_token(state.token_ids)) is not None:
+            forced[row] = token
+    return forced
 
 
 def grammar_bitmask(states: list[RequestState], drafts: list[list[int]],

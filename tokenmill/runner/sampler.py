@@ -149,10 +149,11 @@ class Sampler:
 
 
 def needs_no_history(params: SamplingParams) -> bool:
-    """Whether the row's logits are processed without its tokens so far: no min_tokens count
-    and no penalties over its prompt or outputs."""
+    """Whether the row's logits are processed without its tokens so far: no min_tokens count,
+    no penalties over its prompt or outputs and no thinking budget."""
     return (params.min_tokens == 0 and params.presence_penalty == 0.0
-            and params.frequency_penalty == 0.0 and params.repetition_penalty == 1.0)
+            and params.frequency_penalty == 0.0 and params.repetition_penalty == 1.0
+            and params.thinking_budget is None)
 
 
 def plain_greedy(params: SamplingParams) -> bool:
@@ -187,8 +188,8 @@ def _greedy_kernel(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | 
 
 
 def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """logit_bias, min_tokens, the penalties and the structured outputs' bitmask, out of
-    place."""
+    """logit_bias, min_tokens, the penalties, the structured outputs' bitmask and the thinking
+    budget's forced tokens, out of place."""
     if meta.logit_bias is not None:
         rows, ids, vals = meta.logit_bias
         logits = logits.index_put((rows, ids), vals, accumulate=True)
@@ -201,6 +202,11 @@ def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> tor
         bitmask, rows = meta.allowed_tokens
         logits = logits.clone()
         _mask_disallowed(logits, bitmask, rows)
+    if meta.forced_tokens is not None:
+        # A spent thinking budget: the row can only write its forced token.
+        rows, ids = meta.forced_tokens
+        logits = logits.index_fill(0, rows, float("-inf"))
+        logits = logits.index_put((rows, ids), logits.new_zeros(()))
     return logits
 
 

@@ -56,6 +56,9 @@ class SamplingMetadata:
     # Structured outputs: ([B, ceil(V / 32)] int32 bitmask of the allowed tokens, the rows it
     # constrains). None when no row has a grammar.
     allowed_tokens: tuple[torch.Tensor, list[int]] | None = None
+    # (rows, token ids): the one token each of these rows must write (a spent thinking
+    # budget, see runner/thinking.py). None when no row is forced.
+    forced_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], prompt_token_ids: Sequence[Sequence[int]],
@@ -64,10 +67,12 @@ class SamplingMetadata:
               stop_token_ids: Sequence[Sequence[int]],
               device: torch.device | str = "cpu",
               allowed_tokens: tuple[torch.Tensor, list[int]] | None = None,
+              forced_tokens: dict[int, int] | None = None,
               ) -> SamplingMetadata:
         """Batch the per-row inputs. ``stop_token_ids[i]`` are the ids ``min_tokens`` must
         suppress for row i (eos ids unless ignore_eos, plus the request's stop_token_ids);
-        ``allowed_tokens`` is the structured outputs' bitmask (see the field)."""
+        ``allowed_tokens`` is the structured outputs' bitmask (see the field);
+        ``forced_tokens`` maps a row to the one token it must write."""
         n = len(params)
         greedy = [p.greedy for p in params]
         all_greedy = all(greedy)
@@ -112,6 +117,7 @@ class SamplingMetadata:
             min_tokens_mask=_build_min_tokens(params, output_token_ids, stop_token_ids, n, device),
             max_num_logprobs=max_lp,
             allowed_tokens=allowed_tokens,
+            forced_tokens=_build_forced(forced_tokens, device),
         )
 
 
@@ -176,3 +182,12 @@ def _build_min_tokens(params: Sequence[SamplingParams], output_ids: Sequence[Seq
         return None
     return (host_tensor(rows, torch.long, device),
             host_tensor(ids, torch.long, device))
+
+
+def _build_forced(forced: dict[int, int] | None, device: torch.device | str,
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if not forced:
+        return None
+    rows = sorted(forced)
+    return (host_tensor(rows, torch.long, device),
+            host_tensor([forced[r] for r in rows], torch.long, device))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from tokenmill.config import TOOL_CALL_PARSERS, ServerConfig
+from tokenmill.config import REASONING_PARSERS, TOOL_CALL_PARSERS, ServerConfig
 from tokenmill.engine.args import add_engine_args, add_lora_modules_arg
 
 # `tokenmill serve --help`'s groups, in order, with the options each takes from the groups
@@ -108,6 +108,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         allowed_origins=_names(args.allowed_origins), header_timeout=args.header_timeout,
         body_timeout=args.body_timeout, max_connections=args.max_connections,
         split_special_tokens=args.split_special_tokens, tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser, max_thinking_tokens=args.max_thinking_tokens,
         admin_key=args.admin_key or os.environ.get("TOKENMILL_ADMIN_KEY") or None,
         models_dir=args.models_dir, max_loaded_models=args.max_loaded_models,
         keep_alive=args.keep_alive if args.keep_alive > 0 else None,
@@ -181,6 +182,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="the format of the model's tool calls on /v1/chat/completions: hermes "
                    "(<tool_call> per call: Qwen, Hermes), smollm (<tool_call>[...]: SmolLM2), "
                    "or auto (by the chat template)")
+    g.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
+                   default=ServerConfig.reasoning_parser,
+                   help="split a reasoning model's thinking from its answer (into "
+                   "reasoning_content): qwen3 or deepseek_r1 (<think>...</think>), auto (by "
+                   "the chat template) or none (the thinking stays in the content)")
+    g.add_argument("--max-thinking-tokens", type=int, default=None, metavar="N",
+                   help="the thinking budget of a request that sets none: after N thinking "
+                   "tokens the model is made to end its thinking and answer (default: "
+                   "unbounded)")
     add_lora_modules_arg(g, "a request names one as its model (base_model_name picks the "
                          "model it runs on; default: the first text-generation model)")
     g.add_argument("--allow-runtime-lora-updating", action="store_true",

@@ -15,6 +15,7 @@ from tokenmill.api.completions import CompletionCall
 from tokenmill.api.endpoints import prepare
 from tokenmill.api.errors import APIError
 from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest, now, random_id
+from tokenmill.api.reasoning import ReasoningSetup
 from tokenmill.api.responses import Collected, collect
 from tokenmill.api.validation import engine_refusal
 from tokenmill.engine.async_llm import (
@@ -63,6 +64,11 @@ async def collect_unless_gone(group: RequestGroup, num_prompts: int, n: int,
         group.close()
 
 
+def reasoning_setup(state: ServerState) -> ReasoningSetup:
+    """The server's reasoning parser and default thinking budget."""
+    return ReasoningSetup(state.config.reasoning_parser, state.config.max_thinking_tokens)
+
+
 async def start_generation(state: ServerState, served: ServedModel,
                            req: ChatCompletionRequest | CompletionRequest,
                            ) -> tuple[ChatCall | CompletionCall, RequestGroup]:
@@ -71,7 +77,8 @@ async def start_generation(state: ServerState, served: ServedModel,
     with served.lease():
         call = await state.offload(functools.partial(
             prepare, split_special_tokens=state.config.split_special_tokens,
-            tool_call_parser=state.config.tool_call_parser), req, served.client)
+            tool_call_parser=state.config.tool_call_parser,
+            reasoning=reasoning_setup(state)), req, served.client)
         group = await submit(state, served, call.engine_prompts, call.params, call.id_prefix)
     return call, group
 
