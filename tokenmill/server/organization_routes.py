@@ -4,10 +4,13 @@ projects; create, list, retrieve and revoke a project's API keys; read the audit
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from tokenmill.api.errors import APIError, parse_json
@@ -18,6 +21,15 @@ from tokenmill.api.organization import (
     deleted_key_object,
     list_page,
     project_object,
+)
+from tokenmill.api.organization_usage import (
+    COST_GROUPS,
+    CSV_COLUMNS,
+    UsageQuery,
+    audit_event,
+    costs_page,
+    usage_page,
+    usage_query,
 )
 from tokenmill.retrieval.service import default_data_dir
 from tokenmill.server.admin_routes import admin_key_check
@@ -118,7 +130,107 @@ def organization_router(state: ServerState, store: TenancyStore) -> APIRouter:
             raise _not_found("API key", key_id, "key_id") from None
         return JSONResponse(deleted_key_object(key_id))
 
+    _usage_routes(router, store)
     return router
+
+
+def _params(request: Request) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for k, v in request.query_params.multi_items():
+        out.setdefault(k, []).append(v)
+    return out
+
+
+def _usage_routes(router: APIRouter, store: TenancyStore) -> None:
+    """Usage, costs and the audit log: OpenAI's pages, and exports (CSV, JSONL)."""
+
+    def rows_of(q: UsageQuery) -> list[dict[str, Any]]:
+        return store.usage_rows(q.start, q.end)
+
+    @router.get("/usage/completions")
+    async def usage_completions(request: Request) -> JSONResponse:
+        q = usage_query(_params(request))
+        return JSONResponse(usage_page(rows_of(q), q, "completions"))
+
+    @router.get("/usage/embeddings")
+    async def usage_embeddings(request: Request) -> JSONResponse:
+        q = usage_query(_params(request))
+        return JSONResponse(usage_page(rows_of(q), q, "embeddings"))
+
+    @router.get("/costs")
+    async def costs(request: Request) -> JSONResponse:
+        q = usage_query(_params(request), COST_GROUPS)
+        return JSONResponse(costs_page(rows_of(q), q))
+
+    @router.get("/usage/export")
+    async def usage_export(request: Request, format: str = "csv") -> Response:
+        q = usage_query(_params(request))
+        rows = [r for r in rows_of(q) if not q.project_ids or r["project_id"] in q.project_ids]
+        if format == "jsonl":
+            return Response("".join(json.dumps({c: r[c] for c in CSV_COLUMNS}) + "\n"
+                                    for r in rows), media_type="application/x-ndjson")
+        if format != "csv":
+            raise APIError(400, f"format must be csv or jsonl, got {format!r}",
+                           param="format", code="invalid_value")
+        out = io.StringIO()
+        writer = csv.writer(out)
+        writer.writerow(CSV_COLUMNS)
+        writer.writerows([r[c] for c in CSV_COLUMNS] for r in rows)
+        return Response(out.getvalue(), media_type="text/csv", headers={
+            "Content-Disposition": 'attachment; filename="tokenmill-usage.csv"'})
+
+    @router.get("/audit_logs")
+    async def audit_logs(request: Request, limit: int = Query(20, ge=1, le=100),
+                         after: str | None = None) -> JSONResponse:
+        params = _params(request)
+        rows = store.audit_rows(before_id=_cursor(after), limit=limit + 1,
+                                **_audit_filters(params))
+        names = {p.id: p.name for p in store.projects(include_archived=True)}
+        data = [audit_event(r, names) for r in rows[:limit]]
+        return JSONResponse({"object": "list", "data": data,
+                             "first_id": data[0]["id"] if data else None,
+                             "last_id": data[-1]["id"] if data else None,
+                             "has_more": len(rows) > limit})
+
+    @router.get("/audit_logs/export")
+    async def audit_export(request: Request) -> Response:
+        rows = store.audit_rows(limit=-1, **_audit_filters(_params(request)))
+        names = {p.id: p.name for p in store.projects(include_archived=True)}
+        return Response("".join(json.dumps(audit_event(r, names)) + "\n"
+                                for r in reversed(rows)), media_type="application/x-ndjson")
+
+
+def _cursor(after: str | None) -> int | None:
+    if after is None:
+        return None
+    try:
+        return int(after.removeprefix("audit_log-"))
+    except ValueError:
+        raise APIError(400, f"after must be an audit log id, got {after!r}", param="after",
+                       code="invalid_value") from None
+
+
+def _audit_filters(params: dict[str, list[str]]) -> dict[str, Any]:
+    """OpenAI's audit-log filters: event_types[], project_ids[], effective_at[gt|gte|lt|lte]."""
+    def many(name: str) -> tuple[str, ...]:
+        return tuple(v for value in params.get(name, []) + params.get(f"{name}[]", [])
+                     for v in value.split(",") if v)
+
+    def bound(op: str) -> float | None:
+        values = params.get(f"effective_at[{op}]")
+        if not values:
+            return None
+        try:
+            return float(int(values[-1]))
+        except ValueError:
+            raise APIError(400, f"effective_at[{op}] must be Unix seconds", code="invalid_value",
+                           param=f"effective_at[{op}]") from None
+
+    gt, gte, lt, lte = bound("gt"), bound("gte"), bound("lt"), bound("lte")
+    since = max(gte if gte is not None else 0, gt + 1 if gt is not None else 0)
+    until = min(lt if lt is not None else float("inf"), lte + 1 if lte is not None else float("inf"))
+    return {"types": many("event_types"), "project_ids": many("project_ids"),
+            "since": since, "until": until}
 
 
 def install_tenancy(app: FastAPI, state: ServerState) -> TenancyStore | None:

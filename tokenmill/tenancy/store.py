@@ -265,16 +265,19 @@ class TenancyStore:
         """Append one audit record."""
         self._write([self._audit_sql(kind, project_id, actor, details)])
 
-    def audit_rows(self, after_id: int = 0, limit: int = 100,
-                   types: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-        """Audit records, newest first, older than ``after_id`` when it is set."""
-        where, args = ["1"], []
-        if after_id:
+    def audit_rows(self, *, before_id: int | None = None, limit: int = 100,
+                   types: tuple[str, ...] = (), project_ids: tuple[str, ...] = (),
+                   since: float = 0, until: float = float("inf")) -> list[dict[str, Any]]:
+        """Audit records, newest first: those older than ``before_id`` (when set), of the
+        ``types`` and ``project_ids`` (when given), with ``since <= time < until``."""
+        where, args = ["time >= ?", "time < ?"], [since, min(until, 1 << 62)]
+        if before_id is not None:
             where.append("id < ?")
-            args.append(after_id)
-        if types:
-            where.append(f"type IN ({', '.join('?' * len(types))})")
-            args += types
+            args.append(before_id)
+        for column, values in (("type", types), ("project_id", project_ids)):
+            if values:
+                where.append(f"{column} IN ({', '.join('?' * len(values))})")
+                args += values
         rows = self._exec(f"SELECT * FROM audit_log WHERE {' AND '.join(where)} "
                           "ORDER BY id DESC LIMIT ?", (*args, limit))
         return [{**dict(r), "details": json.loads(r["details"])} for r in rows]
