@@ -254,6 +254,7 @@ def keyed() -> Server:
 
 def test_the_page_asks_for_the_key_and_sends_it(browser, keyed: Server) -> None:
     assert httpx.get(f"{keyed.url}/stats", timeout=10).status_code == 401
+    assert httpx.get(f"{keyed.url}/stats/history", timeout=10).status_code == 401
     assert httpx.get(f"{keyed.url}/api/tags", timeout=10).status_code == 401
     browser.get(keyed.url + "/")
     browser.execute_script("localStorage.clear();")
