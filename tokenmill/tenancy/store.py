@@ -37,6 +37,8 @@ CREATE TABLE IF NOT EXISTS usage (
     output_tokens INTEGER NOT NULL, cost REAL NOT NULL, finish_reason TEXT,
     latency REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS usage_time ON usage(project_id, time);
+CREATE TABLE IF NOT EXISTS owners (
+    object_id TEXT PRIMARY KEY, project_id TEXT NOT NULL, created_at INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS audit_log (
     id INTEGER PRIMARY KEY AUTOINCREMENT, time INTEGER NOT NULL, type TEXT NOT NULL,
     project_id TEXT, actor TEXT NOT NULL, details TEXT NOT NULL);
@@ -237,6 +239,21 @@ class TenancyStore:
         if not rows:
             return None
         return Caller(_row(Project, rows[0]), rows[0]["key_id"])
+
+    # Objects (files, vector stores, stored responses) and the project that made them.
+
+    def set_owner(self, object_id: str, project_id: str) -> None:
+        """Record that ``project_id`` made ``object_id`` (the first record stands)."""
+        self._write([("INSERT OR IGNORE INTO owners (object_id, project_id, created_at) "
+                      "VALUES (?, ?, ?)", (object_id, project_id, int(time.time())))])
+
+    def owned(self, object_ids: list[str], project_id: str) -> set[str]:
+        """Which of ``object_ids`` the project made."""
+        if not object_ids:
+            return set()
+        rows = self._exec(f"SELECT object_id FROM owners WHERE project_id = ? AND object_id "
+                          f"IN ({', '.join('?' * len(object_ids))})", (project_id, *object_ids))
+        return {r["object_id"] for r in rows}
 
     # Usage and audit.
 
