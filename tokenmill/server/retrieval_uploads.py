@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -127,6 +128,21 @@ def _dropped(upload: Upload) -> APIError:
                     code="client_closed_request")
 
 
+async def _next_chunk(stream: AsyncIterator[bytes], upload: Upload, idle_timeout: float
+                      ) -> bytes | None:
+    """The body's next bytes, or None at its end; 499 (one log line) if the client went
+    away, 408 if nothing came for ``idle_timeout`` seconds."""
+    try:
+        return await asyncio.wait_for(stream.__anext__(), idle_timeout)
+    except StopAsyncIteration:
+        return None
+    except ClientDisconnect:
+        raise _dropped(upload) from None
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the upload stalled for {idle_timeout:g} s",
+                       code="request_timeout", headers={"Connection": "close"}) from None
+
+
 def _write(path: str, chunks: list[bytes]) -> None:
     with open(path, "ab") as f:
         f.writelines(chunks)
@@ -148,16 +164,7 @@ async def receive_upload(request: Request, path: str, limit: int, idle_timeout: 
     open(path, "wb").close()
     try:
         stream = request.stream().__aiter__()
-        while True:
-            try:
-                chunk = await asyncio.wait_for(stream.__anext__(), idle_timeout)
-            except StopAsyncIteration:
-                break
-            except ClientDisconnect:
-                raise _dropped(upload) from None
-            except asyncio.TimeoutError:
-                raise APIError(408, f"the upload stalled for {idle_timeout:g} s",
-                               code="request_timeout", headers={"Connection": "close"}) from None
+        while (chunk := await _next_chunk(stream, upload, idle_timeout)) is not None:
             try:
                 parser.write(chunk)
             except APIError:
