@@ -96,6 +96,9 @@ class SamplingFields(StrictModel):
     skip_special_tokens: bool = True
     # False opts this request out of the server's speculative decoding.
     speculative: bool = True
+    # vLLM's scheduling priority: lower runs first (a project key may not go below its
+    # project's priority class).
+    priority: int = 0
     # Beam search (vLLM's fields): ``n`` (completions: ``best_of`` when given) is the beam
     # width, and the choices are the best hypotheses, best first (see SamplingParams).
     use_beam_search: bool = False

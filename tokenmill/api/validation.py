@@ -71,7 +71,8 @@ def sampling_params(req: SamplingFields, vocab_size: int, *, max_tokens: int | N
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens, speculative=req.speculative,
             structured_outputs=structured_outputs(req), use_beam_search=req.use_beam_search,
-            length_penalty=req.length_penalty, early_stopping=req.early_stopping)
+            length_penalty=req.length_penalty, early_stopping=req.early_stopping,
+            priority=req.priority)
         params.validate(vocab_size=vocab_size)
     except ValueError as e:
         message, param = str(e), _param_of(str(e))
