@@ -17,6 +17,7 @@ PACKAGE_DIR = Path(tokenmill.__file__).parent
 # Lowest first. A unit is a subpackage or a top-level module of `tokenmill`; it may import
 # units of a lower layer only (never one of its own layer, never a higher one).
 LAYERS: list[tuple[str, ...]] = [
+    ("envs",),
     ("utils", "csrc"),
     ("presets", "sampling_params", "lora_request", "pdl", "hub"),
     ("config", "outputs", "chat_template", "gguf_tokenizer"),
@@ -54,7 +55,7 @@ NEVER: list[tuple[str, frozenset[str], str]] = [
 # The server (HTTP only) reaches the engine through api/ and the engine's public modules, and
 # the services beside the engine (retrieval, ops); besides those, only plain data types.
 SERVER_TALKS_TO = frozenset({"api", "engine", "retrieval", "ops", "config", "outputs",
-                             "sampling_params", "lora_request", "metrics", "utils"})
+                             "sampling_params", "lora_request", "metrics", "utils", "envs"})
 # The scheduler and the block pool are pure Python: none of core/'s modules, nor anything they
 # import when loaded (the package root, the users' facade, aside), imports these.
 TORCH_MODULES = frozenset({"torch", "triton", "numpy"})
