@@ -61,11 +61,13 @@ def make_thinking_model(path: Path) -> Path:
     return path
 
 
-def start_thinking_server(root: Path, *args: str) -> Server:
+def start_thinking_server(root: Path, *args: str,
+                          headers: dict[str, str] | None = None) -> Server:
     """`tokenmill serve` with "thinker" (the tiny Qwen3) and "smol" (the embedded SmolLM2)."""
     from tokenmill.model_loader.gguf import embedded_model_path
 
     model = make_thinking_model(root / "thinker")
     return start_server("--model", f"thinker={model}", "--model",
                         f"smol={embedded_model_path()}", "--max-num-seqs", "8", *args,
-                        env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+                        env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+                        headers=headers)

@@ -27,6 +27,7 @@ from tokenmill.api.scores import RerankRequest, ScoreRequest, prepare_rerank, pr
 from tokenmill.api.tokens import detokenize, tokenize, tokenizer_info
 from tokenmill.retrieval.service import RetrievalService
 from tokenmill.server.admin_routes import admin_key_check, admin_router
+from tokenmill.server.anthropic_routes import anthropic_router
 from tokenmill.server.classify import create_classification
 from tokenmill.server.embeddings import create_embeddings
 from tokenmill.server.errors import install_error_handlers, read_json
@@ -96,6 +97,7 @@ def build_app(state: ServerState, manager: ModelManager | None = None,
                            dependencies=[Depends(require_key)])
     app.include_router(_open_routes(state), dependencies=[Depends(require_key_if_configured)])
     app.include_router(ollama_router(state), dependencies=[Depends(require_key)])
+    app.include_router(anthropic_router(state))  # its own key check: x-api-key
     app.include_router(stats_router(state, require_key))
     # Loading adapters reads folders on the server: with an admin key, only it may.
     lora_auth = admin_key_check(state) if state.config.admin_key is not None else require_key

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tokenmill.api.anthropic import error_body as anthropic_error_body
 from tokenmill.api.errors import APIError, bad_request, parse_json
 from tokenmill.server.state import ServerState
 
@@ -30,7 +31,10 @@ def is_ollama_path(path: str) -> bool:
 
 def error_response(err: APIError, path: str = "") -> JSONResponse:
     """The error's status, body and headers: Ollama's ``{"error": message}`` for a ``/api/``
-    ``path``, else OpenAI's."""
+    ``path``, Anthropic's for ``/v1/messages``, else OpenAI's."""
+    if path.startswith("/v1/messages"):  # Anthropic's Messages API
+        return JSONResponse(anthropic_error_body(err), status_code=err.status,
+                            headers=err.headers)
     body = {"error": err.message} if is_ollama_path(path) else err.body().model_dump()
     return JSONResponse(body, status_code=err.status, headers=err.headers)
 
