@@ -114,3 +114,19 @@ def test_raised_limit_applies_to_the_next_request(server: Server) -> None:
     # null removes a limit.
     r = admin(server, "POST", f"/projects/{pid}", json={"max_requests_per_1_minute": None})
     assert r.json()["max_requests_per_1_minute"] is None
+
+
+def test_stream_that_crosses_the_budget_ends_with_length(server: Server) -> None:
+    # At this price a step costs about 1-100 units: the budget lasts a few steps.
+    _, key = key_of(server, monthly_budget=50)
+    stream = client(server, key).completions.create(
+        model=server.model, prompt="a long story", max_tokens=400, stream=True,
+        extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    last = chunks[-1].choices[0]
+    assert last.finish_reason == "length"
+    assert getattr(last, "stop_reason", None) == "the project's monthly budget is spent"
+    assert sum(1 for c in chunks if c.choices and c.choices[0].text) < 400
+    # And the next request is refused: the budget is spent.
+    with pytest.raises(openai.RateLimitError):
+        complete(server, key)

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.tenancy.limits import Limiter
+from tokenmill.tenancy.limits import Limiter, month_start
 from tokenmill.tenancy.store import Caller, TenancyStore
 
 
@@ -32,6 +32,9 @@ class Tab:
         (lower) than its project's class allows."""
         return max(requested, self.caller.project.priority)
 
+
+# The stop reason of an answer cut short because its project's monthly budget ran out.
+BUDGET_NOTE = "the project's monthly budget is spent"
 
 current_tab: contextvars.ContextVar[Tab | None] = contextvars.ContextVar(
     "tokenmill_tenancy_tab", default=None)
@@ -68,6 +71,10 @@ class MeteredGroup:
         self._finish: str | None = None
         self._kind = "completions"
         self._recorded = False
+        # What the project had spent this month when the call started (its budget's base).
+        budget = tab.caller.project.monthly_budget
+        self._spent_before = (None if budget is None else tab.store.spent_since(
+            tab.caller.project.id, month_start(time.time())))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._group, name)
@@ -96,6 +103,23 @@ class MeteredGroup:
             self._finish = reasons[-1] if reasons else self._finish
         self._cost[index] = out.metrics.usage.cost_usd
         self._tab.limiter.add_tokens(self._tab.caller.project.id, new)
+        if self._over_budget() and not out.finished and not hasattr(out, "embedding"):
+            self._end_for_budget(out)
+
+    def _over_budget(self) -> bool:
+        budget = self._tab.caller.project.monthly_budget
+        return (budget is not None and self._spent_before is not None
+                and self._spent_before + sum(self._cost.values()) >= budget)
+
+    def _end_for_budget(self, out: Any) -> None:
+        """End the call here: this output is its last, with finish reason ``length`` and
+        BUDGET_NOTE as its stop reason; the engine drops the rest."""
+        for o in out.outputs:
+            if o.finish_reason is None:
+                o.finish_reason, o.stop_reason = "length", BUDGET_NOTE
+        out.finished = True
+        self._finish = "length"
+        self._group.close()
 
     def close(self) -> None:
         """Close the group, recording what it used."""
