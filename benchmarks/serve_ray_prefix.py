@@ -4,7 +4,7 @@ prompts), measured with `tokenmill bench serve`; the prefix-cache hit rate is re
 replicas' /metrics (tokenmill:prefix_cache_hits / tokenmill:prefix_cache_queries, summed).
 
     OMP_NUM_THREADS=1 python benchmarks/serve_ray_prefix.py \
-        [--num-prompts 48] [--systems 4] [--max-concurrency 4] [--routers prefix round_robin]
+        [--num-prompts 96] [--systems 6] [--max-concurrency 4] [--routers prefix round_robin]
 
 Prints a table and writes benchmarks/results/serve-ray-prefix-<device>.json.
 """
@@ -36,7 +36,7 @@ def workload(path: Path, num: int, systems: int, seed: int) -> None:
     """``num`` requests over ``systems`` long system prompts, each with its own question."""
     rng = random.Random(seed)
     prompts = [f"You are the assistant of {TOPICS[i % len(TOPICS)]}. " + " ".join(
-        f"Rule {j}: be precise about item {rng.randrange(10_000)}." for j in range(30))
+        f"Rule {j}: be precise about item {rng.randrange(10_000)}." for j in range(20))
         for i in range(systems)]
     with path.open("w") as f:
         for i in range(num):
@@ -87,9 +87,9 @@ def run_router(router: str, data: Path, args: argparse.Namespace, workdir: Path)
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "OMP_NUM_THREADS": "1"}
     serve = [sys.executable, "-m", "tokenmill", "serve", "--replicas", "2", "--router", router,
-             "--port", str(port), "--threads", "1", "--max-model-len", "1024",
+             "--port", str(port), "--threads", "1", "--max-model-len", "512",
              "--num-kv-blocks", str(args.kv_blocks), "--replica-cpus", "1", "--no-webui"]
-    log = (workdir / f"serve-{router}.log").open("w")
+    log = (RESULTS / f"serve-ray-prefix-{router}.log").open("w")  # read on failure
     proc = subprocess.Popen(serve, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         _wait_ready(url, proc)
@@ -115,11 +115,12 @@ def run_router(router: str, data: Path, args: argparse.Namespace, workdir: Path)
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--num-prompts", type=int, default=48)
-    p.add_argument("--systems", type=int, default=4)
+    p.add_argument("--num-prompts", type=int, default=96)
+    p.add_argument("--systems", type=int, default=6)
     p.add_argument("--max-concurrency", type=int, default=4)
-    p.add_argument("--kv-blocks", type=int, default=96,
-                   help="KV blocks per replica: small, so a replica cannot hold every prefix")
+    p.add_argument("--kv-blocks", type=int, default=64,
+                   help="KV blocks per replica: too few to hold every system prompt, enough "
+                        "for half of them")
     p.add_argument("--routers", nargs="+", default=["prefix", "round_robin"])
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
@@ -128,6 +129,8 @@ def main() -> int:
         data = workdir / "prefix-heavy.jsonl"
         workload(data, args.num_prompts, args.systems, args.seed)
         runs = [run_router(r, data, args, workdir) for r in args.routers]
+    for router in args.routers:
+        (RESULTS / f"serve-ray-prefix-{router}.log").unlink(missing_ok=True)
     print(f"{'router':<12} {'hit rate':>9} {'mean TTFT ms':>13} {'p99 TTFT ms':>12} "
           f"{'req/s':>7} {'done':>5}")
     for r in runs:

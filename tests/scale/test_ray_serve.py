@@ -8,6 +8,7 @@ no request that had not started."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import re
 import socket
@@ -61,8 +62,7 @@ def cluster(server_config: ServerConfig) -> Iterator[str]:
     # Keeps the local Ray on 127.0.0.1 (--node-ip-address alone does not).
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ["OMP_NUM_THREADS"] = "1"
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             _node_ip_address="127.0.0.1")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": server_config.port})
         app = build_application([(None, engine_config())], server_config,
@@ -229,3 +229,27 @@ def test_stream_of_a_killed_replica_ends_with_an_error(cluster: str) -> None:
             rest = [line for line in lines if line]
         assert "replica_died" in rest[-1] and "data: [DONE]" not in rest
         assert client.post("/v1/chat/completions", json=chat("After.")).status_code == 200
+
+
+def test_a_replica_whose_engine_died_is_replaced(cluster: str,
+                                                 server_config: ServerConfig) -> None:
+    """An engine that dies fails its replica's health check: Ray starts another replica, and
+    the next requests are answered by it (here a second application under /faulty, whose
+    engines fail at their 4th step)."""
+    faulty = dataclasses.replace(server_config, debug_fail_at_step=4)
+    serve.run(build_application([(None, engine_config())], faulty,
+                                ScaleConfig(replicas=1, health_check_period_s=1.0)),
+              name="faulty", route_prefix="/faulty")
+    try:
+        with httpx.Client(base_url=f"{cluster}/faulty", timeout=300) as client:
+            first = client.post("/v1/chat/completions", json=chat("Hi", max_tokens=20))
+            assert first.status_code == 500
+            dead = first.headers[REPLICA_HEADER]
+            for _ in range(120):
+                r = client.post("/v1/chat/completions", json=chat("Hi", max_tokens=1))
+                if r.status_code == 200:
+                    break
+                time.sleep(1)
+            assert r.status_code == 200 and r.headers[REPLICA_HEADER] != dead
+    finally:
+        serve.delete("faulty")

@@ -71,15 +71,17 @@ class Ingress:
     async def _route_key(self, req: HTTPRequestData) -> list[bytes] | None:
         if req.method != "POST" or req.path not in PROMPT_ROUTES:
             return None
-        if self._tokenizers is None:
-            self._tokenizers = await self.replicas.tokenizers.remote()
         try:
+            if self._tokenizers is None:
+                self._tokenizers = await self.replicas.tokenizers.remote()
             body = json.loads(req.body)
             model = body.get("model")
             tokenizer, block_size = (self._tokenizers.get(model)
                                      or next(iter(self._tokenizers.values())))
             ids = await asyncio.to_thread(prompt_token_ids, body, tokenizer)
-        except Exception:  # a malformed body: the replica answers it; any replica will do
+        # A malformed body (the replica answers it), no generative model, no replica up yet:
+        # then any replica will do.
+        except Exception:
             return None
         return block_hashes(ids, block_size) if ids else None
 
@@ -112,10 +114,10 @@ class Ingress:
 
     async def __call__(self, request: Request) -> Response:
         """Answer one HTTP request through a replica."""
-        if request.method == "GET" and request.url.path == "/metrics" and self._board is not None:
+        if request.method == "GET" and _app_path(request) == "/metrics" and self._board is not None:
             return await self._metrics(request)
         client = request.client
-        req = HTTPRequestData(request.method, request.url.path, request.url.query.encode(),
+        req = HTTPRequestData(request.method, _app_path(request), request.url.query.encode(),
                               list(request.headers.raw), await request.body(),
                               (client.host, client.port) if client else None)
         try:
@@ -127,6 +129,12 @@ class Ingress:
         headers[REPLICA_HEADER] = head.replica
         sse = headers.get("content-type", "").startswith("text/event-stream")
         return StreamingResponse(_body(stream, sse), status_code=head.status, headers=headers)
+
+
+def _app_path(request: Request) -> str:
+    """The path below the application's route prefix (the replica's app is at /)."""
+    path, root = request.scope["path"], request.scope.get("root_path", "")
+    return (path[len(root):] or "/") if root and path.startswith(root) else path
 
 
 async def _body(stream: AsyncIterator[bytes], sse: bool) -> AsyncIterator[bytes]:

@@ -81,8 +81,9 @@ class ReplicaServer:
 
     async def __del__(self) -> None:
         # Ray Serve awaits an async __del__ at shutdown, after requests in flight drained.
-        if self._pusher is not None:
+        # (Also called after a failed __init__: the attributes may be missing.)
+        if getattr(self, "_pusher", None) is not None:
             self._pusher.cancel()
-        if self._lifespan is not None:
+        if getattr(self, "_lifespan", None) is not None:
             with contextlib.suppress(Exception):
                 await self._lifespan.__aexit__(None, None, None)
