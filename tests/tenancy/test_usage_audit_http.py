@@ -11,9 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
-from conftest import admin, new_key, new_project, start
+from conftest import ADMIN, admin, new_key, new_project, start
 from server_harness import Server
 
 EMBED = "all-MiniLM-L6-v2"
@@ -129,3 +130,17 @@ def test_audit_log(server: Server, traffic: dict) -> None:
 def test_bad_usage_queries_are_400(server: Server, params: dict) -> None:
     r = admin(server, "GET", "/usage/completions", params=params)
     assert r.status_code == 400, r.text
+
+
+def test_model_actions_are_audited(server: Server) -> None:
+    # Runs last: it unloads the embedding model.
+    url = f"{server.url}/admin/models"
+    failed = httpx.post(url, headers=ADMIN, json={"name": "nope", "path": "/no/such/model"},
+                        timeout=60)
+    assert failed.status_code >= 400
+    r = httpx.delete(f"{url}/{EMBED}", headers=ADMIN, timeout=60)
+    assert r.status_code == 200, r.text
+    events = admin(server, "GET", "/audit_logs", params={
+        "event_types[]": ["model.loaded", "model.unloaded"]}).json()["data"]
+    assert [(e["type"], e["model.unloaded"]["data"]["name"]) for e in events] == [
+        ("model.unloaded", EMBED)]

@@ -35,6 +35,7 @@ from tokenmill.retrieval.service import default_data_dir
 from tokenmill.server.admin_routes import admin_key_check
 from tokenmill.server.errors import check_json_content_type, read_body
 from tokenmill.server.state import ServerState
+from tokenmill.server.tenancy_audit import AdminAudit
 from tokenmill.server.tenancy_guard import TenancyGuard
 from tokenmill.server.tenancy_objects import ObjectGuard
 from tokenmill.tenancy.limits import Limiter
@@ -243,5 +244,6 @@ def install_tenancy(app: FastAPI, state: ServerState) -> TenancyStore | None:
     app.include_router(organization_router(state, store))
     # The object guard runs inside the tenancy guard: it reads the caller that one finds.
     app.add_middleware(ObjectGuard, store=store)
+    app.add_middleware(AdminAudit, store=store)
     app.add_middleware(TenancyGuard, store=store, limiter=Limiter(store.spent_since))
     return store

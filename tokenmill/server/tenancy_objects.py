@@ -73,7 +73,7 @@ class ObjectGuard:
         project_id = tab.caller.project.id
         method = scope["method"]
         named = [m.group(1)] if (m := _PATH_ID.match(path)) else []
-        receive, body = await _buffer(scope, receive) if method == "POST" else (receive, None)
+        receive, body = await read_json_body(scope, receive) if method == "POST" else (receive, None)
         if body is not None:
             named += _refs(body, [])
         missing = set(named) - self.store.owned(sorted(set(named)), project_id)
@@ -140,7 +140,7 @@ class ObjectGuard:
         return json.dumps(page).encode()
 
 
-async def _buffer(scope: Scope, receive: Receive) -> tuple[Receive, Any]:
+async def read_json_body(scope: Scope, receive: Receive) -> tuple[Receive, Any]:
     """Read a JSON body (up to MAX_INSPECTED_BYTES) and a ``receive`` that replays it; the
     parsed body, or None when it is not JSON (the route then answers as it would)."""
     content_type = dict(scope.get("headers", [])).get(b"content-type", b"")
