@@ -29,6 +29,7 @@ from tokenmill.api.embeddings import EmbeddingRequest
 from tokenmill.api.endpoints import prepare
 from tokenmill.api.errors import APIError, bad_request
 from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest
+from tokenmill.api.reasoning import ReasoningSetup, resolve_reasoning_parser
 from tokenmill.api.validation import ServedModel, check_token_ids
 from tokenmill.outputs import RequestMetrics
 
@@ -187,6 +188,8 @@ def prepare_ollama(req: ChatCompletionRequest | CompletionRequest, body: dict[st
     if context is not None:
         check_token_ids(context, served.vocab_size, "context")
         req = _continued(req, context, served)
+    if isinstance(req, ChatCompletionRequest):
+        req = _thinking(req, body.get("think"), served, options.get("reasoning"))
     call = prepare(req, served, **options)
     if isinstance(call, ChatCall) and call.tools is not None:
         call.tools.whole_calls = True  # Ollama streams each call whole
@@ -195,6 +198,29 @@ def prepare_ollama(req: ChatCompletionRequest | CompletionRequest, body: dict[st
         call.params = dataclasses.replace(call.params,
                                           max_tokens=min(DEFAULT_NUM_PREDICT, room))
     return call
+
+
+def _thinking(req: ChatCompletionRequest, think: Any, served: ServedModel,
+              reasoning: ReasoningSetup | None) -> ChatCompletionRequest:
+    """The request with Ollama's ``think``: true (or a level, "low" / "medium" / "high")
+    needs a model that thinks (its thinking is answered as ``thinking``), false turns the
+    thinking off in the chat template of a model that has it."""
+    if think is None:
+        return req
+    if not isinstance(think, bool) and think not in ("low", "medium", "high"):
+        raise bad_request("think must be true, false, \"low\", \"medium\" or \"high\"",
+                          "think")
+    parser = resolve_reasoning_parser((reasoning or ReasoningSetup()).parser,
+                                      served.tokenizer.chat_template)
+    if parser is None:
+        if think is False:
+            return req
+        raise bad_request("think: this model does not think (it has no reasoning parser)",
+                          "think")
+    if think is False:
+        kwargs = {**(req.chat_template_kwargs or {}), "enable_thinking": False}
+        return req.model_copy(update={"chat_template_kwargs": kwargs})
+    return req
 
 
 def _continued(req: ChatCompletionRequest | CompletionRequest, context: list[int],

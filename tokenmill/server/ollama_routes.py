@@ -27,7 +27,7 @@ from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest, ran
 from tokenmill.api.responses import StreamUsage, engine_error
 from tokenmill.engine.async_llm import EngineDeadError, RequestGroup, collect_embeddings
 from tokenmill.server.errors import check_json_content_type, read_body
-from tokenmill.server.serving import submit
+from tokenmill.server.serving import reasoning_setup, submit
 from tokenmill.server.state import EMBED, GENERATE, ServedModel, ServerState
 from tokenmill.server.streaming import EngineStreamingResponse, until_disconnect
 
@@ -138,18 +138,21 @@ async def _lines(group: RequestGroup, call: Any, model: str, key: str) -> AsyncI
             delta_msg = getattr(choice, "delta", None)
             text = (delta_msg.content if delta_msg is not None else choice.text) or ""
             calls = delta_msg.tool_calls if delta_msg is not None else None
+            # A reasoning model's thinking: Ollama's ``thinking`` field.
+            thinking = {"thinking": delta_msg.reasoning_content} \
+                if delta_msg is not None and delta_msg.reasoning_content else {}
             if key == "message":
-                message: dict[str, Any] = {"role": "assistant", "content": text}
+                message: dict[str, Any] = {"role": "assistant", "content": text, **thinking}
                 if calls:
                     message["tool_calls"] = [{"function": {"name": c.function.name,
                                                            "arguments": _args(c)}}
                                              for c in calls if c.function is not None]
-                if text or calls:
+                if text or calls or thinking:
                     yield {"model": model, "created_at": ollama.now_iso(), "message": message,
                            "done": False}
-            elif text:
+            elif text or thinking:
                 yield {"model": model, "created_at": ollama.now_iso(), "response": text,
-                       "done": False}
+                       **thinking, "done": False}
     except EngineDeadError as e:
         yield ollama.ollama_error(engine_error(e))
         return
@@ -177,7 +180,8 @@ async def _start(state: ServerState, served: ServedModel,
     the event loop and queue in ``served``'s engine, holding the model meanwhile."""
     prepare = functools.partial(ollama.prepare_ollama, context=context,
                                 split_special_tokens=state.config.split_special_tokens,
-                                tool_call_parser=state.config.tool_call_parser)
+                                tool_call_parser=state.config.tool_call_parser,
+                                reasoning=reasoning_setup(state))
     with served.lease():
         call = await state.offload(prepare, req, body, served.client)
         group = await submit(state, served, call.engine_prompts, call.params, call.id_prefix)
@@ -199,7 +203,7 @@ async def _generate(state: ServerState, request: Request, body: Any,
         return EngineStreamingResponse(ndjson(), group.close, media_type="application/x-ndjson")
 
     async def whole() -> dict[str, Any]:
-        parts, calls, final = [], [], {}
+        parts, calls, thoughts, final = [], [], [], {}
         try:
             async for line in lines:
                 if "error" in line:
@@ -208,13 +212,19 @@ async def _generate(state: ServerState, request: Request, body: Any,
                 parts.append(piece["content"] if key == "message" else piece)
                 if key == "message":
                     calls += piece.get("tool_calls", [])
+                    thoughts.append(piece.get("thinking", ""))
+                else:
+                    thoughts.append(line.get("thinking", ""))
                 final = line
         finally:
             group.close()
-        text = "".join(parts)
+        text, thinking = "".join(parts), "".join(thoughts)
         final[key] = ({"role": "assistant", "content": text, **({"tool_calls": calls}
-                                                                  if calls else {})}
+                                                                  if calls else {}),
+                       **({"thinking": thinking} if thinking else {})}
                       if key == "message" else text)
+        if key == "response" and thinking:
+            final["thinking"] = thinking
         return final
 
     result = await until_disconnect(request.receive, whole())
