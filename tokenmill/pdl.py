@@ -35,11 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.utils import env_count, env_flag
+from tokenmill import envs
 
 ENV = "TOKENMILL_PDL"
 PREFETCH_ENV = "TOKENMILL_PDL_PREFETCH_KB"
-DEFAULT_PREFETCH_KB = 64
 # The bytes one prefetch instruction brings into L2: a cache line.
 LINE = 128
 
@@ -69,9 +68,9 @@ def prefetch_l2(ptrs, mask):
 def _device_settings(index: int) -> tuple[bool, int]:
     """(PDL on, the bytes a matmul program prefetches) for a CUDA device; the variables'
     ValueErrors name them."""
-    if not env_flag(ENV, False) or torch.cuda.get_device_capability(index) < (9, 0):
+    if not envs.TOKENMILL_PDL or torch.cuda.get_device_capability(index) < (9, 0):
         return False, 0
-    return True, env_count(PREFETCH_ENV, "KB", DEFAULT_PREFETCH_KB) << 10
+    return True, envs.TOKENMILL_PDL_PREFETCH_KB << 10
 
 
 def _settings(device: torch.device) -> tuple[bool, int]:

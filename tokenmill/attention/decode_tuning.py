@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from tokenmill import envs
 from tokenmill.utils import optional_positive_ints
 
 ENV_FILE = "TOKENMILL_DECODE_TUNING"
@@ -222,7 +223,7 @@ def device_slug(device_name: str) -> str:
 def tuned_file(env_var: str, tuned_dir: Path, device_name: str) -> Path | None:
     """The tuning file for a GPU model: ``$env_var`` if set (ValueError if it names no file),
     else ``tuned_dir``'s file for the device if there is one, else None."""
-    explicit = os.environ.get(env_var)
+    explicit = getattr(envs, env_var)
     if explicit:
         if not os.path.isfile(explicit):
             raise ValueError(f"${env_var}={explicit}: no such file")

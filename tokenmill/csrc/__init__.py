@@ -21,6 +21,8 @@ import weakref
 from pathlib import Path
 from types import ModuleType
 
+from tokenmill import envs
+
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent
@@ -75,8 +77,6 @@ def _remove_stale_lock(path: str) -> None:
 # The workers' spin time asked for by the engine (--kernel-spin-us), applied when the extension
 # loads; None: the pool's own default (200 us, or TOKENMILL_SPIN_US).
 _kernel_spin_us: int | None = None
-# Set to 0, the kernels never use the AMX tile unit (see load_extension).
-AMX_ENV = "TOKENMILL_AMX"
 
 
 def set_kernel_spin_us(us: int | None) -> None:
@@ -189,7 +189,7 @@ def load_extension() -> ModuleType:
         module.set_pool_spin_us(_kernel_spin_us)
     # The output head's AMX path gives the vector path's bits; TOKENMILL_AMX=0 turns it off
     # (a platform whose tile state is suspect, or an A/B run).
-    if os.environ.get(AMX_ENV, "1") == "0":
+    if not envs.TOKENMILL_AMX:
         module.set_amx(False)
     module.set_stream_weights(_stream_weights)
     return module

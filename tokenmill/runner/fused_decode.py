@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tokenmill import envs
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.csrc import load_extension
 from tokenmill.lora.layers import LoRALinear, LoRAStep
@@ -29,13 +30,12 @@ from tokenmill.quant.kernel_choice import cpu_kernels, decode_only_step
 from tokenmill.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from tokenmill.quant.model import float_matmul_layers, pin_row_kernels
 from tokenmill.quant.packing import dense_dtype, release_freed_memory
-from tokenmill.utils import env_flag
 
 logger = logging.getLogger(__name__)
 # The torch.profiler range of one fused decode step (benchmarks/step_profile.py reads it).
 PROFILE_RANGE = "tokenmill::fused_decode_stack"
 
-# "1" forces the fused path on, "0" off; unset means DEFAULT_ENABLED. Read only here.
+# "1" forces the fused path on, "0" off; unset means DEFAULT_ENABLED (tokenmill.envs).
 ENV_FLAG = "TOKENMILL_FUSED_DECODE"
 DEFAULT_ENABLED = True
 # The same for steps with prefill chunks (when the fused path is on at all).
@@ -60,7 +60,10 @@ class UnsupportedModel(ValueError):
 
 
 def _flag(name: str, explicit: bool | None) -> bool:
-    return explicit if explicit is not None else env_flag(name, DEFAULT_ENABLED)
+    if explicit is not None:
+        return explicit
+    value = getattr(envs, name)
+    return DEFAULT_ENABLED if value is None else value
 
 
 def fused_decode_enabled(explicit: bool | None = None) -> bool:

@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from tokenmill import envs
 from tokenmill.models.layers import Linear
-from tokenmill.utils import env_count
 
 ENV = "TOKENMILL_L2_PREFETCH"
 # The read's programs: four an SM of an H100/H200 (132 SMs), each with a block of 4,096
@@ -37,7 +37,7 @@ BLOCK = 4096
 def prefetch_bytes_from_env() -> int:
     """The bytes read ahead of each matmul that ``TOKENMILL_L2_PREFETCH`` asks for (in MB);
     0 when it is unset or 0. ValueError naming the variable for anything but a whole number."""
-    return env_count(ENV, "MB", 0) << 20
+    return envs.TOKENMILL_L2_PREFETCH << 20
 
 
 @triton.jit(do_not_specialize=["n", "iters"])

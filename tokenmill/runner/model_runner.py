@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
 
+from tokenmill import envs
 from tokenmill.config import EngineConfig, LoRAConfig
 from tokenmill.core.kv_cache import blocks_for_tokens
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
@@ -38,7 +38,7 @@ from tokenmill.runner.sampler import (
 from tokenmill.runner.step_inputs import StepInputs, prepare_inputs
 from tokenmill.runner.thinking import ThinkingTracker
 from tokenmill.structured.matcher import GrammarState
-from tokenmill.utils import env_switch, host_tensor
+from tokenmill.utils import host_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class ModelRunner:
             # Whether the CPU kernels stream this model's weights past the caches (by the
             # process's models' size against the last-level cache, or as
             # TOKENMILL_STREAM_WEIGHTS says); the model's bytes count while it lives.
-            note_model_weights(model_weight_bytes(model), env_switch("TOKENMILL_STREAM_WEIGHTS"),
+            note_model_weights(model_weight_bytes(model), envs.TOKENMILL_STREAM_WEIGHTS,
                                owner=model)
         self.sampler = Sampler()
         # The last launched step's sampled ids on the device, and the requests of their rows:
@@ -172,7 +172,7 @@ class ModelRunner:
     def _l2_prefetch(self):  # noqa: ANN202 - the module needs Triton: imported here only
         """The experimental L2 prefetch of the next matmul's weights in small batches' graphs
         (tokenmill/runner/l2_prefetch.py), when $TOKENMILL_L2_PREFETCH asks for it."""
-        if self.device.type != "cuda" or not os.environ.get("TOKENMILL_L2_PREFETCH"):
+        if self.device.type != "cuda" or not envs.TOKENMILL_L2_PREFETCH:
             return None
         from tokenmill.runner.l2_prefetch import L2Prefetch, prefetch_bytes_from_env
 
