@@ -3,24 +3,25 @@
 this thread is decode-only, the row counts from which a layer computes dense, and the CUDA
 kernels this PyTorch build lacks.
 
-The modules read these names through this module at every call, so a benchmark or a test may
+The switches come from the environment (``tokenmill.envs``) when first asked for, then stay
+here: the modules read them through this module at every call, so a benchmark or a test may
 set them while the process runs.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Iterator
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import nn
 
+from tokenmill import envs
 from tokenmill.csrc import extension_or_none
 from tokenmill.quant.packing import cpu_has_amx, dense_dtype
-from tokenmill.utils import env_flag
 
 
 def cpu_kernels() -> ModuleType | None:
@@ -31,40 +32,50 @@ def cpu_kernels() -> ModuleType | None:
     step costs ~14x a 1-row one on an AVX2 CPU; ours decodes each tile once per call. Both
     take bf16 activations and give each row the same bits whatever the row count.
     """
-    return extension_or_none() if USE_CPU_KERNELS else None
+    return extension_or_none() if setting("USE_CPU_KERNELS") else None
 
 
-# False sends the CPU int layers to PyTorch's kernels: $TOKENMILL_CPU_INT_KERNELS=0 at start,
-# or set here (benchmarks compare the two).
-USE_CPU_KERNELS = env_flag("TOKENMILL_CPU_INT_KERNELS", True)
-# tokenmill's CPU kernels quantize the activations and multiply in integers
-# (tokenmill/csrc/int_dot.h): int4 layers with int16 or int8 activations in blocks of 32 (one
-# scale each), int8 layers with int16 activations (one scale a row), and the products run on
-# integer dot instructions: ~2.5-4x the fp32 kernels at one row on an AVX2 EPYC
-# (benchmarks/results/quant-kernels-avx2-cpu.md). int16 steps are ~1/32767 of a block's
-# largest value, far finer than the bf16 rounding every quantized layer's input gets anyway.
-# $TOKENMILL_INT_ACTIVATIONS=0 keeps the fp32 kernels (bf16 activations widened exactly).
-USE_INT_ACTIVATIONS = env_flag("TOKENMILL_INT_ACTIVATIONS", True)
+# The switches, each a module attribute read from its variable (tokenmill.envs) on first use,
+# not when this module is imported (setting / __getattr__):
+# - USE_CPU_KERNELS ($TOKENMILL_CPU_INT_KERNELS): False sends the CPU int layers to PyTorch's
+#   kernels (benchmarks compare the two).
+# - USE_INT_ACTIVATIONS ($TOKENMILL_INT_ACTIVATIONS): tokenmill's CPU kernels quantize the
+#   activations and multiply in integers (tokenmill/csrc/int_dot.h): int4 layers with int16 or
+#   int8 activations in blocks of 32 (one scale each), int8 layers with int16 activations (one
+#   scale a row), and the products run on integer dot instructions: ~2.5-4x the fp32 kernels
+#   at one row on an AVX2 EPYC (benchmarks/results/quant-kernels-avx2-cpu.md). int16 steps are
+#   ~1/32767 of a block's largest value, far finer than the bf16 rounding every quantized
+#   layer's input gets anyway. False keeps the fp32 kernels (bf16 activations widened exactly).
+# - INT4_ACT_BITS / INT4_DECODE_ACT_BITS ($TOKENMILL_INT4_ACT_BITS, 16, and
+#   $TOKENMILL_INT4_DECODE_ACT_BITS, 8): int4 layers' activation bits in steps with prompt
+#   tokens and in decode-only steps. Decoding takes int8 (llama.cpp's Q4_1 x Q8_1): with
+#   AVX512-VNNI the kernel then runs two weight tiles a register, and the int4 matmuls of a
+#   32-sequence decode step ran 1.7x faster on a Zen 5 (a whole step 26.6 -> 22.2 ms). Prompts
+#   keep int16: int8 at every step measured +0.15% perplexity (14.763 vs 14.741 on the
+#   10.5k-token text) but moved the thin margins of some first tokens (0.14 nats for the
+#   embedded model's "The" of "The capital of France is Paris."), and the first token of an
+#   answer is the prompt step's. Under --deterministic both are the prompt's (pin_row_kernels):
+#   a row's bits must not depend on the step it is in.
+_FROM_ENV = {"USE_CPU_KERNELS": "TOKENMILL_CPU_INT_KERNELS",
+             "USE_INT_ACTIVATIONS": "TOKENMILL_INT_ACTIVATIONS",
+             "INT4_ACT_BITS": "TOKENMILL_INT4_ACT_BITS",
+             "INT4_DECODE_ACT_BITS": "TOKENMILL_INT4_DECODE_ACT_BITS"}
 
 
-def _act_bits_from_env(name: str, default: str) -> int:
-    bits = int(os.environ.get(name, default))
-    if bits not in (8, 16):
-        raise ValueError(f"{name} must be 8 or 16, got {bits}")
-    return bits
+def setting(name: str) -> Any:
+    """The switch ``name`` (USE_CPU_KERNELS, USE_INT_ACTIVATIONS, INT4_ACT_BITS,
+    INT4_DECODE_ACT_BITS): as set here, else read from its environment variable and kept."""
+    if name not in globals():
+        globals()[name] = getattr(envs, _FROM_ENV[name])
+    return globals()[name]
 
 
-# int4 layers' activation bits in steps with prompt tokens ($TOKENMILL_INT4_ACT_BITS), and in
-# decode-only steps ($TOKENMILL_INT4_DECODE_ACT_BITS). Decoding takes int8 (llama.cpp's Q4_1 x
-# Q8_1): with AVX512-VNNI the kernel then runs two weight tiles a register, and the int4
-# matmuls of a 32-sequence decode step ran 1.7x faster on a Zen 5 (a whole step 26.6 -> 22.2
-# ms). Prompts keep int16: int8 at every step measured +0.15% perplexity (14.763 vs 14.741 on
-# the 10.5k-token text) but moved the thin margins of some first tokens (0.14 nats for the
-# embedded model's "The" of "The capital of France is Paris."), and the first token of an
-# answer is the prompt step's. Under --deterministic both are the prompt's (pin_row_kernels):
-# a row's bits must not depend on the step it is in.
-INT4_ACT_BITS = _act_bits_from_env("TOKENMILL_INT4_ACT_BITS", "16")
-INT4_DECODE_ACT_BITS = _act_bits_from_env("TOKENMILL_INT4_DECODE_ACT_BITS", "8")
+def __getattr__(name: str) -> Any:
+    """``kernel_choice.USE_CPU_KERNELS`` and the other switches, read on first use."""
+    if name in _FROM_ENV:
+        return setting(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # Whether the step running on this thread is decode-only (one new token per sequence): set by
 # the model runner around model.forward (decode_only_step); the fused C++ stack tells from its
@@ -125,7 +136,8 @@ def default_dense_min_rows(method: str, numel: int, device_type: str,
         device_type == "cpu" and not cpu_has_amx())
     ext = cpu_kernels() if slow_dense else None
     if ext is not None:
-        if (method == "int4" and int8_tiles and INT4_ACT_BITS == 8 and USE_INT_ACTIVATIONS
+        if (method == "int4" and int8_tiles and setting("INT4_ACT_BITS") == 8
+                and setting("USE_INT_ACTIVATIONS")
                 and ext.int4_int8_tile_pairs()):
             return NEVER_DENSE
         return INT8_SLOW_DENSE_MIN_ROWS if method == "int8" else INT4_SLOW_DENSE_MIN_ROWS

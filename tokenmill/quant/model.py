@@ -10,9 +10,10 @@ from torch import nn
 
 from tokenmill.config import QUANTIZATIONS
 from tokenmill.models.layers import DecoderLayer, RotaryEmbedding
+from tokenmill.quant import kernel_choice
 from tokenmill.quant.fp8 import Fp8Linear, fp8_supported, fp8_unsupported_reason
 from tokenmill.quant.head import QuantizedEmbedding, QuantizedHead, QuantizedLinear
-from tokenmill.quant.kernel_choice import INT4_ACT_BITS, NEVER_DENSE
+from tokenmill.quant.kernel_choice import NEVER_DENSE
 from tokenmill.quant.linear import (
     Int4TinyGemmLinear,
     Int4WeightOnlyLinear,
@@ -298,16 +299,17 @@ def pin_row_kernels(model: nn.Module) -> int:
     for it, as the kernels are slower than the dense path from ~100 rows on.
     """
     changed = 0
+    prompt_bits = kernel_choice.setting("INT4_ACT_BITS")
     for module in model.modules():
         if not isinstance(module, _WeightOnlyLinear):
             continue
         int4 = isinstance(module, Int4WeightOnlyLinear)
         if (module.dense_min_rows != NEVER_DENSE or module.own_min_rows != 1
-                or (int4 and module.decode_act_bits != INT4_ACT_BITS)):
+                or (int4 and module.decode_act_bits != prompt_bits)):
             module.dense_min_rows = NEVER_DENSE
             module.own_min_rows = 1  # and one int kernel at every row count,
             if int4:
-                module.decode_act_bits = INT4_ACT_BITS  # on the same activations in every step
+                module.decode_act_bits = prompt_bits  # on the same activations in every step
             changed += 1
     return changed
 
