@@ -69,3 +69,15 @@ def test_contradictions_name_the_option(argv: tuple[str, ...], message: str) -> 
 def test_unknown_router_is_refused() -> None:
     with pytest.raises(ValueError, match="router"):
         ScaleConfig(router="random")
+
+
+def test_serve_command_refuses_a_contradiction_before_starting_ray() -> None:
+    """`tokenmill serve --replicas` goes to Ray Serve; a contradiction is a usage error that
+    names the options, before any cluster or model starts."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "tokenmill", "serve", "--replicas", "2",
+                           "--max-replicas", "3"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "--replicas or --min-replicas/--max-replicas" in done.stderr
