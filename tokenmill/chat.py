@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TextIO
 
+from tokenmill import envs
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the engine (and torch) load only for offline use, not for --url
@@ -91,8 +92,7 @@ def run_generate(engine: LLMEngine, prompt: str, params: SamplingParams) -> int:
 
 def history_file() -> str:
     """Where the chat's input history is kept ($XDG_CACHE_HOME or ~/.cache)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "tokenmill", "chat_history")
+    return os.path.join(envs.XDG_CACHE_HOME, "tokenmill", "chat_history")
 
 
 def _enable_line_editing() -> None:

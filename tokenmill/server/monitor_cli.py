@@ -10,6 +10,7 @@ import sys
 
 import httpx
 
+from tokenmill import envs
 from tokenmill.config import MonitorConfig
 from tokenmill.ops.profile import parse_profile
 
@@ -65,7 +66,7 @@ def add_monitor_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def cmd_monitor(args: argparse.Namespace) -> int:
     """Fetch the live windows and write them to --output; 1 if the server refused."""
-    key = args.admin_key or os.environ.get("TOKENMILL_ADMIN_KEY")
+    key = args.admin_key or envs.TOKENMILL_ADMIN_KEY
     if not key:
         raise ValueError("tokenmill monitor needs the server's admin key (--admin-key or "
                          "$TOKENMILL_ADMIN_KEY)")

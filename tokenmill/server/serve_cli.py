@@ -5,8 +5,8 @@ it fetches models named on the Hugging Face hub first, which the server layer do
 from __future__ import annotations
 
 import argparse
-import os
 
+from tokenmill import envs
 from tokenmill.config import REASONING_PARSERS, TOOL_CALL_PARSERS, ServerConfig
 from tokenmill.engine.args import add_engine_args, add_lora_modules_arg
 
@@ -101,7 +101,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
 
     return ServerConfig(
         served_model_name=args.served_model_name, host=args.host, port=args.port,
-        api_key=args.api_key or os.environ.get("TOKENMILL_API_KEY") or None,
+        api_key=args.api_key or envs.TOKENMILL_API_KEY,
         max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
         drain_timeout=args.drain_timeout, auth_health_metrics=args.auth_health_metrics,
         debug_fail_at_step=args.debug_fail_at_step, allowed_hosts=_names(args.allowed_hosts),
@@ -109,7 +109,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         body_timeout=args.body_timeout, max_connections=args.max_connections,
         split_special_tokens=args.split_special_tokens, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, max_thinking_tokens=args.max_thinking_tokens,
-        admin_key=args.admin_key or os.environ.get("TOKENMILL_ADMIN_KEY") or None,
+        admin_key=args.admin_key or envs.TOKENMILL_ADMIN_KEY,
         models_dir=args.models_dir, max_loaded_models=args.max_loaded_models,
         keep_alive=args.keep_alive if args.keep_alive > 0 else None,
         log_stats_interval=args.log_stats_interval, webui=args.webui,
