@@ -157,7 +157,7 @@ def _builder(sources: list[Source], results: list[FileSearchResult] | None,
     call: Any = SimpleNamespace(
         sources=sources, results=results, logprobs=None,
         plan=SimpleNamespace(query="q", includes=includes),
-        chat=SimpleNamespace(tokenizer=None, tools=None))
+        chat=SimpleNamespace(tokenizer=None, tools=None, reasoning=None))
     return ResponseBuilder(call, ResponseObject(id="resp_1", created_at=0,
                                                 status="in_progress", model="m"))
 

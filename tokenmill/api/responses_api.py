@@ -20,6 +20,7 @@ from tokenmill.api.protocol import (
     JSONSchemaFormat,
     ResponseFormat,
 )
+from tokenmill.api.reasoning import ReasoningSetup
 from tokenmill.api.responses_input import (
     Message,
     ResponseTools,
@@ -176,7 +177,8 @@ def _source_budget(plan: ResponsePlan, served: ServedModel, parts: list[str],
 
 def prepare_response(plan: ResponsePlan, served: ServedModel,
                      results: list[FileSearchResult] | None,
-                     tool_call_parser: str = "auto") -> ResponsesCall:
+                     tool_call_parser: str = "auto",
+                     reasoning: ReasoningSetup | None = None) -> ResponsesCall:
     """The engine prompt and sampling parameters of a planned request, with the search's
     ``results`` (None: no search ran) fitted into the system part of the prompt; 400 names
     the Responses API's field."""
@@ -188,7 +190,8 @@ def prepare_response(plan: ResponsePlan, served: ServedModel,
             sources = fit_sources(results, served.tokenizer, budget)
             parts.append(sources_block(sources))
         messages = _with_system(plan.messages, parts)
-        chat = prepare_chat(_chat_request(plan, messages), served, tool_call_parser)
+        chat = prepare_chat(_chat_request(plan, messages), served, tool_call_parser,
+                            reasoning)
         if chat.tools is not None:  # a function_call item is written whole
             chat.tools.whole_calls = True
     except APIError as e:

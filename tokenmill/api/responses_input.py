@@ -109,7 +109,7 @@ def input_messages(value: str | list[Any], calls_before: set[str] | None = None)
                                   "before this output", "input")
             output = _text_of(item.get("output"), f"{where}.output")
             messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
-        elif kind != "file_search_call":
+        elif kind not in ("file_search_call", "reasoning"):  # earlier thinking: not re-read
             raise bad_request(f"{where}.type {kind!r} is not supported (message, "
                               "function_call, function_call_output)", "input")
     if not messages:

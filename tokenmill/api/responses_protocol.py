@@ -156,7 +156,22 @@ class FunctionCallItem(BaseModel):
     status: ItemStatus = "completed"
 
 
-OutputItem = OutputMessage | FileSearchCall | FunctionCallItem
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    """A reasoning model's thinking, before its answer (see api/reasoning.py)."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    status: ItemStatus = "in_progress"
+
+
+OutputItem = ReasoningItem | OutputMessage | FileSearchCall | FunctionCallItem
 
 
 class InputTokensDetails(BaseModel):

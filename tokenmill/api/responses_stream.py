@@ -32,6 +32,9 @@ from tokenmill.api.responses_protocol import (
     InputTokensDetails,
     OutputMessage,
     OutputText,
+    OutputTokensDetails,
+    ReasoningItem,
+    ReasoningText,
     ResponseError,
     ResponseObject,
     ResponseUsage,
@@ -77,6 +80,8 @@ class ResponseBuilder:
     cached_tokens: int | None = None  # prompt tokens served from the prefix cache
     _message: _OpenMessage | None = None
     _citations: CitationReader | None = None
+    # The reasoning item being written: its index in ``output``, its text so far.
+    _thinking: tuple[int, ReasoningItem, list[str]] | None = None
 
     def __post_init__(self) -> None:
         if self.call.sources:
@@ -128,9 +133,16 @@ class ResponseBuilder:
                 self.finish_reason = c.finish_reason
             lps = self._logprobs(c.logprobs or [])
             content, calls = c.text, []
+            thinker = self.call.chat.reasoning
+            if thinker is not None:  # a reasoning model: its thinking first, as an item
+                thinker.observe(c.index, c.token_ids)
+                thinking, content = thinker.delta(c.index, c.text, c.finished)
+                events += self._reasoning(thinking)
+                if content or c.finished:
+                    events += self._close_reasoning()
             reader = self.call.chat.tools
             if reader is not None:
-                delta, _ = reader.delta(c.index, c.text, c.finished, c.finish_reason)
+                delta, _ = reader.delta(c.index, content, c.finished, c.finish_reason)
                 content = (delta.content or "") if delta is not None else ""
                 calls = [(d.id or "", d.function.name or "", d.function.arguments or "")
                          for d in (delta.tool_calls if delta is not None else None) or []
@@ -140,6 +152,35 @@ class ResponseBuilder:
                 events += self._close_message()
                 events += self._function_call(call_id, name, arguments)
         return events
+
+    def _reasoning(self, text: str) -> list[Event]:
+        """The reasoning item's next text (the item opened first if it is not yet)."""
+        if not text:
+            return []
+        events: list[Event] = []
+        if self._thinking is None:
+            item = ReasoningItem(id=item_id("rs"))
+            self._thinking = (len(self.response.output), item, [])
+            self.response.output.append(item)
+            events.append(self._event("response.output_item.added",
+                                      output_index=self._thinking[0], item=_dump(item)))
+        index, item, parts = self._thinking
+        parts.append(text)
+        events.append(self._event("response.reasoning_text.delta", item_id=item.id,
+                                  output_index=index, content_index=0, delta=text))
+        return events
+
+    def _close_reasoning(self) -> list[Event]:
+        if self._thinking is None:
+            return []
+        index, item, parts = self._thinking
+        self._thinking = None
+        text = "".join(parts)
+        item.content, item.status = [ReasoningText(text=text)], "completed"
+        return [self._event("response.reasoning_text.done", item_id=item.id,
+                            output_index=index, content_index=0, text=text),
+                self._event("response.output_item.done", output_index=index,
+                            item=_dump(item))]
 
     def _logprobs(self, lps: list[Any]) -> list[ChatTokenLogprob]:
         k = self.call.logprobs
@@ -219,7 +260,10 @@ class ResponseBuilder:
     def _usage(self) -> ResponseUsage:
         # Chat's usage_info rounds the compute figures; the same numbers here.
         info = usage_info(self.input_tokens, self.output_tokens, self.compute)
+        thinker = self.call.chat.reasoning
         return ResponseUsage(input_tokens=self.input_tokens, output_tokens=self.output_tokens,
+                             output_tokens_details=OutputTokensDetails(reasoning_tokens=(
+                                 thinker.streamed_count if thinker is not None else 0)),
                              total_tokens=info.total_tokens,
                              input_tokens_details=InputTokensDetails(
                                  cached_tokens=self.cached_tokens or 0),
@@ -233,8 +277,10 @@ class ResponseBuilder:
         events: list[Event] = []
         if self._citations is not None:
             events += self._text(self._citations.finish(), [])
+        events += self._close_reasoning()
         cut = self.finish_reason == "length"
-        has_answer = any(item.type != "file_search_call" for item in self.response.output)
+        has_answer = any(item.type not in ("file_search_call", "reasoning")
+                         for item in self.response.output)
         if not has_answer and self._message is None:
             events += self._open_message()  # an empty answer is still a message
         events += self._close_message("incomplete" if cut else "completed")

@@ -32,7 +32,7 @@ from tokenmill.api.responses_stream import Event, ResponseBuilder, item_id
 from tokenmill.engine.async_llm import EngineDeadError, RequestGroup
 from tokenmill.server.errors import check_json_content_type, read_body
 from tokenmill.server.openapi import json_body
-from tokenmill.server.serving import submit
+from tokenmill.server.serving import reasoning_setup, submit
 from tokenmill.server.state import ServerState
 from tokenmill.server.streaming import EngineStreamingResponse, until_disconnect
 
@@ -94,7 +94,8 @@ async def create_response(state: ServerState, req: ResponsesRequest, raw: Reques
         plan = await state.offload(plan_response, req, history)
         results = await run_search(plan, search) if plan.query is not None else None
         call: ResponsesCall = await state.offload(
-            prepare_response, plan, served.client, results, state.config.tool_call_parser)
+            prepare_response, plan, served.client, results, state.config.tool_call_parser,
+            reasoning_setup(state))
         group = await submit(state, served, call.chat.engine_prompts, call.chat.params,
                              "resp")
     builder = ResponseBuilder(call, call.skeleton(item_id("resp"), served.name, now()))
