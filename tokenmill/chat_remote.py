@@ -94,9 +94,20 @@ def stream_remote(client: ServerClient, path: str, body: dict[str, Any], out: Te
     """One streamed request, its text written to ``out`` as it comes; what it was."""
     answer = Answer()
     start = time.perf_counter()
+    thinking = False  # a reasoning model's thinking is being written (dimmed, apart)
     for event in client.stream(path, body):
         for choice in event.get("choices", []):
+            thought = (choice.get("delta") or {}).get("reasoning_content") or ""
+            if thought:
+                if not thinking:
+                    out.write("\x1b[2m(thinking) " if out.isatty() else "(thinking) ")
+                    thinking = True
+                out.write(thought)
+                out.flush()
             text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            if text and thinking:
+                out.write("\x1b[0m\n\n" if out.isatty() else "\n\n")
+                thinking = False
             if text:
                 if answer.first_token_seconds is None:
                     answer.first_token_seconds = time.perf_counter() - start
@@ -107,6 +118,8 @@ def stream_remote(client: ServerClient, path: str, body: dict[str, Any], out: Te
         if usage := event.get("usage"):
             answer.prompt_tokens = usage.get("prompt_tokens", 0)
             answer.output_tokens = usage.get("completion_tokens", 0)
+    if thinking:
+        out.write("\x1b[0m\n" if out.isatty() else "\n")
     answer.seconds = time.perf_counter() - start
     return answer
 

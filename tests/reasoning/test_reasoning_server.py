@@ -4,7 +4,9 @@ the budget makes the engine end the thinking, the usage counts the thinking toke
 
 from __future__ import annotations
 
+import io
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -118,3 +120,34 @@ def test_a_model_without_thinking_answers_as_before(server: Server) -> None:
     message = body["choices"][0]["message"]
     assert set(message) == {"role", "content", "tool_calls"}
     assert body["usage"].get("completion_tokens_details") is None
+
+
+def test_each_choice_and_each_batched_request_has_its_own_budget(server: Server) -> None:
+    body = chat(server, max_tokens=5, thinking_token_budget=2, n=2, temperature=0.7,
+                seed=1).json()
+    for choice in body["choices"]:
+        assert choice["message"]["reasoning_content"] == "t5 t5"
+        assert choice["message"]["content"] == "t5 t5"
+    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": 6}
+    # Requests with different budgets in one batch, beside one without thinking.
+    with ThreadPoolExecutor(5) as pool:
+        budgets = [pool.submit(chat, server, max_tokens=6, thinking_token_budget=b)
+                   for b in range(5)]
+        plain = pool.submit(chat, server, max_tokens=6,
+                            chat_template_kwargs={"enable_thinking": False})
+        for b, future in enumerate(budgets):
+            message = future.result().json()["choices"][0]["message"]
+            assert message["reasoning_content"] == " ".join(["t5"] * b)
+            assert message["content"] == " ".join(["t5"] * (5 - b))
+        assert plain.result().json()["choices"][0]["message"]["content"] == " t5" * 6
+
+
+def test_tokenmill_chat_shows_the_thinking_apart_from_the_answer(server: Server) -> None:
+    from tokenmill.chat_remote import ServerClient, stream_remote
+
+    out = io.StringIO()
+    answer = stream_remote(ServerClient(server.url, None, "thinker"), "chat/completions", {
+        "messages": [{"role": "user", "content": "t7 t9"}], "max_tokens": 8,
+        "temperature": 0, "logit_bias": T5, "thinking_token_budget": 3}, out)
+    assert out.getvalue() == "(thinking) t5 t5 t5\n\nt5 t5 t5 t5"
+    assert "".join(answer.text) == "t5 t5 t5 t5"  # the conversation keeps the answer only
