@@ -182,3 +182,31 @@ def test_endpoint_in_use_names_the_field() -> None:
             ZmqEventPublisher(endpoint)
     finally:
         first.close()
+
+
+def test_an_encoder_publishes_nothing_and_binds_nothing() -> None:
+    """`tokenmill serve --kv-events-endpoint` with the embedded models: the embedding model has
+    no KV cache, so it leaves the endpoint to the chat model."""
+    from tokenmill.config import CacheConfig, EngineConfig, ModelConfig
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    endpoint = _free_endpoint()
+    engine = LLMEngine(EngineConfig(model=ModelConfig(task="embed"),
+                                    cache=CacheConfig(kv_events_endpoint=endpoint)))
+    try:
+        assert engine.core.kv_events is None
+        ZmqEventPublisher(endpoint).close()
+    finally:
+        engine.close()
+
+
+def test_the_option_reaches_the_cache_config() -> None:
+    import argparse
+
+    from tokenmill.engine.args import add_engine_args, engine_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    args = p.parse_args(["--kv-events-endpoint", "tcp://*:5557"])
+    assert engine_config_from_args(args).cache.kv_events_endpoint == "tcp://*:5557"
+    assert engine_config_from_args(p.parse_args([])).cache.kv_events_endpoint is None

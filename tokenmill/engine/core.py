@@ -116,9 +116,11 @@ class EngineCore:
             kv = KVCacheManager(self.kv_plan.num_blocks, config.cache.block_size,
                                 config.cache.enable_prefix_caching,
                                 enable_kv_events=config.cache.kv_events_endpoint is not None)
-        # Where the prefix cache's changes go after each step (None: nowhere).
+        # Where the prefix cache's changes go after each step (None: nowhere; an encoder has
+        # no cache, and leaves the endpoint to a model that has one).
         self.kv_events = (ZmqEventPublisher(config.cache.kv_events_endpoint)
-                          if config.cache.kv_events_endpoint is not None else None)
+                          if config.cache.kv_events_endpoint is not None
+                          and not self.arch.is_encoder else None)
         if self.task == "embed" and sched_config.max_num_batched_tokens < self.max_model_len:
             # An embedding is computed in one step: any input up to max_model_len must fit.
             sched_config = dataclasses.replace(sched_config,
