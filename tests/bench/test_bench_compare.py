@@ -250,7 +250,7 @@ def test_every_level_sends_its_own_prompts(monkeypatch) -> None:
 def test_peers_get_their_own_openmp_policy(monkeypatch) -> None:
     """tokenmill chooses the passive OpenMP policy for itself; a peer started by a benchmark
     runs with its own default, unless the user set a policy, which every process keeps."""
-    from tokenmill.utils import foreign_environ
+    from tokenmill.envs import foreign_environ
 
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     monkeypatch.setenv("TOKENMILL_DEFAULTED_OMP_WAIT_POLICY", "1")

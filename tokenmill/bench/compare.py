@@ -30,13 +30,15 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tokenmill import envs
 from tokenmill.bench.codec import LocalCodec
 from tokenmill.bench.datasets import SampleRequest, random_requests, write_jsonl
 from tokenmill.bench.procs import free_port, run_json_job, start_server
 from tokenmill.bench.report import hardware, now_iso, write_json
 from tokenmill.bench.serve import LoadSpec, benchmark, quiet_http_logs, server_model
 from tokenmill.core.kv_cache import blocks_for_tokens
-from tokenmill.utils import cdiv, foreign_environ
+from tokenmill.envs import foreign_environ
+from tokenmill.utils import cdiv
 
 SYSTEMS = ("tokenmill", "llama.cpp", "transformers")
 PEERS_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers.py")
@@ -293,7 +295,7 @@ def run_compare(cfg: CompareConfig) -> dict[str, Any]:
             "load_average_after": os.getloadavg(), "systems": results,
             # The peers' OpenMP wait policy: their own default (None) unless the user set one.
             "peer_omp_wait_policy": foreign_environ().get("OMP_WAIT_POLICY"),
-            "tokenmill_omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+            "tokenmill_omp_wait_policy": envs.OMP_WAIT_POLICY}
 
 
 def _tokenmill_version() -> str:

@@ -24,7 +24,7 @@ from typing import Any
 
 from tokenmill.bench.procs import ServerProcess, free_port, run_json_job, start_server
 from tokenmill.bench.report import hardware, now_iso, write_json
-from tokenmill.utils import THREAD_POLICY_VARS
+from tokenmill.envs import THREAD_POLICY_VARS, child_environ
 
 # The policies compared by default: tokenmill's default (what `tokenmill` sets when the user
 # set neither variable), and libgomp's own default (spin 300,000 times at every barrier).
@@ -53,8 +53,7 @@ POLICY_VARS = (*THREAD_POLICY_VARS, "TOKENMILL_SPIN_US", "TOKENMILL_THREAD_POOL"
 def policy_env(env: dict[str, str]) -> dict[str, str]:
     """The environment of a measured process: ours without any thread-policy variable, plus the
     policy's own."""
-    base = {k: v for k, v in os.environ.items() if k not in POLICY_VARS}
-    return {**base, **env, "TQDM_DISABLE": "1"}
+    return child_environ({**env, "TQDM_DISABLE": "1"}, drop=POLICY_VARS)
 
 
 @contextmanager
@@ -143,16 +142,9 @@ def measure_policy(args: argparse.Namespace, name: str, env: dict[str, str]) -> 
 
 def _start_server(args: argparse.Namespace, port: int, env: dict[str, str]) -> ServerProcess:
     """`tokenmill serve` under the policy's environment."""
-    saved = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(env)
-    try:
-        return start_server([sys.executable, "-m", "tokenmill", "-q", "serve",
-                             *_model_args(args), "--port", str(port), "--max-num-seqs",
-                             str(args.streams), "--no-monitor"], port)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    return start_server([sys.executable, "-m", "tokenmill", "-q", "serve",
+                         *_model_args(args), "--port", str(port), "--max-num-seqs",
+                         str(args.streams), "--no-monitor"], port, env=env)
 
 
 def run(args: argparse.Namespace) -> int:

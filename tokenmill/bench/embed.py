@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from tokenmill import envs
 from tokenmill.bench.embed_sentences import PARITY_SENTENCES, generated_sentences
 from tokenmill.bench.report import hardware, hardware_line, now_iso, write_json
 from tokenmill.engine.llm import LLM
@@ -169,7 +170,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {
         "date": now_iso(), "command": "tokenmill " + " ".join(sys.argv[1:]),
         "hardware": hardware(), "threads": args.threads, "model": folder,
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "omp_wait_policy": envs.OMP_WAIT_POLICY,
         "tokenmill_dtype": args.dtype, "tokenmill_matmuls": matmuls,
         "cpu_native_bf16": native_bf16,
         "parity": parity(torch.tensor([o.embedding for o in llm.embed(texts)]), ref)}

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 from tokenmill.bench.procs import ServerProcess, free_port, start_server
 from tokenmill.bench.report import hardware, hardware_line, markdown_table, now_iso, write_json
+from tokenmill.envs import child_environ
 
 GREEDY = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0,
           "ignore_eos": True}
@@ -83,7 +84,7 @@ def run_schemathesis(base_url: str, max_time: int, workers: int, seed: int,
         for name, value in headers.items():
             cmd += ["-H", f"{name}: {value}"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max_time + 600,
-                              env={**os.environ, "NO_COLOR": "1"})
+                              env=child_environ({"NO_COLOR": "1"}))
         statuses: Counter[str] = Counter()
         unanswered = []
         if os.path.exists(har):

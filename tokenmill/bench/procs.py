@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -13,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.bench.report import process_peak_rss_mib
+from tokenmill.envs import child_environ
 
 # Seconds a server gets to load its model and open its port.
 SERVER_START_TIMEOUT_S = 300.0
@@ -92,8 +92,8 @@ def run_json_job(cmd: list[str], result_file: str | None = None,
     Its stderr (progress, logs) passes through to ours; a failure raises RuntimeError with the
     tail of its output. Its environment is ``base_env`` (default: ours) with ``extra_env``.
     """
-    env = {**(os.environ if base_env is None else base_env), **(extra_env or {}),
-           "TQDM_DISABLE": "1"}
+    extra = {**(extra_env or {}), "TQDM_DISABLE": "1"}
+    env = child_environ(extra) if base_env is None else {**base_env, **extra}
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, timeout=timeout,
                           env=env, stdin=subprocess.DEVNULL)
     if proc.returncode != 0:

@@ -12,6 +12,8 @@ import subprocess
 from collections.abc import Sequence
 from typing import Any
 
+from tokenmill import envs
+
 
 def now_iso() -> str:
     """The local time, to the second, for result files."""
@@ -22,7 +24,7 @@ def command_line(program: str, args: Sequence[str]) -> str:
     """The command a result came from, as a shell would run it again: the ``TOKENMILL_*``
     variables set (experiments that are off by default, tuning files), then ``program`` and
     ``args``."""
-    env = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("TOKENMILL_")]
+    env = [f"{k}={v}" for k, v in envs.tokenmill_settings().items()]
     return " ".join([*env, program, *args])
 
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tokenmill import envs
 from tokenmill.bench.report import hardware, markdown_table, now_iso, write_json
 
 if TYPE_CHECKING:  # imported when run: FAISS need not load for every `tokenmill` command
@@ -63,7 +64,7 @@ def minilm_folder() -> str:
     import all_minilm_l6_v2  # type: ignore[import-not-found]
 
     zip_path = Path(all_minilm_l6_v2.__file__).with_name("model.zip")
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    cache = Path(envs.XDG_CACHE_HOME)
     folder = cache / "tokenmill" / "all-MiniLM-L6-v2-bench"
     if not (folder / "modules.json").exists():
         tmp = Path(tempfile.mkdtemp(dir=folder.parent if folder.parent.exists() else None))
