@@ -9,10 +9,6 @@ The offline API::
 
 from typing import TYPE_CHECKING
 
-from tokenmill.utils import default_thread_policy
-
-default_thread_policy()  # before anything imports torch
-
 # The public names, imported on first use (PEP 562): `import tokenmill.cli` for `tokenmill
 # --help` must not pay for torch, which the engine's modules import.
 _EXPORTS = {

@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tokenmill import envs
+
 if TYPE_CHECKING:  # imported when a command runs, not to list the commands
     from tokenmill.chat_remote import ServerClient
     from tokenmill.engine.llm_engine import LLMEngine
@@ -164,7 +166,7 @@ def _engine(args: argparse.Namespace) -> LLMEngine:
 def _server(args: argparse.Namespace) -> ServerClient:
     from tokenmill.chat_remote import ServerClient
 
-    return ServerClient(args.url, args.api_key or os.environ.get("TOKENMILL_API_KEY"),
+    return ServerClient(args.url, args.api_key or envs.TOKENMILL_API_KEY,
                         args.model)
 
 
@@ -408,6 +410,8 @@ def _log_level(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """The `tokenmill` entry point: parse, set up logging, run the command; 2 on a user error."""
+    # Before any command's modules load torch (and with it OpenMP, which reads it then).
+    envs.default_thread_policy()
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
     logging.basicConfig(level=_log_level(args), format="%(levelname)s %(name)s: %(message)s")

@@ -1,5 +1,6 @@
-"""Small helpers every layer may use. They import nothing from tokenmill, and torch only when
-called (the scheduler and the block pool stay free of torch)."""
+"""Small helpers every layer may use. They import nothing from tokenmill but its environment
+variables (``tokenmill.envs``), and torch only when called (the scheduler and the block pool
+stay free of torch)."""
 
 from __future__ import annotations
 
@@ -12,42 +13,10 @@ from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+from tokenmill import envs
+
 if TYPE_CHECKING:
     import torch
-
-
-def env_switch(name: str) -> bool | None:
-    """The on/off switch ``$name``: 1/true/on/yes or 0/false/off/no (any case); None where it
-    is unset, empty or "auto"; anything else a ValueError naming the variable."""
-    value = os.environ.get(name, "").strip().lower()
-    if value in ("", "auto"):
-        return None
-    if value in ("1", "true", "on", "yes"):
-        return True
-    if value in ("0", "false", "off", "no"):
-        return False
-    raise ValueError(f"{name} must be 0 or 1, got {value!r}")
-
-
-def env_flag(name: str, default: bool) -> bool:
-    """``env_switch(name)``, ``default`` where it is not set."""
-    value = env_switch(name)
-    return default if value is None else value
-
-
-def env_count(name: str, unit: str, default: int) -> int:
-    """The whole number >= 0 that ``$name`` gives (of ``unit``, which the error names),
-    ``default`` where it is unset or empty; anything else a ValueError naming the variable."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a whole number of {unit}, got {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return value
 
 
 def freeze_startup_heap() -> int:
@@ -58,7 +27,7 @@ def freeze_startup_heap() -> int:
     allocated last: 100-108 ms at ~227,000 objects at batch 256 on the 2-core EPYC, 8 ms frozen
     (benchmarks/gc_pauses.py). vLLM and SGLang freeze after loading too.
     ``TOKENMILL_GC_FREEZE=0`` turns it off (returns 0)."""
-    if not env_flag("TOKENMILL_GC_FREEZE", True):
+    if not envs.TOKENMILL_GC_FREEZE:
         return 0
     gc.collect()
     gc.freeze()
@@ -157,8 +126,6 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 def process_age_s() -> float | None:
     """Seconds since this process started (from Linux's /proc; None elsewhere)."""
-    import os
-
     try:
         with open("/proc/self/stat") as f:
             # Field 22 (after the parenthesised command name) is the start time in clock ticks.
@@ -168,44 +135,3 @@ def process_age_s() -> float | None:
     except (OSError, ValueError, IndexError):
         return None
     return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
-
-
-# Environment variables that choose how OpenMP's idle threads wait; a user who set any of them
-# keeps their choice.
-THREAD_POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
-# Set beside OMP_WAIT_POLICY when default_thread_policy chose it (not the user): see
-# foreign_environ.
-_DEFAULTED_MARK = "TOKENMILL_DEFAULTED_OMP_WAIT_POLICY"
-
-
-def default_thread_policy() -> None:
-    """Let OpenMP's idle threads sleep instead of spin, unless the user chose otherwise.
-
-    libgomp's default has every thread spin at each barrier before it sleeps. On a machine whose
-    cores are shared (a neighbour process, another engine), a spinning thread burns the time
-    slice the thread it waits for needs, and a decode step of a few hundred barriers slows down
-    by an order of magnitude; sleeping threads slow down only by the share of cores lost
-    (`tokenmill bench contention` measures both). libgomp reads this once, when it is loaded,
-    so it must run before torch is imported; if torch is already loaded it changes nothing.
-    """
-    import os
-    import sys
-
-    if "torch" in sys.modules or any(v in os.environ for v in THREAD_POLICY_VARS):
-        return
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    os.environ[_DEFAULTED_MARK] = "1"
-
-
-def foreign_environ() -> dict[str, str]:
-    """This process's environment for a child that is not tokenmill (a benchmark's peer): without
-    the OpenMP wait policy that :func:`default_thread_policy` chose, so the child runs with its
-    own defaults, as its users run it. A policy the user set stays. (llama.cpp's OpenMP build
-    under the passive policy decoded ~3x slower on a quiet 2-core machine; tokenmill's own
-    children set the policy again when they import tokenmill.)"""
-    import os
-
-    env = dict(os.environ)
-    if env.pop(_DEFAULTED_MARK, None) is not None:
-        env.pop("OMP_WAIT_POLICY", None)
-    return env

@@ -77,36 +77,3 @@ def test_an_engine_loaded_before_the_freeze_is_freed_when_unloaded() -> None:
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "freed"
-
-
-def test_env_flag_reads_on_off_and_names_a_bad_value(monkeypatch) -> None:  # noqa: ANN001
-    """The one parser of tokenmill's on/off variables (GC freeze, fused decode and prefill)."""
-    import pytest
-
-    from tokenmill.utils import env_flag
-
-    monkeypatch.delenv("TOKENMILL_TEST_FLAG", raising=False)
-    assert env_flag("TOKENMILL_TEST_FLAG", True) and not env_flag("TOKENMILL_TEST_FLAG", False)
-    for value, want in (("1", True), ("On", True), ("yes", True), ("0", False), ("off", False),
-                        ("FALSE", False), ("no", False), ("auto", True), (" ", True)):
-        monkeypatch.setenv("TOKENMILL_TEST_FLAG", value)
-        assert env_flag("TOKENMILL_TEST_FLAG", True) is want, value
-    monkeypatch.setenv("TOKENMILL_TEST_FLAG", "maybe")
-    with pytest.raises(ValueError, match="TOKENMILL_TEST_FLAG must be 0 or 1, got 'maybe'"):
-        env_flag("TOKENMILL_TEST_FLAG", True)
-
-
-def test_env_switch_is_none_where_unset(monkeypatch) -> None:  # noqa: ANN001
-    """The three-way form (TOKENMILL_STREAM_WEIGHTS: on, off, or decided by the model's size)."""
-    import pytest
-
-    from tokenmill.utils import env_flag, env_switch
-
-    for value, want in [("", None), ("auto", None), ("1", True), ("ON", True), ("0", False),
-                        ("no", False)]:
-        monkeypatch.setenv("TOKENMILL_TEST_SWITCH", value)
-        assert env_switch("TOKENMILL_TEST_SWITCH") is want
-        assert env_flag("TOKENMILL_TEST_SWITCH", True) is (True if want is None else want)
-    monkeypatch.setenv("TOKENMILL_TEST_SWITCH", "sometimes")
-    with pytest.raises(ValueError, match="TOKENMILL_TEST_SWITCH must be 0 or 1"):
-        env_switch("TOKENMILL_TEST_SWITCH")

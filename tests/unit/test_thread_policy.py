@@ -1,5 +1,6 @@
-"""OpenMP's wait policy: tokenmill lets idle threads sleep unless the user chose a policy, and
-only when it is imported before torch (libgomp reads the variable when it is loaded)."""
+"""OpenMP's wait policy: the `tokenmill` command lets idle threads sleep unless the user chose
+a policy, and only when it starts before torch is loaded (libgomp reads the variable when it is
+loaded). Importing tokenmill sets nothing (tests/unit/test_envs.py)."""
 
 from __future__ import annotations
 
@@ -11,30 +12,39 @@ import pytest
 
 from tokenmill.bench.contention import parse_policy, policy_env
 
-PROBE = "import os, {first}; print(os.environ.get('OMP_WAIT_POLICY'))"
+# The `tokenmill` command's start (`tokenmill --help`, which exits after printing), then what
+# the environment says.
+PROBE = """import os, sys{first}
+from tokenmill import cli
+try:
+    cli.main(["--help"])
+except SystemExit:
+    pass
+{after}
+print("policy", os.environ.get("OMP_WAIT_POLICY"))"""
 
 
-def probe(first: str, **env: str) -> str:
+def probe(first: str = "", after: str = "", **env: str) -> str:
     base = {k: v for k, v in os.environ.items()
             if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")}
-    out = subprocess.run([sys.executable, "-c", PROBE.format(first=first)], env={**base, **env},
-                         capture_output=True, text=True, check=True)
-    return out.stdout.strip()
+    out = subprocess.run([sys.executable, "-c", PROBE.format(first=first, after=after)],
+                         env={**base, **env}, capture_output=True, text=True, check=True)
+    return out.stdout.strip().splitlines()[-1].removeprefix("policy ")
 
 
 def test_idle_threads_sleep_by_default() -> None:
-    assert probe("tokenmill") == "PASSIVE"
-    # The torch that tokenmill loads sees it: libgomp then sleeps at once.
-    assert probe("tokenmill, torch") == "PASSIVE"
+    assert probe() == "PASSIVE"
+    # The torch that the command's modules load see it: libgomp then sleeps at once.
+    assert probe(after="import torch") == "PASSIVE"
 
 
 def test_the_users_choice_is_kept() -> None:
-    assert probe("tokenmill", OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"
-    assert probe("tokenmill", GOMP_SPINCOUNT="300000") == "None"
+    assert probe(OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"
+    assert probe(GOMP_SPINCOUNT="300000") == "None"
 
 
 def test_nothing_changes_once_torch_is_loaded() -> None:
-    assert probe("torch, tokenmill") == "None"
+    assert probe(first=", torch") == "None"
 
 
 def test_contention_policies_parse() -> None:
