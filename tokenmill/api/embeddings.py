@@ -179,7 +179,7 @@ def embedding_prompts(inputs: Sequence[str | list[int]], params: PoolingParams,
             if bad is not None:
                 raise bad_request(f"{where}: token id {item[bad]!r} at index {bad} is not in "
                                   f"[0, {served.vocab_size})", param)
-        item = _bounded_text(item, where, param, params, served.max_model_len)
+        item = bounded_text(item, where, param, params, served.max_model_len)
         try:
             text, ids = embedding_prompt(encode, tok, item, params, served.max_model_len)
         except ValueError as e:
@@ -189,7 +189,7 @@ def embedding_prompts(inputs: Sequence[str | list[int]], params: PoolingParams,
     return prompts
 
 
-def _bounded_text(item: str | list[int], where: str, param: str, params: PoolingParams,
+def bounded_text(item: str | list[int], where: str, param: str, params: PoolingParams,
                   max_model_len: int) -> str | list[int]:
     """A text input of at most ``max_model_len * MAX_CHARS_PER_TOKEN`` characters: a longer
     one is a 400 naming the field and the limit, or, truncated anyway, cut to that many

@@ -10,7 +10,7 @@ naming the field."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel
@@ -19,6 +19,7 @@ from tokenmill.api.embeddings import (
     MAX_INPUTS,
     EmbeddingModel,
     EmbeddingUsage,
+    bounded_text,
     embedding_prompts,
     require_embedding_model,
     truncation_params,
@@ -175,8 +176,13 @@ def _prompts(pairs: Pairs, params: PoolingParams, served: EmbeddingModel,
             prompts += embedding_prompts([text], params, served, name.split("[")[0],
                                          names=[name])
         return prompts
+    # Each text is bounded before the pair is tokenized, as an embedding input is: a huge text
+    # would hold the tokenizer (and the GIL) for seconds, only to be refused after.
+    texts = [bounded_text(text, name, name.split("[")[0], params, served.max_model_len)
+             for text, name in zip(pairs.texts, pairs.names, strict=True)]
     try:
-        ids = cross_encoder_prompts(pairs, served.tokenizer, params, served.max_model_len)
+        ids = cross_encoder_prompts(replace(pairs, texts=texts), served.tokenizer, params,
+                                    served.max_model_len)
     except ValueError as e:
         raise _refusal(e, names) from None
     return [{"prompt_token_ids": p} for p in ids]
