@@ -151,3 +151,12 @@ def test_tokenmill_chat_shows_the_thinking_apart_from_the_answer(server: Server)
         "temperature": 0, "logit_bias": T5, "thinking_token_budget": 3}, out)
     assert out.getvalue() == "(thinking) t5 t5 t5\n\nt5 t5 t5 t5"
     assert "".join(answer.text) == "t5 t5 t5 t5"  # the conversation keeps the answer only
+
+
+def test_an_output_constraint_makes_the_output_the_answer(server: Server) -> None:
+    # The template opened the thinking, but the constraint holds from the first token: what
+    # the model writes is the answer (a forced tool call is read the same way).
+    body = chat(server, max_tokens=4, structured_outputs={"choice": ["t5"]}).json()
+    message = body["choices"][0]["message"]
+    assert message["content"] == " t5" and "reasoning_content" not in message
+    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}

@@ -56,6 +56,10 @@ def apply_reasoning(parser: ReasoningParser | None, budget: tuple[str, int] | No
                               "server with --reasoning-parser)", budget[0])
         return None, params
     reader = reasoning_reader(parser, prompt, tokenizer)
+    if params.structured_outputs is not None:
+        # The constraint (a schema, a forced tool call...) holds from the first token, even
+        # where the template opened the thinking: what the model writes is the answer.
+        reader.inside = False
     name, value = budget if budget is not None else ("max_thinking_tokens", default_budget)
     if value is None:
         return reader, params
