@@ -160,3 +160,30 @@ def test_an_output_constraint_makes_the_output_the_answer(server: Server) -> Non
     message = body["choices"][0]["message"]
     assert message["content"] == " t5" and "reasoning_content" not in message
     assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
+
+
+def test_reasoning_effort_reaches_a_template_that_reads_it(tmp_path) -> None:
+    from thinking_model import write_thinking_tokenizer
+
+    from tokenmill.api.chat import render_prompt
+    from tokenmill.api.protocol import ChatCompletionRequest
+    from tokenmill.tokenizer import Tokenizer
+
+    write_thinking_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% if reasoning_effort is defined %}Reasoning: "
+                               "{{ reasoning_effort }} {% endif %}{{ messages[0].content }}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = Tokenizer.from_hf_dir(str(tmp_path))
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "t7"}],
+                                reasoning_effort="high")
+    assert render_prompt(tokenizer, req, 512)[0] == "Reasoning: high t7"
+
+
+def test_reasoning_effort_for_a_model_that_does_not_think_is_refused(server: Server) -> None:
+    r = chat(server, model="smol", max_tokens=2, logit_bias=None, reasoning_effort="low")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
+    bad = chat(server, max_tokens=2, reasoning_effort="extreme")
+    assert bad.status_code == 400
+    ok = chat(server, max_tokens=2, reasoning_effort="low")  # a thinking model takes it
+    assert ok.status_code == 200

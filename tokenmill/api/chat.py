@@ -26,6 +26,7 @@ from tokenmill.api.protocol import (
 from tokenmill.api.reasoning import ReasoningReader, ReasoningSetup, resolve_reasoning_parser
 from tokenmill.api.reasoning_request import (
     apply_reasoning,
+    check_effort,
     check_template_switch,
     requested_budget,
 )
@@ -87,8 +88,10 @@ def render_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest, max_model_le
         messages, extra = req.messages, {}
         if tools is not None:
             messages, extra = tool_prompt(*tools, req.messages, tokenizer.chat_template)
+        effort = {"reasoning_effort": req.reasoning_effort} \
+            if req.reasoning_effort is not None else {}
         return chat_prompt(tokenizer, messages, max_model_len * MAX_CHARS_PER_TOKEN,
-                           **(req.chat_template_kwargs or {}), **extra)
+                           **{**effort, **(req.chat_template_kwargs or {}), **extra})
     except TEMPLATE_ERRORS as e:
         raise bad_request(f"messages: {e}", "messages") from None
 
@@ -238,6 +241,7 @@ def prepare_chat(req: ChatCompletionRequest, served: ServedModel,
     reasoning = reasoning or ReasoningSetup()
     thinker = resolve_reasoning_parser(reasoning.parser, tokenizer.chat_template)
     check_template_switch(req.chat_template_kwargs, thinker, tokenizer.chat_template)
+    check_effort(req.reasoning_effort, thinker, tokenizer.chat_template)
     budget = requested_budget({"thinking_token_budget": req.thinking_token_budget,
                                "max_thinking_tokens": req.max_thinking_tokens})
     forced = forced_call(setup, parser)

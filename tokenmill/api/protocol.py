@@ -160,6 +160,9 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's name and llama.cpp's; at most one of them.
     thinking_token_budget: int | None = None
     max_thinking_tokens: int | None = None
+    # OpenAI's: how hard a reasoning model thinks; given to the chat template as
+    # ``reasoning_effort`` (gpt-oss's template writes it into its system message).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
 
 class CompletionRequest(SamplingFields):

@@ -32,6 +32,15 @@ def check_template_switch(kwargs: dict[str, Any] | None, parser: ReasoningParser
                           "(its chat template has no thinking switch)", "chat_template_kwargs")
 
 
+def check_effort(effort: str | None, parser: ReasoningParser | None,
+                 template: str | None) -> None:
+    """400 on ``reasoning_effort`` for a model that does not think (no reasoning parser, and
+    a template that reads no ``reasoning_effort``)."""
+    if effort is not None and parser is None and "reasoning_effort" not in (template or ""):
+        raise bad_request("reasoning_effort: this model does not think (no reasoning parser, "
+                          "and its chat template reads no reasoning_effort)", "reasoning_effort")
+
+
 def requested_budget(budgets: dict[str, int | None]) -> tuple[str, int] | None:
     """The one budget field set among ``budgets`` (name -> value), or None; 400 when more
     than one is set or one is not an integer."""
