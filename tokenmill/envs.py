@@ -177,8 +177,9 @@ _VARS = (
            "it in small batches' decode graphs; 0: off.",
            lambda: count("TOKENMILL_L2_PREFETCH", "MB", 0)),
     EnvVar("TOKENMILL_PDL", "0",
-           "Experimental: 1 launches Triton matmuls with programmatic dependent launch on "
-           "Hopper or newer GPUs.", lambda: flag("TOKENMILL_PDL", False)),
+           "Experimental: 1 launches the CUDA backend's Triton kernels with programmatic "
+           "dependent launch on GPUs of compute capability 9.0 or later (Hopper).",
+           lambda: flag("TOKENMILL_PDL", False)),
     EnvVar("TOKENMILL_PDL_PREFETCH_KB", "64",
            "With TOKENMILL_PDL: KB of weight each matmul program prefetches into L2 while the "
            "previous kernel ends.", lambda: count("TOKENMILL_PDL_PREFETCH_KB", "KB", 64)),
