@@ -6,7 +6,9 @@
   schema, from the server's OpenAPI document (`tokenmill.server.app.build_app` over a stand-in
   model: building it loads nothing);
 - docs/reference/metrics.md: every Prometheus metric family, from the server's registry
-  (`tokenmill.metrics.prometheus.PrometheusMetrics`).
+  (`tokenmill.metrics.prometheus.PrometheusMetrics`);
+- docs/reference/environment.md: every environment variable tokenmill reads, from
+  `tokenmill.envs.VARIABLES`.
 
     python scripts/gen_docs_reference.py            # write the pages
     python scripts/gen_docs_reference.py --check    # exit 1, naming the pages, if any is stale
@@ -245,6 +247,30 @@ def metrics_page() -> str:
     return "".join(out)
 
 
+# ----------------------------------------------------------------------------- environment
+
+
+def environment_page() -> str:
+    """docs/reference/environment.md from tokenmill.envs.VARIABLES, in its order."""
+    from tokenmill import envs
+
+    out = [HEADER.format(what="a variable in tokenmill/envs.py"),
+           "# Environment variables\n\n",
+           "Every environment variable tokenmill reads (`tokenmill/envs.py`, the one module that "
+           "reads them). Each is read when it is needed, not when tokenmill is imported; most "
+           "are for measurements and experiments. On/off switches take 1/true/on/yes or "
+           "0/false/off/no; a bad value is an error naming the variable. Importing tokenmill "
+           "sets none: the `tokenmill` command sets `OMP_WAIT_POLICY=PASSIVE` when it starts, "
+           "unless you set an OpenMP policy yourself. Variables that libraries read themselves "
+           "(`HF_HOME`, `HF_TOKEN` for huggingface_hub, `TRITON_INTERPRET` for Triton) are "
+           "theirs to document.\n\n",
+           "| variable | default | what it does | read by |\n| --- | --- | --- | --- |\n"]
+    for var in envs.VARIABLES.values():
+        out.append(f"| `{var.name}` | {_prose(var.default)} | {_prose(var.doc)} | "
+                   f"{_prose(var.read_by or 'tokenmill')} |\n")
+    return "".join(out)
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -262,6 +288,7 @@ def pages() -> dict[Path, Callable[[], str]]:
         REFERENCE / "http-api.md": lambda: http_page(schema()),
         REFERENCE / "openapi.json": lambda: json.dumps(schema(), indent=1, sort_keys=True) + "\n",
         REFERENCE / "metrics.md": metrics_page,
+        REFERENCE / "environment.md": environment_page,
     }
 
 
