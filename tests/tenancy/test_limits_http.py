@@ -50,6 +50,8 @@ def test_requests_per_minute(server: Server) -> None:
     assert headers["x-ratelimit-remaining-requests"] == "0"
     assert 1 <= int(headers["retry-after"]) <= 60
     assert "2 requests per minute" in e.value.message
+    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert 'tokenmill:project_rate_limited_total{code="rate_limit_exceeded",project="' in metrics
     # Another project and the server key are not limited by it.
     assert complete(server, key_of(server)[1]).choices
     assert complete(server, SERVER_KEY).choices

@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 from conftest import ADMIN, admin, new_key, new_project, start
+from prometheus_client.parser import text_string_to_metric_families
 from server_harness import Server
 
 EMBED = "all-MiniLM-L6-v2"
@@ -130,6 +131,22 @@ def test_audit_log(server: Server, traffic: dict) -> None:
 def test_bad_usage_queries_are_400(server: Server, params: dict) -> None:
     r = admin(server, "GET", "/usage/completions", params=params)
     assert r.status_code == 400, r.text
+
+
+def test_prometheus_counters_per_project(server: Server, traffic: dict) -> None:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for x in family.samples:
+            if x.labels.get("project") == traffic["a"]:
+                samples[x.name] = samples.get(x.name, 0.0) + x.value
+    a_usage = traffic["usage"][traffic["a"]]
+    assert samples["tokenmill:project_requests_total"] == 2
+    assert samples["tokenmill:project_prompt_tokens_total"] == sum(
+        u.prompt_tokens for u in a_usage)
+    assert samples["tokenmill:project_generation_tokens_total"] == sum(
+        u.completion_tokens for u in a_usage)
+    assert samples["tokenmill:project_cost_total"] > 0
 
 
 def test_model_actions_are_audited(server: Server) -> None:

@@ -39,6 +39,7 @@ from tokenmill.server.tenancy_audit import AdminAudit
 from tokenmill.server.tenancy_guard import TenancyGuard
 from tokenmill.server.tenancy_objects import ObjectGuard
 from tokenmill.tenancy.limits import Limiter
+from tokenmill.tenancy.metrics import ProjectMetrics
 from tokenmill.tenancy.store import NotFound, TenancyStore
 
 # Who the audit log names for what the admin key does.
@@ -245,5 +246,6 @@ def install_tenancy(app: FastAPI, state: ServerState) -> TenancyStore | None:
     # The object guard runs inside the tenancy guard: it reads the caller that one finds.
     app.add_middleware(ObjectGuard, store=store)
     app.add_middleware(AdminAudit, store=store)
-    app.add_middleware(TenancyGuard, store=store, limiter=Limiter(store.spent_since))
+    app.add_middleware(TenancyGuard, store=store, limiter=Limiter(store.spent_since),
+                       metrics=ProjectMetrics(state.metrics.registry))
     return store

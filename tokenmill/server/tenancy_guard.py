@@ -22,6 +22,7 @@ from tokenmill.server.state import bearer_token
 from tokenmill.tenancy.keys import looks_like_project_key
 from tokenmill.tenancy.limits import Limiter, retry_after
 from tokenmill.tenancy.meter import Tab, current_tab
+from tokenmill.tenancy.metrics import ProjectMetrics
 from tokenmill.tenancy.store import TenancyStore
 
 # The same words as the server key's refusal (app.py), whichever key was wrong.
@@ -33,10 +34,12 @@ ADMIN_PREFIXES = ("/v1/organization", "/admin")
 class TenancyGuard:
     """Resolve project keys to their project, and apply the project's limits."""
 
-    def __init__(self, app: ASGIApp, store: TenancyStore, limiter: Limiter) -> None:
+    def __init__(self, app: ASGIApp, store: TenancyStore, limiter: Limiter,
+                 metrics: ProjectMetrics | None = None) -> None:
         self.app = app
         self.store = store
         self.limiter = limiter
+        self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
@@ -52,6 +55,8 @@ class TenancyGuard:
         project = caller.project
         refusal = self.limiter.admit(project)
         if refusal is not None:
+            if self.metrics is not None:
+                self.metrics.refused.labels(project.id, refusal.code).inc()
             headers = {**self.limiter.headers(project),
                        "Retry-After": retry_after(refusal.retry_after_s)}
             await send_error(send, APIError(429, refusal.message, code=refusal.code,
@@ -65,7 +70,7 @@ class TenancyGuard:
                                       *((k.encode(), v.encode()) for k, v in headers.items())]
             await send(message)
 
-        reset = current_tab.set(Tab(caller, self.store, self.limiter))
+        reset = current_tab.set(Tab(caller, self.store, self.limiter, self.metrics))
         try:
             await self.app(scope, receive, send_with_headers)
         finally:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.tenancy.limits import Limiter, month_start
+from tokenmill.tenancy.metrics import ProjectMetrics
 from tokenmill.tenancy.store import Caller, TenancyStore
 
 
@@ -25,6 +26,7 @@ class Tab:
     caller: Caller
     store: TenancyStore
     limiter: Limiter
+    metrics: ProjectMetrics | None = None
     started: float = field(default_factory=time.monotonic)
 
     def priority(self, requested: int) -> int:
@@ -131,9 +133,10 @@ class MeteredGroup:
             return
         self._recorded = True
         caller = self._tab.caller
-        self._tab.store.record_usage({
-            "time": time.time(), "project_id": caller.project.id, "key_id": caller.key_id,
-            "model": self._model, "kind": self._kind, "input_tokens": self._input,
-            "output_tokens": self._output, "cost": sum(self._cost.values()),
-            "finish_reason": self._finish,
-            "latency": time.monotonic() - self._tab.started})
+        row = {"time": time.time(), "project_id": caller.project.id, "key_id": caller.key_id,
+               "model": self._model, "kind": self._kind, "input_tokens": self._input,
+               "output_tokens": self._output, "cost": sum(self._cost.values()),
+               "finish_reason": self._finish, "latency": time.monotonic() - self._tab.started}
+        self._tab.store.record_usage(row)
+        if self._tab.metrics is not None:
+            self._tab.metrics.record(row)
