@@ -47,3 +47,5 @@ def test_pages_hold_what_the_code_has() -> None:
         assert route in http
     assert "| `max_tokens` |" in http
     assert "`tokenmill:time_to_first_token_seconds` | histogram | model_name |" in gen.metrics_page()
+    env = gen.environment_page()
+    assert "| `TOKENMILL_GC_FREEZE` | 1 |" in env and "| `XDG_CACHE_HOME` | ~/.cache |" in env
