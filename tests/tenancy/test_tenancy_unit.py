@@ -34,6 +34,7 @@ def test_keys_resolve_until_revoked_and_only_hashes_are_kept(store: TenancyStore
     key, value = store.create_key(p.id, "ci", "admin")
     caller = store.caller(value)
     assert caller is not None and caller.project.id == p.id and caller.key_id == key.id
+    assert store.key(p.id, key.id).last_used_at is not None
     rows = store._exec("SELECT hash FROM api_keys")
     assert [r["hash"] for r in rows] == [key_hash(value)]
     store.revoke_key(p.id, key.id, "admin")

@@ -19,6 +19,8 @@ from tokenmill.api.organization import LIMIT_FIELDS
 from tokenmill.tenancy.keys import key_hash, new_key, redacted
 
 DB_NAME = "tenancy.sqlite"
+# How stale a key's last_used_at may be (seconds).
+LAST_USED_RESOLUTION_S = 60
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS projects (
@@ -233,11 +235,17 @@ class TenancyStore:
         """The project and key id of a key's value; None for an unknown or revoked key or an
         archived project (the caller is not told which)."""
         rows = self._exec(
-            "SELECT k.id AS key_id, p.* FROM api_keys k JOIN projects p ON p.id = k.project_id "
+            "SELECT k.id AS key_id, k.last_used_at AS key_used, p.* FROM api_keys k "
+            "JOIN projects p ON p.id = k.project_id "
             "WHERE k.hash = ? AND k.deleted_at IS NULL AND p.archived_at IS NULL",
             (key_hash(value),))
         if not rows:
             return None
+        now = int(time.time())
+        # last_used_at to the minute: one write per key and minute, not one per request.
+        if rows[0]["key_used"] is None or rows[0]["key_used"] <= now - LAST_USED_RESOLUTION_S:
+            self._write([("UPDATE api_keys SET last_used_at = ? WHERE id = ?",
+                          (now, rows[0]["key_id"]))])
         return Caller(_row(Project, rows[0]), rows[0]["key_id"])
 
     # Objects (files, vector stores, stored responses) and the project that made them.
