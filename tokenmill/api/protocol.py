@@ -259,23 +259,19 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-class _OmitsNoneReasoning(BaseModel):
-    """Written without its reasoning fields when they are None: a model that does not think
-    answers exactly as before."""
-
-    @model_serializer(mode="wrap")
-    def _without_reasoning(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items()
-                if v is not None or k not in ("reasoning_content", "reasoning")}
+def _reasoning_field() -> Any:
+    """A message's thinking: left out of the JSON when None, so that a model that does not
+    think answers exactly as before."""
+    return Field(default=None, exclude_if=lambda v: v is None)
 
 
-class ChatMessage(_OmitsNoneReasoning):
+class ChatMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
     # The model's thinking (vLLM's field, and its newer name).
-    reasoning_content: str | None = None
-    reasoning: str | None = None
+    reasoning_content: str | None = _reasoning_field()
+    reasoning: str | None = _reasoning_field()
 
 
 class ChatChoice(BaseModel):
@@ -318,12 +314,12 @@ class DeltaToolCall(_OmitsNone):
     function: DeltaFunctionCall | None = None
 
 
-class DeltaMessage(_OmitsNoneReasoning):
+class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
-    reasoning_content: str | None = None
-    reasoning: str | None = None
+    reasoning_content: str | None = _reasoning_field()
+    reasoning: str | None = _reasoning_field()
 
 
 class ChatChunkChoice(BaseModel):

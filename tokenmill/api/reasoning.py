@@ -73,9 +73,11 @@ def resolve_reasoning_parser(name: str, chat_template: str | None) -> ReasoningP
 
 def _partial_tag_len(text: str, tag: str) -> int:
     """Length of the longest end of ``text`` that is a proper start of ``tag``."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
+    at = text.find(tag[0], max(0, len(text) - len(tag) + 1))
+    while at >= 0:  # most pieces hold no "<" near their end: one find, no slicing
+        if tag.startswith(text[at:]):
+            return len(text) - at
+        at = text.find(tag[0], at + 1)
     return 0
 
 
