@@ -95,7 +95,12 @@ def run_ray_serve(args: argparse.Namespace) -> int:
                     server.port, f"{scale.replicas} replicas" if scale.replicas else
                     f"{scale.min_replicas}-{scale.max_replicas} replicas", scale.router)
         stop.wait()
-        logger.info("draining the replicas")
+        logger.info("draining: up to %.0f s for the requests in flight", server.drain_timeout)
+        ingress = serve.get_app_handle("tokenmill")
+        left = ingress.drain.remote(server.drain_timeout).result(
+            timeout_s=server.drain_timeout + 30)
+        if left:
+            logger.warning("drain timeout: %d requests still in flight are cut off", left)
     finally:
         serve.shutdown()
         ray.shutdown()

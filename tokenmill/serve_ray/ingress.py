@@ -67,6 +67,18 @@ class Ingress:
         # /metrics of every replica, answered here (off when /metrics needs the API key:
         # then a replica answers it, with its own numbers, behind its own check).
         self._board = open_board() if own_metrics else None
+        # Answers not finished yet, and whether SIGTERM came (new requests then get 503).
+        self._in_flight = 0
+        self._draining = False
+
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new requests and wait up to ``timeout_s`` seconds for the answers in flight
+        to finish; how many did not."""
+        self._draining = True
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self._in_flight and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.1)
+        return self._in_flight
 
     async def _route_key(self, req: HTTPRequestData) -> list[bytes] | None:
         if req.method != "POST" or req.path not in PROMPT_ROUTES:
@@ -114,21 +126,45 @@ class Ingress:
 
     async def __call__(self, request: Request) -> Response:
         """Answer one HTTP request through a replica."""
-        if request.method == "GET" and _app_path(request) == "/metrics" and self._board is not None:
+        path = _app_path(request)
+        if self._draining:
+            if path == "/health":  # as one server answers while it drains
+                return JSONResponse({"status": "unavailable", "reason": "shutting down"},
+                                    status_code=503)
+            return _error(503, "the server is shutting down", "shutting_down")
+        if request.method == "GET" and path == "/metrics" and self._board is not None:
             return await self._metrics(request)
         client = request.client
-        req = HTTPRequestData(request.method, _app_path(request), request.url.query.encode(),
+        req = HTTPRequestData(request.method, path, request.url.query.encode(),
                               list(request.headers.raw), await request.body(),
                               (client.host, client.port) if client else None)
+        self._in_flight += 1
         try:
             head, stream = await self._open(req)
-        except ConnectionError as e:
-            return JSONResponse({"error": {"message": str(e), "type": "server_error",
-                                           "code": "no_replica"}}, status_code=503)
+        except BaseException as e:
+            self._in_flight -= 1
+            if isinstance(e, ConnectionError):
+                return _error(503, str(e), "no_replica")
+            raise
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in head.headers}
         headers[REPLICA_HEADER] = head.replica
         sse = headers.get("content-type", "").startswith("text/event-stream")
-        return StreamingResponse(_body(stream, sse), status_code=head.status, headers=headers)
+        return StreamingResponse(self._body(stream, sse), status_code=head.status,
+                                 headers=headers)
+
+    async def _body(self, stream: AsyncIterator[bytes], sse: bool) -> AsyncIterator[bytes]:
+        """The rest of the replica's answer; an error event if the replica dies mid-stream."""
+        try:
+            async for chunk in stream:
+                yield chunk
+        except REPLICA_GONE as e:
+            logger.warning("replica died while streaming: %s", e)
+            if sse:
+                error = {"error": {"message": "the replica serving this stream died",
+                                   "type": "server_error", "code": "replica_died"}}
+                yield f"data: {json.dumps(error)}\n\n".encode()
+        finally:
+            self._in_flight -= 1
 
 
 def _app_path(request: Request) -> str:
@@ -137,14 +173,7 @@ def _app_path(request: Request) -> str:
     return (path[len(root):] or "/") if root and path.startswith(root) else path
 
 
-async def _body(stream: AsyncIterator[bytes], sse: bool) -> AsyncIterator[bytes]:
-    """The rest of the replica's answer; an error event if the replica dies mid-stream."""
-    try:
-        async for chunk in stream:
-            yield chunk
-    except REPLICA_GONE as e:
-        logger.warning("replica died while streaming: %s", e)
-        if sse:
-            error = {"error": {"message": "the replica serving this stream died",
-                               "type": "server_error", "code": "replica_died"}}
-            yield f"data: {json.dumps(error)}\n\n".encode()
+def _error(status: int, message: str, code: str) -> JSONResponse:
+    """An error of the ingress itself, in OpenAI's shape."""
+    return JSONResponse({"error": {"message": message, "type": "server_error", "param": None,
+                                   "code": code}}, status_code=status)
