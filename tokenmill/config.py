@@ -460,6 +460,9 @@ class ServerConfig:
     max_upload_bytes: int = 512 << 20
     # The admin API (/admin: load, unload, swap models) is on only with a key of its own.
     admin_key: str | None = None
+    # With the admin key, projects keep an audit record of each request (tokenmill/tenancy);
+    # True: with the prompt and the answer's text (off: counts, cost and timing only).
+    audit_log_content: bool = False
     # The folder the admin API loads from (None: any path), and from which a request for a
     # model that is not loaded loads it (None: no loading on demand).
     models_dir: str | None = None

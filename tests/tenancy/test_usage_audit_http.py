@@ -133,6 +133,32 @@ def test_bad_usage_queries_are_400(server: Server, params: dict) -> None:
     assert r.status_code == 400, r.text
 
 
+def test_one_audit_record_per_request_without_text(server: Server, traffic: dict) -> None:
+    events = admin(server, "GET", "/audit_logs", params={
+        "project_ids[]": traffic["a"], "event_types[]": "request.completed"}).json()["data"]
+    assert len(events) == 2
+    data = events[0]["request.completed"]["data"]
+    assert data["key_id"] == traffic["ka"] and data["model"] == server.model
+    assert data["finish_reason"] == "length" and data["latency"] > 0 and data["cost"] > 0
+    assert events[0]["actor"]["api_key"] == {"id": traffic["ka"], "type": "service_account"}
+    assert "prompts" not in data and "answers" not in data
+
+
+def test_audit_log_content_keeps_the_text(tmp_path: Path) -> None:
+    s = start(tmp_path, "--audit-log-content")
+    try:
+        key = new_key(s, new_project(s))["value"]
+        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key=key, max_retries=0)
+        answer = c.completions.create(model=s.model, prompt="count: one two", max_tokens=3,
+                                      temperature=0).choices[0].text
+        (event,) = admin(s, "GET", "/audit_logs", params={
+            "event_types[]": "request.completed"}).json()["data"]
+        data = event["request.completed"]["data"]
+        assert data["prompts"] == ["count: one two"] and data["answers"] == [answer]
+    finally:
+        s.stop()
+
+
 def test_prometheus_counters_per_project(server: Server, traffic: dict) -> None:
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     samples = {}

@@ -174,6 +174,7 @@ def audit_event(record: dict[str, Any], project_names: dict[str, str]) -> dict[s
     return {"object": "organization.audit_log", "id": f"audit_log-{record['id']}",
             "type": kind, "effective_at": record["time"],
             "project": {"id": pid, "name": project_names.get(pid)} if pid else None,
-            "actor": {"type": "api_key",
-                      "api_key": {"id": record["actor"], "type": "admin"}},
+            "actor": {"type": "api_key", "api_key": {
+                "id": record["actor"],
+                "type": "admin" if record["actor"] == "admin_key" else "service_account"}},
             kind: {"id": record["details"].get("id", pid), "data": record["details"]}}

@@ -247,5 +247,6 @@ def install_tenancy(app: FastAPI, state: ServerState) -> TenancyStore | None:
     app.add_middleware(ObjectGuard, store=store)
     app.add_middleware(AdminAudit, store=store)
     app.add_middleware(TenancyGuard, store=store, limiter=Limiter(store.spent_since),
-                       metrics=ProjectMetrics(state.metrics.registry))
+                       metrics=ProjectMetrics(state.metrics.registry),
+                       content=state.config.audit_log_content)
     return store

@@ -114,6 +114,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         keep_alive=args.keep_alive if args.keep_alive > 0 else None,
         log_stats_interval=args.log_stats_interval, webui=args.webui,
         data_dir=args.data_dir, max_upload_bytes=args.max_upload_bytes,
+        audit_log_content=args.audit_log_content,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         monitor=monitor_config_from_args(args))
 
@@ -199,6 +200,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-dir", default=None,
                    help="folder of uploaded files and vector stores (default: tokenmill's "
                    "folder in the user's data directory)")
+    g.add_argument("--audit-log-content", action="store_true",
+                   help="with --admin-key: keep each project request's prompt and answer text "
+                   "in its audit record (default: counts, cost and timing only)")
     g.add_argument("--max-upload-bytes", type=int, default=ServerConfig.max_upload_bytes,
                    help="larger files sent to /v1/files get 413")
     g.add_argument("--debug-fail-at-step", type=int, default=None, metavar="N",

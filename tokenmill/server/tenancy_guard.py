@@ -35,8 +35,9 @@ class TenancyGuard:
     """Resolve project keys to their project, and apply the project's limits."""
 
     def __init__(self, app: ASGIApp, store: TenancyStore, limiter: Limiter,
-                 metrics: ProjectMetrics | None = None) -> None:
+                 metrics: ProjectMetrics | None = None, content: bool = False) -> None:
         self.app = app
+        self.content = content
         self.store = store
         self.limiter = limiter
         self.metrics = metrics
@@ -70,7 +71,8 @@ class TenancyGuard:
                                       *((k.encode(), v.encode()) for k, v in headers.items())]
             await send(message)
 
-        reset = current_tab.set(Tab(caller, self.store, self.limiter, self.metrics))
+        reset = current_tab.set(Tab(caller, self.store, self.limiter, self.metrics,
+                                    self.content))
         try:
             await self.app(scope, receive, send_with_headers)
         finally:

@@ -27,6 +27,8 @@ class Tab:
     store: TenancyStore
     limiter: Limiter
     metrics: ProjectMetrics | None = None
+    # Keep the prompt and answer text in the request's audit record (--audit-log-content).
+    content: bool = False
     started: float = field(default_factory=time.monotonic)
 
     def priority(self, requested: int) -> int:
@@ -73,6 +75,8 @@ class MeteredGroup:
         self._finish: str | None = None
         self._kind = "completions"
         self._recorded = False
+        self._prompts: dict[int, str | None] = {}
+        self._answers: dict[tuple[int, int], str] = {}
         # What the project had spent this month when the call started (its budget's base).
         budget = tab.caller.project.monthly_budget
         self._spent_before = (None if budget is None else tab.store.spent_since(
@@ -104,6 +108,11 @@ class MeteredGroup:
             reasons = [o.finish_reason for o in out.outputs if o.finish_reason]
             self._finish = reasons[-1] if reasons else self._finish
         self._cost[index] = out.metrics.usage.cost_usd
+        if self._tab.content:
+            self._prompts.setdefault(index, out.prompt)
+            for o in getattr(out, "outputs", []):
+                key = (index, o.index)
+                self._answers[key] = self._answers.get(key, "") + o.text
         self._tab.limiter.add_tokens(self._tab.caller.project.id, new)
         if self._over_budget() and not out.finished and not hasattr(out, "embedding"):
             self._end_for_budget(out)
@@ -137,6 +146,10 @@ class MeteredGroup:
                "model": self._model, "kind": self._kind, "input_tokens": self._input,
                "output_tokens": self._output, "cost": sum(self._cost.values()),
                "finish_reason": self._finish, "latency": time.monotonic() - self._tab.started}
-        self._tab.store.record_usage(row)
+        content = None
+        if self._tab.content:
+            content = {"prompts": [self._prompts[i] for i in sorted(self._prompts)],
+                       "answers": [self._answers[k] for k in sorted(self._answers)]}
+        self._tab.store.record_usage(row, content)
         if self._tab.metrics is not None:
             self._tab.metrics.record(row)

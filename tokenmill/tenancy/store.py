@@ -265,12 +265,17 @@ class TenancyStore:
 
     # Usage and audit.
 
-    def record_usage(self, record: dict[str, Any]) -> None:
-        """One finished request's usage row (and, for the audit log, its request record)."""
+    def record_usage(self, record: dict[str, Any], content: dict[str, Any] | None = None
+                     ) -> None:
+        """One finished request's usage row and its ``request.completed`` audit record
+        (with ``content``, the prompt and answer text, when given), in one transaction."""
         cols = ("time", "project_id", "key_id", "model", "kind", "input_tokens",
                 "output_tokens", "cost", "finish_reason", "latency")
+        details = {c: record[c] for c in cols if c not in ("time", "project_id")}
         self._write([(f"INSERT INTO usage ({', '.join(cols)}) VALUES "
-                      f"({', '.join('?' * len(cols))})", tuple(record[c] for c in cols))])
+                      f"({', '.join('?' * len(cols))})", tuple(record[c] for c in cols)),
+                     self._audit_sql("request.completed", record["project_id"],
+                                     record["key_id"], {**details, **(content or {})})])
 
     def spent_since(self, project_id: str, since: float) -> float:
         """The project's cost since ``since`` (epoch seconds)."""
