@@ -21,6 +21,9 @@ import pytest
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
+# A local Ray cluster and engines: minutes on a small machine (in the default run all the same).
+pytestmark = pytest.mark.slow
+
 from tokenmill.config import (  # noqa: E402
     CacheConfig,
     DeviceConfig,

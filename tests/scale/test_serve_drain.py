@@ -16,6 +16,9 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
+# A local Ray cluster and engines: minutes on a small machine (in the default run all the same).
+pytestmark = pytest.mark.slow
+
 from tokenmill.serve_ray.messages import REPLICA_HEADER  # noqa: E402
 
 
