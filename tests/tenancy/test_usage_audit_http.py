@@ -142,6 +142,7 @@ def test_one_audit_record_per_request_without_text(server: Server, traffic: dict
     assert data["finish_reason"] == "length" and data["latency"] > 0 and data["cost"] > 0
     assert events[0]["actor"]["api_key"] == {"id": traffic["ka"], "type": "service_account"}
     assert "prompts" not in data and "answers" not in data
+    assert len(data["model_version"]) == 16  # the weights' fingerprint
 
 
 def test_audit_log_content_keeps_the_text(tmp_path: Path) -> None:

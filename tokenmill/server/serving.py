@@ -42,7 +42,8 @@ async def submit(state: ServerState, served: ServedModel, prompts: Sequence[Prom
     try:
         # A project's request runs at its project's priority and is metered for it.
         return meter(await served.client.submit(prompts, with_priority(params), prefix,
-                                                lora_request=served.lora), served.name)
+                                                lora_request=served.lora), served.name,
+                     served.path)
     except EngineOverloadedError as e:
         raise APIError(503, f"the server is overloaded ({e}); retry later", code="overloaded",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from None

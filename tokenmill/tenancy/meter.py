@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
+import hashlib
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -54,21 +57,41 @@ def with_priority(params: Any) -> Any:
     return params if wanted == params.priority else dataclasses.replace(params, priority=wanted)
 
 
-def meter(group: Any, model: str) -> Any:
+def meter(group: Any, model: str, model_path: str = "") -> Any:
     """``group`` (an engine RequestGroup) counted for the current project; itself when the
-    request has no project."""
+    request has no project. ``model_path``: the served model's weights (for its version)."""
     tab = current_tab.get()
-    return group if tab is None else MeteredGroup(group, tab, model)
+    return group if tab is None else MeteredGroup(group, tab, model, model_path)
+
+
+@functools.lru_cache(maxsize=64)
+def _fingerprint(path: str, stamp: tuple) -> str:
+    return hashlib.sha256(f"{path}:{stamp}".encode()).hexdigest()[:16]
+
+
+def model_version(path: str) -> str | None:
+    """A fingerprint of a model's weights: its path and its files' sizes and modification
+    times (hashing gigabytes of weights per load would be too slow); a swap to other weights
+    changes it. None for no path."""
+    if not path or not os.path.exists(path):
+        return None
+    real = os.path.realpath(path)
+    files = ([os.path.join(real, n) for n in sorted(os.listdir(real))]
+             if os.path.isdir(real) else [real])
+    stamp = tuple((os.path.basename(f), st.st_size, st.st_mtime_ns)
+                  for f in files if os.path.isfile(f) for st in [os.stat(f)])
+    return _fingerprint(real, stamp)
 
 
 class MeteredGroup:
     """A RequestGroup whose outputs are counted as they arrive: every attribute is the
     group's, iteration counts tokens, and the end (or ``close``) writes the usage row."""
 
-    def __init__(self, group: Any, tab: Tab, model: str) -> None:
+    def __init__(self, group: Any, tab: Tab, model: str, model_path: str = "") -> None:
         self._group = group
         self._tab = tab
         self._model = model
+        self._model_path = model_path
         self._prompt_seen: set[int] = set()
         self._input = self._output = 0
         self._cost: dict[int, float] = {}
@@ -146,9 +169,9 @@ class MeteredGroup:
                "model": self._model, "kind": self._kind, "input_tokens": self._input,
                "output_tokens": self._output, "cost": sum(self._cost.values()),
                "finish_reason": self._finish, "latency": time.monotonic() - self._tab.started}
-        content = None
+        content: dict[str, Any] = {"model_version": model_version(self._model_path)}
         if self._tab.content:
-            content = {"prompts": [self._prompts[i] for i in sorted(self._prompts)],
+            content |= {"prompts": [self._prompts[i] for i in sorted(self._prompts)],
                        "answers": [self._answers[k] for k in sorted(self._answers)]}
         self._tab.store.record_usage(row, content)
         if self._tab.metrics is not None:
