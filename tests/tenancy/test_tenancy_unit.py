@@ -3,6 +3,8 @@ project allows, and the request's own priority field."""
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 
 import pytest
@@ -109,3 +111,17 @@ def test_request_priority_field() -> None:
         sampling_params(ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
                                               priority=1 << 40), 100, max_tokens=4,
                         logprobs=None)
+
+
+def test_audit_log_rotates_past_months_to_jsonl(store: TenancyStore) -> None:
+    now = time.time()
+    old = now - 70 * 86400  # two months ago at least
+    store._write([("INSERT INTO audit_log (time, type, project_id, actor, details) "
+                   "VALUES (?, 'api_key.created', 'proj_x', 'admin_key', '{\"id\": \"key_1\"}')",
+                   (int(old),))])
+    store.audit("project.updated", "proj_x", "admin_key", {"name": "now"})
+    (written,) = store.rotate_audit(now)
+    lines = [json.loads(x) for x in open(written, encoding="utf-8")]
+    assert [(x["type"], x["details"]["id"]) for x in lines] == [("api_key.created", "key_1")]
+    assert [r["type"] for r in store.audit_rows()] == ["project.updated"]
+    assert store.rotate_audit(now) == []  # nothing left to move

@@ -6,6 +6,7 @@ Pure Python over ``sqlite3``; one connection shared by the server's threads behi
 
 from __future__ import annotations
 
+import calendar
 import json
 import os
 import secrets
@@ -113,6 +114,8 @@ class TenancyStore:
         self._db.execute("PRAGMA busy_timeout=5000")
         with self._lock:
             self._db.executescript(_SCHEMA)
+        self.audit_dir = os.path.join(data_dir, "audit")
+        self.rotate_audit()
 
     def close(self) -> None:
         """Close the database (further calls fail)."""
@@ -271,6 +274,9 @@ class TenancyStore:
         (with ``content``, the prompt and answer text, when given), in one transaction."""
         cols = ("time", "project_id", "key_id", "model", "kind", "input_tokens",
                 "output_tokens", "cost", "finish_reason", "latency")
+        if record["time"] >= self._rotated_month + 31 * 86400 or (
+                time.gmtime(record["time"]).tm_mon != time.gmtime(self._rotated_month).tm_mon):
+            self.rotate_audit(record["time"])
         details = {c: record[c] for c in cols if c not in ("time", "project_id")}
         self._write([(f"INSERT INTO usage ({', '.join(cols)}) VALUES "
                       f"({', '.join('?' * len(cols))})", tuple(record[c] for c in cols)),
@@ -311,6 +317,36 @@ class TenancyStore:
         rows = self._exec(f"SELECT * FROM audit_log WHERE {' AND '.join(where)} "
                           "ORDER BY id DESC LIMIT ?", (*args, limit))
         return [{**dict(r), "details": json.loads(r["details"])} for r in rows]
+
+    def rotate_audit(self, now: float | None = None) -> list[str]:
+        """Move the audit records of past months (UTC) out of the database into one JSONL
+        file per month, ``audit/audit-YYYY-MM-<first id>-<last id>.jsonl``, written whole and
+        renamed into place before the records leave the database (a crash in between
+        rewrites the same file next time). The files written."""
+        now = time.time() if now is None else now
+        t = time.gmtime(now)
+        month_start = calendar.timegm((t.tm_year, t.tm_mon, 1, 0, 0, 0))
+        rows = self._exec("SELECT * FROM audit_log WHERE time < ? ORDER BY id", (month_start,))
+        by_month: dict[str, list[sqlite3.Row]] = {}
+        for r in rows:
+            by_month.setdefault(time.strftime("%Y-%m", time.gmtime(r["time"])), []).append(r)
+        written = []
+        for month, records in by_month.items():
+            os.makedirs(self.audit_dir, exist_ok=True)
+            name = os.path.join(self.audit_dir, f"audit-{month}-{records[0]['id']}-"
+                                f"{records[-1]['id']}.jsonl")
+            with open(name + ".tmp", "w", encoding="utf-8") as f:
+                for r in records:
+                    f.write(json.dumps({**dict(r), "details": json.loads(r["details"])}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(name + ".tmp", name)
+            ids = [r["id"] for r in records]
+            self._write([(f"DELETE FROM audit_log WHERE id IN ({', '.join('?' * len(ids))})",
+                          tuple(ids))])
+            written.append(name)
+        self._rotated_month = month_start
+        return written
 
     @staticmethod
     def _audit_sql(kind: str, project_id: str | None, actor: str,
