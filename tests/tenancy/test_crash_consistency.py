@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import openai
-from conftest import ADMIN, admin, new_project, start
+from tenancy_harness import ADMIN, admin, new_project, start
 
 
 def test_sigkill_mid_writes_leaves_a_consistent_store(tmp_path: Path) -> None:

@@ -14,9 +14,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import ADMIN, admin, new_key, new_project, start
 from prometheus_client.parser import text_string_to_metric_families
 from server_harness import Server
+from tenancy_harness import ADMIN, admin, new_key, new_project, start
 
 EMBED = "all-MiniLM-L6-v2"
 
