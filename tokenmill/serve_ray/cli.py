@@ -22,7 +22,8 @@ def add_ray_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-replicas", type=int, default=None, metavar="N",
                    help="autoscale on queue length between --min-replicas and --max-replicas "
                    "(instead of --replicas)")
-    g.add_argument("--max-replicas", type=int, default=None, metavar="N")
+    g.add_argument("--max-replicas", type=int, default=None, metavar="N",
+                   help="autoscaling's upper bound (default: --min-replicas)")
     g.add_argument("--target-ongoing-requests", type=float, default=4.0, metavar="N",
                    help="autoscaling: requests in flight or queued per replica to aim for "
                    "(default: %(default)s)")
