@@ -108,3 +108,12 @@ def test_ollama_routes_take_project_keys(server: Server) -> None:
     r = httpx.post(f"{server.url}/api/generate", json=body, timeout=60,
                    headers={"Authorization": "Bearer sk-proj-unknown"})
     assert r.status_code == 401 and "error" in r.json()
+
+
+def test_a_streamed_stored_response_is_its_projects(owned: dict) -> None:
+    events = list(owned["a"].responses.create(model=owned["model"], input="hi", stream=True,
+                                              max_output_tokens=3, store=True))
+    rid = events[0].response.id
+    assert owned["a"].responses.retrieve(rid).id == rid
+    with pytest.raises(openai.NotFoundError):
+        owned["b"].responses.retrieve(rid)
