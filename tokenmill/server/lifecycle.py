@@ -324,11 +324,8 @@ class ModelManager:
         try:
             config = req.config if req.config is not None else self._config_of(
                 req, kv_cache_bytes)
-            cache = config.cache
-            if (kv_max_bytes is not None and cache.kv_cache_memory_bytes is None
-                    and cache.num_blocks is None):
-                config = dataclasses.replace(config, cache=dataclasses.replace(
-                    cache, kv_cache_max_bytes=max(kv_max_bytes, 1)))
+            if kv_max_bytes is not None:
+                config = _capped_kv(config, kv_max_bytes)
         except ValueError as e:
             raise bad_request(str(e)) from None
         try:
@@ -373,3 +370,13 @@ class _Change:
 
     def __exit__(self, *exc: object) -> None:
         self.busy.pop(self.name, None)
+
+
+def _capped_kv(config: EngineConfig, kv_max_bytes: int) -> EngineConfig:
+    """``config`` whose default KV size takes at most ``kv_max_bytes``; a size the options set
+    (bytes or blocks) stays as it is."""
+    cache = config.cache
+    if cache.kv_cache_memory_bytes is not None or cache.num_blocks is not None:
+        return config
+    return dataclasses.replace(config, cache=dataclasses.replace(
+        cache, kv_cache_max_bytes=max(kv_max_bytes, 1)))
