@@ -410,7 +410,7 @@ class MonitorConfig:
 
 # The tool-call formats the server reads (tokenmill/api/tool_parsers.py); auto picks one.
 TOOL_CALL_PARSERS = ("auto", "hermes", "smollm")
-REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek_r1")
+REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek_r1", "gpt_oss")
 
 
 @dataclass(frozen=True)

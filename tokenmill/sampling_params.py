@@ -133,12 +133,13 @@ class ThinkingBudget:
     have been generated, the sampler forces ``end_token_ids`` (the end-of-thinking marker and
     whatever transition the family needs around it) and the answer follows.
 
-    Thinking is the output between ``start_token_id`` and the marker ``end_token_id`` (which
-    ``end_token_ids`` contains); ``starts_inside``: the prompt already opened it (a chat
-    template that ends the generation prompt with the start marker)."""
+    Thinking is the output between ``start_token_ids`` (one marker token, or a header of
+    several such as gpt-oss's ``<|channel|>analysis<|message|>``) and the marker
+    ``end_token_id`` (which ``end_token_ids`` contains); ``starts_inside``: the prompt already
+    opened it (a chat template that ends the generation prompt with the start marker)."""
 
     max_tokens: int
-    start_token_id: int
+    start_token_ids: tuple[int, ...]
     end_token_id: int
     end_token_ids: tuple[int, ...]
     starts_inside: bool = False
@@ -146,7 +147,9 @@ class ThinkingBudget:
     def validate(self) -> None:
         """ValueError naming the field that is wrong."""
         _check_range("thinking_token_budget", self.max_tokens, 0, MAX_TOKEN_COUNT, integer=True)
-        for tid in (self.start_token_id, self.end_token_id, *self.end_token_ids):
+        if not self.start_token_ids:
+            raise ValueError("thinking budget: start_token_ids must not be empty")
+        for tid in (*self.start_token_ids, self.end_token_id, *self.end_token_ids):
             _check_range("thinking budget token id", tid, 0, MAX_TOKEN_COUNT, integer=True)
         if self.end_token_id not in self.end_token_ids:
             raise ValueError("thinking budget: end_token_ids must contain end_token_id")

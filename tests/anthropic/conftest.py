@@ -11,9 +11,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reasoning"))
 
+from thinking_model import ANTHROPIC_KEY as KEY  # noqa: E402
 from thinking_model import Server, start_thinking_server  # noqa: E402
-
-KEY = "anthropic-test-key"
 
 
 @pytest.fixture(scope="session")

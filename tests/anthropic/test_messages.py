@@ -6,7 +6,7 @@ from __future__ import annotations
 import anthropic
 import httpx
 import pytest
-from conftest import KEY
+from thinking_model import ANTHROPIC_KEY as KEY
 from thinking_model import Server
 
 HI = [{"role": "user", "content": "Say hello to Ada."}]

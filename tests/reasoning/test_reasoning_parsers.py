@@ -65,10 +65,10 @@ def test_auto_picks_by_the_chat_template() -> None:
 
 
 def test_reasoning_tokens_are_counted_up_to_the_end_marker() -> None:
-    reader = ReasoningReader(QWEN3, inside=False, start_id=100, end_id=101)
+    reader = ReasoningReader(QWEN3, inside=False, start_ids=(100,), end_id=101)
     assert reader.count([100, 5, 6, 101, 7, 8]) == 4
     assert reader.count([7, 8]) == 0
-    inside = ReasoningReader(QWEN3, inside=True, start_id=100, end_id=101)
+    inside = ReasoningReader(QWEN3, inside=True, start_ids=(100,), end_id=101)
     assert inside.count([5, 6, 101, 7]) == 3
     for token in [5, 6, 101, 7]:
         inside.observe(0, [token])
@@ -76,7 +76,7 @@ def test_reasoning_tokens_are_counted_up_to_the_end_marker() -> None:
 
 
 def budget(n: int, inside: bool = True) -> ThinkingBudget:
-    return ThinkingBudget(n, start_token_id=100, end_token_id=101,
+    return ThinkingBudget(n, start_token_ids=(100,), end_token_id=101,
                           end_token_ids=(9, 101, 9), starts_inside=inside)
 
 

@@ -24,7 +24,7 @@ def make_call() -> ChatCall:
     return ChatCall(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]), [],
                     SamplingParams(), None,  # type: ignore[arg-type]
                     ToolReader(HermesParser(), frozenset({"get_weather"})),
-                    ReasoningReader(PARSERS["qwen3"], inside=True, start_id=None, end_id=None))
+                    ReasoningReader(PARSERS["qwen3"], inside=True, start_ids=None, end_id=None))
 
 
 def test_whole_answer() -> None:

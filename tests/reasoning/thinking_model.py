@@ -19,6 +19,8 @@ for sub in ("models", "server"):
 from hf_checkpoints import COMMON, randomize  # noqa: E402
 from server_harness import Server, start_server  # noqa: E402
 
+# The API key of the Anthropic tests' server.
+ANTHROPIC_KEY = "anthropic-test-key"
 WORDS = 248  # plain words "t0".."t247"; the markup tokens follow
 IM_START, IM_END, THINK, END_THINK = "<|im_start|>", "<|im_end|>", "<think>", "</think>"
 # The generation prompt opens the thinking (as DeepSeek-R1's and Qwen3-Thinking's do);
@@ -47,8 +49,32 @@ def write_thinking_tokenizer(path: Path) -> dict[str, int]:
     return {t: tok.token_to_id(t) for t in (IM_START, IM_END, THINK, END_THINK)}
 
 
-def make_thinking_model(path: Path) -> Path:
-    """The random 2-layer Qwen3 folder with that tokenizer."""
+HARMONY_MARKUP = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>")
+# gpt-oss's harmony format, its generation prompt opening the analysis channel (the thinking);
+# the system message carries the reasoning effort, as gpt-oss's does.
+HARMONY_TEMPLATE = (
+    "<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
+    "{%- for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>"
+    "{%- endfor %}{%- if add_generation_prompt %}"
+    "<|start|>assistant<|channel|>analysis<|message|>{%- endif %}")
+
+
+def write_harmony_tokenizer(path: Path) -> None:
+    """A word-level tokenizer ("t0".."t239") with harmony's markers as special tokens and
+    its channel names as words of their own."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(240)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in HARMONY_MARKUP])
+    tok.add_tokens([AddedToken(w, special=False) for w in ("analysis", "final", "assistant")])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|return|>", "chat_template": HARMONY_TEMPLATE}))
+
+
+def make_thinking_model(path: Path, harmony: bool = False) -> Path:
+    """The random 2-layer Qwen3 folder with that tokenizer (``harmony``: the harmony one)."""
     transformers = pytest.importorskip("transformers")
     config = transformers.Qwen3Config(**{**COMMON, "eos_token_id": WORDS + 1,
                                          "max_position_embeddings": 1024},
@@ -57,17 +83,23 @@ def make_thinking_model(path: Path) -> Path:
     model = transformers.Qwen3ForCausalLM(config)
     randomize(model, seed=7)
     model.save_pretrained(path)
-    write_thinking_tokenizer(path)
+    if harmony:
+        write_harmony_tokenizer(path)
+    else:
+        write_thinking_tokenizer(path)
     return path
 
 
 def start_thinking_server(root: Path, *args: str,
                           headers: dict[str, str] | None = None) -> Server:
-    """`tokenmill serve` with "thinker" (the tiny Qwen3) and "smol" (the embedded SmolLM2)."""
+    """`tokenmill serve` with "thinker" (the tiny Qwen3), "harmony" (the same with gpt-oss's
+    markup) and "smol" (the embedded SmolLM2)."""
     from tokenmill.model_loader.gguf import embedded_model_path
 
     model = make_thinking_model(root / "thinker")
-    return start_server("--model", f"thinker={model}", "--model",
+    harmony = make_thinking_model(root / "harmony", harmony=True)
+    return start_server("--model", f"thinker={model}", "--model", f"harmony={harmony}",
+                        "--model",
                         f"smol={embedded_model_path()}", "--max-num-seqs", "8", *args,
                         env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
                         headers=headers)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.config import REASONING_PARSERS
 from tokenmill.sampling_params import ThinkingBudget
@@ -31,6 +32,12 @@ class ReasoningParser:
     start: str = "<think>"
     end: str = "</think>"
     transition: str = "\n</think>\n\n"
+    # The markers are special tokens (harmony's): the output's text must keep them.
+    special_markup: bool = False
+
+    def start_tokens(self) -> tuple[str, ...]:
+        """The vocabulary entries the start marker is written with."""
+        return (self.start,)
 
     def starts_inside(self, prompt: str) -> bool:
         """Whether ``prompt`` (the rendered chat) leaves the model inside its thinking."""
@@ -57,9 +64,14 @@ PARSERS: dict[str, ReasoningParser] = {
 
 def resolve_reasoning_parser(name: str, chat_template: str | None) -> ReasoningParser | None:
     """The parser ``name`` names (None for ``none``); ``auto``: by the chat template, which
-    writes ``<think>`` for Qwen3/QwQ and DeepSeek-R1 (the same markup), else no parser."""
+    writes ``<think>`` for Qwen3/QwQ and DeepSeek-R1 (the same markup) and harmony's
+    ``<|channel|>`` for gpt-oss (api/reasoning_harmony.py), else no parser."""
     if name == "none":
         return None
+    if name == "gpt_oss" or (name == "auto" and "<|channel|>" in (chat_template or "")):
+        from tokenmill.api.reasoning_harmony import HARMONY
+
+        return HARMONY
     if name != "auto":
         if name not in PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
@@ -154,11 +166,11 @@ class ReasoningReader:
 
     parser: ReasoningParser
     inside: bool  # the prompt left the model inside its thinking
-    start_id: int | None  # the markers' token ids, when single tokens
-    end_id: int | None
+    start_ids: tuple[int, ...] | None  # the start marker's token ids (None: not tokens)
+    end_id: int | None  # the end marker's token id (None: not a single token)
     streams: dict[int, ReasoningStream] = field(default_factory=dict)
     # Per sequence, the thinking tokens counted so far in a stream, and whether it is inside.
-    _counts: dict[int, list[int]] = field(default_factory=dict)
+    _counts: dict[int, list[Any]] = field(default_factory=dict)
 
     def split(self, text: str) -> tuple[str | None, str]:
         """A whole output's thinking (None without any) and answer."""
@@ -175,34 +187,44 @@ class ReasoningReader:
 
     def count(self, token_ids: Sequence[int]) -> int:
         """The thinking tokens of a whole output (its markers included)."""
-        state = [0, int(self.inside)]
+        state: list[Any] = [0, self.inside, []]
         self._count_into(state, token_ids)
         return state[0]
 
     def observe(self, index: int, token_ids: Sequence[int]) -> None:
         """Count the thinking tokens of sequence ``index``'s next streamed tokens."""
-        self._count_into(self._counts.setdefault(index, [0, int(self.inside)]), token_ids)
+        self._count_into(self._counts.setdefault(index, [0, self.inside, []]), token_ids)
 
     @property
     def streamed_count(self) -> int:
         """The thinking tokens of every streamed sequence so far."""
         return sum(c[0] for c in self._counts.values())
 
-    def _count_into(self, state: list[int], token_ids: Sequence[int]) -> None:
-        if self.start_id is None or self.end_id is None:
+    def _count_into(self, state: list[Any], token_ids: Sequence[int]) -> None:
+        """``state``: [thinking tokens, inside, the last tokens outside]."""
+        start, end = self.start_ids, self.end_id
+        if not start or end is None:
             return
         for token in token_ids:
-            if token == self.start_id:
-                state[1] = 1
             if state[1]:
                 state[0] += 1
-            if token == self.end_id:
-                state[1] = 0
+                state[1] = token != end
+                continue
+            state[2] = (state[2] + [token])[-len(start):]
+            if tuple(state[2]) == start:
+                state[0] += len(start)
+                state[1], state[2] = True, []
 
 
-def marker_ids(parser: ReasoningParser, tokenizer: Tokenizer) -> tuple[int | None, int | None]:
-    """The token ids of the start and end markers (None where one is not a single token)."""
-    return tokenizer.token_to_id(parser.start), tokenizer.token_to_id(parser.end)
+def marker_ids(parser: ReasoningParser, tokenizer: Tokenizer,
+               ) -> tuple[tuple[int, ...] | None, int | None]:
+    """The token ids of the start marker (None unless each of its markup tokens is one of the
+    vocabulary's) and of the end marker (None unless it is a single token)."""
+    ids = []
+    for token in parser.start_tokens():
+        ids.append(tokenizer.token_to_id(token))
+    start = None if None in ids else tuple(i for i in ids if i is not None)
+    return start, tokenizer.token_to_id(parser.end)
 
 
 def reasoning_reader(parser: ReasoningParser, prompt: str, tokenizer: Tokenizer,

@@ -65,6 +65,8 @@ def apply_reasoning(parser: ReasoningParser | None, budget: tuple[str, int] | No
                               "server with --reasoning-parser)", budget[0])
         return None, params
     reader = reasoning_reader(parser, prompt, tokenizer)
+    if parser.special_markup and params.skip_special_tokens:
+        params = replace(params, skip_special_tokens=False)  # the parser takes them out
     if params.structured_outputs is not None:
         # The constraint (a schema, a forced tool call...) holds from the first token, even
         # where the template opened the thinking: what the model writes is the answer.

@@ -37,7 +37,7 @@ def synthetic_stream(tokens: int) -> list[Any]:
 
 
 def _chunks(reasoning: bool) -> Any:
-    reader = ReasoningReader(PARSERS["qwen3"], True, 1, 2) if reasoning else None
+    reader = ReasoningReader(PARSERS["qwen3"], True, (1,), 2) if reasoning else None
     call = ChatCall(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]), [],
                     SamplingParams(), None, None, reader)  # type: ignore[arg-type]
     return call.chunks("m", "id", 0)

@@ -22,6 +22,7 @@ class ThinkingTracker:
         self.spent = 0
         self._scanned = num_prompt_tokens  # the prompt's state is ``starts_inside``
         self._forcing = -1  # the index in end_token_ids of the next forced token; -1: none
+        self._recent: list[int] = []  # the last tokens, to see a multi-token start marker
 
     def forced_token(self, token_ids: Sequence[int]) -> int | None:
         """The token the request must write next (None: whatever it samples), given all its
@@ -33,12 +34,14 @@ class ThinkingTracker:
                 self._forcing += 1
                 if self._forcing == len(b.end_token_ids):
                     self._forcing = -1
-            if token == b.end_token_id:
-                self.inside = False
-            elif token == b.start_token_id:
-                self.inside = True
-            elif self.inside:
-                self.spent += 1
+            if self.inside:
+                if token == b.end_token_id:
+                    self.inside = False
+                else:
+                    self.spent += 1
+                continue
+            self._recent = (self._recent + [token])[-len(b.start_token_ids):]
+            self.inside = tuple(self._recent) == b.start_token_ids
         self._scanned = len(token_ids)
         if self._forcing < 0 and self.inside and self.spent >= b.max_tokens:
             self._forcing = 0

@@ -186,8 +186,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                    default=ServerConfig.reasoning_parser,
                    help="split a reasoning model's thinking from its answer (into "
-                   "reasoning_content): qwen3 or deepseek_r1 (<think>...</think>), auto (by "
-                   "the chat template) or none (the thinking stays in the content)")
+                   "reasoning_content): qwen3 or deepseek_r1 (<think>...</think>), gpt_oss "
+                   "(harmony's analysis channel), auto (by the chat template) or none (the "
+                   "thinking stays in the content)")
     g.add_argument("--max-thinking-tokens", type=int, default=None, metavar="N",
                    help="the thinking budget of a request that sets none: after N thinking "
                    "tokens the model is made to end its thinking and answer (default: "

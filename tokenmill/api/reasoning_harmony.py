@@ -1,0 +1,92 @@
+"""gpt-oss's harmony format: its answer is a series of messages, each a header
+(``<|start|>assistant<|channel|>NAME`` and maybe ``to=...``) then ``<|message|>`` and a body
+that ends with ``<|end|>`` (the turn goes on), ``<|return|>`` or ``<|call|>`` (the turn ends).
+The ``analysis`` channel is the thinking; ``final`` (and ``commentary`` preambles) the answer.
+
+The markers are special tokens, so a request read by this parser keeps special tokens in its
+text (``skip_special_tokens`` off) and the parser takes them out. Tool calls written on the
+``commentary`` channel (``to=functions.NAME``) are not read as calls yet: their text is content.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from tokenmill.api.reasoning import ReasoningParser, ReasoningStream, _partial_tag_len
+
+START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
+# What ends a message's body: the turn goes on, ends, ends in a call; or a new header.
+_BODY_ENDS = ("<|end|>", "<|return|>", "<|call|>", START)
+_CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
+_MARKUP = re.compile(r"<\|[a-z_]+\|>")
+
+
+@dataclass(frozen=True)
+class HarmonyParser(ReasoningParser):
+    """gpt-oss: the analysis channel is the thinking (see the module docstring)."""
+
+    name: str = "gpt_oss"
+    start: str = f"{CHANNEL}analysis{MESSAGE}"
+    end: str = "<|end|>"
+    transition: str = f"<|end|>{START}assistant{CHANNEL}final{MESSAGE}"
+    special_markup: bool = True
+
+    def start_tokens(self) -> tuple[str, ...]:
+        return (CHANNEL, "analysis", MESSAGE)
+
+    def stream(self, inside: bool) -> ReasoningStream:
+        return HarmonyStream(self, inside)
+
+
+@dataclass
+class HarmonyStream(ReasoningStream):
+    """One output's messages, read as they come: analysis bodies to ``reasoning``, the
+    others to ``content``, headers and markers dropped."""
+
+    _header: bool = True  # reading a header (up to <|message|>)
+
+    def __post_init__(self) -> None:
+        if self.inside:  # the prompt opened the analysis message
+            self.thought, self._header = True, False
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self._buf += text
+        reasoning = content = ""
+        while self._buf:
+            if self._header:
+                at = self._buf.find(MESSAGE)
+                if at < 0:
+                    break
+                name = _CHANNEL_NAME.search(self._buf[:at])
+                self.inside = name is not None and name.group(1) == "analysis"
+                self.thought = self.thought or self.inside
+                self._buf, self._header = self._buf[at + len(MESSAGE):], False
+                continue
+            ends = [(i, tag) for tag in _BODY_ENDS if (i := self._buf.find(tag)) >= 0]
+            if ends:
+                at, tag = min(ends)
+                piece = self._buf[:at]
+                self._buf = self._buf[at + (0 if tag == START else len(tag)):]
+                self._header = True
+            else:
+                keep = max(_partial_tag_len(self._buf, tag) for tag in _BODY_ENDS)
+                piece, self._buf = self._buf[:len(self._buf) - keep], \
+                    self._buf[len(self._buf) - keep:]
+            if self.inside:
+                reasoning += piece
+            else:
+                content += piece
+            if not ends:
+                break
+        return reasoning, content
+
+    def finish(self) -> tuple[str, str]:
+        rest, self._buf = self._buf, ""
+        if self._header:  # a header that never reached its body: any plain text is content
+            return "", _MARKUP.sub("", rest).strip() if MESSAGE not in rest and \
+                CHANNEL not in rest else ""
+        return (rest, "") if self.inside else ("", rest)
+
+
+HARMONY = HarmonyParser()
