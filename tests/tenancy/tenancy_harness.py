@@ -11,7 +11,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "server"))
 
-from server_harness import Server, start_server  # noqa: E402
+from server_harness import Server, start_server  # noqa: E402, F401
 
 ADMIN_KEY = "admin-secret"
 SERVER_KEY = "server-secret"

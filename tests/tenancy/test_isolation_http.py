@@ -12,8 +12,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from server_harness import Server
-from tenancy_harness import SERVER_KEY, new_key, new_project, start
+from tenancy_harness import SERVER_KEY, Server, new_key, new_project, start
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_harness import Server
-from tenancy_harness import SERVER_KEY, admin, new_key, new_project, start
+from tenancy_harness import SERVER_KEY, Server, admin, new_key, new_project, start
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_harness import Server
-from tenancy_harness import ADMIN, admin, new_key, new_project, start
+from tenancy_harness import ADMIN, Server, admin, new_key, new_project, start
 
 EMBED = "all-MiniLM-L6-v2"
 
