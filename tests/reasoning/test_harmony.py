@@ -74,3 +74,47 @@ def test_the_budget_ends_the_analysis_and_the_final_answer_follows(server: Serve
     assert "".join(d.get("reasoning_content") or "" for d in deltas) == \
         message["reasoning_content"]
     assert "".join(d.get("content") or "" for d in deltas) == message["content"]
+
+
+CALL = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+        '{"city": "Paris", "days": 2}<|call|>')
+
+
+@pytest.mark.parametrize("size", [1, 4, 9, 500])
+def test_a_call_to_a_function_is_read_as_a_tool_call(size: int) -> None:
+    import json
+    from types import SimpleNamespace
+
+    from tokenmill.api.chat import ChatCall
+    from tokenmill.api.protocol import ChatCompletionRequest
+    from tokenmill.api.reasoning import ReasoningReader
+    from tokenmill.api.tool_parsers import HermesParser
+    from tokenmill.api.tools import ToolReader
+    from tokenmill.sampling_params import SamplingParams
+
+    call = ChatCall(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]), [],
+                    SamplingParams(), None,  # type: ignore[arg-type]
+                    ToolReader(HermesParser(), frozenset({"get_weather"})),
+                    ReasoningReader(HARMONY, inside=False, start_ids=None, end_id=None))
+    chunks = call.chunks("m", "id", 0)
+    pieces = [CALL[i:i + size] for i in range(0, len(CALL), size)]
+    reasoning, arguments, names, content, reason = "", [], [], "", None
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        out = SimpleNamespace(outputs=[SimpleNamespace(
+            index=0, text=piece, token_ids=[7], finished=last,
+            finish_reason="stop" if last else None, stop_reason=None, logprobs=None)])
+        chunk = chunks.delta(0, out)  # type: ignore[arg-type]
+        for choice in chunk.choices if chunk is not None else []:
+            reasoning += choice.delta.reasoning_content or ""
+            content += choice.delta.content or ""
+            reason = choice.finish_reason or reason
+            for c in choice.delta.tool_calls or []:
+                names += [c.function.name] if c.function.name else []
+                arguments += [c.function.arguments] if c.function.arguments else []
+    assert reasoning == "Need the weather." and content == "" and reason == "tool_calls"
+    assert names == ["get_weather"]
+    assert json.loads("".join(arguments)) == {"city": "Paris", "days": 2}
+    if size < 10:
+        assert len(arguments) > 1  # streamed as generated
