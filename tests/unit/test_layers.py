@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("spec_decode", "executor"),
     ("engine",),
     ("api",),
-    ("retrieval", "ops"),
+    ("retrieval", "ops", "tenancy"),
     ("server", "batch", "stream", "chat"),
     ("bench", "chat_remote", "serve_ray"),
     ("cli",),
@@ -53,8 +53,8 @@ NEVER: list[tuple[str, frozenset[str], str]] = [
      "models never import engine code"),
 ]
 # The server (HTTP only) reaches the engine through api/ and the engine's public modules, and
-# the services beside the engine (retrieval, ops); besides those, only plain data types.
-SERVER_TALKS_TO = frozenset({"api", "engine", "retrieval", "ops", "config", "outputs",
+# the services beside the engine (retrieval, ops, tenancy); besides those, only plain data types.
+SERVER_TALKS_TO = frozenset({"api", "engine", "retrieval", "ops", "tenancy", "config", "outputs",
                              "sampling_params", "lora_request", "metrics", "utils", "envs"})
 # The scheduler and the block pool are pure Python: none of core/'s modules, nor anything they
 # import when loaded (the package root, the users' facade, aside), imports these.
