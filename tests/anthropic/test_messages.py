@@ -106,6 +106,8 @@ def test_thinking_with_a_budget(client: anthropic.Anthropic) -> None:
      "messages[0].content[0].type"),
     ("smol", {"messages": [{"role": "assistant", "content": [{"type": "mystery"}]}]},
      "messages[0].content[0].type"),
+    ("smol", {"tools": [{"name": "f", "input_schema": {"type": "array"}}]},
+     "tools[0].input_schema"),
 ])
 def test_bad_requests_get_anthropic_errors(client: anthropic.Anthropic, server: Server,
                                            model: str, body: dict, named: str) -> None:

@@ -91,6 +91,10 @@ def error_body(err: APIError) -> dict[str, Any]:
 def renamed(err: APIError) -> APIError:
     """``err`` with the chat request's field names (in ``param`` and the message) written as
     the Messages request spells them."""
+    if err.param == "tools":  # chat's tools[i].function.X is tools[i].X here
+        message = err.message.replace(".function.parameters", ".input_schema")
+        return APIError(err.status, message.replace(".function.", "."), param="tools",
+                        code=err.code, headers=err.headers)
     name = _FIELD_NAMES.get(err.param or "")
     if name is None:
         return err
