@@ -77,7 +77,7 @@ BENCH_SUITES: tuple[str, ...] = (
     "tokenmill.bench.retrieval:add_retrieval_parser", "tokenmill.bench.embed:add_embed_parser",
     "tokenmill.bench.rerank:add_rerank_parser",
     "tokenmill.bench.contention:add_contention_parser", "tokenmill.bench.lora:add_lora_parser",
-    "tokenmill.bench.beam:add_beam_parser",
+    "tokenmill.bench.beam:add_beam_parser", "tokenmill.bench.reasoning:add_reasoning_parser",
 )
 
 # Registers one sub-command on a subparsers action: its name, help, options, and its handler
