@@ -409,7 +409,8 @@ class MonitorConfig:
 
 
 # The tool-call formats the server reads (tokenmill/api/tool_parsers.py); auto picks one.
-TOOL_CALL_PARSERS = ("auto", "hermes", "smollm")
+TOOL_CALL_PARSERS = ("auto", "hermes", "smollm", "llama3_json", "mistral", "qwen3_coder",
+                     "pythonic")
 REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek_r1", "gpt_oss")
 
 

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from tokenmill.api.tool_formats import FORMAT_PARSERS
 from tokenmill.api.tool_parsers import (
     PARSERS,
     HermesParser,
@@ -162,6 +163,6 @@ def test_resolve_parser() -> None:
     assert resolve_parser("auto", None).name == "hermes"
     assert resolve_parser("smollm", hermes_template).name == "smollm"
     with pytest.raises(ValueError, match="tool_call_parser"):
-        resolve_parser("mistral", None)
-    # The server's option lists exactly these.
-    assert set(TOOL_CALL_PARSERS) == {"auto", *PARSERS}
+        resolve_parser("no_such_format", None)
+    # The server's option lists exactly these (the others: tests/unit/test_tool_formats.py).
+    assert set(TOOL_CALL_PARSERS) == {"auto", *PARSERS, *FORMAT_PARSERS}

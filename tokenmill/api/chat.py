@@ -267,6 +267,7 @@ def prepare_chat(req: ChatCompletionRequest, served: ServedModel,
         check_grammar(req, params, served)
     thinking, params = apply_reasoning(thinker, budget, reasoning.max_thinking_tokens, text,
                                        tokenizer, params)
-    reader = ToolReader(parser, frozenset(setup.names)) if setup.parses else None
+    reader = ToolReader(parser, frozenset(setup.names), schemas=setup.schemas) \
+        if setup.parses else None
     return ChatCall(req, [{"prompt": text, "prompt_token_ids": ids}], params, tokenizer, reader,
                     thinking)

@@ -162,8 +162,10 @@ class JsonScanner:
 class CallBlock:
     """The body of one ``<tool_call>`` block, read as it comes (see the module docstring)."""
 
-    def __init__(self, names: Collection[str], first_index: int) -> None:
+    def __init__(self, names: Collection[str], first_index: int,
+                 close: str | None = CLOSE_TAG) -> None:
         self.names = names
+        self._close = close  # what ends the block (None: only the end of the output)
         self.raw = ""  # the body received; once the block is closed, the body alone
         self.started = 0  # calls started (their first delta sent)
         self._first = first_index
@@ -192,15 +194,20 @@ class CallBlock:
             if self._state in ("broken", "closed"):
                 break
             self._read(ch, base + i)
-        if self._state == "broken":
-            start = self.raw.find(CLOSE_TAG, self._broken_at)
+        if self._state == "broken" and self._close:
+            start = self.raw.find(self._close, self._broken_at)
             if start >= 0:
                 self._state, self._tail_at = "closed", start
         if self._state != "closed":
             return None
-        rest = self.raw[self._tail_at + len(CLOSE_TAG):]
+        rest = self.raw[self._tail_at + len(self._close or ""):]
         self.raw = self.raw[:self._tail_at]
         return rest
+
+    @property
+    def broken(self) -> bool:
+        """The JSON broke off: the block now only waits for its closing tag."""
+        return self._state == "broken"
 
     def take(self) -> list[CallDelta]:
         """The deltas read since the last call."""
@@ -223,9 +230,9 @@ class CallBlock:
             self._member(ch, at)
         elif state == "tail":
             tail = self.raw[self._tail_at:at + 1]
-            if tail == CLOSE_TAG:
+            if tail == self._close:
                 self._state = "closed"
-            elif not CLOSE_TAG.startswith(tail):
+            elif not (self._close or "").startswith(tail):
                 self._break(self._tail_at)
         elif ch in _WS:
             pass
@@ -237,7 +244,7 @@ class CallBlock:
             self._state = "next_call"
         elif state == "after_call" and ch == "]":
             self._state = "after_body"
-        elif state == "after_body" and ch == "<":
+        elif state == "after_body" and self._close and ch == self._close[0]:
             self._state, self._tail_at = "tail", at
         elif state in ("first_member", "member") and ch == '"':
             self._state, self._scanner = "key", JsonScanner()

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Collection, Iterable
+import uuid
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -172,9 +173,27 @@ class ToolParser:
     name: ClassVar[str]
     format: ClassVar[CallFormat]
 
-    def stream(self, names: Collection[str]) -> ToolCallStream:
-        """A reader of one output sequence; ``names``: the functions it may call."""
+    def stream(self, names: Collection[str],
+               schemas: Mapping[str, Any] | None = None) -> ToolCallStream:
+        """A reader of one output sequence; ``names``: the functions it may call;
+        ``schemas``: their parameters' JSON schemas (formats that type their values read
+        them)."""
         return ToolCallStream(names)
+
+    def parse(self, text: str, names: Collection[str],
+              schemas: Mapping[str, Any] | None = None) -> tuple[str | None, list[ParsedCall]]:
+        """A whole output read at once (by feeding it to ``stream`` in one piece, so the
+        streamed and the whole answer agree): its content (None if nothing is left when it
+        made calls) and its calls."""
+        stream = self.stream(names, schemas)
+        events = stream.feed(text)
+        events.extend(stream.finish())
+        calls = assemble(events.deltas)
+        return (events.content or None) if calls else events.content, calls
+
+    def new_call_id(self) -> str:
+        """A new call's id: OpenAI's shape, ``call_`` and 24 hex digits."""
+        return f"call_{uuid.uuid4().hex[:24]}"
 
     def format_calls(self, calls: Iterable[tuple[str, Any]]) -> str:
         """``(name, arguments)`` pairs written the way the model writes them."""
@@ -226,15 +245,24 @@ _LIST_TEMPLATE = re.compile(re.escape(OPEN_TAG) + r"\s*\[")
 
 
 def resolve_parser(name: str, chat_template: str | None) -> ToolParser:
-    """The parser ``name`` names; ``auto`` reads the model's chat template: a template that
-    writes ``<tool_call>`` blocks picks their format, SmolLM's own template picks SmolLM's,
-    anything else gets Hermes (then described to the model in the system prompt)."""
+    """The parser ``name`` names; ``auto`` reads the model's chat template: one that writes
+    Mistral's ``[TOOL_CALLS]``, Qwen3-Coder's ``<function=...>`` or Llama 3's JSON calls picks
+    that format (api/tool_formats.py), one that writes ``<tool_call>`` blocks picks theirs,
+    SmolLM's own template picks SmolLM's, anything else gets Hermes (then described to the
+    model in the system prompt)."""
+    # Imported here: the other formats build on this module.
+    from tokenmill.api.tool_formats import FORMAT_PARSERS, format_by_template
+
+    parsers = PARSERS | FORMAT_PARSERS
     if name != "auto":
-        if name not in PARSERS:
-            raise ValueError(f"tool_call_parser must be auto or one of {sorted(PARSERS)}, "
+        if name not in parsers:
+            raise ValueError(f"tool_call_parser must be auto or one of {sorted(parsers)}, "
                              f"got {name!r}")
-        return PARSERS[name]()
+        return parsers[name]()
     template = chat_template or ""
+    found = format_by_template(template)
+    if found is not None:
+        return found
     if OPEN_TAG in template:
         return SmolLMParser() if _LIST_TEMPLATE.search(template) else HermesParser()
     if "SmolLM" in template:

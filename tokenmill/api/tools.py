@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +29,7 @@ from tokenmill.api.protocol import (
 )
 from tokenmill.api.tool_grammar import tool_call_grammar
 from tokenmill.api.tool_json import CallDelta
-from tokenmill.api.tool_parsers import ParsedCall, ToolCallStream, ToolParser, parse_text
+from tokenmill.api.tool_parsers import ParsedCall, ToolCallStream, ToolParser
 from tokenmill.api.validation import ServedModel
 from tokenmill.chat_template import template_roles, validate_messages
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
@@ -55,6 +56,11 @@ class ToolSetup:
     def names(self) -> list[str]:
         """The functions' names, in the order of ``tools``."""
         return [t.function.name for t in self.tools]
+
+    @property
+    def schemas(self) -> dict[str, Any]:
+        """Each function's parameters schema (None: it takes none), by name."""
+        return {t.function.name: t.function.parameters for t in self.tools}
 
     @property
     def parses(self) -> bool:
@@ -232,9 +238,10 @@ def tool_prompt(setup: ToolSetup, parser: ToolParser, messages: list[dict[str, A
     return [{"role": "system", "content": block}, *messages], {}
 
 
-def tool_calls(calls: list[ParsedCall]) -> list[ToolCall]:
-    """OpenAI's ``tool_calls``, each with a new id."""
-    return [ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+def tool_calls(calls: list[ParsedCall], parser: ToolParser | None = None) -> list[ToolCall]:
+    """OpenAI's ``tool_calls``, each with a new id (in ``parser``'s format's shape)."""
+    make_id = parser.new_call_id if parser is not None else new_call_id
+    return [ToolCall(id=make_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
             for c in calls]
 
 
@@ -256,27 +263,31 @@ class ToolReader:
     whole_calls: bool = False
     # Per sequence, the calls read but not yet given whole: index -> [name, pieces].
     _pending: dict[int, dict[int, list[str]]] = field(default_factory=dict)
+    # The functions' parameters schemas, by name (formats that type values read them).
+    schemas: Mapping[str, Any] | None = None
 
     def message(self, text: str,
                 finish_reason: str | None) -> tuple[ChatMessage, str | None]:
         """The assistant message of a whole output, and its finish reason ("tool_calls" when
         it made calls and stopped by itself)."""
-        content, calls = parse_text(text, self.names)
-        message = ChatMessage(content=content, tool_calls=tool_calls(calls) or None)
+        content, calls = self.parser.parse(text, self.names, self.schemas)
+        message = ChatMessage(content=content, tool_calls=tool_calls(calls, self.parser) or None)
         return message, _finish_reason(bool(calls), finish_reason)
 
     def delta(self, index: int, text: str, finished: bool,
               finish_reason: str | None) -> tuple[DeltaMessage | None, str | None]:
         """The delta of sequence ``index``'s next piece of text (None when everything is
         held back), and its finish reason."""
-        stream = self.streams.setdefault(index, self.parser.stream(self.names))
+        stream = self.streams.get(index)
+        if stream is None:
+            stream = self.streams[index] = self.parser.stream(self.names, self.schemas)
         events = stream.feed(text)
         if finished:
             events.extend(stream.finish())
         if self.whole_calls:
             deltas = self._whole(index, events.deltas, stream.ended_calls)
         else:
-            deltas = [_delta_tool_call(d) for d in events.deltas]
+            deltas = [_delta_tool_call(d, self.parser) for d in events.deltas]
         delta = DeltaMessage(content=events.content or None, tool_calls=deltas or None) \
             if events.content or deltas else None
         return delta, _finish_reason(stream.num_calls > 0, finish_reason)
@@ -291,18 +302,18 @@ class ToolReader:
         out = []
         for i in sorted(i for i in pending if i < ended):
             name, *pieces = pending.pop(i)
-            out.append(DeltaToolCall(index=i, id=new_call_id(), type="function",
+            out.append(DeltaToolCall(index=i, id=self.parser.new_call_id(), type="function",
                                      function=DeltaFunctionCall(name=name,
                                                                 arguments="".join(pieces))))
         return out
 
 
-def _delta_tool_call(d: CallDelta) -> DeltaToolCall:
+def _delta_tool_call(d: CallDelta, parser: ToolParser) -> DeltaToolCall:
     """vLLM's shape: a call's first delta has its id, type and name (arguments ""), the next
     ones only its index and a piece of its arguments."""
     if d.name is None:
         return DeltaToolCall(index=d.index, function=DeltaFunctionCall(arguments=d.arguments))
-    return DeltaToolCall(index=d.index, id=new_call_id(), type="function",
+    return DeltaToolCall(index=d.index, id=parser.new_call_id(), type="function",
                          function=DeltaFunctionCall(name=d.name, arguments=d.arguments))
 
 
