@@ -20,6 +20,7 @@ import re
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from tokenmill.api.tool_format_grammar import checked_ebnf, pythonic_grammar, qwen3_coder_grammar
 from tokenmill.api.tool_formats import FormatStream
 from tokenmill.api.tool_json import CallDelta
 from tokenmill.api.tool_parsers import OPEN_TAG, CallFormat, ToolParser
@@ -357,6 +358,10 @@ class Qwen3CoderParser(ToolParser):
         return FormatStream(OPEN_TAG, "",
                             lambda first: Qwen3CoderReader(names, first, schemas or {}))
 
+    def forced_grammar(self, functions: Mapping[str, Mapping[str, Any] | None],
+                       parallel: bool) -> str:
+        return checked_ebnf(qwen3_coder_grammar(functions, parallel))
+
     def format_calls(self, calls: Any) -> str:
         return "\n".join(f"{OPEN_TAG}\n{_xml_call(n, a)}\n{END_CALL}" for n, a in calls)
 
@@ -378,6 +383,10 @@ class PythonicParser(ToolParser):
     def stream(self, names: Collection[str],
                schemas: Mapping[str, Any] | None = None) -> FormatStream:  # type: ignore[override]
         return FormatStream(PYTHON_START, "[", lambda first: PythonicReader(names, first))
+
+    def forced_grammar(self, functions: Mapping[str, Mapping[str, Any] | None],
+                       parallel: bool) -> str:
+        return checked_ebnf(pythonic_grammar(functions, parallel))
 
     def format_calls(self, calls: Any) -> str:
         return "[" + ", ".join(_python_call(n, a) for n, a in calls) + "]"

@@ -191,6 +191,16 @@ class ToolParser:
         calls = assemble(events.deltas)
         return (events.content or None) if calls else events.content, calls
 
+    def forced_grammar(self, functions: Mapping[str, Mapping[str, Any] | None],
+                       parallel: bool) -> str:
+        """EBNF of a turn of calls in this format to ``functions`` (name -> parameters
+        schema): one call, or one or more when ``parallel``. ValueError naming a function
+        whose schema cannot be used."""
+        # Imported here: the grammar module reads this one's CallFormat.
+        from tokenmill.api.tool_grammar import tool_call_grammar
+
+        return tool_call_grammar(self.format, functions, parallel)
+
     def new_call_id(self) -> str:
         """A new call's id: OpenAI's shape, ``call_`` and 24 hex digits."""
         return f"call_{uuid.uuid4().hex[:24]}"

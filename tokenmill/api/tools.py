@@ -27,7 +27,6 @@ from tokenmill.api.protocol import (
     ToolCall,
     ToolDefinition,
 )
-from tokenmill.api.tool_grammar import tool_call_grammar
 from tokenmill.api.tool_json import CallDelta
 from tokenmill.api.tool_parsers import ParsedCall, ToolCallStream, ToolParser
 from tokenmill.api.validation import ServedModel
@@ -130,7 +129,7 @@ def forced_call(setup: ToolSetup, parser: ToolParser) -> StructuredOutputsParams
     # what a sampled small model would otherwise do until max_tokens.
     parallel = setup.parallel and setup.named is None
     try:
-        ebnf = tool_call_grammar(parser.format, functions, parallel)
+        ebnf = parser.forced_grammar(functions, parallel)
         return StructuredOutputsParams(grammar=ebnf)
     except ValueError as e:
         raise bad_request(f"tools: {e}", "tools") from None
