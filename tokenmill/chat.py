@@ -7,13 +7,14 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol, TextIO
 
 from tokenmill import envs
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the engine (and torch) load only for offline use, not for --url
+    from tokenmill.api.reasoning import ReasoningStream
     from tokenmill.engine.llm_engine import LLMEngine
 
 HELP = """commands (never sent to the model):
@@ -48,13 +49,50 @@ class Answer:
         return f"{self.output_tokens} tokens{rate}{ttft}"
 
 
+@dataclass
+class AnswerWriter:
+    """Writes an answer as it comes: a reasoning model's thinking dimmed (on a terminal) and
+    apart, after "(thinking)", then the answer itself."""
+
+    out: TextIO
+    thinking: bool = False  # the thinking is being written
+
+    def write(self, thought: str, text: str) -> None:
+        """The next piece of thinking and of answer (either may be "")."""
+        tty = self.out.isatty()
+        if thought:
+            if not self.thinking:
+                self.out.write("\x1b[2m(thinking) " if tty else "(thinking) ")
+                self.thinking = True
+            self.out.write(thought)
+        if text and self.thinking:
+            self.out.write("\x1b[0m\n\n" if tty else "\n\n")
+            self.thinking = False
+        self.out.write(text)
+        self.out.flush()
+
+    def close(self) -> None:
+        """End an answer that ended inside its thinking."""
+        if self.thinking:
+            self.out.write("\x1b[0m\n" if self.out.isatty() else "\n")
+            self.thinking = False
+
+
 def stream_answer(engine: LLMEngine, prompt: str | dict, params: SamplingParams,
-                  out: TextIO) -> Answer:
-    """Run one request, writing its text to ``out`` as it comes; what it was."""
+                  out: TextIO, thinking: ReasoningStream | None = None) -> Answer:
+    """Run one request, writing its text to ``out`` as it comes; what it was. ``thinking``:
+    the reader that splits a reasoning model's thinking from its answer (the answer's text
+    then holds the answer alone)."""
     from tokenmill.engine.output_processor import OutputKind
 
     rid = f"cli-{time.monotonic_ns()}"
     answer = Answer()
+    writer = AnswerWriter(out)
+
+    def show(thought: str, text: str) -> None:
+        if text:
+            answer.text.append(text)
+        writer.write(thought, text)
     start = time.perf_counter()
     engine.add_request(rid, prompt, params, kind=OutputKind.DELTA)
     try:
@@ -68,11 +106,12 @@ def stream_answer(engine: LLMEngine, prompt: str | dict, params: SamplingParams,
                     answer.first_token_seconds = time.perf_counter() - start
                 answer.output_tokens += len(c.token_ids)
                 if c.text:
-                    answer.text.append(c.text)
-                    out.write(c.text)
-                    out.flush()
+                    show(*(thinking.feed(c.text) if thinking is not None else ("", c.text)))
                 if o.finished:
                     answer.finish_reason = c.finish_reason
+        if thinking is not None:
+            show(*thinking.finish())
+        writer.close()
     finally:
         engine.abort_request(rid)  # no-op when finished; frees the request on Ctrl-C
         answer.seconds = time.perf_counter() - start
@@ -139,9 +178,20 @@ class EngineChat:
         self.params = params
 
     def answer(self, messages: list[dict]) -> Answer:
-        text, ids = self.engine.tokenizer.encode_chat(messages, add_generation_prompt=True)
+        from tokenmill.api.reasoning import resolve_reasoning_parser
+
+        tokenizer = self.engine.tokenizer
+        text, ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
+        # A reasoning model's thinking is shown apart and kept out of the conversation, as
+        # the server's reasoning_content is by `tokenmill chat --url`.
+        parser = resolve_reasoning_parser("auto", tokenizer.chat_template)
+        params, thinking = self.params, None
+        if parser is not None:
+            thinking = parser.stream(parser.starts_inside(text))
+            if parser.special_markup:  # gpt-oss: the parser takes the markers out
+                params = replace(params, skip_special_tokens=False)
         return stream_answer(self.engine, {"prompt": text, "prompt_token_ids": ids},
-                             self.params, sys.stdout)
+                             params, sys.stdout, thinking)
 
 
 class ChatSession:

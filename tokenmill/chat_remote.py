@@ -16,7 +16,7 @@ from typing import Any, TextIO
 
 import httpx
 
-from tokenmill.chat import CUT_MARK, Answer
+from tokenmill.chat import CUT_MARK, Answer, AnswerWriter
 from tokenmill.sampling_params import SamplingParams
 
 # Seconds to wait for the server's next bytes (a long prompt's prefill comes first).
@@ -94,32 +94,22 @@ def stream_remote(client: ServerClient, path: str, body: dict[str, Any], out: Te
     """One streamed request, its text written to ``out`` as it comes; what it was."""
     answer = Answer()
     start = time.perf_counter()
-    thinking = False  # a reasoning model's thinking is being written (dimmed, apart)
+    writer = AnswerWriter(out)  # a reasoning model's thinking dimmed and apart
     for event in client.stream(path, body):
         for choice in event.get("choices", []):
             thought = (choice.get("delta") or {}).get("reasoning_content") or ""
-            if thought:
-                if not thinking:
-                    out.write("\x1b[2m(thinking) " if out.isatty() else "(thinking) ")
-                    thinking = True
-                out.write(thought)
-                out.flush()
             text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-            if text and thinking:
-                out.write("\x1b[0m\n\n" if out.isatty() else "\n\n")
-                thinking = False
             if text:
                 if answer.first_token_seconds is None:
                     answer.first_token_seconds = time.perf_counter() - start
                 answer.text.append(text)
-                out.write(text)
-                out.flush()
+            if thought or text:
+                writer.write(thought, text)
             answer.finish_reason = choice.get("finish_reason") or answer.finish_reason
         if usage := event.get("usage"):
             answer.prompt_tokens = usage.get("prompt_tokens", 0)
             answer.output_tokens = usage.get("completion_tokens", 0)
-    if thinking:
-        out.write("\x1b[0m\n" if out.isatty() else "\n")
+    writer.close()
     answer.seconds = time.perf_counter() - start
     return answer
 
