@@ -37,6 +37,7 @@ CASES: dict[str, list[tuple[str, str | None, list[ParsedCall]]]] = {
          None, [WEATHER]),
         ('Let me look.<|python_tag|>{"name": "get_weather", "arguments": {"city": "Paris; FR",'
          ' "days": 3}}; {"name": "ping", "parameters": {}}', "Let me look.", [WEATHER, PING]),
+        ('{"type": "function", "name": "ping", "parameters": {}}', None, [PING]),
         ('{"answer": 42}', '{"answer": 42}', []),
         ('{"name": "rm_rf", "parameters": {}}', '{"name": "rm_rf", "parameters": {}}', []),
         ('The call is {"name": "ping", "parameters": {}}',
@@ -48,6 +49,8 @@ CASES: dict[str, list[tuple[str, str | None, list[ParsedCall]]]] = {
          ' {"name": "ping", "arguments": {}}]', None, [WEATHER, PING]),
         ('Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris; FR", "days": 3}'
          '[TOOL_CALLS]ping[ARGS]{}', "Checking.", [WEATHER, PING]),
+        ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris; FR", "days": 3}}]'
+         '[TOOL_CALLS][{"name": "ping", "arguments": {}}]', None, [WEATHER, PING]),
         # The tag is a special token: skipped, the list alone is still read.
         ('[{"name": "ping", "arguments": {}}]', None, [PING]),
         ("[1] Smith, 2019.", "[1] Smith, 2019.", []),

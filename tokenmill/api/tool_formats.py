@@ -297,7 +297,8 @@ class MistralReader:
             body = self._held.lstrip()
             if not body:
                 return None
-            self._inner = JsonCallsReader(self._names, self._first, None) \
+            # A list may be followed by another [TOOL_CALLS] and list.
+            self._inner = JsonCallsReader(self._names, self._first, TOOL_CALLS) \
                 if body[0] in "[{" else ArgsCallsReader(self._names, self._first)
             text, self._held = self._held, ""
         return self._inner.feed(text)
