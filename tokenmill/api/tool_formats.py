@@ -41,9 +41,14 @@ class CallReader(Protocol):
     """The calls after a format's opening: ``feed`` returns the text after them once they
     have ended (None while they go on); ``raw`` is the text they took."""
 
-    raw: str
-    started: int  # calls started (their first delta made)
-    ended: int  # calls known to be whole
+    @property
+    def raw(self) -> str: ...
+
+    @property
+    def started(self) -> int: ...  # calls started (their first delta made)
+
+    @property
+    def ended(self) -> int: ...  # calls known to be whole
 
     def feed(self, text: str) -> str | None: ...
 
@@ -318,7 +323,7 @@ class Llama3JsonParser(ToolParser):
     format = CallFormat(open="", sep="; ", close="")
 
     def stream(self, names: Collection[str],
-               schemas: Mapping[str, Any] | None = None) -> FormatStream:  # type: ignore[override]
+               schemas: Mapping[str, Any] | None = None) -> FormatStream:
         return FormatStream(PYTHON_TAG, "{", lambda first: JsonCallsReader(names, first, ";"))
 
 
@@ -329,7 +334,7 @@ class MistralParser(ToolParser):
     format = CallFormat(open=f"{TOOL_CALLS}[", sep=", ", close="]")
 
     def stream(self, names: Collection[str],
-               schemas: Mapping[str, Any] | None = None) -> FormatStream:  # type: ignore[override]
+               schemas: Mapping[str, Any] | None = None) -> FormatStream:
         return FormatStream(TOOL_CALLS, "[", lambda first: MistralReader(names, first))
 
     def new_call_id(self) -> str:

@@ -354,7 +354,7 @@ class Qwen3CoderParser(ToolParser):
                         close=f"\n{END_CALL}")
 
     def stream(self, names: Collection[str],
-               schemas: Mapping[str, Any] | None = None) -> FormatStream:  # type: ignore[override]
+               schemas: Mapping[str, Any] | None = None) -> FormatStream:
         return FormatStream(OPEN_TAG, "",
                             lambda first: Qwen3CoderReader(names, first, schemas or {}))
 
@@ -381,7 +381,7 @@ class PythonicParser(ToolParser):
     format = CallFormat(open="[", sep=", ", close="]")
 
     def stream(self, names: Collection[str],
-               schemas: Mapping[str, Any] | None = None) -> FormatStream:  # type: ignore[override]
+               schemas: Mapping[str, Any] | None = None) -> FormatStream:
         return FormatStream(PYTHON_START, "[", lambda first: PythonicReader(names, first))
 
     def forced_grammar(self, functions: Mapping[str, Mapping[str, Any] | None],

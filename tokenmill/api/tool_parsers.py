@@ -22,7 +22,7 @@ import re
 import uuid
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from tokenmill.api.tool_json import CLOSE_TAG, CallBlock, CallDelta
 
@@ -58,6 +58,21 @@ def assemble(deltas: Iterable[CallDelta]) -> list[ParsedCall]:
             names[d.index] = d.name
         arguments.setdefault(d.index, []).append(d.arguments)
     return [ParsedCall(names[i], "".join(arguments[i])) for i in sorted(names)]
+
+
+class CallStream(Protocol):
+    """A reader of one output sequence's text, as it is generated (``ToolCallStream`` for the
+    ``<tool_call>`` formats, api/tool_formats.py's ``FormatStream`` for the others)."""
+
+    @property
+    def num_calls(self) -> int: ...
+
+    @property
+    def ended_calls(self) -> int: ...
+
+    def feed(self, text: str) -> ToolEvents: ...
+
+    def finish(self) -> ToolEvents: ...
 
 
 def _partial_tag_len(text: str, tag: str) -> int:
@@ -174,7 +189,7 @@ class ToolParser:
     format: ClassVar[CallFormat]
 
     def stream(self, names: Collection[str],
-               schemas: Mapping[str, Any] | None = None) -> ToolCallStream:
+               schemas: Mapping[str, Any] | None = None) -> CallStream:
         """A reader of one output sequence; ``names``: the functions it may call;
         ``schemas``: their parameters' JSON schemas (formats that type their values read
         them)."""

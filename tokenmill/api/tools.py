@@ -28,7 +28,7 @@ from tokenmill.api.protocol import (
     ToolDefinition,
 )
 from tokenmill.api.tool_json import CallDelta
-from tokenmill.api.tool_parsers import ParsedCall, ToolCallStream, ToolParser
+from tokenmill.api.tool_parsers import CallStream, ParsedCall, ToolParser
 from tokenmill.api.validation import ServedModel
 from tokenmill.chat_template import template_roles, validate_messages
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
@@ -252,11 +252,11 @@ def new_call_id() -> str:
 @dataclass
 class ToolReader:
     """Reads a request's outputs for calls: whole (``message``) or streamed (``delta``, one
-    ToolCallStream per output sequence, arguments in pieces as they are generated)."""
+    CallStream per output sequence, arguments in pieces as they are generated)."""
 
     parser: ToolParser
     names: frozenset[str]
-    streams: dict[int, ToolCallStream] = field(default_factory=dict)
+    streams: dict[int, CallStream] = field(default_factory=dict)
     # True: ``delta`` gives each call whole once its block has ended (Ollama's stream and the
     # Responses API's items want whole calls); False: its arguments in pieces, as vLLM does.
     whole_calls: bool = False
