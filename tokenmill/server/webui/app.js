@@ -12,7 +12,7 @@ function save() {
   localStorage.setItem(STORE, JSON.stringify(conversations));
 }
 
-function messageElement(role, text, stats) {
+function messageElement(role, text, stats, thinking, thought) {
   const box = document.createElement("div");
   box.className = "msg " + role;
   const who = document.createElement("div");
@@ -25,7 +25,25 @@ function messageElement(role, text, stats) {
   line.className = "stats";
   line.textContent = stats || "";
   box.append(who, content, line);
+  if (thinking) setThinking(box, thinking, thought || "Thought");
   return box;
+}
+
+// A reasoning model's thinking: folded away above the answer, shown as plain text only (it is
+// unfinished model output; markdown would guess at half-written structure).
+function setThinking(box, text, summary) {
+  let details = box.querySelector("details.thinking");
+  if (!details) {
+    details = document.createElement("details");
+    details.className = "thinking";
+    const title = document.createElement("summary");
+    const body = document.createElement("div");
+    body.className = "thinking-text";
+    details.append(title, body);
+    box.insertBefore(details, box.querySelector(".content"));
+  }
+  details.querySelector("summary").textContent = summary;
+  details.querySelector(".thinking-text").textContent = text;
 }
 
 function showConversation() {
@@ -42,7 +60,7 @@ function showConversation() {
   box.replaceChildren();
   const messages = current ? current.messages : [];
   for (const m of messages) {
-    box.appendChild(messageElement(m.role, m.content, m.stats));
+    box.appendChild(messageElement(m.role, m.content, m.stats, m.thinking, m.thought));
   }
   if (!messages.length) box.appendChild(emptyHint());
   box.scrollTop = box.scrollHeight;
@@ -158,7 +176,8 @@ async function send() {
   document.getElementById("send").disabled = true;
   document.getElementById("stop").disabled = false;
   const run = { started: performance.now(), first: null, usage: null, deltas: 0, finish: null,
-                content: "", failed: false, convo: current };
+                content: "", thinking: "", thinkingDeltas: 0, thinkingUsage: null,
+                failed: false, convo: current };
   try {
     await stream(body, run, el);
   } catch (e) {
@@ -185,8 +204,20 @@ async function stream(body, run, el) {
   }
   await readEvents(response, (chunk) => {
     if (chunk.error) throw new Error(chunk.error.message);
-    if (chunk.usage) run.usage = chunk.usage.completion_tokens;
+    if (chunk.usage) {
+      run.usage = chunk.usage.completion_tokens;
+      const details = chunk.usage.completion_tokens_details;
+      if (details && details.reasoning_tokens) run.thinkingUsage = details.reasoning_tokens;
+    }
     for (const choice of chunk.choices || []) {
+      const thinking = choice.delta && (choice.delta.reasoning_content || choice.delta.reasoning);
+      if (thinking) {
+        if (run.first === null) run.first = performance.now();
+        run.deltas++;
+        run.thinkingDeltas++;
+        run.thinking += thinking;
+        setThinking(el, run.thinking, "Thinking\u2026");
+      }
       if (choice.delta && choice.delta.content) {
         if (run.first === null) run.first = performance.now();
         run.deltas++;
@@ -215,6 +246,13 @@ function statsLine(run) {
   return parts.join(" · ");
 }
 
+// The folded thinking's title once the answer is done: the server's count of thinking tokens
+// when it sent usage, else the deltas counted.
+function thoughtLine(run) {
+  const tokens = run.thinkingUsage !== null ? run.thinkingUsage : "~" + run.thinkingDeltas;
+  return "Thought for " + tokens + " tokens";
+}
+
 // Save the finished answer. With no text at all (a refused request, Stop before the first
 // token) neither turn is kept: the question goes back into the input box, and the next
 // request does not carry an empty answer.
@@ -230,8 +268,14 @@ function keep(run, el, question) {
     showConversation();
     return;
   }
+  // The thinking is kept for showing only: requestBody sends back role and content alone.
   const answer = { role: "assistant", content: run.content, stats: statsLine(run) };
   el.querySelector(".stats").textContent = answer.stats;
+  if (run.thinking) {
+    answer.thinking = run.thinking;
+    answer.thought = thoughtLine(run);
+    setThinking(el, run.thinking, answer.thought);
+  }
   convo.messages.push(answer);
   save();
 }
