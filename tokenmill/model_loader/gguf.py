@@ -17,7 +17,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from tokenmill.model_loader.gguf_header import GGUFHeader
+from tokenmill.model_loader.gguf_split import GGUFFiles, read_gguf
 from tokenmill.tokenizer import Tokenizer
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -139,14 +139,12 @@ def float_from_gguf(raw: RawTensor) -> torch.Tensor:
 
 
 class GGUFModel:
-    """An opened GGUF file: ``hf_config``, ``tokenizer`` and its tensors under HF names."""
+    """An opened GGUF file (or split model, from any of its shards): ``hf_config``,
+    ``tokenizer`` and its tensors under HF names."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        try:
-            self._header = GGUFHeader(path)
-        except (ValueError, OSError) as e:
-            raise ValueError(f"{path!r} is not a readable GGUF file: {e}") from e
+        self._header = read_gguf(path)
         # The vocabulary arrays are large and only the tokenizer needs them.
         self.metadata: dict[str, Any] = {k: v for k, v in self._header.fields.items()
                                          if k not in _VOCAB_KEYS}
@@ -287,18 +285,16 @@ def _llama3_scaling(factors: np.ndarray, theta: float, rope_dim: int,
             "high_freq_factor": high, "original_max_position_embeddings": original}
 
 
-def _tokenizer(header: GGUFHeader) -> Tokenizer:
+def _tokenizer(header: GGUFFiles) -> Tokenizer:
     return Tokenizer.from_gguf_fields(
         {k: v for k, v in header.fields.items() if k.startswith("tokenizer.")})
 
 
 def load_gguf_tokenizer(path: str) -> Tokenizer:
     """The tokenizer of the GGUF file at ``path`` (any file with tokenizer.* metadata, a
-    tokenizer-only one too); ValueError if it is not a readable GGUF file."""
-    try:
-        return _tokenizer(GGUFHeader(path))
-    except OSError as e:
-        raise ValueError(f"{path!r} is not a readable GGUF file: {e}") from e
+    tokenizer-only one too, or any shard of a split model); ValueError if it is not a readable
+    GGUF file."""
+    return _tokenizer(read_gguf(path))
 
 
 def load_gguf(path: str) -> GGUFModel:

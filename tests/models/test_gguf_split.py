@@ -1,0 +1,120 @@
+"""Split GGUF models (llama.cpp's gguf-split: NAME-00001-of-00003.gguf ...): the embedded model
+written again in three shards by gguf's own split writer loads as one model, from any shard,
+and answers exactly as the single file does; a missing or misnumbered shard is a clear error."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import gguf
+import pytest
+
+from tokenmill.model_loader.gguf import embedded_model_path, load_gguf, load_gguf_tokenizer
+from tokenmill.model_loader.gguf_split import read_gguf
+
+SHARDS = 3
+# Keys the writer sets itself (or that describe the file, not the model).
+_OWN_KEYS = ("general.architecture", "general.alignment")
+
+
+def write_split_copy(source: str, folder: Path, shards: int) -> list[Path]:
+    """The GGUF file ``source`` again as ``shards`` shards in ``folder`` (metadata copied with
+    its types, tensors copied raw with theirs); the shard paths, first first."""
+    reader = gguf.GGUFReader(source)
+    per_shard = -(-len(reader.tensors) // shards)
+    writer = gguf.GGUFWriter(str(folder / "model.gguf"), reader.fields["general.architecture"]
+                             .contents(), split_max_tensors=per_shard)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in _OWN_KEYS:
+            continue
+        sub_type = field.types[1] if len(field.types) > 1 else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    paths = sorted(folder.glob("model-*-of-*.gguf"))
+    assert [p.name for p in paths] == [f"model-{i:05d}-of-{shards:05d}.gguf"
+                                       for i in range(1, shards + 1)]
+    return paths
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    return write_split_copy(embedded_model_path(), tmp_path_factory.mktemp("split"), SHARDS)
+
+
+def test_any_shard_opens_the_whole_model(shards: list[Path]) -> None:
+    single = load_gguf(embedded_model_path())
+    for shard in shards:
+        model = load_gguf(str(shard))
+        assert model.hf_config == single.hf_config
+        assert model.tensor_names() == single.tensor_names()
+    files = read_gguf(str(shards[1]))
+    assert files.paths == [str(p) for p in shards]
+    # Each shard really holds only part of the tensors (the writer split them).
+    assert all(0 < len(gguf.GGUFReader(p).tensors) < len(files.tensors) for p in shards)
+    split = load_gguf(str(shards[0]))
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight",
+                 "model.norm.weight"):
+        a, b = split.raw_tensor(name), single.raw_tensor(name)
+        assert a.qtype == b.qtype and a.shape == b.shape
+        assert (a.data == b.data).all(), name
+
+
+def test_tokenizer_from_a_later_shard(shards: list[Path]) -> None:
+    text = "The capital of France is Paris."
+    want = load_gguf_tokenizer(embedded_model_path()).encode(text)
+    assert load_gguf_tokenizer(str(shards[2])).encode(text) == want
+
+
+def test_split_model_answers_like_the_single_file(shards: list[Path]) -> None:
+    from tokenmill import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=8, temperature=0)
+    prompts = ["The capital of France is", "1, 2, 3, 4,"]
+    got = LLM(str(shards[0]), max_model_len=256, num_kv_blocks=32).generate(prompts, params)
+    want = LLM(embedded_model_path(), max_model_len=256, num_kv_blocks=32).generate(prompts,
+                                                                                   params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert all(len(o.outputs[0].token_ids) == 8 for o in got)
+
+
+def test_missing_shard_is_named(shards: list[Path], tmp_path: Path) -> None:
+    for shard in (shards[0], shards[2]):
+        shutil.copy(shard, tmp_path / shard.name)
+    missing = tmp_path / shards[1].name
+    for given in (shards[0].name, shards[2].name):
+        with pytest.raises(ValueError, match=f"{missing}.*is missing"):
+            load_gguf(str(tmp_path / given))
+    with pytest.raises(ValueError, match=shards[1].name):
+        load_gguf_tokenizer(str(tmp_path / shards[0].name))
+    from tokenmill import LLM
+
+    with pytest.raises(ValueError, match=shards[1].name):
+        LLM(str(tmp_path / shards[0].name), max_model_len=256, num_kv_blocks=32)
+
+
+def test_misnumbered_shards_are_refused(shards: list[Path], tmp_path: Path) -> None:
+    # Shards 2 and 3 swapped by name: each file's split.no disagrees with its name.
+    shutil.copy(shards[0], tmp_path / shards[0].name)
+    shutil.copy(shards[1], tmp_path / shards[2].name)
+    shutil.copy(shards[2], tmp_path / shards[1].name)
+    with pytest.raises(ValueError, match=r"split\.no=2 .*its name says 1 of 3"):
+        load_gguf(str(tmp_path / shards[0].name))
+
+
+def test_shard_renamed_off_the_pattern_is_refused(shards: list[Path], tmp_path: Path) -> None:
+    lone = tmp_path / "renamed.gguf"
+    shutil.copy(shards[0], lone)
+    with pytest.raises(ValueError, match="not named NAME-0000N-of-00003.gguf"):
+        load_gguf(str(lone))
+
+
+def test_unsplit_file_reads_as_one_shard() -> None:
+    files = read_gguf(embedded_model_path())
+    assert files.paths == [embedded_model_path()]
+    assert "split.count" not in files.fields
