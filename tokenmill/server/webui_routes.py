@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 # The files the pages load, and their types; nothing else is served from the folder.
 ASSETS = {"app.js": "text/javascript", "dashboard.js": "text/javascript",
           "common.js": "text/javascript", "markdown.js": "text/javascript",
+          "projects.js": "text/javascript",
           "style.css": "text/css"}
 # The pages' own policy: scripts and styles from this server only, so model output that
 # slipped into the page as HTML still could not run.
