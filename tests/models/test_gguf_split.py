@@ -93,3 +93,20 @@ def test_unsplit_file_reads_as_one_shard() -> None:
     files = read_gguf(embedded_model_path())
     assert files.paths == [embedded_model_path()]
     assert "split.count" not in files.fields
+
+
+def test_info_and_roofline_read_every_shard(shards: list[Path],
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from tokenmill.bench.roofline import decode_weight_bytes
+    from tokenmill.cli import main
+
+    assert decode_weight_bytes(str(shards[0])) == decode_weight_bytes(embedded_model_path())
+    outs = []
+    for model in (str(shards[0]), embedded_model_path()):
+        assert main(["info", "--model", model, "--max-model-len", "256"]) == 0
+        outs.append(capsys.readouterr().out)
+    assert shards[0].name in outs[0]
+    # The model's lines agree (the KV plan's line moves with the machine's free memory).
+    labels = ("architecture", "parameters", "quantization", "weights in memory", "vocab size")
+    facts = [[line for line in out.splitlines() if line.startswith(labels)] for out in outs]
+    assert len(facts[0]) == len(labels) and facts[0] == facts[1]

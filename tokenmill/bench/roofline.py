@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.model_loader.gguf_header import GGUFHeader
+from tokenmill.model_loader.gguf_split import read_gguf
 
 BUFFER_BYTES = 1 << 30
 REPEATS = 5
@@ -45,7 +45,7 @@ def read_bandwidth(threads: int, nbytes: int = BUFFER_BYTES, repeats: int = REPE
 def decode_weight_bytes(gguf_path: str) -> int:
     """Bytes of weights one decode step reads: every tensor of the file, except the token
     embedding when the model has a separate output head."""
-    tensors = GGUFHeader(gguf_path).tensors
+    tensors = read_gguf(gguf_path).tensors  # every shard of a split model
     names = {t.name for t in tensors}
     skip = {"token_embd.weight"} if "output.weight" in names else set()
     return sum(int(t.data.nbytes) for t in tensors if t.name not in skip)
