@@ -110,3 +110,18 @@ def test_info_and_roofline_read_every_shard(shards: list[Path],
     labels = ("architecture", "parameters", "quantization", "weights in memory", "vocab size")
     facts = [[line for line in out.splitlines() if line.startswith(labels)] for out in outs]
     assert len(facts[0]) == len(labels) and facts[0] == facts[1]
+
+
+def test_sizes_count_every_shard(shards: list[Path], tmp_path: Path) -> None:
+    from tokenmill.server.models_dir import size_on_disk
+    from tokenmill.server.ollama_routes import _file_size
+
+    total = sum(p.stat().st_size for p in shards)
+    for shard in shards:
+        assert size_on_disk(str(shard)) == total
+        assert _file_size(str(shard)) == total
+    # A file merely named like a shard, alone, is its own size (and a plain file too).
+    lone = tmp_path / shards[0].name
+    shutil.copy(shards[0], lone)
+    assert size_on_disk(str(lone)) == shards[0].stat().st_size
+    assert size_on_disk(embedded_model_path()) == Path(embedded_model_path()).stat().st_size

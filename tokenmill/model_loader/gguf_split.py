@@ -45,6 +45,17 @@ def shard_path(path: str, number: int) -> str:
     return os.path.join(folder, name)
 
 
+def split_shards(path: str) -> list[str]:
+    """By name alone: the shards of the split model ``path`` is named as a shard of, those
+    that exist, first first; ``[path]`` for any other name. For sizes and names, where the
+    files need not be read (:func:`read_gguf` checks them)."""
+    m = _SHARD_RE.match(os.path.basename(path))
+    if m is None:
+        return [path]
+    shards = [shard_path(path, i) for i in range(1, int(m.group("count")) + 1)]
+    return [p for p in shards if os.path.isfile(p)] or [path]
+
+
 def _open(path: str) -> GGUFHeader:
     try:
         return GGUFHeader(path)
