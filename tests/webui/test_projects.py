@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from page_helpers import open_dashboard, set_field, severe_logs, wait
+from page_helpers import open_dashboard, screenshot, set_field, severe_logs, wait
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select
 from server_harness import Server, start_server
@@ -90,6 +90,7 @@ def test_projects_panel_lists_filters_and_exports(browser, tenant_server: Server
     assert rows[idle] == ["idle", "0", "0", "0", "$0"]
     select.select_by_value(team)
     assert list(usage_rows(browser)) == [team]
+    screenshot(browser, "webui-projects.png")
     # The CSV download: the file the page saves holds the chosen project's usage row.
     browser.execute_script(KEEP_BLOBS)
     browser.find_element(By.ID, "p-download").click()

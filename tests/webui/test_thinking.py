@@ -11,7 +11,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from page_helpers import answer_done, last_answer, open_chat, saved_conversations, set_field, wait
+from page_helpers import (
+    answer_done,
+    last_answer,
+    open_chat,
+    saved_conversations,
+    screenshot,
+    set_field,
+    wait,
+)
 from selenium.webdriver.common.by import By
 from server_harness import Server, start_server
 
@@ -67,6 +75,9 @@ def test_thinking_is_folded_apart_and_not_sent_back(browser, thinker: Server) ->
     content = answer.find_element(By.CLASS_NAME, "content").text
     assert content.strip() == answer_text.strip()
     assert thinking.strip() not in content
+    details.find_element(By.TAG_NAME, "summary").click()
+    screenshot(browser, "webui-thinking.png")
+    details.find_element(By.TAG_NAME, "summary").click()  # folded again
     # Saved for showing, apart from the answer.
     saved = saved_conversations(browser)[0]["messages"][-1]
     assert saved["content"].strip() == answer_text.strip()
