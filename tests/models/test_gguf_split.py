@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 from gguf_split_files import write_split_copy
 
@@ -33,8 +34,7 @@ def test_any_shard_opens_the_whole_model(shards: list[Path]) -> None:
     # Each shard really holds only part of the tensors (the writer split them).
     assert all(0 < len(gguf.GGUFReader(p).tensors) < len(files.tensors) for p in shards)
     split = load_gguf(str(shards[0]))
-    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight",
-                 "model.norm.weight"):
+    for name in single.tensor_names():
         a, b = split.raw_tensor(name), single.raw_tensor(name)
         assert a.qtype == b.qtype and a.shape == b.shape
         assert (a.data == b.data).all(), name
@@ -125,3 +125,29 @@ def test_sizes_count_every_shard(shards: list[Path], tmp_path: Path) -> None:
     shutil.copy(shards[0], lone)
     assert size_on_disk(str(lone)) == shards[0].stat().st_size
     assert size_on_disk(embedded_model_path()) == Path(embedded_model_path()).stat().st_size
+
+
+def _shard(path: Path, no: int, count: int, total: int, names: list[str]) -> None:
+    """A tiny hand-made shard: its split.* keys as given, one small tensor per name."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint16("split.no", no)
+    writer.add_uint16("split.count", count)
+    writer.add_int32("split.tensors.count", total)
+    for name in names:
+        writer.add_tensor(name, np.ones(4, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize(("second", "total", "error"), [
+    (["b"], 3, r"split\.tensors\.count is 3 but its 2 shards hold 2 tensors"),
+    (["a"], 2, r"tensor 'a' is in more than one shard \(again in .*m-00002-of-00002.gguf"),
+])
+def test_shards_that_do_not_add_up_are_refused(tmp_path: Path, second: list[str], total: int,
+                                               error: str) -> None:
+    _shard(tmp_path / "m-00001-of-00002.gguf", 0, 2, total, ["a"])
+    _shard(tmp_path / "m-00002-of-00002.gguf", 1, 2, total, second)
+    with pytest.raises(ValueError, match=error):
+        read_gguf(str(tmp_path / "m-00002-of-00002.gguf"))
