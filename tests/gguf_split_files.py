@@ -11,14 +11,17 @@ import gguf
 _OWN_KEYS = ("general.architecture", "general.alignment")
 
 
-def write_split_copy(source: str, folder: Path, shards: int, stem: str = "model") -> list[Path]:
+def write_split_copy(source: str, folder: Path, shards: int, stem: str = "model",
+                     metadata_only_first: bool = False) -> list[Path]:
     """The GGUF file ``source`` again as ``shards`` files ``STEM-0000N-of-0000M.gguf`` in
-    ``folder`` (metadata copied with its types, tensors copied raw with theirs); the shard
-    paths, first first."""
+    ``folder`` (metadata copied with its types, tensors copied raw with theirs; with
+    ``metadata_only_first``, one more shard first holding no tensors, as gguf-split's
+    ``--no-tensor-first-split`` writes); the shard paths, first first."""
     reader = gguf.GGUFReader(source)
     per_shard = -(-len(reader.tensors) // shards)
     writer = gguf.GGUFWriter(str(folder / f"{stem}.gguf"), reader.fields["general.architecture"]
-                             .contents(), split_max_tensors=per_shard)
+                             .contents(), split_max_tensors=per_shard,
+                             small_first_shard=metadata_only_first)
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key in _OWN_KEYS:
             continue
@@ -31,6 +34,7 @@ def write_split_copy(source: str, folder: Path, shards: int, stem: str = "model"
     writer.write_tensors_to_file()
     writer.close()
     paths = sorted(folder.glob(f"{stem}-*-of-*.gguf"))
-    assert [p.name for p in paths] == [f"{stem}-{i:05d}-of-{shards:05d}.gguf"
-                                       for i in range(1, shards + 1)]
+    count = shards + metadata_only_first
+    assert [p.name for p in paths] == [f"{stem}-{i:05d}-of-{count:05d}.gguf"
+                                       for i in range(1, count + 1)]
     return paths

@@ -151,3 +151,13 @@ def test_shards_that_do_not_add_up_are_refused(tmp_path: Path, second: list[str]
     _shard(tmp_path / "m-00002-of-00002.gguf", 1, 2, total, second)
     with pytest.raises(ValueError, match=error):
         read_gguf(str(tmp_path / "m-00002-of-00002.gguf"))
+
+
+def test_first_shard_with_metadata_only(tmp_path: Path) -> None:
+    paths = write_split_copy(embedded_model_path(), tmp_path, 2, metadata_only_first=True)
+    assert len(paths) == 3 and not gguf.GGUFReader(paths[0]).tensors
+    single = load_gguf(embedded_model_path())
+    for shard in (paths[0], paths[2]):
+        model = load_gguf(str(shard))
+        assert model.hf_config == single.hf_config
+        assert model.tensor_names() == single.tensor_names()
