@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import GATED_REPO, GATED_TOKEN, GGUF_REPO, byte_repos, gguf_repo
+from hub_repos import GATED_REPO, GATED_TOKEN, GGUF_REPO, byte_repos, gguf_repo
 from stand_in_hub import Repo, commit_id, serve_hub
 
 TESTS = Path(__file__).resolve().parent.parent

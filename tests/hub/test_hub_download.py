@@ -9,7 +9,7 @@ import socket
 from pathlib import Path
 
 import pytest
-from conftest import FOLDER_REPO, GATED_REPO, GATED_TOKEN, GGUF_REPO, Q4_1
+from hub_repos import FOLDER_REPO, GATED_REPO, GATED_TOKEN, GGUF_REPO, Q4_1
 from stand_in_hub import StandInHub
 
 from tokenmill.hub.download import Hub, resolve_model
