@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from tokenmill.api.errors import APIError, bad_request
-from tokenmill.model_loader.gguf_split import split_shards
+from tokenmill.engine.model_files import model_files
 
 
 def default_max_loaded_models(at_start: int) -> int:
@@ -22,7 +22,7 @@ def default_max_loaded_models(at_start: int) -> int:
 def size_on_disk(path: str) -> int:
     """Bytes of a model file (every shard of a split GGUF), or of every file in a folder."""
     if not os.path.isdir(path):
-        return sum(os.path.getsize(p) for p in split_shards(path))
+        return sum(os.path.getsize(p) for p in model_files(path))
     return sum(os.path.getsize(os.path.join(root, f))
                for root, _, files in os.walk(path) for f in files)
 

@@ -26,7 +26,7 @@ from tokenmill.api.errors import APIError, bad_request, loads_json
 from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest, random_id
 from tokenmill.api.responses import StreamUsage, engine_error
 from tokenmill.engine.async_llm import EngineDeadError, RequestGroup, collect_embeddings
-from tokenmill.model_loader.gguf_split import split_shards
+from tokenmill.engine.model_files import model_files
 from tokenmill.server.errors import check_json_content_type, read_body
 from tokenmill.server.serving import reasoning_setup, submit
 from tokenmill.server.state import EMBED, GENERATE, ServedModel, ServerState
@@ -98,7 +98,7 @@ def _file_size(path: str) -> int:
     weight files (0 when none can be read)."""
     try:
         if os.path.isfile(path):
-            return sum(os.path.getsize(p) for p in split_shards(path))
+            return sum(os.path.getsize(p) for p in model_files(path))
         with os.scandir(path) as entries:
             files = [(e.name, e.stat().st_size) for e in entries if e.is_file()]
     except OSError:
