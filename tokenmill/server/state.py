@@ -143,10 +143,7 @@ class ServerState:
                            code="wrong_model_type")
         served = self.models.get(requested) or self.adapters.get(requested)
         if served is None:
-            names = [*self.models, *self.adapters]
-            raise APIError(404, f"the model {requested!r} does not exist; this server serves "
-                           f"{', '.join(repr(n) for n in names)}", param="model",
-                           code="model_not_found")
+            raise unknown_model(requested, [*self.models, *self.adapters])
         if task is not None and served.task != task:
             if served.base is not None:
                 what = (f"is a LoRA adapter of {served.base.name!r}: adapters apply to text "
@@ -190,6 +187,14 @@ class ServerState:
             return True
         given = bearer_token(authorization)
         return given is not None and hmac.compare_digest(given.encode(), key.encode())
+
+
+def unknown_model(requested: str, names: list[str]) -> APIError:
+    """The 404 for a model name no served model or adapter has (``names``: those served);
+    shared with the Ray Serve ingress, which routes by the name."""
+    return APIError(404, f"the model {requested!r} does not exist; this server serves "
+                    f"{', '.join(repr(n) for n in names)}", param="model",
+                    code="model_not_found")
 
 
 def bearer_token(authorization: str | None) -> str | None:
