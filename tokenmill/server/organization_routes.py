@@ -244,7 +244,7 @@ def install_tenancy(app: FastAPI, state: ServerState) -> TenancyStore | None:
     store = TenancyStore(state.config.data_dir or default_data_dir())
     app.include_router(organization_router(state, store))
     # The object guard runs inside the tenancy guard: it reads the caller that one finds.
-    app.add_middleware(ObjectGuard, store=store)
+    app.add_middleware(ObjectGuard, store=store, server_key=state.config.api_key is not None)
     app.add_middleware(AdminAudit, store=store)
     app.add_middleware(TenancyGuard, store=store, limiter=Limiter(store.spent_since),
                        metrics=ProjectMetrics(state.metrics.registry),

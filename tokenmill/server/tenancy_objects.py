@@ -1,14 +1,18 @@
 """Objects belong to the project that made them (ASGI middleware, inside the tenancy guard):
 files, vector stores (with their files and file batches) and stored responses.
 
-For a request made with a project key:
-- every object id it names, in its path or in its JSON body (``file_id``, ``file_ids``,
-  ``vector_store_ids``, ``previous_response_id``, at any depth), must be one its project made,
-  else 404, the same answer as for an id that does not exist;
-- the id of an object it creates is recorded as its project's (from the JSON answer, or the
-  first event of a stream);
-- lists of files and vector stores show only its project's.
-Requests made with the server key see everything, as before projects existed.
+Who sees what, as with OpenAI's projects:
+- a request made with a project key sees its project's objects only: every object id it
+  names, in its path or in its JSON body (``file_id``, ``file_ids``, ``vector_store_ids``,
+  ``previous_response_id``, at any depth), must be one its project made, else 404, the same
+  answer as for an id that does not exist; the id of an object it creates is recorded as its
+  project's (from the JSON answer, or the first event of a stream); its lists are paged over
+  its own objects (``tenancy_lists``);
+- the server key (``--api-key``) sees and may name every object; what it creates belongs to
+  no project (OpenAI's "Default project"), so every project key gets 404 for it;
+- on a server without ``--api-key``, a request without a project key is not trusted with
+  the projects' objects: it sees, as a project would, only the objects of no project;
+- the admin key is for the admin routes only (as OpenAI's admin keys).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.api.errors import APIError
 from tokenmill.server.tenancy_guard import send_error
+from tokenmill.server.tenancy_lists import LISTS, scoped_list
 from tokenmill.tenancy.meter import current_tab
 from tokenmill.tenancy.store import TenancyStore
 
@@ -28,8 +33,6 @@ from tokenmill.tenancy.store import TenancyStore
 _PATH_ID = re.compile(r"^/v1/(?:files|vector_stores|responses)/([^/]+)")
 # POSTs whose answer is a new object of the caller's project.
 _CREATES = re.compile(r"^/v1/(?:files|vector_stores|responses)/?$")
-# GETs whose answer is a list to narrow to the caller's project.
-_LISTS = ("/v1/files", "/v1/vector_stores")
 _REF_KEYS = ("file_id", "file_ids", "vector_store_ids", "previous_response_id")
 # The first event of a stream names the new object; no need to read further.
 _STREAM_ID = re.compile(rb'"id"\s*:\s*"((?:resp_|file-|vs_)[A-Za-z0-9_-]+)"')
@@ -58,19 +61,24 @@ def _not_found(object_id: str) -> APIError:
 
 
 class ObjectGuard:
-    """Keep each project's files, vector stores and stored responses its own."""
+    """Keep each project's files, vector stores and stored responses its own.
+    ``server_key``: whether the server has an ``--api-key`` (without one, a request without
+    a project key sees only the objects of no project)."""
 
-    def __init__(self, app: ASGIApp, store: TenancyStore) -> None:
+    def __init__(self, app: ASGIApp, store: TenancyStore, server_key: bool = True) -> None:
         self.app = app
         self.store = store
+        self.server_key = server_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         tab = current_tab.get()
         path = scope.get("path", "")
-        if scope["type"] != "http" or tab is None or not path.startswith("/v1/"):
-            await self.app(scope, receive, send)
+        if (scope["type"] != "http" or not path.startswith("/v1/")
+                or path.startswith("/v1/organization") or (tab is None and self.server_key)):
+            await self.app(scope, receive, send)  # the server key (or a 401) sees everything
             return
-        project_id = tab.caller.project.id
+        # The caller's project; None: the objects of no project.
+        project_id = None if tab is None else tab.caller.project.id
         method = scope["method"]
         named = [m.group(1)] if (m := _PATH_ID.match(path)) else []
         receive, body = await read_json_body(scope, receive) if method == "POST" else (receive, None)
@@ -80,10 +88,12 @@ class ObjectGuard:
         if missing:
             await send_error(send, _not_found(sorted(missing)[0]), path)
             return
-        if method == "POST" and _CREATES.match(path):
+        if method == "GET" and path.rstrip("/") in LISTS:
+            await scoped_list(self.app, scope, receive, send,
+                              lambda ids: self.store.owned(ids, project_id))
+            return
+        if method == "POST" and _CREATES.match(path) and project_id is not None:
             send = self._recording(send, project_id)
-        elif method == "GET" and path.rstrip("/") in _LISTS:
-            send = self._narrowing(send, project_id)
         await self.app(scope, receive, send)
 
     def _recording(self, send: Send, project_id: str) -> Send:
@@ -104,40 +114,6 @@ class ObjectGuard:
             await send(message)
 
         return recording_send
-
-    def _narrowing(self, send: Send, project_id: str) -> Send:
-        """``send`` whose list answer keeps only the project's objects."""
-        start: dict[str, Any] = {}
-        chunks: list[bytes] = []
-
-        async def narrowing_send(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                start.update(message)
-                return
-            if message["type"] != "http.response.body":
-                await send(message)
-                return
-            chunks.append(message.get("body", b""))
-            if message.get("more_body"):
-                return
-            body = b"".join(chunks)
-            if start.get("status") == 200:
-                body = self._narrowed(body, project_id)
-            headers = [(k, v) for k, v in start.get("headers", []) if k != b"content-length"]
-            headers.append((b"content-length", str(len(body)).encode()))
-            await send({**start, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
-
-        return narrowing_send
-
-    def _narrowed(self, body: bytes, project_id: str) -> bytes:
-        page = json.loads(body)
-        data = page.get("data", [])
-        mine = self.store.owned([o["id"] for o in data], project_id)
-        page["data"] = [o for o in data if o["id"] in mine]
-        page["first_id"] = page["data"][0]["id"] if page["data"] else None
-        page["last_id"] = page["data"][-1]["id"] if page["data"] else None
-        return json.dumps(page).encode()
 
 
 async def read_json_body(scope: Scope, receive: Receive) -> tuple[Receive, Any]:

@@ -258,12 +258,18 @@ class TenancyStore:
         self._write([("INSERT OR IGNORE INTO owners (object_id, project_id, created_at) "
                       "VALUES (?, ?, ?)", (object_id, project_id, int(time.time())))])
 
-    def owned(self, object_ids: list[str], project_id: str) -> set[str]:
-        """Which of ``object_ids`` the project made."""
+    def owned(self, object_ids: list[str], project_id: str | None) -> set[str]:
+        """Which of ``object_ids`` the project made; with None, which no project made (the
+        server key's, or a keyless request's: OpenAI's "Default project")."""
         if not object_ids:
             return set()
+        marks = ", ".join("?" * len(object_ids))
+        if project_id is None:
+            rows = self._exec(f"SELECT object_id FROM owners WHERE object_id IN ({marks})",
+                              tuple(object_ids))
+            return set(object_ids) - {r["object_id"] for r in rows}
         rows = self._exec(f"SELECT object_id FROM owners WHERE project_id = ? AND object_id "
-                          f"IN ({', '.join('?' * len(object_ids))})", (project_id, *object_ids))
+                          f"IN ({marks})", (project_id, *object_ids))
         return {r["object_id"] for r in rows}
 
     # Usage and audit.
