@@ -15,7 +15,7 @@ import statistics
 from tokenmill import LLM
 from tokenmill.bench.latency import alternating_step_times
 from tokenmill.bench.report import hardware, hardware_line, markdown_table, now_iso, write_json
-from tokenmill.csrc import load_extension
+from tokenmill.kernels.cpu import load_extension
 
 SWITCH_EVERY = 25  # steps on one side before the switch flips
 SETTLE = 3  # steps after each flip that are not counted

@@ -1,4 +1,4 @@
-"""The C++ kernels on tokenmill's own thread pool (tokenmill/csrc/thread_pool.h) against the
+"""The C++ kernels on tokenmill's own thread pool (tokenmill/kernels/cpu/thread_pool.h) against the
 same kernels on OpenMP's threads (``TOKENMILL_THREAD_POOL=0``, what they ran on before), and
 against the pool with spinning off (``TOKENMILL_SPIN_US=0``): each variant in its own
 processes, alternated round by round, on the embedded model with its defaults.

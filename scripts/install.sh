@@ -183,7 +183,7 @@ else
   say "(launchers .venv/bin/python and .venv/bin/tokenmill will run it)"
 fi
 
-# The C++ extension (tokenmill/csrc) is compiled at install: a compiler and Python's headers.
+# The C++ extension (tokenmill/kernels/cpu) is compiled at install: a compiler and Python's headers.
 cxx=""
 for c in "${CXX:-}" c++ g++ clang++; do
   if [ -n "$c" ] && command -v "$c" >/dev/null 2>&1; then cxx=$c; break; fi
@@ -298,9 +298,9 @@ fi
 if [ "${TOKENMILL_SKIP_CXX:-0}" = 1 ]; then
   step "the C++ extension: skipped (TOKENMILL_SKIP_CXX=1)" "no time"
 else
-  step "compiling the C++ extension for this CPU (tokenmill/csrc)" "~1-2 min"
+  step "compiling the C++ extension for this CPU (tokenmill/kernels/cpu)" "~1-2 min"
   # A failure here only warns: the engine then tries again, or runs without it.
-  "$PY" -c "from tokenmill.csrc import load_extension; load_extension()" \
+  "$PY" -c "from tokenmill.kernels.cpu import load_extension; load_extension()" \
     || echo "warning: the C++ extension did not build now; tokenmill will try on first use" >&2
 fi
 

@@ -11,7 +11,7 @@ one run.
 
 With ``--write-tuning`` it writes the fastest settings of small batches (<= 8 sequences) and of
 the rest as a decode tuning file, which the engine reads for this GPU model from
-``tokenmill/attention/tuned/`` (see tokenmill/attention/decode_tuning.py). With
+``tokenmill/kernels/tuning/attention/`` (see tokenmill/kernels/tuning/decode_attention.py). With
 ``--context-split N`` each batch class is two, contexts up to N tokens and longer ones, each
 with its own rule (``max_context``); the shorter class is timed with a grid for N tokens, as
 its CUDA graph launches it (one partition of N or more: no reduction).
@@ -37,9 +37,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tokenmill.attention import triton_decode  # noqa: E402
-from tokenmill.attention.decode_tuning import DEFAULT_LAUNCH, FP8_COMPUTE  # noqa: E402
 from tokenmill.bench.report import markdown_table, now_iso, write_json  # noqa: E402
+from tokenmill.kernels.triton import attention_decode as triton_decode  # noqa: E402
+from tokenmill.kernels.tuning.decode_attention import DEFAULT_LAUNCH, FP8_COMPUTE  # noqa: E402
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
 DEFAULT = DEFAULT_LAUNCH.kwargs()
@@ -209,7 +209,7 @@ def main() -> None:
     ap.add_argument("--result-file", default=None)
     ap.add_argument("--write-tuning", default=None, metavar="FILE",
                     help="write the fastest settings per batch class as a decode tuning file "
-                         "(tokenmill/attention/decode_tuning.py)")
+                         "(tokenmill/kernels/tuning/decode_attention.py)")
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

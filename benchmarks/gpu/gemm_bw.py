@@ -1,5 +1,5 @@
 """Llama-3.1-8B's linear layers alone: cuBLAS against the Triton matmul of
-``tokenmill/models/triton_gemm.py`` at several tile shapes, by batch rows, each Triton result
+``tokenmill/kernels/triton/gemm.py`` at several tile shapes, by batch rows, each Triton result
 checked against cuBLAS's. ``--dtype fp8`` times the fp8 products (``torch._scaled_mm``,
 row-wise scales) at decode and prefill batches; ``--dtype bf16`` the 16-bit ones
 (``F.linear``) at decode's few rows, the LM head too, with the weights' read rate against the
@@ -41,9 +41,9 @@ if not torch.cuda.is_available():
 import attention_bw  # noqa: E402
 
 from tokenmill.bench.report import markdown_table, now_iso, write_json  # noqa: E402
-from tokenmill.models import fused_ops  # noqa: E402
-from tokenmill.models import triton_gemm as tg  # noqa: E402
-from tokenmill.models.fp8_activation import FP8_MAX  # noqa: E402
+from tokenmill.kernels.fp8_activation import FP8_MAX  # noqa: E402
+from tokenmill.kernels.triton import fused_ops  # noqa: E402
+from tokenmill.kernels.triton import gemm as tg  # noqa: E402
 
 # (name, N, K) of Llama-3.1-8B's linears, and its LM head (16-bit: the head stays bf16).
 SHAPES = [("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 28672, 4096),

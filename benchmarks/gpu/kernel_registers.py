@@ -32,13 +32,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from tokenmill.attention import triton_decode as td
-from tokenmill.attention import triton_kernels as tk
-from tokenmill.attention import triton_prefill as tp
-from tokenmill.attention.decode_tuning import DEFAULT_LAUNCH
-from tokenmill.models import fused_ops as fo
-from tokenmill.models import triton_gemm as tg
-from tokenmill.quant import fp8_kernels as fk
+from tokenmill.kernels.triton import attention as tk
+from tokenmill.kernels.triton import attention_decode as td
+from tokenmill.kernels.triton import attention_prefill as tp
+from tokenmill.kernels.triton import fp8 as fk
+from tokenmill.kernels.triton import fused_ops as fo
+from tokenmill.kernels.triton import gemm as tg
+from tokenmill.kernels.tuning.decode_attention import DEFAULT_LAUNCH
 
 POINTERS = {"table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32",
             "tile_seq_ptr": "*i32", "tile_idx_ptr": "*i32",
@@ -76,7 +76,7 @@ def decode(partition: int, block_n: int, warps: int, stages: int | None = None,
 
 
 # (label, kernel, constexprs, launch options, pointer types): the launches in use on an
-# H200 (tokenmill/attention/tuned/nvidia-h200.json), then alternatives.
+# H200 (tokenmill/kernels/tuning/attention/nvidia-h200.json), then alternatives.
 CASES = [
     ("store_kv", tk._store_kv_kernel,
      dict(NUM_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128, SATURATE=False),
@@ -122,7 +122,7 @@ CASES = [
     for cols in (4096, 14336, 65536)
     for block, warps, one_pass in (fo.fp8_row_launch(cols),)
 ] + [
-    # The matmul's tiles (tokenmill/models/triton_gemm.py): fp8 at Llama-3.1-8B's o_proj.
+    # The matmul's tiles (tokenmill/kernels/triton/gemm.py): fp8 at Llama-3.1-8B's o_proj.
     (f"fp8 scaled_mm {bm} x {bn} x {bk}, {st} stages", tg._matmul_kernel,
      dict(HAS_SCALES=True, HAS_BIAS=False, SILU_MUL=False, NORM=False, HAS_RESIDUAL=False,
           BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8),

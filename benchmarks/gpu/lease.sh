@@ -19,7 +19,7 @@
 # and throughput on Llama-3.1-8B's shape, nano-vllm's workload. Phase 2 has the whole embedded
 # model: the engine tests, transformers side by side, the step profile, fp8. Phase "tune" is
 # one call on dummy-weight presets: the kernel and fp8-cache tests, the decode attention sweep,
-# which writes this GPU's tuning file (tokenmill/attention/tuned/), then decode and throughput
+# which writes this GPU's tuning file (tokenmill/kernels/tuning/attention/), then decode and throughput
 # with it, bf16 and fp8 (weights and KV cache). Logs and result JSONs go into
 # $OUT/phaseN.tgz after every step (so a cut-off call still returns them). With DEADLINE
 # (seconds from the start) a step gets at most the time left, and none starts with under 30 s.
@@ -36,7 +36,7 @@ GPU=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).split()[-1].
 
 REPO=$PWD
 pack() {
-  tar czf "$OUTDIR/phase$PHASE.tgz" -C /tmp lease-logs -C "$REPO" "$RES" tokenmill/attention/tuned \
+  tar czf "$OUTDIR/phase$PHASE.tgz" -C /tmp lease-logs -C "$REPO" "$RES" tokenmill/kernels/tuning/attention \
     $(cd "$REPO" && ls -d tokenmill/models/tuned 2>/dev/null)
 }
 step() {  # step NAME CAP_SECONDS COMMAND...
@@ -89,8 +89,8 @@ next_setup() {  # the phases "next" and "next-fp8" (run 6)
   #   against twice.
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -c "import torch, triton, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__)"
-  SLUG=$(python3 -c "import torch; from tokenmill.attention.decode_tuning import device_slug; print(device_slug(torch.cuda.get_device_name(0)))")
-  TUNED=tokenmill/attention/tuned/$SLUG.json
+  SLUG=$(python3 -c "import torch; from tokenmill.kernels.tuning.decode_attention import device_slug; print(device_slug(torch.cuda.get_device_name(0)))")
+  TUNED=tokenmill/kernels/tuning/attention/$SLUG.json
   GEMM_TUNED=tokenmill/models/tuned/$SLUG.json
   mkdir -p tokenmill/models/tuned
   cp "$TUNED" /tmp/tuned-before.json
@@ -148,10 +148,10 @@ elif [ "$PHASE" = fp8 ]; then
     tests/unit/test_triton_attention.py tests/unit/test_cuda_graphs.py \
     tests/gpu/test_fp8_kv_cache.py tests/gpu/test_async_scheduling_cuda.py \
     tests/gpu/test_cuda_engine.py::test_quantized_linear_on_cuda
-  SLUG=$(python3 -c "import torch; from tokenmill.attention.decode_tuning import device_slug; print(device_slug(torch.cuda.get_device_name(0)))")
+  SLUG=$(python3 -c "import torch; from tokenmill.kernels.tuning.decode_attention import device_slug; print(device_slug(torch.cuda.get_device_name(0)))")
   step attention-sweep-fp8 100 python3 benchmarks/gpu/attention_bw.py --kv-cache-dtype fp8 \
     --shapes 256x1500,64x4000 --result-file "$RES/$GPU-decode-attention-bw-fp8.json" \
-    --write-tuning "tokenmill/attention/tuned/$SLUG.json"
+    --write-tuning "tokenmill/kernels/tuning/attention/$SLUG.json"
   step throughput-fp8 130 $BENCH --suite throughput --model llama-3.1-8b --max-model-len 2048 \
     --quantization fp8 --kv-cache-dtype fp8 \
     --result-file "$RES/$GPU-llama-3.1-8b-throughput-fp8-kvfp8.json"
@@ -167,12 +167,12 @@ elif [ "$PHASE" = fp8b ]; then
   # tiles, pipelining depths 2 and 3), the workload again with what it picks, then where a
   # decode step goes at 1,500-token contexts (the step profiles that phase could not run).
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
-  SLUG=$(python3 -c "import torch; from tokenmill.attention.decode_tuning import device_slug; print(device_slug(torch.cuda.get_device_name(0)))")
+  SLUG=$(python3 -c "import torch; from tokenmill.kernels.tuning.decode_attention import device_slug; print(device_slug(torch.cuda.get_device_name(0)))")
   step attention-sweep-fp8b 90 python3 benchmarks/gpu/attention_bw.py --kv-cache-dtype fp8 \
     --shapes 256x1500,64x4000 --partitions 512,1024,2048 --block-ns 64,128,256 --warps 4,8 \
     --stages 2,3 --fp8-computes fp16 \
     --result-file "$RES/$GPU-decode-attention-bw-fp8-b.json" \
-    --write-tuning "tokenmill/attention/tuned/$SLUG.json"
+    --write-tuning "tokenmill/kernels/tuning/attention/$SLUG.json"
   step throughput-fp8b 110 $BENCH --suite throughput --model llama-3.1-8b --max-model-len 2048 \
     --quantization fp8 --kv-cache-dtype fp8 \
     --result-file "$RES/$GPU-llama-3.1-8b-throughput-fp8-kvfp8-b.json"
@@ -192,8 +192,8 @@ elif [ "$PHASE" = ctx ]; then
   step tests-ctx 60 python3 -m pytest -q -p no:cacheprovider -rfE -x \
     tests/unit/test_triton_attention.py tests/unit/test_cuda_graphs.py \
     $(ls tests/gpu/test_*greedy*.py 2>/dev/null) tests/gpu/test_async_scheduling_cuda.py
-  SLUG=$(python3 -c "import torch; from tokenmill.attention.decode_tuning import device_slug; print(device_slug(torch.cuda.get_device_name(0)))")
-  TUNED=tokenmill/attention/tuned/$SLUG.json
+  SLUG=$(python3 -c "import torch; from tokenmill.kernels.tuning.decode_attention import device_slug; print(device_slug(torch.cuda.get_device_name(0)))")
+  TUNED=tokenmill/kernels/tuning/attention/$SLUG.json
   cp "$TUNED" /tmp/tuned-before.json
   step attention-sweep-ctx 60 python3 benchmarks/gpu/attention_bw.py \
     --shapes 1x512,1x2000,256x140,256x1024,256x1500,64x4000 \
@@ -201,14 +201,14 @@ elif [ "$PHASE" = ctx ]; then
     --stages default \
     --result-file "$RES/$GPU-decode-attention-bw-ctx.json" --write-tuning "$TUNED"
   # A sweep cut short writes no file: put the earlier one back so the fp8 one can add to it.
-  python3 -c "from tokenmill.attention.decode_tuning import load_tuning; load_tuning('$TUNED')" \
+  python3 -c "from tokenmill.kernels.tuning.decode_attention import load_tuning; load_tuning('$TUNED')" \
     || cp /tmp/tuned-before.json "$TUNED"
   step attention-sweep-fp8-ctx 50 python3 benchmarks/gpu/attention_bw.py --kv-cache-dtype fp8 \
     --shapes 256x140,256x512,256x1500,64x4000 --context-split 1024 \
     --partitions 1024 --block-ns 64,128 --warps 4,8 --stages 2 --fp8-computes fp16 \
     --result-file "$RES/$GPU-decode-attention-bw-fp8-ctx.json" \
     --write-tuning "$TUNED"
-  python3 -c "from tokenmill.attention.decode_tuning import load_tuning; t = load_tuning('$TUNED'); assert t.fp8_rules" \
+  python3 -c "from tokenmill.kernels.tuning.decode_attention import load_tuning; t = load_tuning('$TUNED'); assert t.fp8_rules" \
     || python3 -c "
 import json; new = json.load(open('$TUNED')); old = json.load(open('/tmp/tuned-before.json'))
 new.update({k: old[k] for k in ('by_batch_fp8', 'created_fp8', 'command_fp8') if k in old})
@@ -261,7 +261,7 @@ new = json.load(open("/tmp/tuned-large.json")); old = json.load(open(os.environ[
 old["by_batch"] = [r for r in old["by_batch"] if r.get("max_batch") == 8] + new["by_batch"]
 old["note_large"] = "batches above 8 from: " + new["command"]
 json.dump(old, open(os.environ["TUNED"], "w"), indent=2)
-from tokenmill.attention.decode_tuning import load_tuning
+from tokenmill.kernels.tuning.decode_attention import load_tuning
 load_tuning(os.environ["TUNED"])
 PY
   step throughput-bf16-334 150 $BENCH --suite throughput --model llama-3.1-8b \
@@ -286,12 +286,12 @@ small = [dict(r, max_batch=8) for r in new["by_batch"]]
 old["by_batch"] = small + [r for r in old["by_batch"] if r.get("max_batch") != 8]
 old["note_b1"] = "batches up to 8 from: " + new["command"]
 json.dump(old, open(os.environ["TUNED"], "w"), indent=2)
-from tokenmill.attention.decode_tuning import load_tuning
+from tokenmill.kernels.tuning.decode_attention import load_tuning
 load_tuning(os.environ["TUNED"])
 PY
   step decode-bf16-next 50 $BENCH --suite decode --model llama-3.1-8b --max-model-len 4096 \
     --max-num-seqs 8 --result-file "$RES/$GPU-llama-3.1-8b-decode-bf16-next.json"
-  # The same with programmatic dependent launch (tokenmill/pdl.py): each Triton kernel may be
+  # The same with programmatic dependent launch (tokenmill/kernels/triton/pdl.py): each Triton kernel may be
   # launched while the one before it finishes, and waits for it on the GPU. With the sweep's
   # Triton matmuls a layer is a chain of such kernels.
   # The matmuls' programs also ask L2 for 64 KB of their weight rows before they wait (the
@@ -322,7 +322,7 @@ elif [ "$PHASE" = next-fp8 ]; then
     --shapes 256x512,256x1500,64x4000 --context-split 2048 --partitions 1024,2048 \
     --block-ns 64,128 --warps 4 --stages 2,3 --fp8-computes fp16 --preload-tables 0,1 \
     --result-file "$RES/$GPU-decode-attention-bw-fp8-preload.json" --write-tuning "$TUNED"
-  TUNED=$TUNED python3 -c "import os; from tokenmill.attention.decode_tuning import load_tuning; assert load_tuning(os.environ['TUNED']).fp8_rules" \
+  TUNED=$TUNED python3 -c "import os; from tokenmill.kernels.tuning.decode_attention import load_tuning; assert load_tuning(os.environ['TUNED']).fp8_rules" \
     || cp /tmp/tuned-before.json "$TUNED"
   cat "$TUNED"
   # The fp8 linears: the faster of cuBLAS and the Triton kernel by rows and shape, written
@@ -332,7 +332,7 @@ elif [ "$PHASE" = next-fp8 ]; then
   step throughput-fp8-334 110 $BENCH --suite throughput --model llama-3.1-8b \
     --max-model-len 2048 --quantization fp8 --kv-cache-dtype fp8 --max-num-seqs 334 \
     --result-file "$RES/$GPU-llama-3.1-8b-throughput-fp8-kvfp8-334.json"
-  # The same with programmatic dependent launch (tokenmill/pdl.py): where the sweep picked the
+  # The same with programmatic dependent launch (tokenmill/kernels/triton/pdl.py): where the sweep picked the
   # Triton fp8 matmul, a decode step's layer is a chain of Triton kernels only (norm and
   # quantization, matmuls, K/V store, attention), each launched while the one before ends.
   step throughput-fp8-334-pdl 110 env TOKENMILL_PDL=1 $BENCH --suite throughput \
@@ -375,8 +375,8 @@ elif [ "$PHASE" = tune ]; then
   step tests-kernels 100 python3 -m pytest -q -p no:cacheprovider -rfE \
     tests/unit/test_triton_attention.py tests/unit/test_cuda_graphs.py \
     tests/gpu/test_fp8_kv_cache.py tests/gpu/test_cuda_engine.py::test_quantized_linear_on_cuda
-  SLUG=$(python3 -c "import torch; from tokenmill.attention.decode_tuning import device_slug; print(device_slug(torch.cuda.get_device_name(0)))")
-  TUNED=tokenmill/attention/tuned/$SLUG.json
+  SLUG=$(python3 -c "import torch; from tokenmill.kernels.tuning.decode_attention import device_slug; print(device_slug(torch.cuda.get_device_name(0)))")
+  TUNED=tokenmill/kernels/tuning/attention/$SLUG.json
   [ -f "$TUNED" ] && cp "$TUNED" /tmp/tuned-before.json
   step attention-sweep 150 python3 benchmarks/gpu/attention_bw.py \
     --result-file "$RES/$GPU-decode-attention-bw.json" --write-tuning "$TUNED"

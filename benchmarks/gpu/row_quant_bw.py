@@ -28,9 +28,9 @@ if not torch.cuda.is_available():
 from attention_bw import copy_bandwidth, time_ms  # noqa: E402
 
 from tokenmill.bench.report import markdown_table, now_iso, write_json  # noqa: E402
-from tokenmill.models import fused_ops as fo  # noqa: E402
-from tokenmill.models.fp8_activation import FP8_MAX  # noqa: E402
-from tokenmill.quant import fp8_kernels as fk  # noqa: E402
+from tokenmill.kernels.fp8_activation import FP8_MAX  # noqa: E402
+from tokenmill.kernels.triton import fp8 as fk  # noqa: E402
+from tokenmill.kernels.triton import fused_ops as fo  # noqa: E402
 
 # The older launch: blocks of 2,048 columns at 4 warps, two passes over every row.
 TWO_PASS = (2048, 4, False)

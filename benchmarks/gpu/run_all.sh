@@ -49,9 +49,9 @@ for suite in $SUITES; do
     attention)
       # The decode attention kernel alone against the copy bandwidth, launch settings swept;
       # the fastest become this GPU model's tuning file (commit it with the results).
-      SLUG=$(python -c "import torch; from tokenmill.attention.decode_tuning import device_slug; print(device_slug(torch.cuda.get_device_name(0)))")
+      SLUG=$(python -c "import torch; from tokenmill.kernels.tuning.decode_attention import device_slug; print(device_slug(torch.cuda.get_device_name(0)))")
       python benchmarks/gpu/attention_bw.py --result-file "$OUT/$GPU-decode-attention-bw.json" \
-        --write-tuning "tokenmill/attention/tuned/$SLUG.json" ;;
+        --write-tuning "tokenmill/kernels/tuning/attention/$SLUG.json" ;;
     *) echo "unknown suite $suite" >&2; exit 2 ;;
   esac
 done

@@ -48,11 +48,15 @@ def _modules() -> SimpleNamespace:
     import run_shard under Triton's interpreter)."""
     from kernel_registers import compile_like_runtime
 
-    from tokenmill.attention import triton_decode, triton_kernels, triton_prefill
-    from tokenmill.attention.decode_tuning import DEFAULT_LAUNCH, TUNED_DIR, load_tuning
-    from tokenmill.models import fused_ops, triton_gemm
-    from tokenmill.quant import fp8_kernels
-    from tokenmill.runner import greedy_kernels, l2_prefetch
+    from tokenmill.kernels.triton import attention as triton_kernels
+    from tokenmill.kernels.triton import attention_decode as triton_decode
+    from tokenmill.kernels.triton import attention_prefill as triton_prefill
+    from tokenmill.kernels.triton import fp8 as fp8_kernels
+    from tokenmill.kernels.triton import fused_ops
+    from tokenmill.kernels.triton import gemm as triton_gemm
+    from tokenmill.kernels.triton import greedy as greedy_kernels
+    from tokenmill.kernels.tuning.decode_attention import DEFAULT_LAUNCH, TUNED_DIR, load_tuning
+    from tokenmill.kernels.triton import l2_prefetch
 
     return SimpleNamespace(compile=compile_like_runtime, td=triton_decode, tk=triton_kernels,
                            tp=triton_prefill, DEFAULT_LAUNCH=DEFAULT_LAUNCH,
@@ -131,7 +135,7 @@ def _fp8_activation_kernels(m: SimpleNamespace) -> list[tuple]:
 
 
 def _tuned_decode_kernels(m: SimpleNamespace) -> list[tuple]:
-    # The decode launches tuned per GPU model (tokenmill/attention/tuned/), the fp8 cache's too.
+    # The decode launches tuned per GPU model (tokenmill/kernels/tuning/attention/), the fp8 cache's too.
     out = []
     for path in sorted(m.TUNED_DIR.glob("*.json")):
         tuning = m.load_tuning(path)
@@ -256,7 +260,7 @@ def _check_pdl(m: SimpleNamespace, fn: Any, constexprs: dict, extra: list) -> No
 
 
 def _pdl_jobs(m: SimpleNamespace, kernels: list[tuple]) -> list[Job]:
-    # With programmatic dependent launch (tokenmill/pdl.py, sm_90), once a kernel: each waits
+    # With programmatic dependent launch (tokenmill/kernels/triton/pdl.py, sm_90), once a kernel: each waits
     # for the kernel before it, then lets the next one launch, before anything else it does.
     jobs: list[Job] = []
     with_pdl = set()

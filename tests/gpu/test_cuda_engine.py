@@ -92,7 +92,8 @@ def test_tuned_triton_matmul_in_cuda_graphs(tmp_path, monkeypatch: pytest.Monkey
     rows, are cuBLAS's in both)."""
     import json
 
-    from tokenmill.models import linear, triton_gemm
+    from tokenmill.kernels.triton import gemm as triton_gemm
+    from tokenmill.models import linear
 
     prompts = PROMPTS * 2  # more than 16 prompt tokens in the prefill step
     first, want = _first_decode_step(prompts)
@@ -243,15 +244,16 @@ def test_requests_are_charged_the_gpus_joules() -> None:
 
 
 def test_pdl_keeps_the_tokens(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """TOKENMILL_PDL=1 (tokenmill/pdl.py): every Triton kernel launched with programmatic
+    """TOKENMILL_PDL=1 (tokenmill/kernels/triton/pdl.py): every Triton kernel launched with programmatic
     dependent launch, in the CUDA graphs and in the eager prefills, the decode steps' matmuls
     too (a tuning file sends them to the Triton matmul, so that a whole layer is a chain of
     kernels that wait for each other), gives the tokens and logprobs of the same run without
     it."""
     import json
 
-    from tokenmill import pdl
-    from tokenmill.models import linear, triton_gemm
+    from tokenmill.kernels.triton import gemm as triton_gemm
+    from tokenmill.kernels.triton import pdl
+    from tokenmill.models import linear
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs compute capability 9.0")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenmill.models.fp8_activation import QuantizedActivation
+from tokenmill.kernels.fp8_activation import QuantizedActivation
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available()
@@ -48,8 +48,8 @@ def _same(got: QuantizedActivation, want_q: torch.Tensor, want_scale: torch.Tens
 @pytest.mark.parametrize("residual", [False, True])
 def test_rms_norm_fp8_gives_the_unfused_bytes(dtype: torch.dtype, rows: int, cols: int,
                                               residual: bool) -> None:
-    from tokenmill.models import fused_ops
-    from tokenmill.quant import fp8_kernels
+    from tokenmill.kernels.triton import fp8 as fp8_kernels
+    from tokenmill.kernels.triton import fused_ops
     from tokenmill.quant.fp8 import FP8_MAX
 
     x = _rows(rows, cols, dtype, cols)
@@ -64,8 +64,8 @@ def test_rms_norm_fp8_gives_the_unfused_bytes(dtype: torch.dtype, rows: int, col
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows,n", [(256, 14336), (1, 14336), (7, 2500), (4, 48)])
 def test_silu_and_mul_fp8_gives_the_unfused_bytes(dtype: torch.dtype, rows: int, n: int) -> None:
-    from tokenmill.models import fused_ops
-    from tokenmill.quant import fp8_kernels
+    from tokenmill.kernels.triton import fp8 as fp8_kernels
+    from tokenmill.kernels.triton import fused_ops
     from tokenmill.quant.fp8 import FP8_MAX
 
     x = _rows(max(rows, 3), 2 * n, dtype, n)[:rows]

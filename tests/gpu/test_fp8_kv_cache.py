@@ -19,8 +19,8 @@ pytestmark = [pytest.mark.gpu,
 @pytest.mark.parametrize("fp8_compute", ["fp16", "query"])
 def test_fp8_store_rounds_as_torch_and_attention_reads_it(fp8_compute: str) -> None:
     """Stores, then bf16 queries over the cache widened to fp16 (the default) or to bf16."""
-    from tokenmill.attention import triton_decode as td
-    from tokenmill.attention import triton_kernels as tk
+    from tokenmill.kernels.triton import attention as tk
+    from tokenmill.kernels.triton import attention_decode as td
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     hq, hkv, d, block_size, n = 32, 8, 128, 16, 300

@@ -27,7 +27,7 @@ def _logits(rows: int, vocab: int, dtype: torch.dtype, seed: int) -> torch.Tenso
 def test_matches_pytorch(dtype: torch.dtype, rows: int, vocab: int) -> None:
     """Equal ids (bf16 logits tie often: the first index must win) and logprobs within fp32
     rounding, with ties, masked entries, a max on the last column and a NaN row."""
-    from tokenmill.runner import greedy_kernels
+    from tokenmill.kernels.triton import greedy as greedy_kernels
 
     logits = _logits(rows, vocab, dtype, rows)
     logits[0, [5, vocab // 2, vocab - 1]] = 50.0  # a tie across parts of a split row
@@ -44,7 +44,7 @@ def test_matches_pytorch(dtype: torch.dtype, rows: int, vocab: int) -> None:
 
 def test_sampler_greedy_takes_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 CUDA logits go to the kernel as they are, and give PyTorch's token and logprob."""
-    from tokenmill.runner import greedy_kernels
+    from tokenmill.kernels.triton import greedy as greedy_kernels
 
     seen: list[torch.dtype] = []
     kernel = greedy_kernels.greedy_with_logprobs

@@ -25,7 +25,7 @@ def test_qwen3_on_cuda_gives_the_logprobs_of_transformers(
     from hf_checkpoints import make_checkpoint, write_tokenizer
 
     from tokenmill import LLM, SamplingParams
-    from tokenmill.models import fused_ops
+    from tokenmill.kernels.triton import fused_ops
 
     norms = []
     head_rms_norm_ = fused_ops.head_rms_norm_

@@ -1,4 +1,4 @@
-"""The CPU decode attention (tokenmill/csrc/paged_attention.h) against a plain PyTorch softmax
+"""The CPU decode attention (tokenmill/kernels/cpu/paged_attention.h) against a plain PyTorch softmax
 over each sequence's gathered cache rows: every way its work is shared out (whole KV heads,
 query heads one by one, a context cut between threads and merged), head sizes with and
 without a grouped kernel, every cache dtype it takes."""
@@ -13,7 +13,7 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def ext():  # noqa: ANN201
-    from tokenmill.csrc import load_extension
+    from tokenmill.kernels.cpu import load_extension
 
     return load_extension()
 

@@ -1,4 +1,4 @@
-"""The decoder stack's SiLU-and-multiply (tokenmill/csrc/decode_kernels.h): explicit vector
+"""The decoder stack's SiLU-and-multiply (tokenmill/kernels/cpu/decode_kernels.h): explicit vector
 lanes for whole lanes' worth of a row, one element at a time for the rest. Both must give the
 same bits for the same input, whichever position it sits at, and agree with PyTorch's silu."""
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 @pytest.fixture(scope="module")
 def ext():  # noqa: ANN201
-    from tokenmill.csrc import extension_or_none
+    from tokenmill.kernels.cpu import extension_or_none
 
     ext = extension_or_none()
     if ext is None:

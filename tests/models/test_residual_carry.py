@@ -68,7 +68,7 @@ def test_residual_carry_is_bit_identical_in_pytorch_ops(arch_name: str,
 def test_residual_carry_is_bit_identical_with_the_fused_kernels(
         monkeypatch: pytest.MonkeyPatch, arch_name: str, dtype: torch.dtype) -> None:
     pytest.importorskip("triton")
-    from tokenmill.models import fused_ops
+    from tokenmill.kernels.triton import fused_ops
 
     monkeypatch.setattr(layers, "cuda_kernels", lambda x: fused_ops)
     _steps(tiny_model(tiny_arch(arch_name)).to(dtype), dtype)

@@ -1,4 +1,4 @@
-"""The Triton matmul (tokenmill/models/triton_gemm.py), fp8 and 16-bit, against the products
+"""The Triton matmul (tokenmill/kernels/triton/gemm.py), fp8 and 16-bit, against the products
 it replaces, and the tuning that picks it per GPU and shape. Without a GPU the kernel runs in
 Triton's interpreter on CPU tensors, with fp32 or fp16 outputs (the interpreter gets bf16
 wrong); on CUDA it is checked against ``torch._scaled_mm`` and ``F.linear`` in bf16."""
@@ -16,8 +16,8 @@ pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
 
+from tokenmill.kernels.triton import gemm as fg  # noqa: E402
 from tokenmill.models import linear as lin  # noqa: E402
-from tokenmill.models import triton_gemm as fg  # noqa: E402
 from tokenmill.models.layers import Linear  # noqa: E402
 from tokenmill.quant import fp8  # noqa: E402
 from tokenmill.quant.fp8 import FP8_MAX, Fp8Linear  # noqa: E402
@@ -145,7 +145,7 @@ def test_matmul_with_the_silu_prologue_equals_the_two_kernels(m: int, n: int, k:
                                                                tile: fg.GemmTile) -> None:
     """``silu_mul``: the down projection of a gated MLP's ``[M, 2K]`` gate and up halves,
     the SiLU-and-mul kernel's arithmetic done as the product loads its operand."""
-    from tokenmill.models import fused_ops
+    from tokenmill.kernels.triton import fused_ops
 
     gen = torch.Generator().manual_seed(m * n)
     gate_up = (torch.randn(m, 2 * k, generator=gen) * 3).to(HALF).to(DEVICE)

@@ -39,7 +39,7 @@ def test_the_sampler_gives_chosen_logprobs_unless_told_not_to() -> None:
 def test_greedy_kernel_matches_argmax_and_logsumexp() -> None:
     """The C++ greedy step (one pass per row) against torch.argmax and logprobs_of: ties take
     the first index, masked (-inf) entries weigh nothing, a NaN wins, odd vocab sizes."""
-    from tokenmill.csrc import load_extension
+    from tokenmill.kernels.cpu import load_extension
 
     ext = load_extension()
     gen = torch.Generator().manual_seed(0)
@@ -61,7 +61,7 @@ def test_greedy_kernel_matches_argmax_and_logsumexp() -> None:
 
 def test_the_sampler_takes_the_greedy_kernel_only_without_processors() -> None:
     """Penalties change the argmax but not the raw logprob: PyTorch's path must run then."""
-    from tokenmill.csrc import load_extension
+    from tokenmill.kernels.cpu import load_extension
 
     load_extension()
     logits = torch.zeros(1, 10)

@@ -1,4 +1,4 @@
-"""tokenmill's own CPU int4 / int8 matmuls (tokenmill/csrc/quant_gemm.h) against fp32
+"""tokenmill's own CPU int4 / int8 matmuls (tokenmill/kernels/cpu/quant_gemm.h) against fp32
 references computed from the same quantized values, PyTorch's kernels, and themselves at other
 row counts (a row's bits must not depend on how many rows share the call)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from quant_helpers import gen, int4_case, pack_int4_by_hand
 
-from tokenmill.csrc import load_extension
+from tokenmill.kernels.cpu import load_extension
 from tokenmill.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from tokenmill.quant.kernel_choice import cpu_kernels
 from tokenmill.quant.packing import INT4_BLOCK_NS, int4_block_n

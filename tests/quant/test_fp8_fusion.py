@@ -19,8 +19,10 @@ from quant_helpers import PagedKVCache, run_step, tiny_arch, tiny_model
 
 pytest.importorskip("triton")
 
-from tokenmill.models import fused_ops, layers  # noqa: E402
-from tokenmill.quant import fp8, fp8_kernels, quantize_model  # noqa: E402
+from tokenmill.kernels.triton import fp8 as fp8_kernels  # noqa: E402
+from tokenmill.kernels.triton import fused_ops  # noqa: E402
+from tokenmill.models import layers  # noqa: E402
+from tokenmill.quant import fp8, quantize_model  # noqa: E402
 from tokenmill.quant.fp8 import FP8_MAX  # noqa: E402
 from tokenmill.quant.model import fuse_fp8_inputs  # noqa: E402
 

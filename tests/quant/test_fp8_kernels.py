@@ -1,4 +1,4 @@
-"""The fused fp8 activation quantization (tokenmill/quant/fp8_kernels.py) against the PyTorch
+"""The fused fp8 activation quantization (tokenmill/kernels/triton/fp8.py) against the PyTorch
 ops Fp8Linear runs without it. Without a GPU the kernel runs in Triton's interpreter on CPU
 tensors: fp32 and fp16 inputs (the interpreter gets bf16 wrong, so bf16 is checked on CUDA),
 and an fp32 output in place of e4m3, since the interpreter's own fp8 cast rounds wrongly at
@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from tokenmill.quant import fp8_kernels  # noqa: E402
+from tokenmill.kernels.triton import fp8 as fp8_kernels  # noqa: E402
 from tokenmill.quant.fp8 import FP8_MAX  # noqa: E402
 from tokenmill.quant.packing import scale_rows_absmax  # noqa: E402
 

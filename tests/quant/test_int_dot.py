@@ -1,4 +1,4 @@
-"""tokenmill's integer-activation CPU kernels (tokenmill/csrc/int_dot.h): int4 weights in q8
+"""tokenmill's integer-activation CPU kernels (tokenmill/kernels/cpu/int_dot.h): int4 weights in q8
 tiles times int8 or int16 activations, int8 weights times int16 activations. Each is checked against a
 reference written here from the definition (the same activation quantization, exact integer
 dots in float64), against the fp32 product within the quantization's error, and against itself
@@ -14,7 +14,7 @@ import pytest
 import torch
 from quant_helpers import gen, int4_case
 
-from tokenmill.csrc import load_extension
+from tokenmill.kernels.cpu import load_extension
 from tokenmill.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear, kernel_choice
 from tokenmill.quant.kernel_choice import cpu_kernels
 from tokenmill.quant.packing import pack_int4_q8, pack_int8_q16_tiles, q8_layout_fits
@@ -228,7 +228,7 @@ def test_int8_q16_tiles_amx_same_bits_as_the_vector_path(ext, n: int, k: int) ->
 
 def test_tokenmill_amx_0_turns_the_amx_path_off(ext) -> None:
     """TOKENMILL_AMX=0 in the environment: the extension loads with the AMX path off."""
-    code = "from tokenmill.csrc import load_extension; print(load_extension().amx_in_use())"
+    code = "from tokenmill.kernels.cpu import load_extension; print(load_extension().amx_in_use())"
     env = dict(os.environ, TOKENMILL_AMX="0")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, timeout=300)

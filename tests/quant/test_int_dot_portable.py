@@ -1,4 +1,4 @@
-"""The portable loops of tokenmill/csrc/int_dot.h (what CPUs without AVX2 and FMA run: ARM
+"""The portable loops of tokenmill/kernels/cpu/int_dot.h (what CPUs without AVX2 and FMA run: ARM
 laptops, old x86) give the same bits as the vectorized ones this machine runs."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenmill.csrc import clear_stale_build_lock, load_extension
+from tokenmill.kernels.cpu import clear_stale_build_lock, load_extension
 from tokenmill.quant.packing import pack_int4_q8, pack_int8_q16_tiles
 
 CSRC = Path(__file__).resolve().parents[2] / "tokenmill" / "csrc"

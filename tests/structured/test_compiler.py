@@ -165,7 +165,7 @@ def test_a_slow_grammar_is_refused_in_time(tokenizer, monkeypatch: pytest.Monkey
 def test_extension_masks_like_xgrammar(vocab: int) -> None:
     """The C++ mask the sampler uses on the CPU equals xgrammar's: random words, words that
     allow all or nothing, a vocabulary that ends inside a word, rows not in the list kept."""
-    from tokenmill.csrc import load_extension
+    from tokenmill.kernels.cpu import load_extension
 
     ext = load_extension()
     gen = torch.Generator().manual_seed(0)

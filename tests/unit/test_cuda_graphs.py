@@ -81,7 +81,7 @@ def test_a_graph_per_context_class_where_the_launch_depends_on_it(
     step replays the class of its longest context, which launches what an eager step of that
     context would, and the tokens equal eager decoding's."""
     from tokenmill.attention import triton_backend
-    from tokenmill.attention.decode_tuning import parse_tuning
+    from tokenmill.kernels.tuning.decode_attention import parse_tuning
 
     tuning = parse_tuning({"by_batch": [
         {"max_batch": 1, "partition_size": 64},
@@ -194,7 +194,7 @@ def test_the_last_graph_launches_the_rule_for_the_graphs_bound(
     promises that longest context), with a grid sized for the bound (one partition of it
     here, so no reduction)."""
     from tokenmill.attention import triton_backend
-    from tokenmill.attention.decode_tuning import parse_tuning
+    from tokenmill.kernels.tuning.decode_attention import parse_tuning
 
     tuning = parse_tuning({"by_batch": [
         {"max_context": 256, "partition_size": 256, "block_n": 32},

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.attention import decode_tuning as dt
-from tokenmill.attention.decode_tuning import DecodeLaunch, DecodeTuning
+from tokenmill.kernels.tuning import decode_attention as dt
+from tokenmill.kernels.tuning.decode_attention import DecodeLaunch, DecodeTuning
 
 ROOT = Path(__file__).parents[2]
 

@@ -7,7 +7,7 @@ import os
 import time
 from pathlib import Path
 
-from tokenmill.csrc import STALE_LOCK_S, _remove_stale_lock
+from tokenmill.kernels.cpu import STALE_LOCK_S, _remove_stale_lock
 
 
 def test_stale_lock_removed_fresh_lock_kept(tmp_path: Path) -> None:
@@ -33,7 +33,7 @@ def _fake_caches(root, *levels: tuple[int, str, str]):
 
 
 def test_last_level_cache_from_sysfs(tmp_path) -> None:
-    from tokenmill.csrc import last_level_cache_bytes
+    from tokenmill.kernels.cpu import last_level_cache_bytes
 
     zen = _fake_caches(tmp_path / "zen", (1, "Data", "48K"), (1, "Instruction", "32K"),
                        (2, "Unified", "1024K"), (3, "Unified", "32768K"))
@@ -46,7 +46,7 @@ def test_last_level_cache_from_sysfs(tmp_path) -> None:
 
 
 def test_weights_stream_past_the_cache_only_for_models_larger_than_it(monkeypatch) -> None:
-    import tokenmill.csrc as csrc
+    import tokenmill.kernels.cpu as csrc
 
     ext = csrc.load_extension()
     was = ext.stream_weights()
@@ -70,7 +70,7 @@ def test_a_models_bytes_leave_when_the_model_goes(monkeypatch) -> None:
     alone fits the cache again."""
     import gc
 
-    import tokenmill.csrc as csrc
+    import tokenmill.kernels.cpu as csrc
 
     ext = csrc.load_extension()
     was = ext.stream_weights()
@@ -102,7 +102,7 @@ def test_weights_stream_only_on_cpus_where_that_helps(monkeypatch) -> None:
     """An Intel Xeon read prefetchnta'd weights ~2.5x slower than normally fetched ones: there
     (and on CPUs nobody measured) a model larger than the cache is fetched normally, unless
     told otherwise."""
-    import tokenmill.csrc as csrc
+    import tokenmill.kernels.cpu as csrc
 
     ext = csrc.load_extension()
     was = ext.stream_weights()
@@ -124,7 +124,7 @@ def test_weights_stream_only_on_cpus_where_that_helps(monkeypatch) -> None:
 def test_cpu_vendor_reads_cpuinfo() -> None:
     import os
 
-    from tokenmill.csrc import cpu_vendor
+    from tokenmill.kernels.cpu import cpu_vendor
 
     vendor = cpu_vendor()
     if not os.path.exists("/proc/cpuinfo"):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from tokenmill.models import fused_ops  # noqa: E402
+from tokenmill.kernels.triton import fused_ops  # noqa: E402
 from tokenmill.models.layers import RMSNorm, RotaryEmbedding, apply_rotary  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.filterwarnings(
 
 pytest.importorskip("triton")
 
-from tokenmill.runner import greedy_kernels, sampler  # noqa: E402
+from tokenmill.kernels.triton import greedy as greedy_kernels  # noqa: E402
+from tokenmill.runner import sampler  # noqa: E402
 from tokenmill.runner.sampler import Sampler, logprobs_of  # noqa: E402
 from tokenmill.runner.sampling_metadata import SamplingMetadata  # noqa: E402
 from tokenmill.sampling_params import SamplingParams  # noqa: E402

@@ -18,8 +18,9 @@ PACKAGE_DIR = Path(tokenmill.__file__).parent
 # units of a lower layer only (never one of its own layer, never a higher one).
 LAYERS: list[tuple[str, ...]] = [
     ("envs",),
-    ("utils", "csrc"),
-    ("presets", "sampling_params", "lora_request", "pdl", "hub"),
+    ("utils",),
+    ("kernels",),
+    ("presets", "sampling_params", "lora_request", "hub"),
     ("config", "outputs", "chat_template", "gguf_tokenizer"),
     ("request", "metrics", "tokenizer"),
     ("detokenizer", "core", "distributed", "structured"),

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (tokenmill/pdl.py): asked for by TOKENMILL_PDL, given only to
+"""Programmatic dependent launch (tokenmill/kernels/triton/pdl.py): asked for by TOKENMILL_PDL, given only to
 GPUs of compute capability 9.0 or later, and to CUDA tensors. The kernels' side (each waits,
 then signals, before anything else it does) is checked on compiled code by the slow compile
 test, and on a GPU by tests/gpu/test_cuda_engine.py::test_pdl_keeps_the_tokens."""
@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from tokenmill import pdl  # noqa: E402
+from tokenmill.kernels.triton import pdl  # noqa: E402
 
 CUDA0 = torch.device("cuda", 0)
 ON = {"PDL": True, "launch_pdl": True}
@@ -86,7 +86,7 @@ def test_kernels_run_as_before_without_it() -> None:
     """Every kernel takes the flag with a default of off, so a launch that does not pass it
     (tests, benchmarks, the interpreter) runs the kernel as before: here one of the layers'
     kernels, against its PyTorch arithmetic."""
-    from tokenmill.models import fused_ops
+    from tokenmill.kernels.triton import fused_ops
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.randn(3, 64, dtype=torch.float16, device=device)

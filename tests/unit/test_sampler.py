@@ -125,7 +125,7 @@ def test_plain_greedy_rows_take_the_metadata_free_path(logits: torch.Tensor, ext
     """Sampler.greedy gives __call__'s ids and chosen logprobs, for exactly the rows that ask
     nothing but the argmax."""
     params = SamplingParams(**{"temperature": 0.0, **extra})
-    from tokenmill.csrc import extension_or_none
+    from tokenmill.kernels.cpu import extension_or_none
 
     assert plain_greedy(params) is plain
     if not plain:

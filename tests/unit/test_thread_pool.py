@@ -1,4 +1,4 @@
-"""The C++ extension's thread pool (tokenmill/csrc/thread_pool.h), through its test hook
+"""The C++ extension's thread pool (tokenmill/kernels/cpu/thread_pool.h), through its test hook
 ``parallel_iota`` and the kernels that use it."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from tokenmill.csrc import load_extension
+from tokenmill.kernels.cpu import load_extension
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_kernel_results_do_not_depend_on_threads_or_spinning(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(
         "import sys, torch\n"
-        "from tokenmill.csrc import load_extension\n"
+        "from tokenmill.kernels.cpu import load_extension\n"
         "torch.set_num_threads(int(sys.argv[1]))\n"
         "g = torch.Generator().manual_seed(0)\n"
         "packed = torch.randint(0, 256, (64, 144, 32), dtype=torch.uint8, generator=g)\n"
@@ -134,7 +134,7 @@ def test_stats_count_calls(ext, two_threads):
 
 
 def test_spin_time_is_an_option(ext, two_threads):
-    from tokenmill.csrc import set_kernel_spin_us
+    from tokenmill.kernels.cpu import set_kernel_spin_us
 
     default = ext.pool_stats()["spin_us"]
     try:
@@ -171,7 +171,7 @@ def test_workers_stop_spinning_on_a_contended_core(tmp_path):
     script.write_text(
         "import os, time, torch\n"
         "os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})\n"
-        "from tokenmill.csrc import load_extension\n"
+        "from tokenmill.kernels.cpu import load_extension\n"
         "torch.set_num_threads(2)\n"
         "ext = load_extension()\n"
         "for _ in range(1000):\n"
@@ -190,8 +190,8 @@ def test_engine_option_reaches_the_pool(ext):
     import argparse
 
     from tokenmill.config import DeviceConfig
-    from tokenmill.csrc import set_kernel_spin_us
     from tokenmill.engine.args import add_engine_args, engine_config_from_args
+    from tokenmill.kernels.cpu import set_kernel_spin_us
     from tokenmill.runner.platform import Platform
 
     parser = argparse.ArgumentParser()

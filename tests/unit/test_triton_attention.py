@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
 from paged import PagedKVCache  # noqa: E402
 
 from tokenmill.attention.backend import AttentionBackend, TorchAttentionBackend  # noqa: E402
-from tokenmill.attention.decode_tuning import DEFAULT_LAUNCH, parse_tuning  # noqa: E402
 from tokenmill.attention.metadata import AttentionMetadata  # noqa: E402
+from tokenmill.kernels.tuning.decode_attention import DEFAULT_LAUNCH, parse_tuning  # noqa: E402
 from tokenmill.models.layers import RotaryEmbedding, apply_rotary  # noqa: E402
 from tokenmill.runner.batch import FlatBatch  # noqa: E402
 
@@ -65,8 +65,9 @@ def _import_triton_modules() -> tuple[ModuleType, ...]:
                     "module on its own", allow_module_level=True)
     with interpreted_on_cpu():
         pytest.importorskip("triton")
-        return tuple(importlib.import_module(f"tokenmill.attention.triton_{name}")
-                     for name in ("kernels", "decode", "prefill", "backend"))
+        return tuple(importlib.import_module(name) for name in (
+            "tokenmill.kernels.triton.attention", "tokenmill.kernels.triton.attention_decode",
+            "tokenmill.kernels.triton.attention_prefill", "tokenmill.attention.triton_backend"))
 
 
 kernels, decode, prefill, triton_backend = _import_triton_modules()
@@ -568,7 +569,7 @@ def test_the_platform_reads_its_gpus_tuning_at_start_up(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The CUDA platform's backend carries the tuning of its GPU model; a bad tuning file is
     an error when the engine starts, not in the middle of a decode step."""
-    from tokenmill.attention import decode_tuning
+    from tokenmill.kernels.tuning import decode_attention as decode_tuning
     from tokenmill.runner.platform import Platform
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")

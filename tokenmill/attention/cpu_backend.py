@@ -1,5 +1,5 @@
 """The CPU's attention backend: the PyTorch backend with prefill chunks attended by the C++
-extension's causal kernel (``tokenmill/csrc/prefill_attention.h``).
+extension's causal kernel (``tokenmill/kernels/cpu/prefill_attention.h``).
 
 SDPA's CPU flash kernel took 3.4 ms a layer on a 500-token prompt of the embedded model (a
 third of the prompt's time); the extension's kernel reads the chunks' keys and values from the
@@ -59,7 +59,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
 def cpu_attention_backend() -> TorchAttentionBackend:
     """The CPU backend with the extension's prefill kernel, or the plain PyTorch one where the
     extension cannot be built (a warning says why)."""
-    from tokenmill.csrc import extension_or_none
+    from tokenmill.kernels.cpu import extension_or_none
 
     ext = extension_or_none()
     return TorchAttentionBackend() if ext is None else CpuAttentionBackend(ext)

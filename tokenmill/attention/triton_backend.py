@@ -9,11 +9,11 @@ from __future__ import annotations
 import torch
 
 from tokenmill.attention.backend import AttentionBackend
-from tokenmill.attention.decode_tuning import DecodeTuning
 from tokenmill.attention.metadata import AttentionMetadata
-from tokenmill.attention.triton_decode import decode_attention
-from tokenmill.attention.triton_kernels import FP8_CACHE_DTYPES, rotary_store_kv, store_kv
-from tokenmill.attention.triton_prefill import prefill_attention, prefill_tiles
+from tokenmill.kernels.triton.attention import FP8_CACHE_DTYPES, rotary_store_kv, store_kv
+from tokenmill.kernels.triton.attention_decode import decode_attention
+from tokenmill.kernels.triton.attention_prefill import prefill_attention, prefill_tiles
+from tokenmill.kernels.tuning.decode_attention import DecodeTuning
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -36,7 +36,7 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self, decode_partition_size: int | None = None,
                  decode_tuning: DecodeTuning | None = None) -> None:
         # The decode kernel's launch settings by batch size: the platform passes its GPU's
-        # (tokenmill.attention.decode_tuning); the defaults without.
+        # (tokenmill.kernels.tuning.decode_attention); the defaults without.
         self.decode_tuning = decode_tuning or DecodeTuning()
         # Tokens per decode split, overriding the tuning's (tests).
         self.decode_partition_size = decode_partition_size

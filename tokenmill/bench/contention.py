@@ -46,7 +46,7 @@ def parse_policy(text: str) -> tuple[str, dict[str, str]]:
 
 
 # What chooses how idle threads wait: OpenMP's variables and the C++ kernels' own pool's
-# (tokenmill/csrc/thread_pool.h).
+# (tokenmill/kernels/cpu/thread_pool.h).
 POLICY_VARS = (*THREAD_POLICY_VARS, "TOKENMILL_SPIN_US", "TOKENMILL_THREAD_POOL")
 
 

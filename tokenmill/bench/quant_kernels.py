@@ -4,9 +4,9 @@ layer can take, at decode (1 row) and prefill (32-512 rows) sizes.
     python -m tokenmill.bench.quant_kernels --threads 2 --result-file out.json
 
 The "kernel" columns are tokenmill's own int kernels as the layers run them by default: on
-int16 activations (``tokenmill/csrc/int_dot.h``); "int8-act" the int4 kernel on int8
+int16 activations (``tokenmill/kernels/cpu/int_dot.h``); "int8-act" the int4 kernel on int8
 activations (``TOKENMILL_INT4_ACT_BITS=8``), "fp32-act" the fp32 kernels
-(``tokenmill/csrc/quant_gemm.h``, ``TOKENMILL_INT_ACTIVATIONS=0``), "PyTorch kernel"
+(``tokenmill/kernels/cpu/quant_gemm.h``, ``TOKENMILL_INT_ACTIVATIONS=0``), "PyTorch kernel"
 ``_weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``.
 Each cell is the fastest of many calls (the minimum is the least disturbed by other work on
 the machine) in microseconds, activations fp32 in and out as the model has them. This is

@@ -26,7 +26,7 @@ class LoRAStep:
     every slot's ``B``. That is two matmuls a projection whatever the number of adapters
     (each a few-row product otherwise, with its own dispatch), for ``max_loras`` times the
     low-rank work, which is small beside the base product. The fused CPU stack reads
-    ``row_slots`` and computes each row's own slot only (tokenmill/csrc/lora_kernels.h).
+    ``row_slots`` and computes each row's own slot only (tokenmill/kernels/cpu/lora_kernels.h).
     """
 
     def __init__(self, runs: list[list[int]], num_rows: int, num_slots: int,

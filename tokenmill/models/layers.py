@@ -13,8 +13,8 @@ from torch import nn
 
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.distributed import tensor_model_parallel_all_reduce, tp_rank, tp_size
+from tokenmill.kernels.fp8_activation import QuantizedActivation
 from tokenmill.models.config import ArchConfig
-from tokenmill.models.fp8_activation import QuantizedActivation
 from tokenmill.models.linear import linear, norm_linear, silu_mul_linear
 from tokenmill.models.parallel import VocabParallelEmbedding, divide
 from tokenmill.utils import triton_module
@@ -86,10 +86,10 @@ class Embedding(nn.Embedding):
 
 
 def cuda_kernels(x: torch.Tensor) -> ModuleType | None:
-    """:mod:`tokenmill.models.fused_ops` for a CUDA tensor when Triton is installed, else None.
+    """:mod:`tokenmill.kernels.triton.fused_ops` for a CUDA tensor when Triton is installed, else None.
 
     Imported on first use, so a CPU run never imports Triton."""
-    return triton_module("tokenmill.models.fused_ops") if x.is_cuda else None
+    return triton_module("tokenmill.kernels.triton.fused_ops") if x.is_cuda else None
 
 
 class RMSNorm(nn.Module):

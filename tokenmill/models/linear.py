@@ -1,6 +1,6 @@
 """Where a linear layer's product runs: ``F.linear`` (cuBLAS on a GPU, oneDNN on the CPU), or
 on a GPU whose tuning file picks it for the product's rows and weight shape, the Triton matmul
-of :mod:`tokenmill.models.triton_gemm`. Nothing here imports Triton: a run on the CPU never
+of :mod:`tokenmill.kernels.triton.gemm`. Nothing here imports Triton: a run on the CPU never
 does."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from tokenmill.utils import triton_module
 
 if TYPE_CHECKING:
-    from tokenmill.models.triton_gemm import GemmTile, GemmTuning
+    from tokenmill.kernels.triton.gemm import GemmTile, GemmTuning
 
 # The 16-bit products the Triton matmul computes; fp8 ones go through Fp8Linear.
 MATMUL_DTYPES = (torch.bfloat16, torch.float16)
@@ -24,7 +24,7 @@ MATMUL_DTYPES = (torch.bfloat16, torch.float16)
 def _gemm_tuning(device_index: int) -> GemmTuning | None:
     """The matmul tuning of a CUDA device (``triton_gemm.tuning_for_device``), or None where
     Triton is not installed."""
-    gemm = triton_module("tokenmill.models.triton_gemm")
+    gemm = triton_module("tokenmill.kernels.triton.gemm")
     return None if gemm is None else gemm.tuning_for_device(
         torch.cuda.get_device_name(device_index))
 
@@ -57,7 +57,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     where the GPU's tuning picks it (a decode step's few rows). ``weight`` may be a stand-in
     that ``F.linear`` dispatches (``quant.head.QuantizedMatrix``): that goes to F.linear."""
     if (tile := _matmul_tile(x, weight)) is not None:
-        from tokenmill.models import triton_gemm
+        from tokenmill.kernels.triton import gemm as triton_gemm
 
         return triton_gemm.matmul(x, weight, bias, tile)
     return F.linear(x, weight, bias)
@@ -71,7 +71,7 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor,
     not launched. None elsewhere: the caller runs the two kernels."""
     if (tile := _matmul_tile(gate_up, weight, halves=2)) is None:
         return None
-    from tokenmill.models import triton_gemm
+    from tokenmill.kernels.triton import gemm as triton_gemm
 
     return triton_gemm.matmul(gate_up, weight, bias, tile, silu_mul=True)
 
@@ -88,7 +88,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
             residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
                                       or residual.stride(1) != 1)):
         return None
-    from tokenmill.models import triton_gemm
+    from tokenmill.kernels.triton import gemm as triton_gemm
 
     summed = x if residual is None else torch.empty_like(x)
     norm = triton_gemm.NormPrologue(norm_weight, eps, residual,

@@ -12,7 +12,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from tokenmill.models.fp8_activation import FP8_MAX, QuantizedActivation
+from tokenmill.kernels.fp8_activation import FP8_MAX, QuantizedActivation
 from tokenmill.models.linear import gemm_tile
 from tokenmill.quant.packing import KERNEL_DTYPE, QUANTIZE_ROWS, scale_rows_absmax
 from tokenmill.utils import triton_module
@@ -62,9 +62,9 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def cuda_kernels(x: torch.Tensor) -> ModuleType | None:
-    """:mod:`tokenmill.quant.fp8_kernels` for a CUDA tensor when Triton is installed, else
+    """:mod:`tokenmill.kernels.triton.fp8` for a CUDA tensor when Triton is installed, else
     None (imported on first use, so a CPU run never imports Triton)."""
-    return triton_module("tokenmill.quant.fp8_kernels") if x.is_cuda else None
+    return triton_module("tokenmill.kernels.triton.fp8") if x.is_cuda else None
 
 
 def quantize_activation(x: torch.Tensor) -> QuantizedActivation:
@@ -119,7 +119,7 @@ class Fp8Linear(nn.Module):
         whose matmul tuning says so for this shape, the Triton kernel of ``triton_gemm``."""
         bias = None if self.bias is None else self.bias.to(KERNEL_DTYPE)
         if (tile := gemm_tile(x.values, self.out_features, fp8=True)) is not None:
-            from tokenmill.models import triton_gemm
+            from tokenmill.kernels.triton import gemm as triton_gemm
 
             y = triton_gemm.scaled_mm(x.values, x.scale, self.weight, self.weight_scale, bias,
                                    KERNEL_DTYPE, tile)

@@ -20,12 +20,12 @@ import torch
 from torch import nn
 
 from tokenmill import envs
-from tokenmill.csrc import extension_or_none
+from tokenmill.kernels.cpu import extension_or_none
 from tokenmill.quant.packing import cpu_has_amx, dense_dtype
 
 
 def cpu_kernels() -> ModuleType | None:
-    """tokenmill's C++ int4 / int8 matmuls (``tokenmill/csrc/quant_gemm.h``), or None where the
+    """tokenmill's C++ int4 / int8 matmuls (``tokenmill/kernels/cpu/quant_gemm.h``), or None where the
     extension cannot be built: then PyTorch's weight-only kernels compute instead.
 
     PyTorch's int4 CPU kernel decodes the weights again for every few rows, so a 32-row decode
@@ -40,7 +40,7 @@ def cpu_kernels() -> ModuleType | None:
 # - USE_CPU_KERNELS ($TOKENMILL_CPU_INT_KERNELS): False sends the CPU int layers to PyTorch's
 #   kernels (benchmarks compare the two).
 # - USE_INT_ACTIVATIONS ($TOKENMILL_INT_ACTIVATIONS): tokenmill's CPU kernels quantize the
-#   activations and multiply in integers (tokenmill/csrc/int_dot.h): int4 layers with int16 or
+#   activations and multiply in integers (tokenmill/kernels/cpu/int_dot.h): int4 layers with int16 or
 #   int8 activations in blocks of 32 (one scale each), int8 layers with int16 activations (one
 #   scale a row), and the products run on integer dot instructions: ~2.5-4x the fp32 kernels
 #   at one row on an AVX2 EPYC (benchmarks/results/quant-kernels-avx2-cpu.md). int16 steps are

@@ -2,7 +2,7 @@
 
 Few rows (decode) run weight-only kernels, which read 1 or 0.5 byte per weight instead of 4
 and beat the fp32 matmul about 2x: on the CPU tokenmill's own from 2 rows (``kernel_choice``,
-C++ in ``tokenmill/csrc/quant_gemm.h``), PyTorch's for one row and where that extension cannot
+C++ in ``tokenmill/kernels/cpu/quant_gemm.h``), PyTorch's for one row and where that extension cannot
 be built. Many rows (prefill) are compute-bound, where those kernels lose to a bf16 matmul;
 there the weight is dequantized to bf16 on the fly for one dense matmul (see
 benchmarks/results/quant-kernels-cpu.md for the measurements behind ``dense_min_rows``).
@@ -110,7 +110,7 @@ class _WeightOnlyLinear(nn.Module):
 
     def int_activations(self) -> bool:
         """Whether tokenmill's CPU kernel for this layer quantizes the activations to integers
-        (``USE_INT_ACTIVATIONS``, tokenmill/csrc/int_dot.h) rather than widening them to
+        (``USE_INT_ACTIVATIONS``, tokenmill/kernels/cpu/int_dot.h) rather than widening them to
         fp32."""
         return kernel_choice.USE_INT_ACTIVATIONS and self.weight.device.type == "cpu"
 

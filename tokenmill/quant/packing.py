@@ -43,7 +43,7 @@ def dense_dtype(device_type: str) -> torch.dtype:
 def cpu_has_amx() -> bool:
     """Whether this CPU has AMX tiles for bf16 (Sapphire Rapids and later), where oneDNN's bf16
     matmuls run several times faster than on AVX512-BF16 alone (Linux: /proc/cpuinfo)."""
-    from tokenmill.csrc import cpu_flags
+    from tokenmill.kernels.cpu import cpu_flags
 
     return "amx_bf16" in cpu_flags().split()
 
@@ -138,7 +138,7 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
     return q * scales.to(dtype).unsqueeze(1)
 
 
-# Output tiles of int8_q16_tiles_linear (tokenmill/csrc/int_dot.h): 16 outputs a tile, two
+# Output tiles of int8_q16_tiles_linear (tokenmill/kernels/cpu/int_dot.h): 16 outputs a tile, two
 # tiles a unit, inputs in pairs.
 Q16_TILE_N = 16
 Q16_UNIT_N = 2 * Q16_TILE_N
@@ -200,7 +200,7 @@ def pack_int4(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, int4_scales_and_zeros(groups)
 
 
-# tokenmill's int4 x int8 CPU kernel (tokenmill/csrc/int_dot.h) takes outputs in tiles of
+# tokenmill's int4 x int8 CPU kernel (tokenmill/kernels/cpu/int_dot.h) takes outputs in tiles of
 # this many and inputs in blocks of Q8_BLOCK (one int8 activation scale each).
 Q8_TILE_N = 16
 Q8_BLOCK = 32
@@ -223,7 +223,7 @@ def unpack_int4_blocks(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 def pack_int4_q8(q: torch.Tensor, scales_and_zeros: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Nibbles ``q`` uint8 ``[N, K]`` and bf16 ``[K // g, N, 2]`` (scale, zero) in the layout
-    of the int4 x int8 kernel (``tokenmill/csrc/int_dot.h``): uint8 ``[N / 16, K / 4, 32]``,
+    of the int4 x int8 kernel (``tokenmill/kernels/cpu/int_dot.h``): uint8 ``[N / 16, K / 4, 32]``,
     where byte ``4 j + i`` of tile ``t``, step ``s`` holds input ``4 s + i`` of output
     ``16 t + j`` (low nibble) and of output ``16 t + 8 + j`` (high), and bf16 scales
     ``[N / 16, groups, 2, 16]``."""

@@ -1,4 +1,4 @@
-"""Model steps through the C++ layer stack in ``tokenmill/csrc``.
+"""Model steps through the C++ layer stack in ``tokenmill/kernels/cpu``.
 
 On the CPU a decode step of a small model is dominated by Python dispatch of the ~30 non-matmul
 ops per layer, not by arithmetic. :class:`FusedDecoder` runs the whole layer stack in one call
@@ -21,7 +21,7 @@ from torch import nn
 
 from tokenmill import envs
 from tokenmill.attention.metadata import AttentionMetadata
-from tokenmill.csrc import load_extension
+from tokenmill.kernels.cpu import load_extension
 from tokenmill.lora.layers import LoRALinear, LoRAStep
 from tokenmill.models import layers
 from tokenmill.models.llama import LlamaForCausalLM

@@ -11,7 +11,7 @@ from tokenmill import envs
 from tokenmill.config import EngineConfig, LoRAConfig
 from tokenmill.core.kv_cache import blocks_for_tokens
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
-from tokenmill.csrc import note_model_weights
+from tokenmill.kernels.cpu import note_model_weights
 from tokenmill.lora.manager import LoRAManager
 from tokenmill.lora_request import LoRARequest
 from tokenmill.models.config import ArchConfig

@@ -119,7 +119,7 @@ class Platform:
                 logger.warning("Triton is not available (%s): CUDA attention runs on the "
                                "PyTorch backend, without CUDA graphs", e)
             else:
-                from tokenmill.attention.decode_tuning import tuning_for_device
+                from tokenmill.kernels.tuning.decode_attention import tuning_for_device
 
                 # Read at start-up, so a bad tuning file stops the engine before it serves.
                 return TritonAttentionBackend(decode_tuning=tuning_for_device(
@@ -144,7 +144,7 @@ class Platform:
         """How long the C++ kernels' workers spin between calls (CPU only; None: default)."""
         if self.is_cuda or us is None:
             return
-        from tokenmill.csrc import set_kernel_spin_us
+        from tokenmill.kernels.cpu import set_kernel_spin_us
 
         set_kernel_spin_us(us)
 

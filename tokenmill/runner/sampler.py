@@ -11,7 +11,7 @@ from types import ModuleType
 
 import torch
 
-from tokenmill.csrc import extension_if_loaded
+from tokenmill.kernels.cpu import extension_if_loaded
 from tokenmill.outputs import TokenLogprobs
 from tokenmill.runner.sampling_metadata import SamplingMetadata
 from tokenmill.sampling_params import SamplingParams
@@ -165,9 +165,9 @@ def plain_greedy(params: SamplingParams) -> bool:
 
 
 def _cuda_greedy_kernels(logits: torch.Tensor) -> ModuleType | None:
-    """:mod:`tokenmill.runner.greedy_kernels` for CUDA logits when Triton is installed, else
+    """:mod:`tokenmill.kernels.triton.greedy` for CUDA logits when Triton is installed, else
     None (imported on first use, so a CPU run never imports Triton)."""
-    return triton_module("tokenmill.runner.greedy_kernels") if logits.is_cuda else None
+    return triton_module("tokenmill.kernels.triton.greedy") if logits.is_cuda else None
 
 
 def _greedy_kernel(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

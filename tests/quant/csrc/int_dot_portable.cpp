@@ -1,4 +1,4 @@
-// tokenmill/csrc/int_dot.h built without AVX2 (its portable loops), for
+// tokenmill/kernels/cpu/int_dot.h built without AVX2 (its portable loops), for
 // tests/quant/test_int_dot_portable.py to compare with the vectorized build bit for bit.
 #include <torch/extension.h>
 

@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.models.fused_ops import fp8_row_launch, quantize_row
-from tokenmill.pdl import launch_options, pdl_start
+from tokenmill.kernels.triton.fused_ops import fp8_row_launch, quantize_row
+from tokenmill.kernels.triton.pdl import launch_options, pdl_start
 
 
 @triton.jit

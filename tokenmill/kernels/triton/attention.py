@@ -1,5 +1,5 @@
 """Paged attention in Triton: the cache layout, the K/V store, and the pieces that the decode
-(:mod:`tokenmill.attention.triton_decode`) and prefill (:mod:`tokenmill.attention.triton_prefill`)
+(:mod:`tokenmill.kernels.triton.attention_decode`) and prefill (:mod:`tokenmill.kernels.triton.attention_prefill`)
 kernels share.
 
 The layer cache is ``[2, num_blocks, block_size, Hkv, D]`` (keys, then values); token ``p`` of a
@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.attention.decode_tuning import DEFAULT_LAUNCH
-from tokenmill.pdl import launch_options, pdl_start
+from tokenmill.kernels.triton.pdl import launch_options, pdl_start
+from tokenmill.kernels.tuning.decode_attention import DEFAULT_LAUNCH
 
 LOG2E = 1.4426950408889634
 # An fp8 KV cache (``--kv-cache-dtype fp8``): e4m3, unscaled (a scale of 1, vLLM's default

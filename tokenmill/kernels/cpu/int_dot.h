@@ -80,7 +80,7 @@ constexpr int64_t kQ8PrefetchTiles = 2;  // how far ahead the weights are fetche
 // KV cache, the activations, the engine's own data between steps), as they would through the
 // normal path. A batch-1 decode of the embedded model (92 MiB) with a 500-token context: ~10%
 // faster on a Zen 5 with a 32 MiB L3. A model that fits keeps the normal fetch (it is read
-// from cache in the next step). Set by tokenmill.csrc.note_model_weights; off by default.
+// from cache in the next step). Set by tokenmill.kernels.cpu.note_model_weights; off by default.
 // Set it between calls only: the pool hands each call to its workers through an
 // acquire/release ticket, which orders the write before their reads.
 inline bool g_stream_weights = false;
@@ -998,7 +998,7 @@ constexpr int64_t kAmxInputs = 64;   // inputs a tile product adds
 constexpr int64_t kAmxMaxInputs = 65536;  // the int32 sums' bound (above)
 
 // Whether the AMX path may run: Linux grants a process the tile state on request
-// (arch_prctl), asked once; tokenmill.csrc's set_amx turns it off (A/B runs, tests).
+// (arch_prctl), asked once; tokenmill.kernels.cpu's set_amx turns it off (A/B runs, tests).
 inline bool g_use_amx = true;
 inline bool amx_granted() {
   static const bool granted = [] {

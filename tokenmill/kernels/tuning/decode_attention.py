@@ -4,7 +4,7 @@ The decode kernel's speed depends on its partition length, keys per tile, warps 
 depth, and the best values differ by GPU and by batch size (one sequence wants many short
 partitions, a full batch wants long ones). ``benchmarks/gpu/attention_bw.py --write-tuning``
 times every variant on the GPU at hand and writes the winners to a JSON file; the kernel reads
-the file for its device from ``tokenmill/attention/tuned/`` (or the file named by
+the file for its device from ``tokenmill/kernels/tuning/attention/`` (or the file named by
 ``$TOKENMILL_DECODE_TUNING``) the way vLLM reads its per-device fused-MoE configs. Without a
 file the defaults below apply.
 
@@ -42,7 +42,7 @@ from tokenmill import envs
 from tokenmill.utils import optional_positive_ints
 
 ENV_FILE = "TOKENMILL_DECODE_TUNING"
-TUNED_DIR = Path(__file__).with_name("tuned")
+TUNED_DIR = Path(__file__).with_name("attention")
 _MIN_DOT = 16  # tl.dot's smallest dimension on GPUs
 FP8_COMPUTE = ("fp16", "query")
 

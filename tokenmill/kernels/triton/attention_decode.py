@@ -3,7 +3,7 @@ partitions attended in parallel, then combined (the layout is :mod:`triton_kerne
 
 The launch depends only on shapes and a bound on the contexts, so a decode step can be captured
 in a CUDA graph; its settings per GPU and batch size come from
-:mod:`tokenmill.attention.decode_tuning`.
+:mod:`tokenmill.kernels.tuning.decode_attention`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.attention.decode_tuning import DEFAULT_LAUNCH
-from tokenmill.attention.triton_kernels import (
+from tokenmill.kernels.triton.attention import (
     LOG2E,
     MIN_DOT,
     check_last_dim,
@@ -28,7 +27,8 @@ from tokenmill.attention.triton_kernels import (
     span_rows,
     widens_to_fp16,
 )
-from tokenmill.pdl import launch_options, pdl_start
+from tokenmill.kernels.triton.pdl import launch_options, pdl_start
+from tokenmill.kernels.tuning.decode_attention import DEFAULT_LAUNCH
 
 
 @triton.jit

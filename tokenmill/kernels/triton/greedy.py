@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.pdl import launch_options, pdl_start
+from tokenmill.kernels.triton.pdl import launch_options, pdl_start
 from tokenmill.utils import cdiv
 
 # Columns each program reads per loop iteration: 8 per thread of 8 warps, one 16-byte load

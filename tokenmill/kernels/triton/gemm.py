@@ -16,7 +16,7 @@ Two products run through the same kernel, each with its own rules:
   keep the reads in flight.
 
 Which implementation and tile serve a product is the GPU's tuning file's call
-(``tokenmill/models/tuned/<gpu>.json``, written by ``benchmarks/gpu/gemm_bw.py
+(``tokenmill/kernels/tuning/gemm/<gpu>.json``, written by ``benchmarks/gpu/gemm_bw.py
 --write-tuning``; ``$TOKENMILL_GEMM_TUNING`` names another file):
 
     {"device": "NVIDIA H200",
@@ -43,13 +43,13 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.attention.decode_tuning import read_json, tuned_file
-from tokenmill.models.fused_ops import silu_mul_values
-from tokenmill.pdl import launch_options, pdl_start, prefetch_l2, prefetch_lines
+from tokenmill.kernels.triton.fused_ops import silu_mul_values
+from tokenmill.kernels.triton.pdl import launch_options, pdl_start, prefetch_l2, prefetch_lines
+from tokenmill.kernels.tuning.decode_attention import read_json, tuned_file
 from tokenmill.utils import optional_positive_ints
 
 ENV_FILE = "TOKENMILL_GEMM_TUNING"
-TUNED_DIR = Path(__file__).with_name("tuned")
+TUNED_DIR = Path(__file__).parent.parent / "tuning" / "gemm"
 IMPLS = ("triton", "cublas")
 # The file's rule lists: fp8 products, 16-bit ones.
 LISTS = ("fp8_gemm", "gemm")
@@ -83,7 +83,7 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
     Programs are ordered in groups of GROUP_M row tiles, so that the programs running together
     share the columns of b they read (through L2).
 
-    With PREFETCH_LINES (programmatic dependent launch, tokenmill/pdl.py), a program first asks
+    With PREFETCH_LINES (programmatic dependent launch, tokenmill/kernels/triton/pdl.py), a program first asks
     L2 for that many 128-byte lines of each of its rows of b, then waits for the kernel before
     it: b is a weight, which no kernel writes."""
     pid = tl.program_id(0)

@@ -24,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.attention.triton_kernels import rope_factors, rotated_halves
-from tokenmill.models.fp8_activation import FP8_MAX, QuantizedActivation
-from tokenmill.pdl import launch_options, pdl_start
+from tokenmill.kernels.fp8_activation import FP8_MAX, QuantizedActivation
+from tokenmill.kernels.triton.attention import rope_factors, rotated_halves
+from tokenmill.kernels.triton.pdl import launch_options, pdl_start
 
 # Row quantization for fp8 (the SiLU-and-mul kernel here, quant/fp8_kernels.py's): a row of
 # up to this many elements is held in registers, and read once; a longer one is read in

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.attention.triton_kernels import (
+from tokenmill.kernels.triton.attention import (
     LOG2E,
     MIN_DOT,
     check_last_dim,
@@ -23,7 +23,7 @@ from tokenmill.attention.triton_kernels import (
     span_rows,
     widens_to_fp16,
 )
-from tokenmill.pdl import launch_options, pdl_start
+from tokenmill.kernels.triton.pdl import launch_options, pdl_start
 from tokenmill.utils import host_tensor
 
 # Prefill tile sizes and warps, chosen from ptxas's register report for sm_90 at head dim 128
