@@ -9,8 +9,9 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
-from tokenmill.config import EngineConfig, ServerConfig  # noqa: E402
-from tokenmill.serve_ray.app import ScaleConfig, build_application  # noqa: E402
+from tokenmill.config import EngineConfig, ModelConfig, ServerConfig  # noqa: E402
+from tokenmill.engine.args import LoRAModule  # noqa: E402
+from tokenmill.serve_ray.app import ScaleConfig, assign_adapters, build_application  # noqa: E402
 from tokenmill.serve_ray.cli import (  # noqa: E402
     add_ray_serve_args,
     scale_config_from_args,
@@ -24,8 +25,12 @@ def _args(*argv: str) -> argparse.Namespace:
     return p.parse_args(list(argv))
 
 
-def _replicas(app):  # the replica deployment the ingress is bound to
-    return app._bound_deployment.init_args[0]._bound_deployment
+def _deployments(app) -> list:  # the replica deployments the ingress is bound to
+    return [bound._bound_deployment for bound in app._bound_deployment.init_args[0]]
+
+
+def _replicas(app):  # the first model's
+    return _deployments(app)[0]
 
 
 def test_no_replica_option_is_one_plain_server() -> None:
@@ -81,3 +86,40 @@ def test_serve_command_refuses_a_contradiction_before_starting_ray() -> None:
                            "--max-replicas", "3"], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "--replicas or --min-replicas/--max-replicas" in done.stderr
+
+
+def _chat(tmp_path) -> EngineConfig:
+    (tmp_path / "chat.gguf").write_bytes(b"GGUF")
+    return EngineConfig(model=ModelConfig(model=str(tmp_path / "chat.gguf")))
+
+
+def test_one_deployment_per_model_with_its_adapters(tmp_path) -> None:
+    """Each served model is a deployment of its own, with the replicas, resources and router
+    of the options, and the adapters whose base it is."""
+    chat = _chat(tmp_path)
+    embed = EngineConfig(model=ModelConfig(task="embed"))
+    models = [("a", chat), ("b/v2", chat), (None, embed)]
+    lora = [LoRAModule("sql", "/l/sql"), LoRAModule("pirate", "/l/p", base_model_name="b/v2")]
+    scale = scale_config_from_args(_args("--replicas", "2", "--router", "prefix"))
+    app = build_application(models, ServerConfig(), scale, lora)
+    deployments = _deployments(app)
+    assert [d.name for d in deployments] == ["tokenmill-replica-a", "tokenmill-replica-b_v2",
+                                             "tokenmill-replica-2"]
+    assert all(d.num_replicas == 2 for d in deployments)
+    assert all(d._deployment_config.request_router_config.request_router_class
+               .endswith("PrefixAwareRouter") for d in deployments)
+    bound = app._bound_deployment.init_args[0]
+    assert [b._bound_deployment.init_args[0][0] for b in bound] == ["a", "b/v2", None]
+    assert [b._bound_deployment.init_args[2] for b in bound] == [[lora[0]], [lora[1]], []]
+
+
+def test_adapters_go_to_their_base(tmp_path) -> None:
+    chat = _chat(tmp_path)
+    embed = EngineConfig(model=ModelConfig(task="embed"))
+    models = [(None, embed), (None, chat)]
+    # No base named: the first model that generates text; a base named by the file's name.
+    assert assign_adapters(models, [LoRAModule("x", "/x"),
+                                    LoRAModule("y", "/y", base_model_name="chat")]) == [
+        [], [LoRAModule("x", "/x"), LoRAModule("y", "/y", base_model_name="chat")]]
+    with pytest.raises(ValueError, match="base_model_name 'nope' is not a served model"):
+        assign_adapters([("a", chat), ("b", chat)], [LoRAModule("z", "/z", "nope")])

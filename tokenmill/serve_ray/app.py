@@ -1,8 +1,12 @@
-"""The Ray Serve application: a deployment of replicas (``ReplicaServer``) with the chosen
-request router and its resources, and the ingress (``Ingress``) in front of it."""
+"""The Ray Serve application: one deployment of replicas (``ReplicaServer``) per served
+model, each with the chosen request router (hence its own prefix table) and its resources,
+and the ingress (``Ingress``) in front of them, which routes by the request's ``model``."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -10,10 +14,13 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+from tokenmill.api.validation import default_model_name
 from tokenmill.config import EngineConfig, ServerConfig
+from tokenmill.engine.args import LoRAModule
 from tokenmill.serve_ray.ingress import Ingress
 from tokenmill.serve_ray.replica import ReplicaServer
 from tokenmill.serve_ray.routing import router_class
+from tokenmill.server.model_registry import ENCODER_MODEL_TYPES
 
 REPLICA_DEPLOYMENT = "tokenmill-replica"
 INGRESS_DEPLOYMENT = "tokenmill-ingress"
@@ -54,14 +61,68 @@ class ScaleConfig:
                              f"{self.max_ongoing_requests}")
 
 
-def build_application(models: Sequence[tuple[str | None, EngineConfig]], server: ServerConfig,
-                      scale: ScaleConfig) -> Application:
-    """The replicas and the ingress, bound; ``serve.run`` starts them."""
+def deployment_name(index: int, name: str | None) -> str:
+    """The deployment of the ``index``-th model (Ray's names: letters, digits, - _ .)."""
+    if name:
+        return f"{REPLICA_DEPLOYMENT}-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}"
+    return REPLICA_DEPLOYMENT if index == 0 else f"{REPLICA_DEPLOYMENT}-{index}"
+
+
+def _router_config(scale: ScaleConfig) -> RequestRouterConfig | None:
     cls = router_class(scale.router)
-    router = RequestRouterConfig(
-        request_router_class=cls,
-        request_router_kwargs={"imbalanced_threshold": scale.imbalanced_threshold}
-        if scale.router == "prefix" else {}) if cls else None
+    if cls is None:
+        return None
+    kwargs = {"imbalanced_threshold": scale.imbalanced_threshold} if scale.router == "prefix" \
+        else {}
+    # Routing stats carry each replica's KV-events endpoint: asked for soon after it starts.
+    return RequestRouterConfig(request_router_class=cls, request_router_kwargs=kwargs,
+                               request_routing_stats_period_s=1.0)
+
+
+def _generates(config: EngineConfig) -> bool:
+    """Whether the model generates text (not task embed, not an encoder's folder)."""
+    if config.model.task == "embed":
+        return False
+    try:
+        with open(os.path.join(config.model.model or "", "config.json"), encoding="utf-8") as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return True
+    return model_type not in ENCODER_MODEL_TYPES
+
+
+def assign_adapters(models: Sequence[tuple[str | None, EngineConfig]],
+                    lora_modules: Sequence[LoRAModule],
+                    served_model_name: str | None = None) -> list[list[LoRAModule]]:
+    """Which model's deployment loads each adapter: the one its base_model_name names, or
+    the first that generates text; ValueError for a base no model is known to have (a model
+    without a name or path is named only once loaded: such bases are left to it)."""
+    names = [name or served_model_name or (default_model_name(c.model.model)
+                                            if c.model.model else None) for name, c in models]
+    out: list[list[LoRAModule]] = [[] for _ in models]
+    first = next((i for i, (_, c) in enumerate(models) if _generates(c)), None)
+    for module in lora_modules:
+        if module.base_model_name is None:
+            at = first
+        elif module.base_model_name in names:
+            at = names.index(module.base_model_name)
+        else:
+            unnamed = [i for i, (n, (_, c)) in enumerate(zip(names, models, strict=True))
+                       if n is None and _generates(c)]
+            at = unnamed[0] if len(unnamed) == 1 else None
+        if at is None:
+            raise ValueError(f"--lora-modules {module.name}: base_model_name "
+                             f"{module.base_model_name!r} is not a served model; the models "
+                             f"are {', '.join(repr(n) for n in names if n)}")
+        out[at].append(module)
+    return out
+
+
+def build_application(models: Sequence[tuple[str | None, EngineConfig]], server: ServerConfig,
+                      scale: ScaleConfig, lora_modules: Sequence[LoRAModule] = ()
+                      ) -> Application:
+    """A deployment per model and the ingress, bound; ``serve.run`` starts them."""
+    router = _router_config(scale)
     sizing: dict[str, object] = {"num_replicas": scale.replicas}
     if scale.replicas is None:
         sizing = {"autoscaling_config": {
@@ -71,15 +132,19 @@ def build_application(models: Sequence[tuple[str | None, EngineConfig]], server:
     options: dict[str, object] = {}
     if router is not None:
         options["request_router_config"] = router
-    replicas = serve.deployment(
-        ReplicaServer, name=REPLICA_DEPLOYMENT,
-        ray_actor_options={"num_cpus": scale.replica_cpus, "num_gpus": scale.replica_gpus},
-        max_ongoing_requests=scale.max_ongoing_requests,
-        health_check_period_s=scale.health_check_period_s,
-        graceful_shutdown_timeout_s=server.drain_timeout, **sizing, **options)
+    adapters = assign_adapters(models, lora_modules, server.served_model_name)
+    deployments = []
+    for i, model in enumerate(models):
+        replicas = serve.deployment(
+            ReplicaServer, name=deployment_name(i, model[0]),
+            ray_actor_options={"num_cpus": scale.replica_cpus, "num_gpus": scale.replica_gpus},
+            max_ongoing_requests=scale.max_ongoing_requests,
+            health_check_period_s=scale.health_check_period_s,
+            graceful_shutdown_timeout_s=server.drain_timeout, **sizing, **options)
+        deployments.append(replicas.bind(model, server, adapters[i],
+                                         kv_events=scale.router == "prefix"))
     # The ingress only forwards: no CPU of its own to reserve, and no limit of its own.
     ingress = serve.deployment(Ingress, name=INGRESS_DEPLOYMENT,
                                ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=100_000)
-    return ingress.bind(replicas.bind(list(models), server),
-                        own_metrics=not server.auth_health_metrics)
+    return ingress.bind(deployments, own_metrics=not server.auth_health_metrics)

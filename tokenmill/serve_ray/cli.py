@@ -70,21 +70,26 @@ def run_ray_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
+    from tokenmill.engine.args import parse_lora_module
     from tokenmill.serve_ray.app import build_application
+    from tokenmill.server.lora_adapters import check_lora_options
     from tokenmill.server.model_registry import served_models
     from tokenmill.server.serve_cli import merge_model_args, server_config_from_args
 
     merge_model_args(args)
     server = server_config_from_args(args)
-    if server.admin_key is not None or server.models_dir is not None or args.lora_modules:
-        raise ValueError("--replicas serves the models named at start: the admin API, "
-                         "--models-dir and --lora-modules are for one server")
+    if server.admin_key is not None or server.allow_runtime_lora_updating:
+        raise ValueError("--replicas serves the models and adapters named at start: the admin "
+                         "API and --allow-runtime-lora-updating are for one server")
     scale = scale_config_from_args(args)
     models = served_models(args)
     if any(c.cache.kv_events_endpoint for _, c in models):
         raise ValueError("--kv-events-endpoint is for one server (the replicas would bind one "
-                         "endpoint); with --replicas the router already knows each prefix")
-    application = build_application(models, server, scale)
+                         "endpoint); with --replicas each replica publishes its KV events on a "
+                         "port of its own, named in its routing stats")
+    lora_modules = [parse_lora_module(v) for v in args.lora_modules]
+    check_lora_options([c for _, c in models], lora_modules, False)
+    application = build_application(models, server, scale, lora_modules)
     ray.init(address=args.ray_address, ignore_reinit_error=True)
     serve.start(http_options={"host": server.host, "port": server.port})
     stop = threading.Event()

@@ -1,9 +1,11 @@
-"""The ingress: Ray Serve's HTTP entry point, forwarding each request whole to a replica that
-answers it with ``tokenmill serve``'s application, and streaming the answer back with the
-replica's name in ``x-tokenmill-replica``.
+"""The ingress: Ray Serve's HTTP entry point, forwarding each request whole to a replica of
+the model it names (one deployment per served model, catalog.py) that answers it with
+``tokenmill serve``'s application, and streaming the answer back with the replica's name in
+``x-tokenmill-replica``. The routes that list every model get every deployment's list merged;
+/health is ok when every deployment is.
 
 The ingress computes the prompt's block hashes (``route_key``) with the model's tokenizer, for
-the prefix-aware router. A replica that dies before it sends the head of its answer (the
+the prefix-aware router of the model's deployment. A replica that dies before it sends the head of its answer (the
 request had not started there) is left for another: the request is sent again, up to
 ``MAX_ATTEMPTS`` times. An answer already streaming when its replica dies ends with an error
 event (server-sent events) instead of hanging.
@@ -23,6 +25,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from tokenmill.serve_ray.catalog import LISTING_ROUTES, Catalog, Entry, merge_listings
 from tokenmill.serve_ray.messages import REPLICA_HEADER, HTTPRequestData, ResponseHead
 from tokenmill.serve_ray.metrics import aggregate, open_board
 from tokenmill.serve_ray.routing import ROUTE_KEY, block_hashes
@@ -59,11 +62,13 @@ def prompt_token_ids(body: dict[str, Any], tokenizer: Tokenizer) -> list[int] | 
 
 
 class Ingress:
-    """Forwards HTTP requests to the replicas (``replicas``: their deployment's handle)."""
+    """Forwards HTTP requests to the replicas (``deployments``: one handle per served model,
+    in the order the models were named)."""
 
-    def __init__(self, replicas: DeploymentHandle, own_metrics: bool = True) -> None:
-        self.replicas = replicas
-        self._tokenizers: dict[str, tuple[Tokenizer, int]] | None = None
+    def __init__(self, deployments: list[DeploymentHandle], own_metrics: bool = True) -> None:
+        self.deployments = deployments
+        self._catalog: Catalog | None = None
+        self._catalog_lock = asyncio.Lock()
         # /metrics of every replica, answered here (off when /metrics needs the API key:
         # then a replica answers it, with its own numbers, behind its own check).
         self._board = open_board() if own_metrics else None
@@ -80,28 +85,34 @@ class Ingress:
             await asyncio.sleep(0.1)
         return self._in_flight
 
-    async def _route_key(self, req: HTTPRequestData) -> list[bytes] | None:
-        if req.method != "POST" or req.path not in PROMPT_ROUTES:
+    async def catalog(self) -> Catalog:
+        """The served models, asked of each deployment once (a replica of each is up by the
+        time the application is running)."""
+        async with self._catalog_lock:
+            if self._catalog is None:
+                infos = await asyncio.gather(*(d.describe.remote() for d in self.deployments))
+                self._catalog = Catalog([Entry(info, handle) for info, handle
+                                         in zip(infos, self.deployments, strict=True)])
+            return self._catalog
+
+    async def _route_key(self, entry: Entry, req: HTTPRequestData) -> list[bytes] | None:
+        info = entry.info
+        if req.method != "POST" or req.path not in PROMPT_ROUTES or info.tokenizer is None:
             return None
         try:
-            if self._tokenizers is None:
-                self._tokenizers = await self.replicas.tokenizers.remote()
             body = json.loads(req.body)
-            model = body.get("model")
-            tokenizer, block_size = (self._tokenizers.get(model)
-                                     or next(iter(self._tokenizers.values())))
-            ids = await asyncio.to_thread(prompt_token_ids, body, tokenizer)
-        # A malformed body (the replica answers it), no generative model, no replica up yet:
-        # then any replica will do.
+            ids = await asyncio.to_thread(prompt_token_ids, body, info.tokenizer)
+        # A malformed body (the replica answers it): then any replica will do.
         except Exception:
             return None
-        return block_hashes(ids, block_size) if ids else None
+        return block_hashes(ids, info.block_size) if ids else None
 
-    async def _open(self, req: HTTPRequestData) -> tuple[ResponseHead, AsyncIterator[Any]]:
-        """Send the request to a replica; its head and the rest of its answer."""
-        key = await self._route_key(req)
+    async def _open(self, entry: Entry, req: HTTPRequestData
+                    ) -> tuple[ResponseHead, AsyncIterator[Any]]:
+        """Send the request to a replica of ``entry``'s model; its head and the rest."""
+        key = await self._route_key(entry, req)
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            stream = self.replicas.options(stream=True).handle.remote(req, **{ROUTE_KEY: key})
+            stream = entry.handle.options(stream=True).handle.remote(req, **{ROUTE_KEY: key})
             try:
                 head = await stream.__anext__()
                 return head, stream
@@ -110,6 +121,27 @@ class Ingress:
                                attempt, MAX_ATTEMPTS, e)
                 await asyncio.sleep(RETRY_BACKOFF_S * attempt)
         raise ConnectionError(f"no replica answered in {MAX_ATTEMPTS} tries")
+
+    async def _whole(self, entry: Entry, req: HTTPRequestData) -> tuple[ResponseHead, bytes]:
+        """A replica's whole (short) answer."""
+        head, stream = await self._open(entry, req)
+        return head, b"".join([chunk async for chunk in stream])
+
+    async def _everyone(self, req: HTTPRequestData) -> Response:
+        """A route every model answers (a listing, /health): each deployment's answer, merged
+        or the first that is not ok."""
+        catalog = await self.catalog()
+        answers = await asyncio.gather(*(self._whole(e, req) for e in catalog.entries))
+        merged = None
+        if req.path in LISTING_ROUTES:
+            merged = merge_listings(req.path, [(h.status, body) for h, body in answers])
+        if merged is not None:
+            merged.headers[REPLICA_HEADER] = ",".join(h.replica for h, _ in answers)
+            return merged
+        head, body = next(((h, b) for h, b in answers if h.status != 200), answers[0])
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in head.headers}
+        headers[REPLICA_HEADER] = head.replica
+        return Response(body, status_code=head.status, headers=headers)
 
     async def _metrics(self, request: Request) -> Response:
         """Every replica's metrics labelled by replica, or one replica's (?replica=NAME)."""
@@ -138,9 +170,19 @@ class Ingress:
         req = HTTPRequestData(request.method, path, request.url.query.encode(),
                               list(request.headers.raw), await request.body(),
                               (client.host, client.port) if client else None)
+        try:
+            catalog = await self.catalog()
+        except REPLICA_GONE as e:
+            return _error(503, f"no replica answered: {e}", "no_replica")
+        if request.method == "GET" and (path in LISTING_ROUTES or path == "/health"):
+            return await self._everyone(req)
+        target = catalog.target(request.method, path, dict(request.query_params), req.body)
+        if target.error is not None:
+            return target.error
+        assert target.entry is not None
         self._in_flight += 1
         try:
-            head, stream = await self._open(req)
+            head, stream = await self._open(target.entry, req)
         except BaseException as e:
             self._in_flight -= 1
             if isinstance(e, ConnectionError):

@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.tokenizer import Tokenizer
+
 # Headers the ingress's HTTP server sets itself on the way out.
 HOP_HEADERS = frozenset({b"content-length", b"transfer-encoding", b"connection"})
 REPLICA_HEADER = "x-tokenmill-replica"
@@ -38,6 +40,19 @@ class ResponseHead:
     status: int
     headers: list[tuple[bytes, bytes]]
     replica: str
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the ingress needs of a deployment's model to route to it: the names it answers
+    to (the model's, then its adapters'), its task, and (text generation) its tokenizer and
+    KV block size for the prompt's block hashes."""
+
+    name: str
+    task: str
+    adapters: tuple[str, ...] = ()
+    tokenizer: Tokenizer | None = None
+    block_size: int = 0
 
 
 def _scope(req: HTTPRequestData) -> dict[str, Any]:

@@ -1,37 +1,61 @@
-"""One Ray Serve replica: the served models' async engines behind ``tokenmill serve``'s own
-application (``tokenmill.server.app.build_app``), answering the requests the ingress forwards.
+"""One Ray Serve replica: one served model's async engine (and its LoRA adapters) behind
+``tokenmill serve``'s own application (``tokenmill.server.app.build_app``), answering the
+requests the ingress forwards. Each served model is a deployment of such replicas.
 
-The replica loads its engines as ``tokenmill serve`` does (``load_models``), on the CPUs or
-GPU Ray gave its actor. Ray Serve calls ``check_health`` now and then: once an engine has
-died the check fails and Ray replaces the replica. On shutdown Ray stops sending requests and
-waits for the ones in flight (``graceful_shutdown_timeout_s``: ``--drain-timeout``).
+The replica loads its engine as ``tokenmill serve`` does (``load_models``), on the CPUs or
+GPU Ray gave its actor. With ``kv_events`` its engine publishes its KV-cache events (vLLM's
+format) on a port of its node, named in its routing stats for the prefix-aware router (and
+open to any external KV-aware router). Ray Serve calls ``check_health`` now and then: once an
+engine has died the check fails and Ray replaces the replica. On shutdown Ray stops sending
+requests and waits for the ones in flight (``graceful_shutdown_timeout_s``:
+``--drain-timeout``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import socket
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from ray import serve
 
 from tokenmill.config import EngineConfig, ServerConfig
-from tokenmill.serve_ray.messages import HTTPRequestData, ResponseHead, run_asgi
+from tokenmill.engine.args import LoRAModule
+from tokenmill.serve_ray.messages import HTTPRequestData, ModelInfo, ResponseHead, run_asgi
 from tokenmill.serve_ray.metrics import PUSH_INTERVAL_S, find_board
+from tokenmill.serve_ray.routing import KV_EVENTS_STAT
 from tokenmill.server.app import build_app
 from tokenmill.server.launcher import load_models
-from tokenmill.tokenizer import Tokenizer
+from tokenmill.server.lora_adapters import load_lora_modules
+from tokenmill.server.state import GENERATE
 
 logger = logging.getLogger(__name__)
 
 
 class ReplicaServer:
-    """The engines of every served model and the HTTP application over them."""
+    """One served model's engine and the HTTP application over it. ``lora_modules``: the
+    adapters this model serves (--lora-modules); ``kv_events``: publish KV-cache events."""
 
-    def __init__(self, models: Sequence[tuple[str | None, EngineConfig]],
-                 config: ServerConfig) -> None:
-        self.state = load_models(list(models), config)
+    def __init__(self, model: tuple[str | None, EngineConfig], config: ServerConfig,
+                 lora_modules: Sequence[LoRAModule] = (), kv_events: bool = False) -> None:
+        name, engine_config = model
+        self.kv_events_endpoint: str | None = None
+        if kv_events and _publishes(engine_config):
+            self.kv_events_endpoint = _free_endpoint()
+            cache = dataclasses.replace(engine_config.cache,
+                                        kv_events_endpoint=self.kv_events_endpoint)
+            engine_config = dataclasses.replace(engine_config, cache=cache)
+        self.state = load_models([(name, engine_config)], config)
+        try:
+            load_lora_modules(self.state, lora_modules)
+        except BaseException:
+            for served in self.state.models.values():
+                served.client.engine.close()
+            raise
         self.app = build_app(self.state)
         self.name = serve.get_replica_context().replica_id.unique_id
         self._lifespan: contextlib.AbstractAsyncContextManager[None] | None = None
@@ -65,10 +89,19 @@ class ReplicaServer:
         async for part in run_asgi(self.app, request, self.name):
             yield part
 
-    def tokenizers(self) -> dict[str, tuple[Tokenizer, int]]:
-        """Each generative model's tokenizer and KV block size, for the ingress's router."""
-        return {name: (served.client.tokenizer, served.client.engine.config.cache.block_size)
-                for name, served in self.state.models.items() if served.task == "generate"}
+    def describe(self) -> ModelInfo:
+        """This deployment's model, for the ingress's routing table."""
+        served = next(iter(self.state.models.values()))
+        adapters = tuple(self.state.adapters_of(served.name))
+        if served.task != GENERATE:
+            return ModelInfo(served.name, served.task, adapters)
+        return ModelInfo(served.name, served.task, adapters, served.client.tokenizer,
+                         served.client.engine.config.cache.block_size)
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Ray Serve hands these to the request router: where this replica's KV-cache events
+        are published (routing.py subscribes)."""
+        return {KV_EVENTS_STAT: self.kv_events_endpoint} if self.kv_events_endpoint else {}
 
     def replica_name(self) -> str:
         """The name this replica gives in the x-tokenmill-replica header."""
@@ -87,3 +120,27 @@ class ReplicaServer:
         if getattr(self, "_lifespan", None) is not None:
             with contextlib.suppress(Exception):
                 await self._lifespan.__aexit__(None, None, None)
+
+
+def _publishes(config: EngineConfig) -> bool:
+    """Whether the engine can publish KV events: it keeps a prefix cache and pyzmq and
+    msgpack import (tokenmill[ray])."""
+    if config.model.task == "embed" or not config.cache.enable_prefix_caching:
+        return False
+    try:
+        import msgpack  # noqa: F401
+        import zmq  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _free_endpoint() -> str:
+    """A TCP endpoint on this node's address (the one Ray knows it by) with a free port."""
+    import ray
+
+    host = ray.util.get_node_ip_address()
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    return f"tcp://{host}:{port}"

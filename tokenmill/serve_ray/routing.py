@@ -10,16 +10,15 @@ mean the replica holds (or held) those blocks. When the replicas' loads differ b
 two (ties: the replica that holds fewer blocks, so unrelated prompts spread out).
 ``RoundRobinRouter`` takes the replicas in turn. pow2 is Ray Serve's default router.
 
-Each router's table of blocks is approximate (it records what it routed, as Ray's router
-does, and forgets the oldest blocks beyond ``max_blocks_per_replica``): a wrong guess costs
-a cache miss, never a wrong answer.
+Each router's table (kv_table.py) is fed by the replicas' own KV-cache events (each replica
+names its endpoint in its routing stats) and by the router's guesses of what it just routed,
+until the events confirm them: a wrong guess costs a cache miss, never a wrong answer.
 """
 
 from __future__ import annotations
 
 import itertools
 import random
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,9 +33,12 @@ from ray.serve.request_router import (
 
 from tokenmill.core.kv_cache import BlockHash, hash_block
 from tokenmill.serve_ray import ROUTERS
+from tokenmill.serve_ray.kv_table import BlockTable, EventSubscriber
 
 # The keyword argument of the replica call that carries the prompt's block hashes.
 ROUTE_KEY = "route_key"
+# The routing stat (a replica's record_routing_stats) naming its KV-events endpoint.
+KV_EVENTS_STAT = "kv_events_endpoint"
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int,
@@ -64,28 +66,33 @@ def _route_key(pending: PendingRequest | None) -> list[BlockHash]:
 
 class PrefixAwareRouter(FIFOMixin, RequestRouter):
     """The replica with the longest cached prefix, unless the load is unbalanced; else the
-    less loaded of two."""
+    less loaded of two. One per deployment, hence one table per served model."""
 
     def initialize_state(self, imbalanced_threshold: int = 4,
-                         max_blocks_per_replica: int = 100_000, **_: Any) -> None:
+                         max_blocks_per_replica: int = 100_000, guess_ttl_s: float = 10.0,
+                         **_: Any) -> None:
         """Called by Ray Serve with the deployment's ``request_router_kwargs``."""
         self.imbalanced_threshold = imbalanced_threshold
-        self.max_blocks = max_blocks_per_replica
-        self._blocks: dict[ReplicaID, OrderedDict[BlockHash, None]] = {}
+        self.table = BlockTable(max_blocks_per_replica, guess_ttl_s)
+        # Listens to the replicas' KV events (started with the first replica that has some).
+        self._events: EventSubscriber | None = None
 
     def _load(self, replica: RunningReplica) -> int:
         return self._replica_queue_len_cache.get(replica.replica_id) or 0
 
-    def _held(self, replica: RunningReplica) -> OrderedDict[BlockHash, None]:
-        return self._blocks.setdefault(replica.replica_id, OrderedDict())
-
-    def _matched(self, replica: RunningReplica, hashes: list[BlockHash]) -> int:
-        held = self._held(replica)
-        return next((i for i, h in enumerate(hashes) if h not in held), len(hashes))
+    def _listen(self, replicas: list[RunningReplica]) -> None:
+        """Subscribe to the KV events of replicas that publish them (record_routing_stats)."""
+        for replica in replicas:
+            endpoint = (replica.routing_stats or {}).get(KV_EVENTS_STAT)
+            if not endpoint:
+                continue
+            if self._events is None:
+                self._events = EventSubscriber(self.table)
+            self._events.add(replica.replica_id, endpoint)
 
     def _balanced_pick(self, candidates: list[RunningReplica]) -> list[RunningReplica]:
         two = random.sample(candidates, min(2, len(candidates)))
-        return sorted(two, key=lambda r: (self._load(r), len(self._held(r))))
+        return sorted(two, key=lambda r: (self._load(r), self.table.size(r.replica_id)))
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -93,11 +100,14 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         """Ranks of replicas, the most preferred first (Ray Serve probes them in turn)."""
         if not candidate_replicas:
             return []
+        self._listen(candidate_replicas)
         hashes = _route_key(pending_request)
         loads = [self._load(r) for r in candidate_replicas]
         if hashes and max(loads) - min(loads) <= self.imbalanced_threshold:
-            best = max(candidate_replicas, key=lambda r: self._matched(r, hashes))
-            if self._matched(best, hashes):
+            matched = {r.replica_id: self.table.matched(r.replica_id, hashes)
+                       for r in candidate_replicas}
+            best = max(candidate_replicas, key=lambda r: matched[r.replica_id])
+            if matched[best.replica_id]:
                 rest = [r for r in candidate_replicas if r is not best]
                 return [[best], rest] if rest else [[best]]
         # No cached prefix anywhere (or an unbalanced load): the emptier of two, by queue
@@ -107,17 +117,14 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
-        """Record that ``replica_id`` now holds the request's blocks."""
-        held = self._blocks.setdefault(replica_id, OrderedDict())
-        for h in _route_key(pending_request):
-            held[h] = None
-            held.move_to_end(h)
-        while len(held) > self.max_blocks:
-            held.popitem(last=False)
+        """Guess that ``replica_id`` now holds the request's blocks (its events confirm)."""
+        self.table.guess(replica_id, _route_key(pending_request))
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         """Forget a dead replica's blocks (its replacement starts empty)."""
-        self._blocks.pop(replica_id, None)
+        if self._events is not None:
+            self._events.remove(replica_id)
+        self.table.forget(replica_id)
         super().on_replica_actor_died(replica_id)
 
 
