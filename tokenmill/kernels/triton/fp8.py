@@ -4,7 +4,7 @@ more than 16,384 columns).
 
 ``Fp8Linear`` quantizes its input per token before every ``torch._scaled_mm``. In PyTorch
 ops that is ten kernels (upcast, abs, amax, the scale's compare / divide / where, divide,
-clamp, cast); at batch 1 on an H200 the fp8 Llama-3.1-8B shape decoded at 127.9 tok/s against
+clamp, cast); at batch 1 on an H200 the fp8 8B dense shape (hidden 4,096, 32 layers) decoded at 127.9 tok/s against
 bf16's 178.2 (benchmarks/results/gpu), with 1,280 of those small kernels a step. This is the
 same arithmetic as ``packing.scale_rows_absmax`` followed by the clamp and cast (fp32 inside,
 IEEE division), so both paths give the same bytes. ``Fp8Linear`` calls it for CUDA tensors

@@ -3,14 +3,14 @@
 Two products run through the same kernel, each with its own rules:
 
 - **fp8** (``Fp8Linear``): e4m3 operands with row-wise scales, in place of
-  ``torch._scaled_mm``. At decode batch sizes cuBLAS runs Llama-3.1-8B's fp8 linears with
+  ``torch._scaled_mm``. At decode batch sizes cuBLAS runs an 8B dense model's fp8 linears with
   128 x 128 tiles: at 256 tokens a 4,096-wide output is 2 x 32 = 64 tiles, one program each,
   on a GPU of 132 SMs (the H200's profile at batch 256 had them at 4.2 ms of a 14.8 ms step,
   about half of the tensor cores' rate). A tile shape chosen by batch size and matrix shape,
   as vLLM's CUTLASS fp8 kernels dispatch by M, can fill the GPU where a 128-row one leaves
   half of it idle.
 - **16-bit** (bf16/fp16 ``Linear``): in place of ``F.linear`` for a few rows. A batch-1
-  decode step is the weights read once, and cuBLAS's products read Llama-3.1-8B's 15 GB at
+  decode step is the weights read once, and cuBLAS's products read an 8B dense model's 15 GB at
   91% of the H200's copy bandwidth (3.90 ms of a 4.81 ms step); a 16-row tile with narrow
   columns (the rows padded, the tensor cores idle anyway) gives every SM many programs to
   keep the reads in flight.

@@ -3,7 +3,7 @@ log-probability, reading the logits once in their own dtype.
 
 In PyTorch ops ``Sampler.greedy`` was ``logits.float()`` (a full fp32 copy of the bf16
 logits), an argmax, then a gather and a logsumexp: several passes over a [B, vocab] tensor,
-~0.3 ms of a batch-256 decode step of Llama-3.1-8B (vocab 128,256) on an H200. Here each row
+~0.3 ms of a batch-256 decode step of an 8B model with a 128,256-token vocabulary on an H200. Here each row
 is read once: every lane of a block keeps its largest value, the first column holding it and
 the sum of exp(x - that value), updated online with one exponential per element; the lanes
 are merged at the end as a softmax over blocks merges them. The CPU has the same step in C++
@@ -34,7 +34,7 @@ from tokenmill.utils import cdiv
 # Columns each program reads per loop iteration: 8 per thread of 8 warps, one 16-byte load
 # of bf16 (fewer warps for a narrower block).
 _BLOCK = 2048
-# Programs to aim for: fewer rows than this split theirs. On an H200 (132 SMs) at Llama 3's
+# Programs to aim for: fewer rows than this split theirs. On an H200 (132 SMs) at a 128K
 # vocab in bf16, 528 (4 a SM) took batch 256 from 47 us (a row a program) to 37 us and
 # batch 64 from 18 to 12; 1,056 and more gained nothing (CUDA-graph timings, PyTorch's ops
 # 395 us and 146 us).

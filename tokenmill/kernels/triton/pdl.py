@@ -2,7 +2,7 @@
 small-batch decode, on with ``TOKENMILL_PDL=1`` on GPUs of compute capability 9.0 or later
 (Hopper), off by default.
 
-A batch-1 decode step of Llama-3.1-8B is ~200 kernels in a CUDA graph. Between two of them
+A batch-1 decode step of an 8B dense model is ~200 kernels in a CUDA graph. Between two of them
 the GPU does no useful work: the first kernel's last programs finish, its writes are flushed,
 then the next kernel is launched and its programs are scheduled and set up. With PDL a kernel
 launched with the programmatic-serialization attribute may be launched while the kernel
