@@ -45,13 +45,16 @@ from tokenmill.server.serving import create_response
 from tokenmill.server.state import ServedModel, ServerState
 from tokenmill.server.webui_routes import stats_router, webui_router
 from tokenmill.tenancy.meter import current_tab
+from tokenmill.tenancy.retention import TenancySettings
 
 
 def build_app(state: ServerState, manager: ModelManager | None = None,
-              retrieval: RetrievalService | None = None) -> FastAPI:
+              retrieval: RetrievalService | None = None,
+              tenancy: TenancySettings | None = None) -> FastAPI:
     """The application; its lifespan starts and stops the engines. ``manager``: the admin API's
     model manager (its routes exist only when the server has an admin key); ``retrieval``: the
-    files and vector stores (their routes and the file_search tool exist only with it)."""
+    files and vector stores (their routes and the file_search tool exist only with it);
+    ``tenancy``: the projects' options (tokenmill/tenancy; defaults when None)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -110,7 +113,7 @@ def build_app(state: ServerState, manager: ModelManager | None = None,
         app.include_router(admin_router(state, manager))
         if state.monitors is not None:
             app.include_router(monitor_router(state, state.monitors))
-    install_tenancy(app, state)
+    install_tenancy(app, state, tenancy)
     config = state.config
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),

@@ -31,6 +31,7 @@ from tokenmill.server.model_registry import ModelFactory, ModelSpec
 from tokenmill.server.monitoring import make_monitors, prompt_embedder
 from tokenmill.server.retrieval_setup import build_retrieval
 from tokenmill.server.state import EMBED, ServerState
+from tokenmill.tenancy.retention import TenancySettings
 from tokenmill.utils import freeze_startup_heap, process_age_s
 
 logger = logging.getLogger(__name__)
@@ -155,11 +156,12 @@ def served_names(engines: list[tuple[str | None, LLMEngine]],
 
 def run_server(models: list[tuple[str | None, EngineConfig]], config: ServerConfig,
                make_config: Callable[[ModelSpec], EngineConfig] | None = None,
-               lora_modules: Sequence[LoRAModule] = ()) -> int:
+               lora_modules: Sequence[LoRAModule] = (),
+               tenancy: TenancySettings | None = None) -> int:
     """Serve ``models`` ((name or None, config) each) and the LoRA adapters of
     ``lora_modules`` until SIGTERM (exit code 0) or an engine failure (exit code 1).
     ``make_config``: the EngineConfig of a model the admin API loads (needed with an admin
-    key)."""
+    key); ``tenancy``: the projects' options (with an admin key)."""
     check_lora_options([c for _, c in models], lora_modules,
                        config.allow_runtime_lora_updating)
     # The models and adapters load before the port opens: anything that answers is ready.
@@ -182,7 +184,7 @@ def run_server(models: list[tuple[str | None, EngineConfig]], config: ServerConf
         logger.warning("fault injection is on: engine step %d will raise",
                        config.debug_fail_at_step)
     uv_config = uvicorn.Config(
-        build_app(state, manager, build_retrieval(state, config)), host=config.host,
+        build_app(state, manager, build_retrieval(state, config), tenancy), host=config.host,
         port=config.port, log_level="info",
         timeout_graceful_shutdown=CONNECTION_CLOSE_TIMEOUT_S, lifespan="on",
         http=GuardedH11Protocol.configured(config.header_timeout, config.max_connections))

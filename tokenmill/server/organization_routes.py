@@ -40,6 +40,7 @@ from tokenmill.server.tenancy_guard import TenancyGuard
 from tokenmill.server.tenancy_objects import ObjectGuard
 from tokenmill.tenancy.limits import Limiter
 from tokenmill.tenancy.metrics import ProjectMetrics
+from tokenmill.tenancy.retention import TenancySettings, UsagePruner
 from tokenmill.tenancy.store import NotFound, TenancyStore
 
 # Who the audit log names for what the admin key does.
@@ -236,17 +237,22 @@ def _audit_filters(params: dict[str, list[str]]) -> dict[str, Any]:
             "since": since, "until": until}
 
 
-def install_tenancy(app: FastAPI, state: ServerState) -> TenancyStore | None:
-    """With an admin key: the projects store (``<data dir>/tenancy.sqlite``), its routes and
-    the guard that resolves project keys. Call it before the outer middlewares are added."""
+def install_tenancy(app: FastAPI, state: ServerState,
+                    settings: TenancySettings | None = None) -> TenancyStore | None:
+    """With an admin key: the projects store (``<data dir>/tenancy.sqlite``), pruned to the
+    usage retention now and then, its routes and the guard that resolves project keys. Call
+    it before the outer middlewares are added."""
     if state.config.admin_key is None:
         return None
+    settings = settings or TenancySettings()
     store = TenancyStore(state.config.data_dir or default_data_dir())
+    pruner = UsagePruner(store, settings.usage_retention_days)
+    pruner.prune_now()
     app.include_router(organization_router(state, store))
     # The object guard runs inside the tenancy guard: it reads the caller that one finds.
     app.add_middleware(ObjectGuard, store=store, server_key=state.config.api_key is not None)
     app.add_middleware(AdminAudit, store=store)
     app.add_middleware(TenancyGuard, store=store, limiter=Limiter(store.spent_since),
                        metrics=ProjectMetrics(state.metrics.registry),
-                       content=state.config.audit_log_content)
+                       content=state.config.audit_log_content, pruner=pruner)
     return store

@@ -9,6 +9,7 @@ import argparse
 from tokenmill import envs
 from tokenmill.config import REASONING_PARSERS, TOOL_CALL_PARSERS, ServerConfig
 from tokenmill.engine.args import add_engine_args, add_lora_modules_arg
+from tokenmill.tenancy.retention import DEFAULT_USAGE_RETENTION_DAYS, TenancySettings
 
 # `tokenmill serve --help`'s groups, in order, with the options each takes from the groups
 # they were added to; an option named nowhere stays in its first group's place: engine options
@@ -24,7 +25,7 @@ SERVE_GROUPS: dict[str, tuple[str, ...]] = {
                  "allowed_origins", "allow_runtime_lora_updating", "max_body_bytes",
                  "max_upload_bytes", "header_timeout", "body_timeout", "max_connections"),
     "operations": ("max_queue", "drain_timeout", "log_stats_interval", "cost_per_hour",
-                   "cpu_watts", "debug_fail_at_step"),
+                   "cpu_watts", "usage_retention_days", "debug_fail_at_step"),
 }
 # Where the options of the groups the adders made go when SERVE_GROUPS does not name them.
 _FALLBACK = {"engine": "engine", "server": "server"}
@@ -92,7 +93,9 @@ def run_serve(args: argparse.Namespace) -> int:
     merge_model_args(args)
     config = server_config_from_args(args)
     lora_modules = [parse_lora_module(v) for v in args.lora_modules]
-    return run_server(served_models(args), config, config_factory(args), lora_modules)
+    tenancy = TenancySettings(usage_retention_days=args.usage_retention_days)
+    return run_server(served_models(args), config, config_factory(args), lora_modules,
+                      tenancy)
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -206,6 +209,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--audit-log-content", action="store_true",
                    help="with --admin-key: keep each project request's prompt and answer text "
                    "in its audit record (default: counts, cost and timing only)")
+    g.add_argument("--usage-retention-days", type=float,
+                   default=DEFAULT_USAGE_RETENTION_DAYS, metavar="DAYS",
+                   help="with --admin-key: delete the projects' usage rows older than this, at "
+                   "start and hourly (0: keep them forever; the current month's always stay, "
+                   "for the budgets)")
     g.add_argument("--max-upload-bytes", type=int, default=ServerConfig.max_upload_bytes,
                    help="larger files sent to /v1/files get 413")
     g.add_argument("--debug-fail-at-step", type=int, default=None, metavar="N",

@@ -23,6 +23,7 @@ from tokenmill.tenancy.keys import looks_like_project_key
 from tokenmill.tenancy.limits import Limiter, retry_after
 from tokenmill.tenancy.meter import Tab, current_tab
 from tokenmill.tenancy.metrics import ProjectMetrics
+from tokenmill.tenancy.retention import UsagePruner
 from tokenmill.tenancy.store import TenancyStore
 
 # The same words as the server key's refusal (app.py), whichever key was wrong.
@@ -35,8 +36,10 @@ class TenancyGuard:
     """Resolve project keys to their project, and apply the project's limits."""
 
     def __init__(self, app: ASGIApp, store: TenancyStore, limiter: Limiter,
-                 metrics: ProjectMetrics | None = None, content: bool = False) -> None:
+                 metrics: ProjectMetrics | None = None, content: bool = False,
+                 pruner: UsagePruner | None = None) -> None:
         self.app = app
+        self.pruner = pruner
         self.content = content
         self.store = store
         self.limiter = limiter
@@ -78,6 +81,8 @@ class TenancyGuard:
         finally:
             current_tab.reset(reset)
             self.limiter.release(project.id)
+            if self.pruner is not None:  # on its own thread, not awaited
+                self.pruner.maybe_prune()
 
 
 async def send_error(send: Send, err: APIError, path: str) -> None:

@@ -22,6 +22,8 @@ from tokenmill.tenancy.keys import key_hash, new_key, redacted
 DB_NAME = "tenancy.sqlite"
 # How stale a key's last_used_at may be (seconds).
 LAST_USED_RESOLUTION_S = 60
+# Usage rows deleted per transaction when pruning (--usage-retention-days).
+PRUNE_BATCH = 5000
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS projects (
@@ -40,6 +42,7 @@ CREATE TABLE IF NOT EXISTS usage (
     output_tokens INTEGER NOT NULL, cost REAL NOT NULL, finish_reason TEXT,
     latency REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS usage_time ON usage(project_id, time);
+CREATE INDEX IF NOT EXISTS usage_by_time ON usage(time);
 CREATE TABLE IF NOT EXISTS owners (
     object_id TEXT PRIMARY KEY, project_id TEXT NOT NULL, created_at INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS audit_log (
@@ -294,6 +297,19 @@ class TenancyStore:
         rows = self._exec("SELECT COALESCE(SUM(cost), 0) AS s FROM usage WHERE project_id = ? "
                           "AND time >= ?", (project_id, since))
         return float(rows[0]["s"])
+
+    def prune_usage(self, before: float, batch: int = PRUNE_BATCH) -> int:
+        """Delete the usage rows older than ``before`` (epoch seconds), ``batch`` rows per
+        transaction so that no request waits long for the write lock; how many went."""
+        deleted = 0
+        while True:
+            with self._lock:
+                n = self._db.execute(
+                    "DELETE FROM usage WHERE id IN (SELECT id FROM usage WHERE time < ? "
+                    "LIMIT ?)", (before, batch)).rowcount
+            deleted += n
+            if n < batch:
+                return deleted
 
     def usage_rows(self, start: float, end: float | None = None) -> list[dict[str, Any]]:
         """The usage rows in [start, end), oldest first."""
