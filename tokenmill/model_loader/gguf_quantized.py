@@ -25,7 +25,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from tokenmill.model_loader.gguf import GGUFModel, RawTensor, float_from_gguf, float_tensor
-from tokenmill.models.llama import STACKED_PARAMS
+from tokenmill.models.decoder import STACKED_PARAMS
 from tokenmill.quant.head import QuantizedLinear
 from tokenmill.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from tokenmill.quant.model import (

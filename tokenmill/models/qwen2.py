@@ -1,13 +1,13 @@
-"""Qwen2 / Qwen2.5: Llama with biases on the q/k/v projections."""
+"""Qwen2 / Qwen2.5: biases on the q/k/v projections."""
 
 from __future__ import annotations
 
 from tokenmill.models.config import ArchConfig
+from tokenmill.models.decoder import DecoderForCausalLM
 from tokenmill.models.layers import AttentionOptions
-from tokenmill.models.llama import LlamaForCausalLM
 
 
-class Qwen2ForCausalLM(LlamaForCausalLM):
+class Qwen2ForCausalLM(DecoderForCausalLM):
     """Qwen2 causal LM: always a q/k/v bias, never an output-projection bias."""
 
     @classmethod

@@ -1,13 +1,13 @@
-"""Qwen3: Llama with per-head RMSNorm of q and k before rope and an explicit head_dim."""
+"""Qwen3: per-head RMSNorm of q and k before rope, and an explicit head_dim."""
 
 from __future__ import annotations
 
 from tokenmill.models.config import ArchConfig
+from tokenmill.models.decoder import DecoderForCausalLM
 from tokenmill.models.layers import AttentionOptions
-from tokenmill.models.llama import LlamaForCausalLM
 
 
-class Qwen3ForCausalLM(LlamaForCausalLM):
+class Qwen3ForCausalLM(DecoderForCausalLM):
     """Qwen3 (dense) causal LM; ``head_dim`` comes from the config, not hidden / heads."""
 
     @classmethod
