@@ -7,7 +7,8 @@ import pytest
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.metrics import economics
-from tokenmill.metrics.economics import EnergyMeter, StepAccountant
+from tokenmill.metrics.economics import EnergyMeter, StepAccountant, StepMeter
+from tokenmill.metrics.stats import StepStats
 from tokenmill.outputs import ComputeUsage
 
 
@@ -17,9 +18,15 @@ def test_step_shares_add_up_to_the_step(monkeypatch: pytest.MonkeyPatch) -> None
     meter = EnergyMeter(cpu_watts=20.0, use_counters=False)
     joules = iter([100.0, 150.0])
     monkeypatch.setattr(meter, "read", lambda: next(joules))
-    acct = StepAccountant(meter, cost_per_hour=3.6)
-    acct.begin()
-    shares = acct.end({"a": 1, "b": 3, "c": 6})
+    step = StepMeter(meter)
+    step.start()
+    seconds, energy = step.stop()
+    assert (seconds, energy) == (pytest.approx(2.5), pytest.approx(50.0))
+    shares: dict[str, ComputeUsage] = {}
+    acct = StepAccountant(meter, cost_per_hour=3.6, charge=shares.__setitem__)
+    tokens = {"a": 1, "b": 3, "c": 6}
+    acct(StepStats(tokens, batch_size=3, num_batched_tokens=10, seconds=seconds,
+                   energy_joules=energy, energy_estimated=step.estimated))
     assert shares["a"].compute_seconds == pytest.approx(0.25)
     assert shares["c"].energy_joules == pytest.approx(30.0)
     total = ComputeUsage.total(list(shares.values()))

@@ -96,7 +96,7 @@ def alternated_rates(engines: dict[str, Any], count: int, repeats: int) -> dict[
 def matmul_kind(llm: LLM) -> str:
     """What the engine's model multiplies in: "bf16 (fp32 around them)" for an encoder's
     bf16 projections, else its parameters' dtype."""
-    model = llm.engine.core.executor.runner.model
+    model = llm.engine.core.executor.local_model()
     if any(isinstance(m, Bf16MatmulLinear) for m in model.modules()):
         return "bf16 (fp32 around them)"
     return str(next(model.parameters()).dtype).removeprefix("torch.")

@@ -1,11 +1,18 @@
 """EngineCore: the scheduler and the KV block bookkeeping, with the executor that runs the model,
-driven one step at a time."""
+driven one step at a time.
+
+The core talks to the executor through its public methods only, and does nothing with a
+step's numbers itself: each model step becomes a StepStats, handed to the step consumers
+registered on the core (compute, energy and cost accounting; heap trimming; whatever a caller
+adds with :meth:`EngineCore.add_step_consumer`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,15 +23,20 @@ from tokenmill.core.kv_events import ZmqEventPublisher
 from tokenmill.core.sched_output import EngineCoreOutput, SchedulerOutput
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.heap import HeapTrimmer
-from tokenmill.executor import make_executor
-from tokenmill.metrics.economics import EnergyMeter, StepAccountant
-from tokenmill.metrics.stats import SchedulerStats, SpecDecodingStats
+from tokenmill.executor import (
+    Executor,
+    ExecutorInfo,
+    KVCachePlan,
+    LaunchedStep,
+    WeightTallies,
+    make_executor,
+)
+from tokenmill.metrics.economics import EnergyMeter, StepAccountant, StepMeter
+from tokenmill.metrics.stats import SchedulerStats, SpecDecodingStats, StepConsumer, StepStats
 from tokenmill.model_loader import LoadedModel
 from tokenmill.models.config import ArchConfig
-from tokenmill.quant.model import count_parameters, decode_read_bytes, model_weight_bytes
+from tokenmill.outputs import ComputeUsage
 from tokenmill.request import Request, RequestStatus
-from tokenmill.runner.kv_memory import KVCachePlan
-from tokenmill.runner.launched import LaunchedStep
 from tokenmill.spec_decode.proposer import TargetModel, make_proposer
 
 logger = logging.getLogger(__name__)
@@ -68,6 +80,19 @@ def resolve_task(task: str, arch: ArchConfig) -> str:
     return task
 
 
+def usage_charger(scheduler: Scheduler) -> Callable[[str, ComputeUsage], None]:
+    """Adds a step's share to a request's usage, unless the request finished since (asynchronous
+    scheduling finishes a step after a stop or an abort may have ended it). It holds the
+    scheduler, not the core: a cycle through the core would keep an engine frozen out of
+    garbage collection (utils.freeze_startup_heap) alive after it is unloaded."""
+    def charge(request_id: str, share: ComputeUsage) -> None:
+        request = scheduler.requests.get(request_id)
+        if request is not None:
+            request.usage.add(share)
+
+    return charge
+
+
 class EngineCore:
     """Owns the scheduler and the executor; ``step()`` is one forward pass of the continuous
     batch.
@@ -76,10 +101,13 @@ class EngineCore:
     ranks; call :meth:`close` (or drop the engine) to stop them.
     """
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
-        """``loaded``: a model already in memory (tests, tools) instead of ``config.model``."""
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 executor: Executor | None = None) -> None:
+        """``loaded``: a model already in memory (tests, tools) instead of ``config.model``;
+        ``executor``: one made already (tests) instead of the one ``config`` asks for."""
         self.config = config
-        self.executor = make_executor(config, preloaded=loaded is not None)
+        self.executor = (executor if executor is not None
+                         else make_executor(config, preloaded=loaded is not None))
         self.platform = self.executor.platform
         try:
             self._build(config, loaded)
@@ -90,7 +118,6 @@ class EngineCore:
     def _build(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
         executor = self.executor
         loaded = executor.load_model(loaded)
-        self.dtype = executor.runner.dtype
         self.model_path = loaded.path
         self.quantization = loaded.quantization
         self.arch = loaded.arch
@@ -102,20 +129,7 @@ class EngineCore:
         self.max_model_len = self._resolve_max_model_len(config.model.max_model_len,
                                                          loaded.max_seq_length)
         sched_config = config.scheduler
-        if self.arch.is_encoder:
-            # An encoder computes each request whole in one step and attends only within it:
-            # nothing outlives the step, so there is no KV cache to size or allocate.
-            self.kv_plan = KVCachePlan(0, config.cache.block_size, 0, self.max_model_len)
-            kv: KVCacheManager = NoKVCache(config.cache.block_size)
-        else:
-            self.kv_plan = executor.plan_kv_cache(self.max_model_len)
-            executor.allocate_kv_cache(self.kv_plan.num_blocks)
-            if executor.capture_decode_graphs(self.max_model_len):
-                logger.info("decode CUDA graphs captured for batch sizes %s",
-                            executor.runner.decode_graphs.sizes)  # type: ignore[union-attr]
-            kv = KVCacheManager(self.kv_plan.num_blocks, config.cache.block_size,
-                                config.cache.enable_prefix_caching,
-                                enable_kv_events=config.cache.kv_events_endpoint is not None)
+        kv, captured = self._set_up_kv_cache(config)
         # Where the prefix cache's changes go after each step (None: nowhere; an encoder has
         # no cache, and leaves the endpoint to a model that has one).
         self.kv_events = (ZmqEventPublisher(config.cache.kv_events_endpoint)
@@ -125,11 +139,17 @@ class EngineCore:
             # An embedding is computed in one step: any input up to max_model_len must fit.
             sched_config = dataclasses.replace(sched_config,
                                                max_num_batched_tokens=self.max_model_len)
+        # How the executor runs the model, now that it is set up.
+        self.executor_info: ExecutorInfo = executor.describe()
+        self.dtype = self.executor_info.dtype
+        if captured:
+            logger.info("decode CUDA graphs captured for batch sizes %s",
+                        list(self.executor_info.decode_graph_sizes))
         # (requests, tokens) the latest step computed, for batch-size metrics.
         self.last_batch: tuple[int, int] = (0, 0)
         logger.info(self.kv_plan.describe())
         self.proposer = make_proposer(config.speculative, TargetModel(
-            model=executor.runner.model, arch=self.arch, model_config=config.model,
+            model=loaded.model, arch=self.arch, model_config=config.model,
             platform=self.platform, dtype=self.dtype, block_size=config.cache.block_size,
             num_blocks=self.kv_plan.num_blocks, max_model_len=self.max_model_len))
         # Totals of speculative decoding; None when the engine does not speculate.
@@ -141,17 +161,50 @@ class EngineCore:
         self.scheduler = Scheduler(sched_config, kv, self.max_model_len,
                                    pipelined=self.async_scheduling,
                                    max_loras=lora.max_loras if lora.enable_lora else 0)
-        if executor.runner.lora is not None:
-            # Adapters that unfinished requests run stay in host memory until they end.
-            executor.runner.lora.store.in_use = self.scheduler.lora_in_use
+        # Adapters that unfinished requests run stay in host memory until they end.
+        executor.keep_loras_in_use(self.scheduler.lora_in_use)
         logger.info("asynchronous scheduling: %s", "on" if self.async_scheduling else "off")
         # The step launched and not finished yet (asynchronous scheduling), with its schedule.
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
-        # Each step's time, energy and cost, shared out to its requests by tokens.
+        self._add_standard_consumers(config)
+
+    def _set_up_kv_cache(self, config: EngineConfig) -> tuple[KVCacheManager, bool]:
+        """Size and allocate the KV cache and capture the decode graphs (``self.kv_plan``);
+        the block manager, and whether graphs were captured."""
+        if self.arch.is_encoder:
+            # An encoder computes each request whole in one step and attends only within it:
+            # nothing outlives the step, so there is no KV cache to size or allocate.
+            self.kv_plan = KVCachePlan(0, config.cache.block_size, 0, self.max_model_len)
+            return NoKVCache(config.cache.block_size), False
+        self.kv_plan = self.executor.plan_kv_cache(self.max_model_len)
+        self.executor.allocate_kv_cache(self.kv_plan.num_blocks)
+        captured = self.executor.capture_decode_graphs(self.max_model_len)
+        kv = KVCacheManager(self.kv_plan.num_blocks, config.cache.block_size,
+                            config.cache.enable_prefix_caching,
+                            enable_kv_events=config.cache.kv_events_endpoint is not None)
+        return kv, captured
+
+    def _add_standard_consumers(self, config: EngineConfig) -> None:
+        """The step meter, and the consumers every engine has: accounting and heap trimming."""
         econ = config.economics
-        self.accountant = StepAccountant(EnergyMeter(econ.cpu_watts), econ.cost_per_hour)
+        meter = EnergyMeter(econ.cpu_watts)
+        # Times each step and reads its energy, for the StepStats.
+        self._step_meter = StepMeter(meter)
+        # What each step consumer gets, in order, when a step's tokens are back.
+        self.step_consumers: list[StepConsumer] = []
+        # Each step's time, energy and cost, shared out to its requests by tokens.
+        self.accountant = StepAccountant(meter, econ.cost_per_hour,
+                                         charge=usage_charger(self.scheduler))
+        self.add_step_consumer(self.accountant)
         # The C heap's free pages back to the OS now and then (CPU engines, glibc).
         self._heap = HeapTrimmer.for_device(self.platform.is_cuda)
+        if self._heap is not None:
+            self.add_step_consumer(self._heap)
+
+    def add_step_consumer(self, consumer: StepConsumer) -> None:
+        """Call ``consumer`` with each model step's StepStats from now on (on the engine
+        thread, when the step's tokens are back, after the consumers added before it)."""
+        self.step_consumers.append(consumer)
 
     def _resolve_async_scheduling(self, asked: bool | None) -> bool:
         """Whether steps overlap (see SchedulerConfig.async_scheduling); ValueError when asked
@@ -219,18 +272,15 @@ class EngineCore:
         outputs = self._step_overlapped() if self.async_scheduling else self._step_in_turn()
         if self.kv_events is not None:
             self.kv_events.publish(self.scheduler.kv.take_events())
-        if self._heap is not None:
-            self._heap.after_step(self.last_batch[1])
         return outputs
 
     def _step_in_turn(self) -> list[EngineCoreOutput]:
         """One step, scheduled, run and reported before the next is scheduled."""
-        self.accountant.begin()
+        self._step_meter.start()
         sched = self.scheduler.schedule()
         self.last_batch = (len(sched.num_scheduled_tokens), sched.total_num_scheduled_tokens)
         runner_out = self.executor.execute(sched, self._draft_probs)
-        for rid, share in self.accountant.end(sched.num_scheduled_tokens).items():
-            self.scheduler.requests[rid].usage.add(share)
+        self._step_done(sched)
         if self.spec_stats is not None:
             for rid, drafts in sched.scheduled_spec_decode_tokens.items():
                 emitted = len(runner_out.sampled_token_ids.get(rid, ()))
@@ -241,7 +291,7 @@ class EngineCore:
         return outputs
 
     def _step_overlapped(self) -> list[EngineCoreOutput]:
-        self.accountant.begin()
+        self._step_meter.start()
         previous, self._in_flight = self._in_flight, None
         outputs: list[EngineCoreOutput] = []
         if previous is not None and not previous[1].can_overlap:
@@ -262,11 +312,19 @@ class EngineCore:
                      launched: LaunchedStep) -> list[EngineCoreOutput]:
         """Wait for a launched step's tokens and hand them to the scheduler."""
         runner_out = launched.finish()
-        for rid, share in self.accountant.end(sched.num_scheduled_tokens).items():
-            request = self.scheduler.requests.get(rid)
-            if request is not None:  # not finished since (by a stop or an abort)
-                request.usage.add(share)
+        self._step_done(sched)
         return self.scheduler.update(sched, runner_out)
+
+    def _step_done(self, sched: SchedulerOutput) -> None:
+        """A step's tokens are back: hand its StepStats to every step consumer."""
+        seconds, joules = self._step_meter.stop()
+        stats = StepStats(num_scheduled_tokens=sched.num_scheduled_tokens,
+                          batch_size=len(sched.num_scheduled_tokens),
+                          num_batched_tokens=sched.total_num_scheduled_tokens,
+                          seconds=seconds, energy_joules=joules,
+                          energy_estimated=self._step_meter.estimated)
+        for consume in self.step_consumers:
+            consume(stats)
 
     def _propose(self, sched: SchedulerOutput) -> None:
         """Drafts for the running requests that decode (replacing any left unverified)."""
@@ -281,29 +339,27 @@ class EngineCore:
         self._draft_probs = {rid: p.probs for rid, p in proposals.items() if p.probs is not None}
 
     @functools.cached_property
-    def _weight_tallies(self) -> tuple[int, int, int]:
+    def _weight_tallies(self) -> WeightTallies:
         """The model's parameter count, weight bytes and bytes a decode step reads: walks of
         every module, done once (the weights of an engine never change; a swap is a new
         engine), since the Ollama routes ask for them with each request."""
-        model = self.executor.runner.model
-        return count_parameters(model), model_weight_bytes(model), decode_read_bytes(model)
+        return self.executor.weight_tallies()
 
     def model_info(self) -> ModelInfo:
         """The model, its weights and the KV cache as this engine (rank 0) holds them."""
-        arch, runner = self.arch, self.executor.runner
-        graphs = runner.decode_graphs
+        arch, info, weights = self.arch, self.executor_info, self._weight_tallies
         return ModelInfo(
             path=self.model_path, architecture=arch.architecture,
             quantization=self.quantization, dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.platform.device), max_model_len=self.max_model_len,
-            vocab_size=arch.vocab_size, num_parameters=self._weight_tallies[0],
-            weight_bytes=self._weight_tallies[1], decode_read_bytes=self._weight_tallies[2],
+            vocab_size=arch.vocab_size, num_parameters=weights.num_parameters,
+            weight_bytes=weights.weight_bytes, decode_read_bytes=weights.decode_read_bytes,
             num_hidden_layers=arch.num_hidden_layers,
             num_attention_heads=arch.num_attention_heads,
             num_key_value_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
-            attention_backend=runner.backend.name,
-            decode_graph_sizes=tuple(graphs.sizes) if graphs is not None else (),
-            decode_graph_max_seq_len=graphs.max_seq_len if graphs is not None else 0,
+            attention_backend=info.attention_backend,
+            decode_graph_sizes=info.decode_graph_sizes,
+            decode_graph_max_seq_len=info.decode_graph_max_seq_len,
             kv_cache=self.kv_plan)
 
     def stats(self) -> SchedulerStats:

@@ -6,7 +6,8 @@ for reuse, and the next steps' allocations do not land on the same pages, so the
 the heap stays resident and grows: on a 2-core Xeon the embedded model served 32 streams of
 128 + 128 tokens and ended with ~60 MB of free but resident heap; ``malloc_trim`` gave it back
 in ~2 ms. The engine trims at most once a second, and only after steps of more than one token,
-so a single stream's decode steps, which allocate little, never wait for it.
+so a single stream's decode steps, which allocate little, never wait for it. The trimmer is one
+of the engine core's step consumers: it reads each step's StepStats, once the step is done.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from tokenmill.metrics.stats import StepStats
 from tokenmill.quant.packing import malloc_trim
 
 # Seconds between two trims at most (each ~2 ms on the embedded model: <= 0.2% of the time).
@@ -22,7 +24,7 @@ TRIM_INTERVAL_S = 1.0
 
 class HeapTrimmer:
     """Trims the heap after a step of more than one token, at most every ``interval_s``
-    (TRIM_INTERVAL_S by default)."""
+    (TRIM_INTERVAL_S by default); a step consumer (called with each step's StepStats)."""
 
     def __init__(self, trim: Callable[[int], int], interval_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -37,6 +39,10 @@ class HeapTrimmer:
         (a GPU engine's temporaries live in the device's memory)."""
         trim = None if is_cuda else malloc_trim()
         return None if trim is None else cls(trim)
+
+    def __call__(self, stats: StepStats) -> None:
+        """Consume one step's stats: trim if it is time to."""
+        self.after_step(stats.num_batched_tokens)
 
     def after_step(self, num_tokens: int) -> None:
         """Called after each step with the tokens it computed."""

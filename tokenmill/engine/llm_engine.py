@@ -124,23 +124,15 @@ class LLMEngine:
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Read and check an adapter now (its first request would otherwise): ValueError
         naming what is wrong with it, or when the engine runs no adapters."""
-        runner = self.core.executor.runner
-        if runner.lora is None:
-            raise ValueError(f"LoRA adapter {lora_request.lora_name!r}: this engine runs no "
-                             "LoRA adapters (start it with enable_lora / --enable-lora)")
-        runner.lora.store.get(lora_request)
+        self.core.executor.add_lora(lora_request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget an adapter (its requests still running keep it); whether it was held."""
-        runner = self.core.executor.runner
-        if runner.lora is None:
-            return False
-        return runner.lora.remove(lora_int_id)
+        return self.core.executor.remove_lora(lora_int_id)
 
     def list_loras(self) -> list[int]:
         """The ids of the adapters held in host memory."""
-        runner = self.core.executor.runner
-        return [] if runner.lora is None else runner.lora.store.ids()
+        return self.core.executor.list_loras()
 
     # ----------------------------------------------------------------------- requests
 

@@ -1,6 +1,8 @@
 """How the engine runs its model: one interface (:class:`Executor`), a one-process
 implementation (``local``) and tensor parallelism over processes (``tensor_parallel``, with
 the worker ranks in ``worker``). :func:`make_executor` picks the one a configuration asks for.
+The types its methods take and return are exported here, so the engine needs no import of
+the runner's modules.
 """
 
 from __future__ import annotations
@@ -8,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.executor.base import Executor
+from tokenmill.executor.base import Executor, ExecutorInfo, WeightTallies
 from tokenmill.executor.local import LocalExecutor
 from tokenmill.executor.tensor_parallel import (
     TPExecutor,
@@ -17,9 +19,12 @@ from tokenmill.executor.tensor_parallel import (
     cpu_threads_per_rank,
     rank_device,
 )
+from tokenmill.runner.kv_memory import KVCachePlan
+from tokenmill.runner.launched import LaunchedStep
 from tokenmill.runner.platform import Platform, get_platform
 
-__all__ = ["Executor", "LocalExecutor", "TPExecutor", "WorkerDiedError", "make_executor"]
+__all__ = ["Executor", "ExecutorInfo", "KVCachePlan", "LaunchedStep", "LocalExecutor",
+           "TPExecutor", "WeightTallies", "WorkerDiedError", "make_executor"]
 
 
 def make_executor(config: EngineConfig, preloaded: bool = False) -> Executor:

@@ -5,6 +5,9 @@ from tokenmill.metrics.stats import (
     IterationStats,
     StatLogger,
     StatsCollector,
+    StepConsumer,
+    StepStats,
 )
 
-__all__ = ["FinishedRequestStats", "IterationStats", "StatLogger", "StatsCollector"]
+__all__ = ["FinishedRequestStats", "IterationStats", "StatLogger", "StatsCollector",
+           "StepConsumer", "StepStats"]

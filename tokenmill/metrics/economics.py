@@ -1,7 +1,8 @@
 """What each request costs: compute time, energy and money, shared out step by step.
 
-Every engine step is timed, and its energy read (or estimated) and priced; each request that
-had tokens in the step gets the share of it that its tokens are of the step's tokens. A
+Every engine step is timed and its energy read (or estimated) by a :class:`StepMeter`; the
+step's StepStats reach a :class:`StepAccountant`, which prices the step and gives each request
+that had tokens in it the share of it that its tokens are of the step's tokens. A
 request's totals therefore add up, over all requests, to the time, energy and cost of every
 step the engine ran.
 
@@ -18,8 +19,10 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tokenmill.metrics.stats import StepStats
 from tokenmill.outputs import ComputeUsage
 
 logger = logging.getLogger(__name__)
@@ -126,27 +129,56 @@ def _zeus_devices() -> tuple[object | None, object | None]:
     return cpus, gpus
 
 
+class StepMeter:
+    """Time and energy of one step at a time: :meth:`start` when the step begins,
+    :meth:`stop` when its tokens are back. The engine core reads it like a clock; what the
+    readings are worth is for the consumers of its StepStats (:class:`StepAccountant`)."""
+
+    def __init__(self, energy: EnergyMeter) -> None:
+        self.energy = energy
+        self._t0 = 0.0
+        self._e0 = 0.0
+
+    @property
+    def estimated(self) -> bool:
+        """Whether the joules include the CPU-time estimate (no counter to read)."""
+        return self.energy.estimated
+
+    def start(self) -> None:
+        """A step begins."""
+        self._t0 = time.perf_counter()
+        self._e0 = self.energy.read()
+
+    def stop(self) -> tuple[float, float]:
+        """Seconds and joules since :meth:`start`."""
+        seconds = time.perf_counter() - self._t0
+        return seconds, max(self.energy.read() - self._e0, 0.0)
+
+
 @dataclass
 class StepAccountant:
-    """Times one engine step at a time and shares its time, energy and cost out by tokens."""
+    """Prices each step and shares its time, energy and cost out to its requests by tokens: a
+    step consumer (called with each step's StepStats)."""
 
-    meter: EnergyMeter
+    meter: EnergyMeter  # where the engine's joules come from (its sources, its watts)
     cost_per_hour: float = 0.0
+    # Where each request's share goes (the engine: the request's usage); None: nowhere.
+    charge: Callable[[str, ComputeUsage], None] | None = None
     # Every step's usage since the engine started.
     totals: ComputeUsage = field(default_factory=ComputeUsage)
-    _t0: float = 0.0
-    _e0: float = 0.0
 
-    def begin(self) -> None:
-        self._t0 = time.perf_counter()
-        self._e0 = self.meter.read()
+    def __call__(self, stats: StepStats) -> None:
+        """Account one step and charge each of its requests its share."""
+        for rid, share in self.account(stats).items():
+            if self.charge is not None:
+                self.charge(rid, share)
 
-    def end(self, tokens: dict[str, int]) -> dict[str, ComputeUsage]:
-        """The step is over: each request's share (by its scheduled ``tokens``)."""
-        seconds = time.perf_counter() - self._t0
-        step = ComputeUsage(seconds, max(self.meter.read() - self._e0, 0.0),
-                            seconds * self.cost_per_hour / 3600.0, self.meter.estimated)
+    def account(self, stats: StepStats) -> dict[str, ComputeUsage]:
+        """Add the step to the totals; each request's share (by its scheduled tokens)."""
+        step = ComputeUsage(stats.seconds, stats.energy_joules,
+                            stats.seconds * self.cost_per_hour / 3600.0, stats.energy_estimated)
         self.totals.add(step)
+        tokens = stats.num_scheduled_tokens
         n = sum(tokens.values())
         if not n:
             return {}

@@ -3,10 +3,15 @@
 The loop that drives an ``LLMEngine`` feeds every RequestOutput it delivers (in DELTA mode, or
 the final output of an abort) to a ``StatsCollector``, which turns one step's outputs into an
 ``IterationStats``. Loggers (Prometheus, a log line) get that and the scheduler's snapshot.
+
+Inside the engine, ``EngineCore`` hands each model step's ``StepStats`` to the step consumers
+registered on it (compute, energy and cost accounting; heap trimming): they read the step as
+data and never run inside the step itself.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -53,6 +58,29 @@ class SpecDecodingStats:
     def copy(self) -> SpecDecodingStats:
         return SpecDecodingStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
                                  list(self.accepted_per_position))
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One model step as plain data, handed to the engine core's step consumers when its
+    tokens are back (before the scheduler turns them into outputs, so that what a consumer
+    charges a request shows in that step's outputs)."""
+
+    # Tokens each request computed in the step (request id -> tokens); read-only.
+    num_scheduled_tokens: Mapping[str, int]
+    # Requests and tokens the step computed.
+    batch_size: int
+    num_batched_tokens: int
+    # Seconds and joules from the start of the EngineCore.step() call that finished the step
+    # to the moment its tokens were back; ``energy_estimated``: the joules include the CPU
+    # estimate of tokenmill.metrics.economics (no counter to read).
+    seconds: float
+    energy_joules: float
+    energy_estimated: bool
+
+
+# Something that takes each step's StepStats (called on the engine thread, in order).
+StepConsumer = Callable[[StepStats], None]
 
 
 @dataclass
