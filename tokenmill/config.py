@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from tokenmill.options import option
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
@@ -41,14 +43,29 @@ class ModelConfig:
     "cls" for encoders and "last" for decoders).
     """
 
-    model: str | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    load_format: str = "auto"
-    seed: int = 0
-    quantization: str = "auto"
-    task: str = "auto"
-    pooling: str | None = None
+    model: str | None = option(
+        None, "GGUF file or Hugging Face folder, or a Hugging Face repo (ORG/NAME, "
+        "ORG/NAME:QUANT, ORG/NAME/FILE.gguf) fetched into the local cache (default: embedded "
+        "SmolLM2-135M-Instruct); with --load-format dummy also a preset: llama-3.1-8b, "
+        "qwen3-0.6b")
+    dtype: str = option("auto", "compute dtype (auto: float32 on the CPU, bfloat16/float16 on "
+                        "CUDA)", choices=DTYPES)
+    max_model_len: int | None = option(
+        None, "longest prompt + output in tokens (default: the model's context)")
+    load_format: str = option("auto", "how to read the weights (auto: by the file; dummy: "
+                              "random, for tests)", choices=LOAD_FORMATS)
+    seed: int = option(0, "random seed")
+    quantization: str = option(
+        "auto", "int8 per channel or int4 in groups of 32 (weight-only), fp8 (e4m3 weights and "
+        "per-token activations); auto keeps a GGUF file's Q4 (int4) or Q5-Q8 (int8) weights "
+        "compact on the CPU and is none otherwise", choices=QUANTIZATIONS)
+    task: str = option("auto", "generate text, or embed (pooled embeddings; the default for "
+                       "encoder models such as BERT; without --model: the embedded "
+                       "all-MiniLM-L6-v2)", choices=TASKS)
+    pooling: str | None = option(
+        None, "how an embedding pools token states (default: the folder's "
+        "sentence-transformers config, else cls for encoders, last for decoders)",
+        choices=POOLING_METHODS)
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -106,13 +123,22 @@ class CacheConfig:
     cache gets what is left of it after a profiling forward pass.
     """
 
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    kv_cache_memory_fraction: float = 0.2
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.9
-    kv_cache_dtype: str = "auto"
+    block_size: int = option(16, "tokens per KV cache block")
+    num_blocks: int | None = option(None, "KV cache blocks (overrides the memory options)",
+                                    name="num_kv_blocks")
+    kv_cache_memory_bytes: int | None = option(
+        None, "bytes of KV cache (default: sized from free memory and the workload)",
+        aliases=("kv_cache_memory",), metavar="BYTES")
+    kv_cache_memory_fraction: float = option(0.2, "share of free memory for the KV cache (CPU)")
+    enable_prefix_caching: bool = option(
+        True, "reuse the KV cache of shared prompt prefixes (--no-prefix-caching: off)")
+    gpu_memory_utilization: float = option(
+        0.9, "share of the GPU's total memory the engine may use, weights included; the KV "
+        "cache gets the rest after a profiling step (CUDA)")
+    kv_cache_dtype: str = option(
+        "auto", "how K and V are stored (auto: the model's dtype; fp16 for a quantized model on "
+        "the CPU; fp8: e4m3 on CUDA GPUs of compute capability >= 8.9, half the memory and "
+        "reads of bf16)", choices=KV_CACHE_DTYPES)
     # The share of the budget above (fraction or gpu_memory_utilization) this engine takes, when
     # several engines share it (set by the multi-model server; explicit sizes ignore it).
     kv_cache_share: float = 1.0
@@ -121,7 +147,11 @@ class CacheConfig:
     kv_cache_max_bytes: int | None = None
     # Publish the prefix cache's changes in vLLM's KV-event format on a ZeroMQ PUB socket bound
     # here (e.g. tcp://*:5557), for KV-aware routers (see tokenmill/core/kv_events.py).
-    kv_events_endpoint: str | None = None
+    kv_events_endpoint: str | None = option(
+        None, "publish the prefix cache's changes (vLLM's KV events: BlockStored, BlockRemoved, "
+        "AllBlocksCleared; msgpack over ZeroMQ PUB) on this endpoint, e.g. tcp://*:5557, for "
+        "KV-aware routers (needs pyzmq and msgpack: pip install tokenmill[ray])",
+        metavar="ZMQ_ENDPOINT")
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -156,11 +186,20 @@ class SchedulerConfig:
     embedding engine never overlaps (each request is one step).
     """
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    enable_chunked_prefill: bool = True
-    prefill_first: bool = True
-    async_scheduling: bool | None = None
+    max_num_seqs: int = option(64, "sequences in one engine step at most (the running batch)")
+    max_num_batched_tokens: int = option(
+        512, "tokens in one engine step at most (chunked prefill's budget)")
+    enable_chunked_prefill: bool = option(
+        True, "split a prompt longer than the step's token budget over several steps, beside "
+        "the running decodes (--no-enable-chunked-prefill: each prompt runs in one step, so a "
+        "request's prompt and output are at most --max-num-batched-tokens)")
+    prefill_first: bool = option(
+        True, "prompts that fit in one step go before the running decodes, which take the "
+        "budget left (a burst of arrivals holds the streams once, not at every step); "
+        "--no-prefill-first: decodes first in every step")
+    async_scheduling: bool | None = option(
+        None, "schedule and launch the next step while the last one runs on the device "
+        "(default: on for one CUDA process without speculative decoding, off on the CPU)")
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
@@ -175,14 +214,21 @@ class DeviceConfig:
     scheduler's ``max_num_seqs``) replay CUDA graphs captured at start-up for a ladder of batch
     sizes; ``enforce_eager`` turns them off. On the CPU, ``kernel_spin_us`` is how long the C++
     kernels' worker threads spin for the next call before sleeping (None: 200 us, or
-    ``TOKENMILL_SPIN_US``; 0: never; see tokenmill/csrc/thread_pool.h).
+    ``TOKENMILL_SPIN_US``; 0: never; see tokenmill/kernels/cpu/thread_pool.h).
     """
 
-    device: str = "auto"
-    num_threads: int | None = None
-    kernel_spin_us: int | None = None
-    enforce_eager: bool = False
-    cuda_graph_max_batch_size: int | None = None
+    device: str = option("auto", "cpu, cuda or cuda:N (default: cuda when there is one, else "
+                         "cpu)")
+    num_threads: int | None = option(
+        None, "CPU threads per process (default: all cores, shared among the ranks)",
+        aliases=("threads",))
+    kernel_spin_us: int | None = option(
+        None, "CPU: how long the C++ kernels' worker threads spin for the next call before they "
+        "sleep (default 200; 0: never spin, for a machine shared with busy neighbours); they "
+        "stop spinning by themselves while their core is contended", metavar="US")
+    enforce_eager: bool = option(False, "no CUDA graphs: run every decode step eagerly (CUDA)")
+    cuda_graph_max_batch_size: int | None = option(
+        None, "largest decode batch replayed from a CUDA graph (default: --max-num-seqs)")
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
@@ -206,8 +252,12 @@ class ParallelConfig:
     stops answering becomes an error, not a hang.
     """
 
-    tensor_parallel_size: int = 1
-    timeout_s: float = 600.0
+    tensor_parallel_size: int = option(
+        1, "shard the model over N GPUs (or N CPU processes)", flags=("-tp",), metavar="N")
+    timeout_s: float = option(
+        600.0, "seconds a tensor-parallel worker may take to start, and each collective of a "
+        "step, before the engine stops with an error instead of hanging",
+        name="parallel_timeout_s", metavar="S")
 
     def __post_init__(self) -> None:
         _positive("tensor_parallel_size", self.tensor_parallel_size)
@@ -248,11 +298,14 @@ class SpeculativeConfig:
     pay off where nearly all are accepted, e.g. copying text).
     """
 
-    method: str = "none"
-    num_speculative_tokens: int = 3
-    ngram_min: int = 2
-    ngram_max: int = 4
-    draft_model: str | None = None
+    method: str = option("none", "speculative decoding: ngram (prompt lookup) or draft (needs "
+                         "--speculative-model)", choices=SPECULATIVE_METHODS, name="speculative")
+    num_speculative_tokens: int = option(3, "draft tokens verified per step")
+    ngram_min: int = option(2, "shortest n-gram prompt lookup uses")
+    ngram_max: int = option(4, "longest n-gram prompt lookup uses")
+    draft_model: str | None = option(
+        None, "draft model with the target's tokenizer, or self:N for the target's first N "
+        "layers (implies --speculative draft)", name="speculative_model", metavar="PATH")
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -306,10 +359,11 @@ class LoRAConfig:
     slots are allocated when the engine starts and count as weights in the KV cache sizing.
     """
 
-    enable_lora: bool = False
-    max_loras: int = 4
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None
+    enable_lora: bool = option(False, "serve LoRA adapters (PEFT folders) on top of the model")
+    max_loras: int = option(4, "adapters one step may run (device slots)")
+    max_lora_rank: int = option(16, "highest adapter rank that loads")
+    max_cpu_loras: int | None = option(
+        None, "adapters kept in host memory (default: 4 x --max-loras)")
 
     def __post_init__(self) -> None:
         _positive("max_loras", self.max_loras)
@@ -332,8 +386,12 @@ class EconomicsConfig:
     may use when busy, for the energy estimate where the CPU has no readable energy counter
     (None: a per-core guess, see tokenmill.metrics.economics)."""
 
-    cost_per_hour: float = 0.0
-    cpu_watts: float | None = None
+    cost_per_hour: float = option(
+        0.0, "the machine's price per hour, spread over the requests by compute share "
+        "(usage.cost_usd, /metrics)", metavar="USD")
+    cpu_watts: float | None = option(
+        None, "power of this process's cores when busy, for the energy estimate where the CPU "
+        "has no readable energy counter (default: 6 W per core)", metavar="W")
 
     def __post_init__(self) -> None:
         if not self.cost_per_hour >= 0:
@@ -361,8 +419,9 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     economics: EconomicsConfig = field(default_factory=EconomicsConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
-    log_stats: bool = False
-    deterministic: bool = False
+    deterministic: bool = option(
+        False, "batch-invariant greedy decoding on the CPU: a request's tokens do not depend on "
+        "the requests beside it (slower prefill)")
 
     def __post_init__(self) -> None:
         if not self.deterministic:

@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("envs",),
     ("utils",),
     ("kernels",),
-    ("presets", "sampling_params", "lora_request", "hub"),
+    ("presets", "sampling_params", "lora_request", "hub", "options"),
     ("config", "outputs", "chat_template", "gguf_tokenizer"),
     ("request", "metrics", "tokenizer"),
     ("detokenizer", "core", "distributed", "structured"),

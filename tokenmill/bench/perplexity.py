@@ -232,7 +232,7 @@ def _run_child(args: argparse.Namespace, spec: str) -> dict[str, Any]:
 def _common_argv(args: argparse.Namespace) -> list[str]:
     argv = ["--dtype", args.dtype, "--load-format", args.load_format, "--device", args.device,
             "--context", str(args.context), "--stride", str(args.stride)]
-    for flag, value in (("--model", args.model), ("--threads", args.threads),
+    for flag, value in (("--model", args.model), ("--threads", args.num_threads),
                         ("--text", args.text), ("--max-tokens", args.max_tokens)):
         if value is not None:
             argv += [flag, str(value)]

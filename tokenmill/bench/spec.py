@@ -190,7 +190,7 @@ def cmd_spec(args: argparse.Namespace) -> int:
     result = {"date": now_iso(), "hardware": hw, "command": " ".join(["tokenmill", *sys.argv[1:]]),
               "max_tokens": args.max_tokens, "num_speculative_tokens": args.num_speculative_tokens,
               "ngram_min": args.ngram_min, "ngram_max": args.ngram_max, "rows": rows}
-    print(f"{hardware_line(hw)}, torch {hw.get('torch')}, {args.threads or 'all'} threads; "
+    print(f"{hardware_line(hw)}, torch {hw.get('torch')}, {args.num_threads or 'all'} threads; "
           f"greedy, {args.max_tokens} tokens, K={args.num_speculative_tokens}, "
           f"median of {args.num_iters}")
     print(format_table(rows))

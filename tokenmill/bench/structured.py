@@ -64,7 +64,7 @@ def cmd_structured(args: argparse.Namespace) -> int:
     if args.llama_server and not os.access(args.llama_server, os.X_OK):
         raise ValueError(f"--llama-server {args.llama_server} is not an executable file")
     model = args.model or embedded_model_path()
-    threads = args.threads or os.cpu_count() or 1
+    threads = args.num_threads or os.cpu_count() or 1
     result: dict[str, Any] = {"date": now_iso(), "hardware": hardware(), "model": model,
                               "threads": threads, "schemas": args.schemas,
                               "num_schemas": len(cases), "max_tokens": args.max_tokens,

@@ -29,6 +29,8 @@ def token_limit(request: Request, config: SchedulerConfig, kv: KVCacheManager,
         limit = max_model_len
         if request.max_total_tokens is not None:
             limit = min(limit, request.max_total_tokens)
+        if not config.enable_chunked_prefill:
+            limit = _one_step_limit(n, limit, config.max_num_batched_tokens)
     if not kv.can_ever_fit(limit):
         raise ValueError(
             f"the request needs up to {limit} tokens of KV cache but the whole cache holds "
@@ -48,6 +50,17 @@ def _pooling_limit(n: int, config: SchedulerConfig, max_model_len: int) -> int:
         raise ValueError(f"the input has {n} tokens, more than max_num_batched_tokens "
                          f"{budget}: an embedding is computed in one step")
     return n
+
+
+def _one_step_limit(n: int, limit: int, budget: int) -> int:
+    """The token limit without chunked prefill: a prompt, and after a preemption its prompt and
+    output, is computed in one step, so it must fit the step's budget (else it would wait
+    forever); ValueError when the prompt leaves no room for a generated token."""
+    if n >= budget:
+        raise ValueError(f"the prompt has {n} tokens, but without chunked prefill a prompt must "
+                         f"fit in one step of max_num_batched_tokens {budget} with room for "
+                         "one generated token")
+    return min(limit, budget)
 
 
 def _check_beam_search(beam_width: int, limit: int, config: SchedulerConfig,

@@ -1,36 +1,26 @@
 """Command-line options of an engine and of its sampling, shared by every command that starts one.
 
 `tokenmill serve|generate|chat|info`, the batch and stream jobs and the offline benchmarks all
-add these groups to their parsers; the choices and defaults come from ``tokenmill.config``'s
-constants and dataclass defaults, so the command line and the Python API cannot drift apart.
+add these groups to their parsers. The engine's flags, help, choices and defaults are derived
+from ``tokenmill.config``'s dataclass fields (``tokenmill.options``), as are ``LLM()``'s
+keywords, so the command line and the Python API cannot drift apart.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tokenmill.config import (
-    DTYPES,
-    KV_CACHE_DTYPES,
-    LOAD_FORMATS,
-    POOLING_METHODS,
-    QUANTIZATIONS,
-    SPECULATIVE_METHODS,
-    TASKS,
-    CacheConfig,
-    DeviceConfig,
-    EconomicsConfig,
-    EngineConfig,
-    LoRAConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-)
+from tokenmill.config import EngineConfig
 from tokenmill.lora_request import LoRARequest
+from tokenmill.options import Option, add_arguments, build, canonical_keywords, options_of
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
+
+# Every engine option, read from the config dataclasses' fields: the flags of
+# `add_engine_args` and the keywords of `LLM()` and `engine_config`.
+ENGINE_OPTIONS: tuple[Option, ...] = tuple(options_of(EngineConfig))
 
 # The CLI's sampling defaults: a chat-like temperature and room for a paragraph, where
 # SamplingParams' own defaults (temperature 1, 16 tokens) follow the OpenAI API.
@@ -39,8 +29,9 @@ CLI_TEMPERATURE = 0.7
 
 
 def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) -> None:
-    """Options shared by every command that starts an engine; ``several_models``: --model may
-    be repeated, as ``[NAME=]PATH[,option...]`` (see tokenmill.server.model_registry)."""
+    """Options shared by every command that starts an engine, one per option of
+    ``EngineConfig``; ``several_models``: --model may be repeated, as
+    ``[NAME=]PATH[,option...]`` (see tokenmill.server.model_registry)."""
     g = p.add_argument_group("engine")
     if several_models:
         g.add_argument("--model", action="append", default=None, metavar="[NAME=]PATH[,OPT]",
@@ -49,132 +40,17 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
                             "with the name clients use and engine options of its own, e.g. "
                             "chat=model.gguf,max-model-len=4096 (default: the embedded "
                             "SmolLM2-135M-Instruct)")
-    else:
-        g.add_argument("--model", default=ModelConfig.model,
-                       help="GGUF file or Hugging Face folder, or a Hugging Face repo "
-                            "(ORG/NAME, ORG/NAME:QUANT, ORG/NAME/FILE.gguf) fetched into the "
-                            "local cache (default: embedded "
-                            "SmolLM2-135M-Instruct); with --load-format dummy also a preset: "
-                            "llama-3.1-8b, qwen3-0.6b")
-    g.add_argument("--dtype", default=ModelConfig.dtype, choices=DTYPES, help="compute dtype (auto: float32 on the CPU, bfloat16/float16 on CUDA)")
-    g.add_argument("--max-model-len", type=int, default=ModelConfig.max_model_len, help="longest prompt + output in tokens (default: the model's context)")
-    g.add_argument("--load-format", default=ModelConfig.load_format, choices=LOAD_FORMATS, help="how to read the weights (auto: by the file; dummy: random, for tests)")
-    g.add_argument("--quantization", default=ModelConfig.quantization,
-                   choices=QUANTIZATIONS,
-                   help="int8 per channel or int4 in groups of 32 (weight-only), fp8 (e4m3 "
-                        "weights and per-token activations); auto keeps a GGUF file's Q4 (int4) "
-                        "or Q5-Q8 (int8) weights compact on the CPU and is none otherwise")
-    g.add_argument("--task", default=ModelConfig.task, choices=TASKS,
-                   help="generate text, or embed (pooled embeddings; the default for encoder "
-                        "models such as BERT; without --model: the embedded all-MiniLM-L6-v2)")
-    g.add_argument("--pooling", default=ModelConfig.pooling, choices=POOLING_METHODS,
-                   help="how an embedding pools token states (default: the folder's "
-                        "sentence-transformers config, else cls for encoders, last for decoders)")
-    g.add_argument("--device", default=DeviceConfig.device, help="cpu, cuda or cuda:N (default: cuda when there is one, else cpu)")
-    g.add_argument("--threads", type=int, default=DeviceConfig.num_threads,
-                   help="CPU threads per process (default: all cores, shared among the ranks)")
-    g.add_argument("--kernel-spin-us", type=int, default=DeviceConfig.kernel_spin_us,
-                   metavar="US",
-                   help="CPU: how long the C++ kernels' worker threads spin for the next call "
-                        "before they sleep (default 200; 0: never spin, for a machine shared "
-                        "with busy neighbours); they stop spinning by themselves while their "
-                        "core is contended")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int,
-                   default=ParallelConfig.tensor_parallel_size, metavar="N",
-                   help="shard the model over N GPUs (or N CPU processes)")
-    _add_cache_args(g)
-    g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs, help="sequences in one engine step at most (the running batch)")
-    g.add_argument("--max-num-batched-tokens", type=int,
-                   default=SchedulerConfig.max_num_batched_tokens, help="tokens in one engine step at most (chunked prefill's budget)")
-    g.add_argument("--prefill-first", action=argparse.BooleanOptionalAction,
-                   default=SchedulerConfig.prefill_first,
-                   help="prompts that fit in one step go before the running decodes, which "
-                        "take the budget left (a burst of arrivals holds the streams once, "
-                        "not at every step); --no-prefill-first: decodes first in every step")
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
-                   default=SchedulerConfig.async_scheduling,
-                   help="schedule and launch the next step while the last one runs on the "
-                        "device (default: on for one CUDA process without speculative "
-                        "decoding, off on the CPU)")
-    g.add_argument("--seed", type=int, default=ModelConfig.seed, help="random seed")
-    g.add_argument("--deterministic", action="store_true", default=EngineConfig.deterministic,
-                   help="batch-invariant greedy decoding on the CPU: a request's tokens do not "
-                        "depend on the requests beside it (slower prefill)")
-    _add_speculative_args(g)
-    _add_lora_args(g)
-    g.add_argument("--cost-per-hour", type=float, default=EconomicsConfig.cost_per_hour,
-                   metavar="USD", help="the machine's price per hour, spread over the requests "
-                   "by compute share (usage.cost_usd, /metrics)")
-    g.add_argument("--cpu-watts", type=float, default=EconomicsConfig.cpu_watts, metavar="W",
-                   help="power of this process's cores when busy, for the energy estimate where "
-                   "the CPU has no readable energy counter (default: 6 W per core)")
-
-
-def _add_cache_args(g: argparse._ArgumentGroup) -> None:
-    """The KV cache's size and layout, and CUDA graphs (which are sized like the cache)."""
-    g.add_argument("--block-size", type=int, default=CacheConfig.block_size, help="tokens per KV cache block")
-    g.add_argument("--num-kv-blocks", type=int, default=CacheConfig.num_blocks, help="KV cache blocks (overrides the memory options)")
-    g.add_argument("--kv-cache-memory", type=int, default=CacheConfig.kv_cache_memory_bytes,
-                   metavar="BYTES", help="bytes of KV cache (default: sized from free memory and the workload)")
-    g.add_argument("--kv-cache-memory-fraction", type=float,
-                   default=CacheConfig.kv_cache_memory_fraction,
-                   help="share of free memory for the KV cache (CPU)")
-    g.add_argument("--gpu-memory-utilization", type=float,
-                   default=CacheConfig.gpu_memory_utilization,
-                   help="share of the GPU's total memory the engine may use, weights included; "
-                        "the KV cache gets the rest after a profiling step (CUDA)")
-    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=CacheConfig.kv_cache_dtype,
-                   help="how K and V are stored (auto: the model's dtype; fp16 for a quantized "
-                        "model on the CPU; fp8: e4m3 on CUDA GPUs of compute capability >= 8.9, "
-                        "half the memory and reads of bf16)")
-    g.add_argument("--enforce-eager", action="store_true", default=DeviceConfig.enforce_eager,
-                   help="no CUDA graphs: run every decode step eagerly (CUDA)")
-    g.add_argument("--cuda-graph-max-batch-size", type=int,
-                   default=DeviceConfig.cuda_graph_max_batch_size,
-                   help="largest decode batch replayed from a CUDA graph (default: "
-                        "--max-num-seqs)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=CacheConfig.enable_prefix_caching,
-                   help="reuse the KV cache of shared prompt prefixes (--no-prefix-caching: off)")
-    g.add_argument("--kv-events-endpoint", default=CacheConfig.kv_events_endpoint,
-                   metavar="ZMQ_ENDPOINT",
-                   help="publish the prefix cache's changes (vLLM's KV events: BlockStored, "
-                        "BlockRemoved, AllBlocksCleared; msgpack over ZeroMQ PUB) on this "
-                        "endpoint, e.g. tcp://*:5557, for KV-aware routers (needs pyzmq and "
-                        "msgpack: pip install tokenmill[ray])")
+    add_arguments(g, [o for o in ENGINE_OPTIONS if not (several_models and o.name == "model")])
     # The short spelling the help names, beside BooleanOptionalAction's --no-enable-prefix-caching.
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help=argparse.SUPPRESS)
 
 
-def _add_speculative_args(g: argparse._ArgumentGroup) -> None:
-    """Speculative decoding: the method, the draft model and how many tokens to propose."""
-    g.add_argument("--speculative", default=SpeculativeConfig.method,
-                   choices=SPECULATIVE_METHODS,
-                   help="speculative decoding: ngram (prompt lookup) or draft (needs "
-                        "--speculative-model)")
-    g.add_argument("--speculative-model", default=SpeculativeConfig.draft_model, metavar="PATH",
-                   help="draft model with the target's tokenizer, or self:N for the target's "
-                        "first N layers (implies --speculative draft)")
-    g.add_argument("--num-speculative-tokens", type=int,
-                   default=SpeculativeConfig.num_speculative_tokens,
-                   help="draft tokens verified per step")
-    g.add_argument("--ngram-min", type=int, default=SpeculativeConfig.ngram_min,
-                   help="shortest n-gram prompt lookup uses")
-    g.add_argument("--ngram-max", type=int, default=SpeculativeConfig.ngram_max,
-                   help="longest n-gram prompt lookup uses")
-
-
-def _add_lora_args(g: argparse._ArgumentGroup) -> None:
-    """LoRA adapters on the base model (vLLM's options)."""
-    g.add_argument("--enable-lora", action="store_true", default=LoRAConfig.enable_lora,
-                   help="serve LoRA adapters (PEFT folders) on top of the model")
-    g.add_argument("--max-loras", type=int, default=LoRAConfig.max_loras,
-                   help="adapters one step may run (device slots)")
-    g.add_argument("--max-lora-rank", type=int, default=LoRAConfig.max_lora_rank,
-                   help="highest adapter rank that loads")
-    g.add_argument("--max-cpu-loras", type=int, default=LoRAConfig.max_cpu_loras,
-                   help="adapters kept in host memory (default: 4 x --max-loras)")
+def engine_config(options: Mapping[str, object], where: str = "engine_config()") -> EngineConfig:
+    """The EngineConfig of engine options by name (the flags' names with underscores; an
+    option left out keeps its default); TypeError naming an unknown option (under ``where``),
+    ValueError (from the config classes) naming a bad value."""
+    return build(EngineConfig, canonical_keywords(options, ENGINE_OPTIONS, where))
 
 
 _MODULE_KEYS = frozenset({"name", "path", "base_model_name"})
@@ -246,36 +122,7 @@ def job_adapters(values: list[str], config: EngineConfig) -> dict[str, LoRAReque
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig of the options that `add_engine_args` added."""
-    return EngineConfig(
-        model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                          load_format=args.load_format, seed=args.seed,
-                          quantization=args.quantization, task=args.task,
-                          pooling=args.pooling),
-        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
-                          kv_cache_memory_bytes=args.kv_cache_memory,
-                          kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-                          gpu_memory_utilization=args.gpu_memory_utilization,
-                          enable_prefix_caching=args.enable_prefix_caching,
-                          kv_cache_dtype=args.kv_cache_dtype,
-                          kv_events_endpoint=getattr(args, "kv_events_endpoint", None)),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens,
-                                  prefill_first=args.prefill_first,
-                                  async_scheduling=args.async_scheduling),
-        device=DeviceConfig(device=args.device, num_threads=args.threads,
-                            kernel_spin_us=args.kernel_spin_us,
-                            enforce_eager=args.enforce_eager,
-                            cuda_graph_max_batch_size=args.cuda_graph_max_batch_size),
-        speculative=SpeculativeConfig.from_options(
-            args.speculative, args.speculative_model,
-            num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
-            ngram_max=args.ngram_max),
-        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
-        deterministic=args.deterministic,
-        economics=EconomicsConfig(cost_per_hour=args.cost_per_hour, cpu_watts=args.cpu_watts),
-        lora=LoRAConfig(enable_lora=args.enable_lora, max_loras=args.max_loras,
-                        max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras),
-    )
+    return build(EngineConfig, {o.name: getattr(args, o.name) for o in ENGINE_OPTIONS})
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -4,20 +4,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 from tqdm import tqdm
 
-from tokenmill.config import (
-    CacheConfig,
-    DeviceConfig,
-    EconomicsConfig,
-    EngineConfig,
-    LoRAConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-)
+from tokenmill.engine.args import engine_config
 from tokenmill.engine.classify import LabelScorer, run_label_scoring
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.engine.scoring import cross_encoder_prompts, pair_texts, scores_of
@@ -43,6 +34,9 @@ Messages = list[dict]
 class LLM:
     """An engine for offline generation over many prompts at once.
 
+    The keywords are the engine's options, the command line's flags with underscores
+    (``max_num_seqs=8`` is ``--max-num-seqs 8``; ``tokenmill generate --help`` lists them
+    all with their defaults); each is one field of a ``tokenmill.config`` dataclass.
     ``model`` is a GGUF file or a Hugging Face folder; None runs the embedded
     SmolLM2-135M-Instruct; with ``load_format="dummy"`` it may name a preset architecture
     ("llama-3.1-8b", "qwen3-0.6b") with random weights. Memory for the KV cache is
@@ -67,76 +61,10 @@ class LLM:
     ("cls", "mean", "max", "last") overrides how its token states are pooled.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        load_format: str = "auto",
-        seed: int = 0,
-        device: str = "auto",
-        num_threads: int | None = None,
-        kernel_spin_us: int | None = None,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        kv_cache_memory_fraction: float = 0.2,
-        gpu_memory_utilization: float = 0.9,
-        enforce_eager: bool = False,
-        cuda_graph_max_batch_size: int | None = None,
-        enable_prefix_caching: bool = True,
-        kv_cache_dtype: str = "auto",
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
-        enable_chunked_prefill: bool = True,
-        prefill_first: bool = True,
-        async_scheduling: bool | None = None,
-        quantization: str = "auto",
-        speculative: str = "none",
-        speculative_model: str | None = None,
-        num_speculative_tokens: int = 3,
-        ngram_min: int = 2,
-        ngram_max: int = 4,
-        tensor_parallel_size: int = 1,
-        deterministic: bool = False,
-        cost_per_hour: float = 0.0,
-        cpu_watts: float | None = None,
-        task: str = "auto",
-        pooling: str | None = None,
-        enable_lora: bool = False,
-        max_loras: int = 4,
-        max_lora_rank: int = 16,
-        max_cpu_loras: int | None = None,
-    ) -> None:
-        config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len,
-                              load_format=load_format, seed=seed, quantization=quantization,
-                              task=task, pooling=pooling),
-            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
-                              kv_cache_memory_bytes=kv_cache_memory_bytes,
-                              kv_cache_memory_fraction=kv_cache_memory_fraction,
-                              gpu_memory_utilization=gpu_memory_utilization,
-                              enable_prefix_caching=enable_prefix_caching,
-                              kv_cache_dtype=kv_cache_dtype),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens,
-                                      enable_chunked_prefill=enable_chunked_prefill,
-                                      prefill_first=prefill_first,
-                                      async_scheduling=async_scheduling),
-            device=DeviceConfig(device=device, num_threads=num_threads,
-                                kernel_spin_us=kernel_spin_us,
-                                enforce_eager=enforce_eager,
-                                cuda_graph_max_batch_size=cuda_graph_max_batch_size),
-            speculative=SpeculativeConfig.from_options(
-                speculative, speculative_model, num_speculative_tokens=num_speculative_tokens,
-                ngram_min=ngram_min, ngram_max=ngram_max),
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
-            deterministic=deterministic,
-            economics=EconomicsConfig(cost_per_hour=cost_per_hour, cpu_watts=cpu_watts),
-            lora=LoRAConfig(enable_lora=enable_lora, max_loras=max_loras,
-                            max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras),
-        )
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        # The keywords are the engine's options (tokenmill.engine.args.ENGINE_OPTIONS), the
+        # names of the command line's flags with underscores; an unknown one is a TypeError.
+        config = engine_config({"model": model, **options}, where="LLM()")
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 

@@ -43,7 +43,7 @@ ENCODER_MODEL_TYPES = frozenset({"bert"})
 _SHARE = "kv-share"
 # Engine options a model may not set for itself: they are one per server (the kernels' spin
 # time is a setting of the process).
-_SERVER_WIDE = {"device", "threads", "tensor-parallel-size", "kernel-spin-us"}
+_SERVER_WIDE = {"device", "num-threads", "threads", "tensor-parallel-size", "kernel-spin-us"}
 # Per-model options whose value is a file or folder (a server with --models-dir keeps them
 # inside it); "self:N" (the target's own first layers) is no path.
 PATH_OPTIONS = frozenset({"speculative-model"})
@@ -64,8 +64,8 @@ class ModelSpec:
     @property
     def own_kv_size(self) -> bool:
         """Whether the model sets its KV cache size itself (outside the shared budget)."""
-        return any(f.partition("=")[0] in ("--kv-cache-memory", "--num-kv-blocks")
-                   for f in self.flags)
+        own = ("--kv-cache-memory-bytes", "--kv-cache-memory", "--num-kv-blocks")
+        return any(f.partition("=")[0] in own for f in self.flags)
 
     def with_paths(self, resolve: Callable[[str, str], str]) -> ModelSpec:
         """This spec with the value of each path-valued option replaced by
@@ -238,7 +238,7 @@ def served_models(args: argparse.Namespace) -> list[tuple[str | None, EngineConf
     configs = engine_configs(args, specs)
     if len(configs) > 1:
         platform = EngineDevice(configs[0].device.device)
-        configs = share_kv_budget(configs, specs, args.kv_cache_memory,
+        configs = share_kv_budget(configs, specs, args.kv_cache_memory_bytes,
                                   platform.available_memory(), platform.is_cuda)
     return [(spec.name, c) for spec, c in zip(specs, configs, strict=True)]
 
@@ -272,7 +272,7 @@ def config_factory(args: argparse.Namespace) -> ModelFactory:
     if platform.is_cuda:
         return ModelFactory(args)
     kv_bytes = None
-    if args.kv_cache_memory is None:
+    if args.kv_cache_memory_bytes is None:
         kv_bytes = default_server_kv_budget(args.kv_cache_memory_fraction,
                                             platform.available_memory())
     return ModelFactory(args, LoadBudget(kv_bytes, platform.available_memory))
