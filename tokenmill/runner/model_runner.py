@@ -20,11 +20,7 @@ from tokenmill.quant.model import linear_layer_names, model_weight_bytes
 from tokenmill.quant.packing import dense_dtype
 from tokenmill.runner.batch import FlatBatch
 from tokenmill.runner.cuda_graphs import DecodeGraphs, GraphCapture
-from tokenmill.runner.fused_decode import (
-    forward_step,
-    make_fused_decoder,
-    make_invariant_decoder,
-)
+from tokenmill.runner.fused_decode import FusedDecoder
 from tokenmill.runner.kv_memory import KVCacheShape
 from tokenmill.runner.launched import LaunchedStep
 from tokenmill.runner.platform import Platform
@@ -34,6 +30,14 @@ from tokenmill.runner.sample_rows import sample_rows, verify_rows
 from tokenmill.runner.sampler import (
     Sampler,
     compute_prompt_logprobs,
+)
+from tokenmill.runner.step_backend import (
+    CpuProgramBackend,
+    CudaGraphBackend,
+    EagerBackend,
+    InvariantCpuProgramBackend,
+    ModelStep,
+    StepBackend,
 )
 from tokenmill.runner.step_inputs import StepInputs, prepare_inputs
 from tokenmill.runner.thinking import ThinkingTracker
@@ -86,18 +90,18 @@ class ModelRunner:
         self.kv_shape = KVCacheShape(arch.num_hidden_layers, block_size,
                                      arch.num_key_value_heads // tp, arch.head_dim,
                                      kv_dtype or dtype)
-        # Captured decode steps (CUDA): set by capture_decode_graphs(); None runs eagerly.
-        self.decode_graphs: DecodeGraphs | None = None
-        # Decode-only steps through the C++ layer stack; None when off or unsupported (always
-        # off under tensor parallelism: the C++ stack has no all-reduce between layers).
-        # enable_fused_decode None defers to $TOKENMILL_FUSED_DECODE (see fused_decode.py).
-        if tp > 1 or self.is_encoder:
-            enable_fused_decode = False
-        # Deterministic: every step through the fused stack, each token its own sequence.
+        # Deterministic: every step through the CPU program, each token its own sequence.
         self.deterministic = deterministic
-        self.fused_decoder = (make_invariant_decoder(model, self.device)
-                              if deterministic and not self.is_encoder
-                              else make_fused_decoder(model, self.device, enable_fused_decode))
+        # How a step is computed: the engine's one step backend, picked now by the platform
+        # (on CUDA the decode graphs replace it once captured), and model.forward for the
+        # steps it does not support. enable_fused_decode None defers to the environment.
+        self.eager = EagerBackend(model, marks_decode_steps=not self.is_encoder)
+        self.step_backend: StepBackend = platform.step_backend(
+            self.eager, deterministic=deterministic and not self.is_encoder,
+            cpu_program=enable_fused_decode, tensor_parallel_size=tp,
+            is_encoder=self.is_encoder)
+        if not platform.is_cuda or self.is_encoder:  # else when the graphs are decided
+            logger.info("step backend: %s", self.step_backend.describe())
         # LoRA adapters' slots and rows (enable_lora); None: the base model only.
         self.lora: LoRAManager | None = None
 
@@ -117,6 +121,27 @@ class ModelRunner:
         self.lora = LoRAManager(self.model, self.arch, config, slot_dtype, self.device)
         if self.fused_decoder is not None:
             self.fused_decoder.attach_lora(self.lora.layers)
+
+    @property
+    def fused_decoder(self) -> FusedDecoder | None:
+        """The CPU program of the step backend, None where the backend is another one."""
+        return getattr(self.step_backend, "program", None)
+
+    @fused_decoder.setter
+    def fused_decoder(self, program: FusedDecoder | None) -> None:
+        """Swap the step backend for ``program``'s (None: eager): for tests and benchmarks
+        that compare the paths on one engine."""
+        if program is None:
+            self.step_backend = self.eager
+        elif self.deterministic:
+            self.step_backend = InvariantCpuProgramBackend(program)
+        else:
+            self.step_backend = CpuProgramBackend(program)
+
+    @property
+    def decode_graphs(self) -> DecodeGraphs | None:
+        """The captured decode graphs (CUDA) where they are the step backend, else None."""
+        return getattr(self.step_backend, "graphs", None)
 
     # ------------------------------------------------------------------------ KV memory
 
@@ -167,7 +192,7 @@ class ModelRunner:
         finally:
             if prefetch is not None:  # its reads are in the small batches' graphs now
                 prefetch.remove()
-        self.decode_graphs = graphs
+        self.step_backend = CudaGraphBackend(self.model, graphs)
 
     def _l2_prefetch(self):  # noqa: ANN202 - the module needs Triton: imported here only
         """The experimental L2 prefetch of the next matmul's weights in small batches' graphs
@@ -249,15 +274,9 @@ class ModelRunner:
         return launched
 
     def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``model.compute_logits``; through the fused decoder where there is one (its int8 head
-        skips the module's Python on the way to the same kernel). On CUDA the logits stay in
-        the head's dtype: the greedy kernel reads them so, the sampler and the drafts'
-        verification widen them to fp32 themselves (at batch 256 and a 128K vocabulary the
-        fp32 copy wrote 131 MB a step)."""
-        fused = self.fused_decoder
-        if fused is not None:
-            return fused.logits(hidden)
-        return self.model.compute_logits(hidden, float32=not hidden.is_cuda)
+        """``model.compute_logits``, through the step backend (the CPU program's int8 head
+        skips the module's Python on the way to the same kernel)."""
+        return self.step_backend.logits(hidden)
 
     def _lora_runs(self, sched: SchedulerOutput) -> list[tuple[int, int, LoRARequest | None]]:
         """``(first row, row count, adapter)`` of each request of the step, in batch order
@@ -270,30 +289,12 @@ class ModelRunner:
         return runs
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        """A captured decode graph, the fused C++ stack for a decode-only step when it is on,
-        or ``model.forward``. A step with LoRA rows is never a graph: the graphs compute the
-        base model only."""
-        if self.is_encoder:
-            return self.model(inputs.input_ids, inputs.positions, inputs.attn_meta)
-        if self.deterministic:
-            return self._forward_invariant(inputs)
-        step = self.lora.context.step if self.lora is not None else None
-        graphs = self.decode_graphs
-        if (step is None and graphs is not None
-                and graphs.supports(inputs.input_ids.shape[0], inputs.attn_meta)):
-            return graphs.run(inputs.input_ids, inputs.positions, inputs.attn_meta)
-        hidden, self.fused_decoder = forward_step(
-            self.model, self.fused_decoder, inputs.input_ids, inputs.positions,
-            inputs.attn_meta, step)
-        return hidden
-
-    def _forward_invariant(self, inputs: StepInputs) -> torch.Tensor:
-        """The fused stack, and nothing else: ``model.forward`` rounds a row differently, so
-        a fallback would make the row depend on the step again."""
-        fused = self.fused_decoder
-        if fused is None or not fused.supports(inputs.input_ids, inputs.attn_meta):
-            raise RuntimeError("a deterministic step the fused layer stack cannot run")
-        return fused.forward(inputs.input_ids, inputs.positions, inputs.attn_meta)
+        """The step's hidden states: on the step backend where it supports the step, else
+        ``model.forward``. An error of the backend's reaches the caller."""
+        lora = self.lora.context.step if self.lora is not None else None
+        step = ModelStep(inputs.input_ids, inputs.positions, inputs.attn_meta, lora)
+        backend = self.step_backend
+        return backend.forward(step) if backend.supports(step) else self.eager.forward(step)
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_request_ids:
@@ -368,10 +369,11 @@ def capture_decode_graphs_if_enabled(runner: ModelRunner, config: EngineConfig,
     (CUDA, not ``enforce_eager``, an attention backend that supports them); returns whether
     it did. Every tensor-parallel rank
     calls this at the same point, so captures meet in their all-reduces."""
-    if not runner.platform.is_cuda or config.device.enforce_eager:
-        return False
-    if not getattr(runner.backend, "supports_cuda_graphs", False):
-        return False
-    max_bs = config.device.cuda_graph_max_batch_size or config.scheduler.max_num_seqs
-    runner.capture_decode_graphs(max_bs, max_model_len)
-    return True
+    platform = runner.platform
+    captures = platform.captures_decode_graphs(runner.backend, config.device.enforce_eager)
+    if captures:
+        max_bs = config.device.cuda_graph_max_batch_size or config.scheduler.max_num_seqs
+        runner.capture_decode_graphs(max_bs, max_model_len)
+    if platform.is_cuda and not runner.is_encoder:
+        logger.info("step backend: %s", runner.step_backend.describe())
+    return captures

@@ -10,6 +10,13 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, TorchAttentionBackend
+from tokenmill.runner.fused_decode import make_fused_decoder, make_invariant_decoder
+from tokenmill.runner.step_backend import (
+    CpuProgramBackend,
+    EagerBackend,
+    InvariantCpuProgramBackend,
+    StepBackend,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +135,32 @@ class Platform:
         from tokenmill.attention.cpu_backend import cpu_attention_backend
 
         return cpu_attention_backend()
+
+    def step_backend(self, eager: EagerBackend, *, deterministic: bool = False,
+                     cpu_program: bool | None = None, tensor_parallel_size: int = 1,
+                     is_encoder: bool = False) -> StepBackend:
+        """The engine's one step backend besides ``eager`` (``model.forward``), picked at
+        start: deterministic, the CPU program taking every step (ValueError where it cannot
+        run the model); on the CPU, the CPU program where it runs the model (``cpu_program``
+        None defers to $TOKENMILL_FUSED_DECODE, its prefill steps to
+        $TOKENMILL_FUSED_PREFILL); else ``eager``. An encoder and tensor parallelism (the C++
+        stack has no all-reduce between layers) run eagerly. On CUDA the decode graphs
+        replace ``eager`` once captured (:meth:`captures_decode_graphs`)."""
+        model = eager.model
+        if is_encoder:
+            return eager
+        if deterministic:
+            return InvariantCpuProgramBackend(make_invariant_decoder(model, self.device))
+        if tensor_parallel_size > 1:
+            return eager
+        program = make_fused_decoder(model, self.device, cpu_program)
+        return CpuProgramBackend(program) if program is not None else eager
+
+    def captures_decode_graphs(self, attention: AttentionBackend, enforce_eager: bool) -> bool:
+        """Whether decode steps run as captured CUDA graphs: on CUDA, not ``enforce_eager``,
+        under an attention backend whose kernels can be captured."""
+        return (self.is_cuda and not enforce_eager
+                and bool(getattr(attention, "supports_cuda_graphs", False)))
 
     def set_num_threads(self, num_threads: int | None) -> None:
         """Use every core we may run on unless told otherwise (CPU only)."""

@@ -24,7 +24,6 @@ from tokenmill.model_loader import load_model
 from tokenmill.models.config import ArchConfig
 from tokenmill.request import Request
 from tokenmill.runner.batch import FlatBatch
-from tokenmill.runner.fused_decode import forward_step, make_fused_decoder
 from tokenmill.runner.kv_memory import KVCacheShape
 from tokenmill.runner.platform import Platform
 from tokenmill.runner.sampler import (
@@ -33,6 +32,7 @@ from tokenmill.runner.sampler import (
     sampling_weights,
 )
 from tokenmill.runner.sampling_metadata import SamplingMetadata
+from tokenmill.runner.step_backend import EagerBackend, ModelStep
 from tokenmill.spec_decode.proposer import Proposal, TargetModel
 
 # Seeded requests' draft generators start from seed + this (mod 2**63): a stream of their own,
@@ -121,7 +121,10 @@ class DraftModelProposer:
         shape = KVCacheShape(arch.num_hidden_layers, block_size, arch.num_key_value_heads,
                              arch.head_dim, dtype)
         self.kv_caches = shape.allocate(num_blocks, self.device)
-        self.fused_decoder = make_fused_decoder(model, self.device)
+        # The platform's step backend for the draft model (the CPU program where it runs
+        # it), model.forward for the steps it does not support.
+        self.eager = EagerBackend(model)
+        self.step_backend = platform.step_backend(self.eager)
         self.states: dict[str, _DraftState] = {}
 
     def finish(self, request_ids: Iterable[str]) -> None:
@@ -189,8 +192,9 @@ class DraftModelProposer:
 
     def _logits(self, batch: FlatBatch, rows: list[int]) -> torch.Tensor:
         input_ids, positions, meta = batch.build(self.backend, self.kv_caches, self.device)
-        hidden, self.fused_decoder = forward_step(self.model, self.fused_decoder, input_ids,
-                                                  positions, meta)
+        step = ModelStep(input_ids, positions, meta)
+        backend = self.step_backend
+        hidden = backend.forward(step) if backend.supports(step) else self.eager.forward(step)
         return self.model.compute_logits(
             hidden.index_select(0, torch.tensor(rows, device=self.device)))
 
