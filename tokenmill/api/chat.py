@@ -38,6 +38,7 @@ from tokenmill.api.tools import (
     check_forced_call,
     check_tools,
     forced_call,
+    keep_special_tokens,
     tool_prompt,
 )
 from tokenmill.api.validation import (
@@ -244,8 +245,8 @@ def prepare_chat(req: ChatCompletionRequest, served: ServedModel,
     check_effort(req.reasoning_effort, thinker, tokenizer.chat_template)
     budget = requested_budget({"thinking_token_budget": req.thinking_token_budget,
                                "max_thinking_tokens": req.max_thinking_tokens})
-    forced = forced_call(setup, parser)
     text, ids = render_prompt(tokenizer, req, served.max_model_len, (setup, parser))
+    forced = forced_call(setup, parser, text)  # harmony's call opens where the prompt ends
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -269,5 +270,6 @@ def prepare_chat(req: ChatCompletionRequest, served: ServedModel,
                                        tokenizer, params)
     reader = ToolReader(parser, frozenset(setup.names), schemas=setup.schemas) \
         if setup.parses else None
+    params = keep_special_tokens(reader, params, tokenizer)  # Mistral's [TOOL_CALLS] / [ARGS]
     return ChatCall(req, [{"prompt": text, "prompt_token_ids": ids}], params, tokenizer, reader,
                     thinking)

@@ -4,9 +4,11 @@
   ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``); several calls are separated
   by ``;``. Without the tag, the output must begin with the object.
 - ``mistral``: ``[TOOL_CALLS]`` then a JSON list ``[{"name": ..., "arguments": {...}}]``, or
-  (newer templates) ``[TOOL_CALLS]NAME[ARGS]{...}`` per call. The tag is a special token: with
-  ``skip_special_tokens`` on, an output that begins with the list is still read as calls.
-  Mistral's templates want call ids of 9 letters and digits, so that is what they get.
+  (newer templates) ``[TOOL_CALLS]NAME[ARGS]{...}`` per call (``NAME[CALL_ID]ID[ARGS]`` read
+  too). The tags are special tokens: a request with tools keeps special tokens in the
+  output's text, and the tool reader takes them out of the content (api/tools.py); an output
+  decoded without them that begins with the list is still read as calls. Mistral's templates
+  want call ids of 9 letters and digits, so that is what they get.
 - ``qwen3_coder`` and ``pythonic``: see api/tool_formats_text.py.
 
 Each format is read by a ``FormatStream``: the text before the calls' opening passes through
@@ -18,9 +20,10 @@ malformed call is text, never an error. A whole output is read by feeding it in 
 
 from __future__ import annotations
 
+import json
 import secrets
 import string
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any, Protocol
 
 from tokenmill.api.tool_json import CallBlock, CallDelta, JsonScanner
@@ -32,7 +35,7 @@ from tokenmill.api.tool_parsers import (
 )
 
 PYTHON_TAG = "<|python_tag|>"
-TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
+TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _ID_CHARS = string.ascii_letters + string.digits
 _MAX_NAME = 64  # OpenAI's limit on a function's name (api/tools.py)
 
@@ -223,6 +226,8 @@ class ArgsCallsReader:
             if self._state == "name":
                 at = self._buf.find(ARGS)
                 head = self._buf[:at].strip() if at >= 0 else self._buf.lstrip()
+                # Templates that keep call ids write NAME[CALL_ID]ID[ARGS]: the id is ours.
+                head = head.split(CALL_ID, 1)[0].rstrip()
                 if at < 0:
                     return None if len(head) <= _MAX_NAME and " " not in head else \
                         self._stop(self._buf)
@@ -328,14 +333,38 @@ class Llama3JsonParser(ToolParser):
 
 
 class MistralParser(ToolParser):
-    """Mistral's ``[TOOL_CALLS]`` (see the module docstring)."""
+    """Mistral's ``[TOOL_CALLS]`` (see the module docstring); ``args_form``: the model writes
+    ``[TOOL_CALLS]NAME[ARGS]{...}`` (its chat template does), which is then what a forced
+    call's grammar and the written history use."""
 
     name = "mistral"
     format = CallFormat(open=f"{TOOL_CALLS}[", sep=", ", close="]")
+    keeps_special_tokens = True
+
+    def __init__(self, args_form: bool = False) -> None:
+        self.args_form = args_form
+
+    def for_template(self, template: str | None) -> MistralParser:
+        return MistralParser(args_form=ARGS in (template or ""))
 
     def stream(self, names: Collection[str],
                schemas: Mapping[str, Any] | None = None) -> FormatStream:
         return FormatStream(TOOL_CALLS, "[", lambda first: MistralReader(names, first))
+
+    def forced_grammar(self, functions: Mapping[str, Mapping[str, Any] | None],
+                       parallel: bool, prompt: str | None = None) -> str:
+        if not self.args_form:
+            return super().forced_grammar(functions, parallel, prompt)
+        from tokenmill.api.tool_grammar import CallFrame, framed_call_grammar
+
+        return framed_call_grammar(CallFrame(head=f"{TOOL_CALLS}{{name}}{ARGS}"), functions,
+                                   parallel)
+
+    def format_calls(self, calls: Iterable[tuple[str, Any]]) -> str:
+        if not self.args_form:
+            return super().format_calls(calls)
+        return "".join(f"{TOOL_CALLS}{name}{ARGS}{json.dumps(args, ensure_ascii=False)}"
+                       for name, args in calls)
 
     def new_call_id(self) -> str:
         """Nine letters and digits: Mistral's chat templates refuse any other id."""
@@ -356,7 +385,7 @@ def format_by_template(template: str) -> ToolParser | None:
     """The format a chat template writes its calls in, when it is one of these (Qwen3-Coder's
     before Hermes's: its template also writes ``<tool_call>``); None otherwise."""
     if TOOL_CALLS in template:
-        return MistralParser()
+        return MistralParser(args_form=ARGS in template)
     if "<function=" in template and "<parameter=" in template:
         return FORMAT_PARSERS["qwen3_coder"]()
     if PYTHON_TAG in template:

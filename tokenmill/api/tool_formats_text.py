@@ -359,7 +359,7 @@ class Qwen3CoderParser(ToolParser):
                             lambda first: Qwen3CoderReader(names, first, schemas or {}))
 
     def forced_grammar(self, functions: Mapping[str, Mapping[str, Any] | None],
-                       parallel: bool) -> str:
+                       parallel: bool, prompt: str | None = None) -> str:
         return checked_ebnf(qwen3_coder_grammar(functions, parallel))
 
     def format_calls(self, calls: Any) -> str:
@@ -385,7 +385,7 @@ class PythonicParser(ToolParser):
         return FormatStream(PYTHON_START, "[", lambda first: PythonicReader(names, first))
 
     def forced_grammar(self, functions: Mapping[str, Mapping[str, Any] | None],
-                       parallel: bool) -> str:
+                       parallel: bool, prompt: str | None = None) -> str:
         return checked_ebnf(pythonic_grammar(functions, parallel))
 
     def format_calls(self, calls: Any) -> str:

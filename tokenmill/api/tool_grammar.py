@@ -8,6 +8,7 @@ import functools
 import json
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.api.tool_parsers import CallFormat
@@ -92,4 +93,44 @@ def _tool_call_grammar(fmt: CallFormat, functions_json: str, parallel: bool) -> 
     repeat = f" ({json.dumps(fmt.sep)} root)*" if parallel else ""
     ebnf = (f"{one}\n{_CALLS_RULE} ::= {json.dumps(fmt.open)} root{repeat} "
             f"{json.dumps(fmt.close)}\n")
+    return str(_grammar().from_ebnf(ebnf, root_rule_name=_CALLS_RULE))
+
+
+@dataclass(frozen=True)
+class CallFrame:
+    """A format whose calls are not a JSON object: each call is ``head`` (``{name}`` stands
+    for the function's name), the arguments' JSON, then ``tail``; a turn is ``open``, the
+    calls separated by ``sep`` (None: one call only, whatever ``parallel`` says), ``close``.
+    Mistral's ``[TOOL_CALLS]NAME[ARGS]{...}``, harmony's commentary messages."""
+
+    head: str
+    tail: str = ""
+    open: str = ""
+    sep: str | None = ""
+    close: str = ""
+    # The close may be left out: it is also a stop token, which ends the output in its place.
+    optional_close: bool = False
+
+
+def framed_call_grammar(frame: CallFrame, functions: Mapping[str, Mapping[str, Any] | None],
+                        parallel: bool) -> str:
+    """EBNF of a turn of calls framed by ``frame`` (see tool_call_grammar; cached too)."""
+    return _framed_call_grammar(frame, json.dumps(functions, ensure_ascii=False), parallel)
+
+
+@functools.lru_cache(maxsize=GRAMMAR_CACHE_SIZE)
+def _framed_call_grammar(frame: CallFrame, functions_json: str, parallel: bool) -> str:
+    functions: dict[str, Any] = json.loads(functions_json)
+    calls = []
+    for name, params in functions.items():
+        try:
+            args = arguments_grammar(params)
+        except ValueError as e:
+            raise ValueError(f"function {name!r}: {e}") from None
+        parts = [_literal(frame.head.replace("{name}", name)), args]
+        calls.append(_grammar().concat(*parts, *([_literal(frame.tail)] if frame.tail else [])))
+    one = _grammar().union(*calls)
+    repeat = f" ({json.dumps(frame.sep)} root)*" if parallel and frame.sep is not None else ""
+    close = f"({json.dumps(frame.close)})?" if frame.optional_close else json.dumps(frame.close)
+    ebnf = f"{one}\n{_CALLS_RULE} ::= {json.dumps(frame.open)} root{repeat} {close}\n"
     return str(_grammar().from_ebnf(ebnf, root_rule_name=_CALLS_RULE))

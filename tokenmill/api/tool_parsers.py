@@ -187,6 +187,13 @@ class ToolParser:
 
     name: ClassVar[str]
     format: ClassVar[CallFormat]
+    # The format's markup is special tokens (Mistral's [TOOL_CALLS]): the output's text must
+    # keep them for the calls to be read (api/tools.py hides them from the content).
+    keeps_special_tokens: ClassVar[bool] = False
+
+    def for_template(self, template: str | None) -> ToolParser:
+        """This format as the model's chat template writes it (a variant, or itself)."""
+        return self
 
     def stream(self, names: Collection[str],
                schemas: Mapping[str, Any] | None = None) -> CallStream:
@@ -207,10 +214,11 @@ class ToolParser:
         return (events.content or None) if calls else events.content, calls
 
     def forced_grammar(self, functions: Mapping[str, Mapping[str, Any] | None],
-                       parallel: bool) -> str:
+                       parallel: bool, prompt: str | None = None) -> str:
         """EBNF of a turn of calls in this format to ``functions`` (name -> parameters
-        schema): one call, or one or more when ``parallel``. ValueError naming a function
-        whose schema cannot be used."""
+        schema): one call, or one or more when ``parallel``; ``prompt``: the rendered chat
+        the output follows (formats whose opening depends on it read it). ValueError naming
+        a function whose schema cannot be used."""
         # Imported here: the grammar module reads this one's CallFormat.
         from tokenmill.api.tool_grammar import tool_call_grammar
 
@@ -272,22 +280,26 @@ _LIST_TEMPLATE = re.compile(re.escape(OPEN_TAG) + r"\s*\[")
 def resolve_parser(name: str, chat_template: str | None) -> ToolParser:
     """The parser ``name`` names; ``auto`` reads the model's chat template: one that writes
     Mistral's ``[TOOL_CALLS]``, Qwen3-Coder's ``<function=...>`` or Llama 3's JSON calls picks
-    that format (api/tool_formats.py), one that writes ``<tool_call>`` blocks picks theirs,
+    that format (api/tool_formats.py), gpt-oss's harmony picks harmony's
+    (api/tool_harmony.py), one that writes ``<tool_call>`` blocks picks theirs,
     SmolLM's own template picks SmolLM's, anything else gets Hermes (then described to the
     model in the system prompt)."""
     # Imported here: the other formats build on this module.
     from tokenmill.api.tool_formats import FORMAT_PARSERS, format_by_template
+    from tokenmill.api.tool_harmony import HarmonyToolParser, is_harmony_template
 
     parsers = PARSERS | FORMAT_PARSERS
     if name != "auto":
         if name not in parsers:
             raise ValueError(f"tool_call_parser must be auto or one of {sorted(parsers)}, "
                              f"got {name!r}")
-        return parsers[name]()
+        return parsers[name]().for_template(chat_template)
     template = chat_template or ""
     found = format_by_template(template)
     if found is not None:
         return found
+    if is_harmony_template(template):
+        return HarmonyToolParser()
     if OPEN_TAG in template:
         return SmolLMParser() if _LIST_TEMPLATE.search(template) else HermesParser()
     if "SmolLM" in template:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tokenmill.api.errors import bad_request, loads_json
@@ -29,9 +29,11 @@ from tokenmill.api.protocol import (
 )
 from tokenmill.api.tool_json import CallDelta
 from tokenmill.api.tool_parsers import CallStream, ParsedCall, ToolParser
+from tokenmill.api.tool_special import HiddenTokens, hidden_tokens
 from tokenmill.api.validation import ServedModel
 from tokenmill.chat_template import template_roles, validate_messages
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenmill.tokenizer import Tokenizer
 
 # OpenAI's limits: at most 128 tools, names of letters, digits, "_" and "-", 64 at most.
 MAX_TOOLS = 128
@@ -116,11 +118,13 @@ def check_tools(req: ChatCompletionRequest) -> ToolSetup:
     return ToolSetup(tools, choice, named, req.parallel_tool_calls)
 
 
-def forced_call(setup: ToolSetup, parser: ToolParser) -> StructuredOutputsParams | None:
+def forced_call(setup: ToolSetup, parser: ToolParser,
+                prompt: str | None = None) -> StructuredOutputsParams | None:
     """The constraint that makes the output a valid call when ``tool_choice`` forces one:
     one call of the named function, or calls of any of the tools (one unless
-    ``parallel_tool_calls``); None otherwise. 400 for a schema xgrammar cannot read, or a
-    grammar over the size limit."""
+    ``parallel_tool_calls``), in the model's format after ``prompt`` (the rendered chat);
+    None otherwise. 400 for a schema xgrammar cannot read, or a grammar over the size
+    limit."""
     if not setup.forced:
         return None
     chosen = [t for t in setup.tools if setup.named in (None, t.function.name)]
@@ -129,7 +133,7 @@ def forced_call(setup: ToolSetup, parser: ToolParser) -> StructuredOutputsParams
     # what a sampled small model would otherwise do until max_tokens.
     parallel = setup.parallel and setup.named is None
     try:
-        ebnf = parser.forced_grammar(functions, parallel)
+        ebnf = parser.forced_grammar(functions, parallel, prompt)
         return StructuredOutputsParams(grammar=ebnf)
     except ValueError as e:
         raise bad_request(f"tools: {e}", "tools") from None
@@ -264,12 +268,18 @@ class ToolReader:
     _pending: dict[int, dict[int, list[str]]] = field(default_factory=dict)
     # The functions' parameters schemas, by name (formats that type values read them).
     schemas: Mapping[str, Any] | None = None
+    # Special tokens' text to take out of the content (see keep_special_tokens).
+    hidden: HiddenTokens | None = None
 
     def message(self, text: str,
                 finish_reason: str | None) -> tuple[ChatMessage, str | None]:
         """The assistant message of a whole output, and its finish reason ("tool_calls" when
         it made calls and stopped by itself)."""
         content, calls = self.parser.parse(text, self.names, self.schemas)
+        if content and self.hidden is not None:
+            content = self.hidden.visible(content)
+        if calls and not content:
+            content = None
         message = ChatMessage(content=content, tool_calls=tool_calls(calls, self.parser) or None)
         return message, _finish_reason(bool(calls), finish_reason)
 
@@ -287,8 +297,11 @@ class ToolReader:
             deltas = self._whole(index, events.deltas, stream.ended_calls)
         else:
             deltas = [_delta_tool_call(d, self.parser) for d in events.deltas]
-        delta = DeltaMessage(content=events.content or None, tool_calls=deltas or None) \
-            if events.content or deltas else None
+        content = events.content
+        if self.hidden is not None:
+            content = self.hidden.piece(index, content, finished)
+        delta = DeltaMessage(content=content or None, tool_calls=deltas or None) \
+            if content or deltas else None
         return delta, _finish_reason(stream.num_calls > 0, finish_reason)
 
 
@@ -305,6 +318,19 @@ class ToolReader:
                                      function=DeltaFunctionCall(name=name,
                                                                 arguments="".join(pieces))))
         return out
+
+
+def keep_special_tokens(reader: ToolReader | None, params: SamplingParams,
+                        tokenizer: Tokenizer) -> SamplingParams:
+    """For a format whose markup is special tokens (Mistral's ``[TOOL_CALLS]`` and
+    ``[ARGS]``): the output's text keeps special tokens so that the calls can be read, and
+    the reader takes them out of the content (api/tool_special.py). A request that turned
+    ``skip_special_tokens`` off sees them as it asked."""
+    if reader is None or not reader.parser.keeps_special_tokens or \
+            not params.skip_special_tokens:
+        return params
+    reader.hidden = hidden_tokens(tokenizer)
+    return replace(params, skip_special_tokens=False)
 
 
 def _delta_tool_call(d: CallDelta, parser: ToolParser) -> DeltaToolCall:

@@ -1,0 +1,75 @@
+"""Test helper: tiny random Qwen3 folders whose byte-level tokenizers carry a tool-call
+format's special tokens and a chat template in that format, so that a forced call's grammar
+can spell JSON: gpt-oss's harmony (generation prompt ``<|start|>assistant``, as gpt-oss's) and
+Mistral's ``[TOOL_CALLS]NAME[ARGS]{...}``. The Mistral vocabulary has no plain ``[``: its
+``[TOOL_CALLS]`` and ``[ARGS]`` can only be written as the special tokens."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hf_checkpoints import COMMON, randomize
+
+HARMONY_SPECIALS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>",
+                    "<|constrain|>", "<|call|>")
+HARMONY_TEMPLATE = (
+    "<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
+    "{%- if tools %}<|start|>developer<|message|># Tools "
+    "{%- for t in tools %} {{ t.function.name }}{% endfor %}<|end|>{% endif %}"
+    "{%- for m in messages %}{% if m.role == 'assistant' %}"
+    "<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>"
+    "{%- else %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|start|>assistant{%- endif %}")
+MISTRAL_SPECIALS = ("<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[ARGS]",
+                    "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]")
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{%- if tools %}[AVAILABLE_TOOLS]{% for t in tools %} {{ t.function.name }}"
+    "{%- endfor %}[/AVAILABLE_TOOLS]{% endif %}"
+    "{%- for m in messages %}{% if m.role == 'user' %}[INST]{{ m.content }}[/INST]"
+    "{%- elif m.tool_calls %}{% for c in m.tool_calls %}[TOOL_CALLS]{{ c.function.name }}"
+    "[ARGS]{{ c.function.arguments | tojson }}{% endfor %}</s>"
+    "{%- else %}{{ m.content }}</s>{% endif %}{% endfor %}")
+VOCAB = 272  # the model's rows: 256 bytes and the special tokens
+
+
+def write_byte_tokenizer(path: Path, specials: tuple[str, ...], template: str, eos: str,
+                         bos: str | None = None, leave_out: str = "") -> tuple[int, int]:
+    """A byte-level BPE tokenizer with no merges (one token per byte, less ``leave_out``),
+    then ``specials`` as special tokens; returns the ids of ``bos`` (or of ``eos``) and
+    ``eos``."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = [c for c in sorted(pre_tokenizers.ByteLevel.alphabet()) if c not in leave_out]
+    tok = Tokenizer(models.BPE({c: i for i, c in enumerate(alphabet)}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in specials])
+    assert tok.get_vocab_size() <= VOCAB
+    tok.save(str(path / "tokenizer.json"))
+    config = {"eos_token": eos, "chat_template": template} | ({"bos_token": bos} if bos else {})
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return tok.token_to_id(bos or eos), tok.token_to_id(eos)
+
+
+def make_format_model(path: Path, kind: str) -> Path:
+    """The random 2-layer Qwen3 with ``kind``'s tokenizer: "harmony" or "mistral"."""
+    transformers = pytest.importorskip("transformers")
+    path.mkdir(parents=True, exist_ok=True)
+    if kind == "harmony":
+        bos, eos = write_byte_tokenizer(path, HARMONY_SPECIALS, HARMONY_TEMPLATE,
+                                        eos="<|return|>")
+    else:
+        bos, eos = write_byte_tokenizer(path, MISTRAL_SPECIALS, MISTRAL_TEMPLATE, eos="</s>",
+                                        bos="<s>", leave_out="[")
+    # The ids the model's generation config names are the tokenizer's own markers.
+    config = transformers.Qwen3Config(**{**COMMON, "vocab_size": VOCAB, "bos_token_id": bos,
+                                         "eos_token_id": eos,
+                                         "max_position_embeddings": 1024},
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      head_dim=32, tie_word_embeddings=True)
+    model = transformers.Qwen3ForCausalLM(config)
+    randomize(model, seed=11)
+    model.save_pretrained(path)
+    return path
