@@ -46,7 +46,7 @@ def test_keys_resolve_until_revoked_and_only_hashes_are_kept(store: TenancyStore
 
 def test_requests_per_minute_slide(store: TenancyStore) -> None:
     clock = Clock()
-    limiter = Limiter(store.spent_since, clock)
+    limiter = Limiter(store, clock)
     p = store.create_project("t", "admin", limits={"max_requests_per_1_minute": 2})
     assert limiter.admit(p) is None and limiter.admit(p) is None
     refusal = limiter.admit(p)
@@ -59,7 +59,7 @@ def test_requests_per_minute_slide(store: TenancyStore) -> None:
 
 def test_tokens_per_minute_and_concurrency(store: TenancyStore) -> None:
     clock = Clock()
-    limiter = Limiter(store.spent_since, clock)
+    limiter = Limiter(store, clock)
     p = store.create_project("t", "admin", limits={"max_tokens_per_1_minute": 100,
                                                    "max_concurrent_requests": 1})
     assert limiter.admit(p) is None
@@ -76,7 +76,7 @@ def test_tokens_per_minute_and_concurrency(store: TenancyStore) -> None:
 
 def test_monthly_budget_counts_this_month_only(store: TenancyStore) -> None:
     clock = Clock()
-    limiter = Limiter(store.spent_since, clock)
+    limiter = Limiter(store, clock)
     p = store.create_project("t", "admin", limits={"monthly_budget": 1.0})
     row = {"project_id": p.id, "key_id": "k", "model": "m", "kind": "completions",
            "input_tokens": 1, "output_tokens": 1, "finish_reason": "stop", "latency": 0.1}
@@ -95,7 +95,7 @@ def test_durations_as_openai_writes_them() -> None:
 def test_priority_never_more_urgent_than_the_project_allows(store: TenancyStore) -> None:
     p = store.create_project("batch", "admin", priority=5)
     caller = store.caller(store.create_key(p.id, "k", "admin")[1])
-    reset = current_tab.set(Tab(caller, store, Limiter(store.spent_since)))
+    reset = current_tab.set(Tab(caller, store, Limiter(store)))
     try:
         assert with_priority(SamplingParams(priority=0)).priority == 5
         assert with_priority(SamplingParams(priority=9)).priority == 9

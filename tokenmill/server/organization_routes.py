@@ -252,7 +252,7 @@ def install_tenancy(app: FastAPI, state: ServerState,
     # The object guard runs inside the tenancy guard: it reads the caller that one finds.
     app.add_middleware(ObjectGuard, store=store, server_key=state.config.api_key is not None)
     app.add_middleware(AdminAudit, store=store)
-    app.add_middleware(TenancyGuard, store=store, limiter=Limiter(store.spent_since),
+    app.add_middleware(TenancyGuard, store=store, limiter=Limiter(store),
                        metrics=ProjectMetrics(state.metrics.registry),
                        content=state.config.audit_log_content, pruner=pruner)
     return store

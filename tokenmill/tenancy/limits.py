@@ -1,6 +1,7 @@
-"""Per-project limits, kept in memory over a sliding minute: requests per minute, tokens per
-minute (prompt and completion tokens, counted as the engine produces them), concurrent
-requests; and the monthly budget, read from the store's usage rows."""
+"""Per-project limits: requests per minute, tokens per minute (prompt and completion tokens,
+counted as the engine produces them) and concurrent requests, counted in the tenancy store
+for every server process over it (``windows``); and the monthly budget, read from the store's
+usage rows. A project without per-minute or concurrency limits costs no write."""
 
 from __future__ import annotations
 
@@ -8,29 +9,11 @@ import calendar
 import math
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from tokenmill.tenancy.store import Project
-
-WINDOW_S = 60.0
-
-
-@dataclass
-class _Window:
-    """What one project did in the last minute, and what it runs now."""
-
-    requests: deque[float] = field(default_factory=deque)
-    tokens: deque[tuple[float, int]] = field(default_factory=deque)
-    token_sum: int = 0
-    running: int = 0
-
-    def trim(self, now: float) -> None:
-        while self.requests and self.requests[0] <= now - WINDOW_S:
-            self.requests.popleft()
-        while self.tokens and self.tokens[0][0] <= now - WINDOW_S:
-            self.token_sum -= self.tokens.popleft()[1]
+from tokenmill.tenancy.store import Project, TenancyStore
+from tokenmill.tenancy.windows import WINDOW_S, SharedWindows, Snapshot
 
 
 @dataclass(frozen=True)
@@ -40,6 +23,12 @@ class Refusal:
     message: str
     retry_after_s: float
     code: str = "rate_limit_exceeded"
+
+
+def _counted(p: Project) -> bool:
+    """Whether the project has a limit that needs its requests counted."""
+    return (p.max_requests_per_1_minute is not None or p.max_tokens_per_1_minute is not None
+            or p.max_concurrent_requests is not None)
 
 
 def month_start(now: float) -> float:
@@ -55,41 +44,46 @@ def seconds_to_next_month(now: float) -> float:
 
 
 class Limiter:
-    """Admits or refuses a project's requests; ``spent(project_id, since)`` gives the cost
-    recorded since a time (the store's usage)."""
+    """Admits or refuses a project's requests, over the windows of ``store`` shared by every
+    process that opens it."""
 
-    def __init__(self, spent: Callable[[str, float], float],
-                 clock: Callable[[], float] = time.time) -> None:
-        self._spent = spent
+    def __init__(self, store: TenancyStore, clock: Callable[[], float] = time.time) -> None:
+        self._spent = store.spent_since
         self._clock = clock
+        self._windows = SharedWindows(store.path, clock)
         self._lock = threading.Lock()
-        self._windows: dict[str, _Window] = {}
+        # This process's counted requests of each project (release uncounts only those), and
+        # the projects whose tokens are counted (those with a tokens-per-minute limit).
+        self._held: dict[str, int] = {}
+        self._token_projects: set[str] = set()
 
-    def _window(self, project_id: str) -> _Window:
-        w = self._windows.get(project_id)
-        if w is None:
-            w = self._windows[project_id] = _Window()
-        w.trim(self._clock())
-        return w
+    def close(self) -> None:
+        """Stop counting (this process's running requests stop holding others back)."""
+        self._windows.close()
 
     def admit(self, p: Project) -> Refusal | None:
         """Count a new request of ``p`` and hold a concurrency slot (``release`` frees it);
         or say why it is refused (nothing counted)."""
         refusal = self._budget_refusal(p)
+        if refusal is not None or not _counted(p):
+            return refusal
         with self._lock:
-            w, now = self._window(p.id), self._clock()
-            if refusal is None:
-                refusal = self._refusal(p, w, now)
-            if refusal is None:
-                w.requests.append(now)
-                w.running += 1
+            if p.max_tokens_per_1_minute is None:
+                self._token_projects.discard(p.id)
+            else:
+                self._token_projects.add(p.id)
+        refusal = self._windows.admit(p.id, lambda snap, now: self._refusal(p, snap, now))
+        if refusal is None:
+            with self._lock:
+                self._held[p.id] = self._held.get(p.id, 0) + 1
         return refusal
 
-    def _refusal(self, p: Project, w: _Window, now: float) -> Refusal | None:
+    def _refusal(self, p: Project, w: Snapshot, now: float) -> Refusal | None:
         rpm, tpm = p.max_requests_per_1_minute, p.max_tokens_per_1_minute
-        if rpm is not None and len(w.requests) >= rpm:
+        if rpm is not None and w.requests >= rpm:
+            first = w.first_request if w.first_request is not None else now
             return Refusal(f"the project's limit of {rpm} requests per minute is reached",
-                           w.requests[0] + WINDOW_S - now)
+                           first + WINDOW_S - now)
         if tpm is not None and w.token_sum >= tpm:
             return Refusal(f"the project's limit of {tpm} tokens per minute is reached",
                            self._tokens_free_in(w, tpm, now))
@@ -110,7 +104,7 @@ class Limiter:
                        code="insufficient_quota")
 
     @staticmethod
-    def _tokens_free_in(w: _Window, tpm: int, now: float) -> float:
+    def _tokens_free_in(w: Snapshot, tpm: int, now: float) -> float:
         """Seconds until the minute's tokens fall below ``tpm``."""
         total = w.token_sum
         for t, n in w.tokens:
@@ -122,35 +116,36 @@ class Limiter:
     def release(self, project_id: str) -> None:
         """A request admitted by ``admit`` finished (or failed)."""
         with self._lock:
-            w = self._window(project_id)
-            w.running = max(0, w.running - 1)
+            held = self._held.get(project_id, 0)
+            if held == 0:  # not counted (a project without limits when it was admitted)
+                return
+            self._held[project_id] = held - 1
+        self._windows.release(project_id)
 
     def add_tokens(self, project_id: str, n: int) -> None:
         """Count ``n`` tokens the engine read or wrote for the project."""
-        if n > 0:
-            with self._lock:
-                w = self._window(project_id)
-                w.tokens.append((self._clock(), n))
-                w.token_sum += n
+        if n > 0 and project_id in self._token_projects:
+            self._windows.add_tokens(project_id, n)
 
     def headers(self, p: Project) -> dict[str, str]:
         """OpenAI's ``x-ratelimit-*`` headers for the project's per-minute limits."""
-        with self._lock:
-            w, now = self._window(p.id), self._clock()
-            out: dict[str, str] = {}
-            rpm, tpm = p.max_requests_per_1_minute, p.max_tokens_per_1_minute
-            if rpm is not None:
-                reset = w.requests[0] + WINDOW_S - now if w.requests else 0.0
-                out |= {"x-ratelimit-limit-requests": str(rpm),
-                        "x-ratelimit-remaining-requests": str(max(0, rpm - len(w.requests))),
-                        "x-ratelimit-reset-requests": duration(reset)}
-            if tpm is not None:
-                reset = self._tokens_free_in(w, tpm, now) if w.token_sum >= tpm else (
-                    w.tokens[0][0] + WINDOW_S - now if w.tokens else 0.0)
-                out |= {"x-ratelimit-limit-tokens": str(tpm),
-                        "x-ratelimit-remaining-tokens": str(max(0, tpm - w.token_sum)),
-                        "x-ratelimit-reset-tokens": duration(reset)}
-            return out
+        rpm, tpm = p.max_requests_per_1_minute, p.max_tokens_per_1_minute
+        if rpm is None and tpm is None:
+            return {}
+        w, now = self._windows.snapshot(p.id), self._clock()
+        out: dict[str, str] = {}
+        if rpm is not None:
+            reset = w.first_request + WINDOW_S - now if w.first_request is not None else 0.0
+            out |= {"x-ratelimit-limit-requests": str(rpm),
+                    "x-ratelimit-remaining-requests": str(max(0, rpm - w.requests)),
+                    "x-ratelimit-reset-requests": duration(reset)}
+        if tpm is not None:
+            reset = self._tokens_free_in(w, tpm, now) if w.token_sum >= tpm else (
+                w.tokens[0][0] + WINDOW_S - now if w.tokens else 0.0)
+            out |= {"x-ratelimit-limit-tokens": str(tpm),
+                    "x-ratelimit-remaining-tokens": str(max(0, tpm - w.token_sum)),
+                    "x-ratelimit-reset-tokens": duration(reset)}
+        return out
 
 
 def duration(seconds: float) -> str:
