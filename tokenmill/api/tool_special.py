@@ -12,45 +12,32 @@ from __future__ import annotations
 
 import re
 import weakref
-from dataclasses import dataclass, field
 
 from tokenmill.tokenizer import Tokenizer
 
 
-@dataclass
 class HiddenTokens:
-    """The text of a vocabulary's special tokens, taken out of content, whole or streamed."""
+    """The text of a vocabulary's special tokens, to take out of content (built once per
+    tokenizer: a request's reader keeps what it holds back itself)."""
 
-    texts: frozenset[str]
-    _pattern: re.Pattern[str] = field(init=False)
-    _prefixes: frozenset[str] = field(init=False)  # proper starts of a token's text
-    _longest: int = field(init=False)
-    _held: dict[int, str] = field(default_factory=dict)  # per sequence: a token's start
-
-    def __post_init__(self) -> None:
-        self._pattern = re.compile("|".join(map(re.escape, sorted(self.texts, key=len,
+    def __init__(self, texts: frozenset[str]) -> None:
+        self.texts = texts
+        self._pattern = re.compile("|".join(map(re.escape, sorted(texts, key=len,
                                                                   reverse=True))))
-        self._prefixes = frozenset(t[:k] for t in self.texts for k in range(1, len(t)))
-        self._longest = max(map(len, self.texts))
+        self._prefixes = frozenset(t[:k] for t in texts for k in range(1, len(t)))
+        self._longest = max(map(len, texts))
 
     def visible(self, text: str) -> str:
         """``text`` without the special tokens' text."""
         return self._pattern.sub("", text)
 
-    def piece(self, index: int, text: str, finished: bool) -> str:
-        """The visible part of sequence ``index``'s next piece of content: a token's text
-        that may be cut between pieces is held back until the next one."""
-        text = self._held.pop(index, "") + text
-        if not finished:
-            for k in range(min(self._longest - 1, len(text)), 0, -1):
-                if text[-k:] in self._prefixes:
-                    text, self._held[index] = text[:-k], text[-k:]
-                    break
-        return self.visible(text)
-
-    def copy(self) -> HiddenTokens:
-        """A fresh one for another request (nothing held)."""
-        return HiddenTokens(self.texts)
+    def split_tail(self, text: str) -> tuple[str, str]:
+        """``text`` less its end that may begin a special token's text (held back until
+        the next piece of a stream shows), and that end."""
+        for k in range(min(self._longest - 1, len(text)), 0, -1):
+            if text[-k:] in self._prefixes:
+                return text[:-k], text[-k:]
+        return text, ""
 
 
 # Per tokenizer (a Mistral vocabulary has a thousand special tokens: read them once).
@@ -59,11 +46,10 @@ _BY_TOKENIZER: weakref.WeakKeyDictionary[Tokenizer, HiddenTokens | None] = \
 
 
 def hidden_tokens(tokenizer: Tokenizer) -> HiddenTokens | None:
-    """The special tokens of ``tokenizer`` (None when it has none), ready for one request."""
+    """The special tokens of ``tokenizer`` (None when it has none)."""
     if tokenizer not in _BY_TOKENIZER:
         texts = {tokenizer.decode([i], skip_special_tokens=False)
                  for i in tokenizer.all_special_ids} - {""}
         _BY_TOKENIZER[tokenizer] = HiddenTokens(frozenset(texts)) if texts else None
-    found = _BY_TOKENIZER[tokenizer]
-    return found.copy() if found is not None else None
+    return _BY_TOKENIZER[tokenizer]
 

@@ -268,8 +268,10 @@ class ToolReader:
     _pending: dict[int, dict[int, list[str]]] = field(default_factory=dict)
     # The functions' parameters schemas, by name (formats that type values read them).
     schemas: Mapping[str, Any] | None = None
-    # Special tokens' text to take out of the content (see keep_special_tokens).
+    # Special tokens' text to take out of the content (see keep_special_tokens), and per
+    # sequence the end of the content held back because it may begin one.
     hidden: HiddenTokens | None = None
+    _held: dict[int, str] = field(default_factory=dict)
 
     def message(self, text: str,
                 finish_reason: str | None) -> tuple[ChatMessage, str | None]:
@@ -299,7 +301,10 @@ class ToolReader:
             deltas = [_delta_tool_call(d, self.parser) for d in events.deltas]
         content = events.content
         if self.hidden is not None:
-            content = self.hidden.piece(index, content, finished)
+            content = self._held.pop(index, "") + content
+            if not finished:
+                content, self._held[index] = self.hidden.split_tail(content)
+            content = self.hidden.visible(content)
         delta = DeltaMessage(content=content or None, tool_calls=deltas or None) \
             if content or deltas else None
         return delta, _finish_reason(stream.num_calls > 0, finish_reason)
