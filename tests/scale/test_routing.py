@@ -66,6 +66,14 @@ def test_block_hashes_are_the_prefix_caches() -> None:
     assert block_hashes(tokens, 16, max_blocks=2) == kv.block_hashes("r", tokens, 2)
 
 
+def test_an_adapters_block_hashes_are_salted_as_the_prefix_caches() -> None:
+    tokens = list(range(50))
+    kv = KVCacheManager(num_blocks=8, block_size=16)
+    kv.set_salt("r", b"lora:1")
+    assert block_hashes(tokens, 16, salt=b"lora:1") == kv.block_hashes("r", tokens, 3)
+    assert block_hashes(tokens, 16, salt=b"lora:1") != block_hashes(tokens, 16)
+
+
 def test_prefix_follows_the_cached_blocks() -> None:
     router, replicas = _router(PrefixAwareRouter), _replicas(3)
     shared = block_hashes(list(range(64)), 16)

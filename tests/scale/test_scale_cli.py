@@ -123,3 +123,30 @@ def test_adapters_go_to_their_base(tmp_path) -> None:
         [], [LoRAModule("x", "/x"), LoRAModule("y", "/y", base_model_name="chat")]]
     with pytest.raises(ValueError, match="base_model_name 'nope' is not a served model"):
         assign_adapters([("a", chat), ("b", chat)], [LoRAModule("z", "/z", "nope")])
+
+
+def test_models_dir_gets_replicas_that_load_on_demand(tmp_path) -> None:
+    engine_args = argparse.Namespace(max_model_len=256)
+    server = ServerConfig(models_dir=str(tmp_path))
+    app = build_application([(None, EngineConfig())], server,
+                            scale_config_from_args(_args("--replicas", "3")),
+                            engine_args=engine_args)
+    on_demand = app._bound_deployment.init_kwargs["on_demand"]._bound_deployment
+    assert on_demand.name == "tokenmill-replica-models-dir" and on_demand.num_replicas == 3
+    assert on_demand.init_args[0] is None
+    assert on_demand.init_kwargs["engine_args"] is engine_args
+    assert app._bound_deployment.init_kwargs["models_dir"] == str(tmp_path)
+    assert build_application([(None, EngineConfig())], ServerConfig(),
+                             ScaleConfig())._bound_deployment.init_kwargs["on_demand"] is None
+
+
+def test_serve_command_refuses_the_admin_api_with_replicas() -> None:
+    """The admin API changes one server's models: refused with --replicas, by name, before
+    any cluster starts."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "tokenmill", "serve", "--replicas", "2",
+                           "--admin-key", "k"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "the admin API" in done.stderr

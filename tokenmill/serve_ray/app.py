@@ -4,6 +4,7 @@ and the ingress (``Ingress``) in front of them, which routes by the request's ``
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -23,6 +24,8 @@ from tokenmill.serve_ray.routing import router_class
 from tokenmill.server.model_registry import ENCODER_MODEL_TYPES
 
 REPLICA_DEPLOYMENT = "tokenmill-replica"
+# The replicas that load models of --models-dir on demand.
+ON_DEMAND_DEPLOYMENT = f"{REPLICA_DEPLOYMENT}-models-dir"
 INGRESS_DEPLOYMENT = "tokenmill-ingress"
 
 
@@ -119,9 +122,11 @@ def assign_adapters(models: Sequence[tuple[str | None, EngineConfig]],
 
 
 def build_application(models: Sequence[tuple[str | None, EngineConfig]], server: ServerConfig,
-                      scale: ScaleConfig, lora_modules: Sequence[LoRAModule] = ()
-                      ) -> Application:
-    """A deployment per model and the ingress, bound; ``serve.run`` starts them."""
+                      scale: ScaleConfig, lora_modules: Sequence[LoRAModule] = (),
+                      engine_args: argparse.Namespace | None = None) -> Application:
+    """A deployment per model (and with --models-dir one whose replicas load that folder's
+    models on demand, with ``engine_args``: the command line's engine options) and the
+    ingress, bound; ``serve.run`` starts them."""
     router = _router_config(scale)
     sizing: dict[str, object] = {"num_replicas": scale.replicas}
     if scale.replicas is None:
@@ -129,22 +134,27 @@ def build_application(models: Sequence[tuple[str | None, EngineConfig]], server:
             "min_replicas": scale.min_replicas, "max_replicas": scale.max_replicas,
             "initial_replicas": max(scale.min_replicas, 1),
             "target_ongoing_requests": scale.target_ongoing_requests}}
-    options: dict[str, object] = {}
+    options: dict[str, object] = {
+        "ray_actor_options": {"num_cpus": scale.replica_cpus, "num_gpus": scale.replica_gpus},
+        "max_ongoing_requests": scale.max_ongoing_requests,
+        "health_check_period_s": scale.health_check_period_s,
+        "graceful_shutdown_timeout_s": server.drain_timeout, **sizing}
     if router is not None:
         options["request_router_config"] = router
     adapters = assign_adapters(models, lora_modules, server.served_model_name)
-    deployments = []
-    for i, model in enumerate(models):
-        replicas = serve.deployment(
-            ReplicaServer, name=deployment_name(i, model[0]),
-            ray_actor_options={"num_cpus": scale.replica_cpus, "num_gpus": scale.replica_gpus},
-            max_ongoing_requests=scale.max_ongoing_requests,
-            health_check_period_s=scale.health_check_period_s,
-            graceful_shutdown_timeout_s=server.drain_timeout, **sizing, **options)
-        deployments.append(replicas.bind(model, server, adapters[i],
-                                         kv_events=scale.router == "prefix"))
+    deployments = [
+        serve.deployment(ReplicaServer, name=deployment_name(i, model[0]), **options).bind(
+            model, server, adapters[i], kv_events=scale.router == "prefix")
+        for i, model in enumerate(models)]
+    on_demand = None
+    if server.models_dir is not None:
+        if engine_args is None:
+            raise ValueError("--models-dir needs the engine options of the models it loads")
+        on_demand = serve.deployment(ReplicaServer, name=ON_DEMAND_DEPLOYMENT, **options).bind(
+            None, server, engine_args=engine_args)
     # The ingress only forwards: no CPU of its own to reserve, and no limit of its own.
     ingress = serve.deployment(Ingress, name=INGRESS_DEPLOYMENT,
                                ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=100_000)
-    return ingress.bind(deployments, own_metrics=not server.auth_health_metrics)
+    return ingress.bind(deployments, own_metrics=not server.auth_health_metrics,
+                        on_demand=on_demand, models_dir=server.models_dir)

@@ -1,7 +1,9 @@
 """Which deployment answers a request: the ingress's table of the served models (one
 deployment each, with its LoRA adapters), the model a request names (its body's ``model``,
 the path of ``/v1/models/{id}``, ``?model=`` of ``/tokenizer_info``), and the merged answers
-of the routes that list every model (``/v1/models``, ``/api/tags``, ``/api/ps``).
+of the routes that list every model (``/v1/models``, ``/api/tags``, ``/api/ps``). With
+--models-dir a name of that folder goes to the deployment whose replicas load such models on
+demand.
 
 Plain Python: no Ray here (a deployment's handle is an opaque ``handle``), so the choices are
 unit-tested without a cluster. A name no deployment serves is the single server's 404
@@ -11,14 +13,17 @@ unit-tested without a cluster. A name no deployment serves is the single server'
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from starlette.responses import JSONResponse
 
+from tokenmill.api.errors import APIError
 from tokenmill.serve_ray.messages import ModelInfo
 from tokenmill.server.errors import error_response, is_ollama_path
+from tokenmill.server.models_dir import path_inside
 from tokenmill.server.state import EMBED, GENERATE, unknown_model
 
 # Routes whose JSON body's ``model`` names the model that answers (none: the first model of
@@ -46,17 +51,24 @@ class Entry:
 
 @dataclass(frozen=True)
 class Target:
-    """Where a request goes: ``entry``'s deployment, or (``error``) nowhere."""
+    """Where a request goes: ``entry``'s deployment. ``not_found``: the request names no
+    served model; its answer unless ``entry`` (the default) refuses the request first (a
+    malformed request is a 400 before its model is looked up, as on one server)."""
 
-    entry: Entry | None = None
-    error: JSONResponse | None = None
+    entry: Entry
+    not_found: JSONResponse | None = None
 
 
 class Catalog:
-    """The served models, in the order they were named (the first of a task: its default)."""
+    """The served models, in the order they were named (the first of a task: its default);
+    with ``on_demand`` (--models-dir) the deployment that loads the models of ``models_dir``
+    a request names."""
 
-    def __init__(self, entries: Sequence[Entry]) -> None:
+    def __init__(self, entries: Sequence[Entry], on_demand: Any = None,
+                 models_dir: str | None = None) -> None:
         self.entries = list(entries)
+        self.on_demand = Entry(ModelInfo("", "on_demand"), on_demand) if on_demand else None
+        self.models_dir = os.path.realpath(models_dir) if models_dir else None
 
     def names(self) -> list[str]:
         """The names a server lists: every model, then every adapter."""
@@ -82,25 +94,36 @@ class Catalog:
     def target(self, method: str, path: str, query: dict[str, str], body: bytes) -> Target:
         """The deployment for a request (see the module's docstring)."""
         if method == "GET" and path.startswith(MODEL_CARD_PREFIX):
-            return self._named(path[len(MODEL_CARD_PREFIX):], path)
+            return self._named(path[len(MODEL_CARD_PREFIX):], path, None)
         if method == "GET" and path == "/tokenizer_info" and "model" in query:
-            return self._named(query["model"], path)
+            return self._named(query["model"], path, None)
         if method != "POST" or path not in MODEL_ROUTES:
             return Target(self.default())
         task = MODEL_ROUTES[path]
         name = _body_model(body)
         if not name:  # no model named (or a body its server refuses)
             return Target(self.default(task))
-        return self._named(name, path)
+        return self._named(name, path, task)
 
-    def _named(self, name: str, path: str) -> Target:
+    def _named(self, name: str, path: str, task: str | None) -> Target:
         ollama = is_ollama_path(path)
         entry = self.find(name, ollama)
-        if entry is None:
-            # As Ollama's routes do: an unknown "x:latest" is reported as "x".
-            shown = name.removesuffix(":latest") if ollama else name
-            return Target(error=error_response(unknown_model(shown, self.names()), path))
-        return Target(entry)
+        if entry is not None:
+            return Target(entry)
+        # As Ollama's routes do: an unknown "x:latest" is "x".
+        shown = name.removesuffix(":latest") if ollama else name
+        if self.on_demand is not None and self._in_models_dir(shown):
+            return Target(self.on_demand)
+        return Target(self.default(task),
+                      error_response(unknown_model(shown, self.names()), path))
+
+    def _in_models_dir(self, name: str) -> bool:
+        """Whether ``name`` is a file or folder of --models-dir (as its server checks)."""
+        try:
+            path_inside(self.models_dir, name, "model")
+        except APIError:
+            return False
+        return True
 
 
 def _body_model(body: bytes) -> str | None:

@@ -79,8 +79,10 @@ def run_ray_serve(args: argparse.Namespace) -> int:
     merge_model_args(args)
     server = server_config_from_args(args)
     if server.admin_key is not None or server.allow_runtime_lora_updating:
-        raise ValueError("--replicas serves the models and adapters named at start: the admin "
-                         "API and --allow-runtime-lora-updating are for one server")
+        raise ValueError("--replicas serves the models and adapters named at start (and those "
+                         "of --models-dir on demand): the admin API and "
+                         "--allow-runtime-lora-updating, which change them on one server, are "
+                         "refused")
     scale = scale_config_from_args(args)
     models = served_models(args)
     if any(c.cache.kv_events_endpoint for _, c in models):
@@ -89,7 +91,10 @@ def run_ray_serve(args: argparse.Namespace) -> int:
                          "port of its own, named in its routing stats")
     lora_modules = [parse_lora_module(v) for v in args.lora_modules]
     check_lora_options([c for _, c in models], lora_modules, False)
-    application = build_application(models, server, scale, lora_modules)
+    # What replicas that load --models-dir's models on demand need of the command line.
+    engine_args = argparse.Namespace(**{k: v for k, v in vars(args).items()
+                                        if not callable(v)})
+    application = build_application(models, server, scale, lora_modules, engine_args)
     ray.init(address=args.ray_address, ignore_reinit_error=True)
     serve.start(http_options={"host": server.host, "port": server.port})
     stop = threading.Event()

@@ -63,10 +63,16 @@ def prompt_token_ids(body: dict[str, Any], tokenizer: Tokenizer) -> list[int] | 
 
 class Ingress:
     """Forwards HTTP requests to the replicas (``deployments``: one handle per served model,
-    in the order the models were named)."""
+    in the order the models were named; ``on_demand``: the replicas that load the models of
+    ``models_dir`` on demand)."""
 
-    def __init__(self, deployments: list[DeploymentHandle], own_metrics: bool = True) -> None:
+    def __init__(self, deployments: list[DeploymentHandle], own_metrics: bool = True,
+                 on_demand: DeploymentHandle | None = None, models_dir: str | None = None
+                 ) -> None:
         self.deployments = deployments
+        # --models-dir: the replicas that load the folder's models a request names.
+        self.on_demand = on_demand
+        self.models_dir = models_dir
         self._catalog: Catalog | None = None
         self._catalog_lock = asyncio.Lock()
         # /metrics of every replica, answered here (off when /metrics needs the API key:
@@ -92,7 +98,8 @@ class Ingress:
             if self._catalog is None:
                 infos = await asyncio.gather(*(d.describe.remote() for d in self.deployments))
                 self._catalog = Catalog([Entry(info, handle) for info, handle
-                                         in zip(infos, self.deployments, strict=True)])
+                                         in zip(infos, self.deployments, strict=True)],
+                                        self.on_demand, self.models_dir)
             return self._catalog
 
     async def _route_key(self, entry: Entry, req: HTTPRequestData) -> list[bytes] | None:
@@ -102,10 +109,12 @@ class Ingress:
         try:
             body = json.loads(req.body)
             ids = await asyncio.to_thread(prompt_token_ids, body, info.tokenizer)
+            # An adapter's blocks are chained to its salt in the replica's prefix cache.
+            salt = info.salts.get(body.get("model"))
         # A malformed body (the replica answers it): then any replica will do.
         except Exception:
             return None
-        return block_hashes(ids, info.block_size) if ids else None
+        return block_hashes(ids, info.block_size, salt=salt) if ids else None
 
     async def _open(self, entry: Entry, req: HTTPRequestData
                     ) -> tuple[ResponseHead, AsyncIterator[Any]]:
@@ -131,7 +140,8 @@ class Ingress:
         """A route every model answers (a listing, /health): each deployment's answer, merged
         or the first that is not ok."""
         catalog = await self.catalog()
-        answers = await asyncio.gather(*(self._whole(e, req) for e in catalog.entries))
+        everyone = catalog.entries + ([catalog.on_demand] if catalog.on_demand else [])
+        answers = await asyncio.gather(*(self._whole(e, req) for e in everyone))
         merged = None
         if req.path in LISTING_ROUTES:
             merged = merge_listings(req.path, [(h.status, body) for h, body in answers])
@@ -177,12 +187,16 @@ class Ingress:
         if request.method == "GET" and (path in LISTING_ROUTES or path == "/health"):
             return await self._everyone(req)
         target = catalog.target(request.method, path, dict(request.query_params), req.body)
-        if target.error is not None:
-            return target.error
-        assert target.entry is not None
         self._in_flight += 1
         try:
             head, stream = await self._open(target.entry, req)
+            if target.not_found is not None and head.status == 404:
+                # The default model's server found the request well formed, then no model:
+                # the 404 names every model, not only its own.
+                async for _ in stream:
+                    pass
+                self._in_flight -= 1
+                return target.not_found
         except BaseException as e:
             self._in_flight -= 1
             if isinstance(e, ConnectionError):

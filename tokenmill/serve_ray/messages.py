@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.tokenizer import Tokenizer
@@ -53,6 +53,8 @@ class ModelInfo:
     adapters: tuple[str, ...] = ()
     tokenizer: Tokenizer | None = None
     block_size: int = 0
+    # Each adapter's prefix-cache salt (its blocks' hashes are chained to it).
+    salts: dict[str, bytes] = field(default_factory=dict)
 
 
 def _scope(req: HTTPRequestData) -> dict[str, Any]:

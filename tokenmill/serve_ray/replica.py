@@ -13,12 +13,14 @@ requests and waits for the ones in flight (``graceful_shutdown_timeout_s``:
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import dataclasses
 import logging
 import socket
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ray import serve
@@ -30,8 +32,10 @@ from tokenmill.serve_ray.metrics import PUSH_INTERVAL_S, find_board
 from tokenmill.serve_ray.routing import KV_EVENTS_STAT
 from tokenmill.server.app import build_app
 from tokenmill.server.launcher import load_models
+from tokenmill.server.lifecycle import ModelManager
 from tokenmill.server.lora_adapters import load_lora_modules
-from tokenmill.server.state import GENERATE
+from tokenmill.server.model_registry import config_factory
+from tokenmill.server.state import GENERATE, ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -40,27 +44,46 @@ class ReplicaServer:
     """One served model's engine and the HTTP application over it. ``lora_modules``: the
     adapters this model serves (--lora-modules); ``kv_events``: publish KV-cache events."""
 
-    def __init__(self, model: tuple[str | None, EngineConfig], config: ServerConfig,
-                 lora_modules: Sequence[LoRAModule] = (), kv_events: bool = False) -> None:
-        name, engine_config = model
+    def __init__(self, model: tuple[str | None, EngineConfig] | None, config: ServerConfig,
+                 lora_modules: Sequence[LoRAModule] = (), kv_events: bool = False,
+                 engine_args: argparse.Namespace | None = None) -> None:
         self.kv_events_endpoint: str | None = None
+        manager = None
+        if model is None:  # --models-dir: none at start, each loaded when a request names it
+            self.state = load_models([], config)
+            factory = config_factory(engine_args or argparse.Namespace())
+            manager = ModelManager(self.state, factory, config.models_dir,
+                                   config.max_loaded_models, config.keep_alive, factory.budget)
+        else:
+            self.state = self._load(model, config, lora_modules, kv_events)
+        self.app = build_app(self.state, manager)
+        self.name = serve.get_replica_context().replica_id.unique_id
+        self._lifespan: contextlib.AbstractAsyncContextManager[None] | None = None
+        self._start_lock = asyncio.Lock()
+        self._pusher: asyncio.Future[None] | None = None
+
+    def _load(self, model: tuple[str | None, EngineConfig], config: ServerConfig,
+              lora_modules: Sequence[LoRAModule], kv_events: bool) -> ServerState:
+        """The model's engine (publishing its KV events with ``kv_events``) and adapters."""
+        name, engine_config = model
         if kv_events and _publishes(engine_config):
             self.kv_events_endpoint = _free_endpoint()
             cache = dataclasses.replace(engine_config.cache,
                                         kv_events_endpoint=self.kv_events_endpoint)
             engine_config = dataclasses.replace(engine_config, cache=cache)
-        self.state = load_models([(name, engine_config)], config)
+            logger.info("KV-cache events on %s", self.kv_events_endpoint)
+        state = load_models([(name, engine_config)], config)
         try:
-            load_lora_modules(self.state, lora_modules)
+            if lora_modules:
+                # Ray Serve runs __init__ with an event loop running in this thread, and
+                # load_lora_modules runs one of its own: on a thread of its own then.
+                with ThreadPoolExecutor(1) as pool:
+                    pool.submit(load_lora_modules, state, lora_modules).result()
         except BaseException:
-            for served in self.state.models.values():
+            for served in state.models.values():
                 served.client.engine.close()
             raise
-        self.app = build_app(self.state)
-        self.name = serve.get_replica_context().replica_id.unique_id
-        self._lifespan: contextlib.AbstractAsyncContextManager[None] | None = None
-        self._start_lock = asyncio.Lock()
-        self._pusher: asyncio.Future[None] | None = None
+        return state
 
     async def _started(self) -> None:
         """Start the engines' step loops (the app's lifespan) on the replica's event loop,
@@ -95,8 +118,10 @@ class ReplicaServer:
         adapters = tuple(self.state.adapters_of(served.name))
         if served.task != GENERATE:
             return ModelInfo(served.name, served.task, adapters)
+        salts = {a: lora.cache_salt for a in adapters
+                 if (lora := self.state.adapters[a].lora) is not None}
         return ModelInfo(served.name, served.task, adapters, served.client.tokenizer,
-                         served.client.engine.config.cache.block_size)
+                         served.client.engine.config.cache.block_size, salts)
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve hands these to the request router: where this replica's KV-cache events
@@ -107,8 +132,10 @@ class ReplicaServer:
         """The name this replica gives in the x-tokenmill-replica header."""
         return self.name
 
-    def check_health(self) -> None:
-        """Raise (Ray then replaces this replica) once an engine has died."""
+    async def check_health(self) -> None:
+        """Raise (Ray then replaces this replica) once an engine has died. The first check
+        starts the engines (and the metrics' posts) of a replica no request reached yet."""
+        await self._started()
         if self.state.dead_reason is not None:
             raise RuntimeError(self.state.dead_reason)
 

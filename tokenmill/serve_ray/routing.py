@@ -41,13 +41,14 @@ ROUTE_KEY = "route_key"
 KV_EVENTS_STAT = "kv_events_endpoint"
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int,
-                 max_blocks: int = 256) -> list[BlockHash]:
+def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int = 256,
+                 salt: BlockHash | None = None) -> list[BlockHash]:
     """The prefix cache's hashes of the prompt's full blocks (at most ``max_blocks``): the
-    same chain the replica's KV cache registers them under."""
+    same chain the replica's KV cache registers them under (``salt``: what the first block
+    is chained to, a LoRA adapter's ``cache_salt``)."""
     hashes: list[BlockHash] = []
     for i in range(min(len(token_ids) // block_size, max_blocks)):
-        hashes.append(hash_block(hashes[-1] if hashes else None,
+        hashes.append(hash_block(hashes[-1] if hashes else salt,
                                  token_ids[i * block_size:(i + 1) * block_size]))
     return hashes
 
