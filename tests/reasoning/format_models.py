@@ -1,8 +1,9 @@
 """Test helper: tiny random Qwen3 folders whose byte-level tokenizers carry a tool-call
 format's special tokens and a chat template in that format, so that a forced call's grammar
-can spell JSON: gpt-oss's harmony (generation prompt ``<|start|>assistant``, as gpt-oss's) and
-Mistral's ``[TOOL_CALLS]NAME[ARGS]{...}``. The Mistral vocabulary has no plain ``[``: its
-``[TOOL_CALLS]`` and ``[ARGS]`` can only be written as the special tokens."""
+can spell JSON: gpt-oss's harmony (generation prompt ``<|start|>assistant``, as gpt-oss's),
+Mistral's ``[TOOL_CALLS]NAME[ARGS]{...}``, Llama 3's ``<|python_tag|>`` and Qwen3-Coder's
+``<function=...>``. The Mistral vocabulary has no plain ``[`` and the Llama one no plain
+``<`` or ``|``: their markup can only be written as the special tokens."""
 
 from __future__ import annotations
 
@@ -31,11 +32,39 @@ MISTRAL_TEMPLATE = (
     "{%- elif m.tool_calls %}{% for c in m.tool_calls %}[TOOL_CALLS]{{ c.function.name }}"
     "[ARGS]{{ c.function.arguments | tojson }}{% endfor %}</s>"
     "{%- else %}{{ m.content }}</s>{% endif %}{% endfor %}")
+LLAMA3_SPECIALS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                   "<|eot_id|>", "<|eom_id|>", "<|python_tag|>")
+LLAMA3_TEMPLATE = (
+    "<|begin_of_text|>{%- if tools %}<|start_header_id|>system<|end_header_id|>\n\nTools:"
+    "{%- for t in tools %} {{ t.function.name }}{% endfor %}<|eot_id|>{% endif %}"
+    "{%- for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
+    "{%- if m.tool_calls %}{% for c in m.tool_calls %}<|python_tag|>"
+    "{{ {'name': c.function.name, 'parameters': c.function.arguments} | tojson }}"
+    "{%- endfor %}<|eom_id|>{% else %}{{ m.content }}<|eot_id|>{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    "{%- endif %}")
+QWEN3_CODER_SPECIALS = ("<|im_start|>", "<|im_end|>")
+QWEN3_CODER_WORDS = ("<tool_call>", "</tool_call>")  # added tokens, not special (as Qwen's)
+QWEN3_CODER_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}"
+    "{%- endfor %}. Call as <tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n"
+    "</parameter>\n</function>\n</tool_call><|im_end|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+# kind -> (special tokens, chat template, eos, bos, bytes left out of the vocabulary).
+KINDS: dict[str, tuple[tuple[str, ...], str, str, str | None, str]] = {
+    "harmony": (HARMONY_SPECIALS, HARMONY_TEMPLATE, "<|return|>", None, ""),
+    "mistral": (MISTRAL_SPECIALS, MISTRAL_TEMPLATE, "</s>", "<s>", "["),
+    # No plain "<" or "|": <|python_tag|> can only be the special token.
+    "llama3": (LLAMA3_SPECIALS, LLAMA3_TEMPLATE, "<|eot_id|>", "<|begin_of_text|>", "<|"),
+    "qwen3_coder": (QWEN3_CODER_SPECIALS, QWEN3_CODER_TEMPLATE, "<|im_end|>", None, ""),
+}
 VOCAB = 272  # the model's rows: 256 bytes and the special tokens
 
 
 def write_byte_tokenizer(path: Path, specials: tuple[str, ...], template: str, eos: str,
-                         bos: str | None = None, leave_out: str = "") -> tuple[int, int]:
+                         bos: str | None = None, leave_out: str = "",
+                         words: tuple[str, ...] = ()) -> tuple[int, int]:
     """A byte-level BPE tokenizer with no merges (one token per byte, less ``leave_out``),
     then ``specials`` as special tokens; returns the ids of ``bos`` (or of ``eos``) and
     ``eos``."""
@@ -46,6 +75,7 @@ def write_byte_tokenizer(path: Path, specials: tuple[str, ...], template: str, e
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True) for t in specials])
+    tok.add_tokens([AddedToken(t, special=False) for t in words])
     assert tok.get_vocab_size() <= VOCAB
     tok.save(str(path / "tokenizer.json"))
     config = {"eos_token": eos, "chat_template": template} | ({"bos_token": bos} if bos else {})
@@ -54,15 +84,13 @@ def write_byte_tokenizer(path: Path, specials: tuple[str, ...], template: str, e
 
 
 def make_format_model(path: Path, kind: str) -> Path:
-    """The random 2-layer Qwen3 with ``kind``'s tokenizer: "harmony" or "mistral"."""
+    """The random 2-layer Qwen3 with ``kind``'s tokenizer (a key of KINDS)."""
     transformers = pytest.importorskip("transformers")
     path.mkdir(parents=True, exist_ok=True)
-    if kind == "harmony":
-        bos, eos = write_byte_tokenizer(path, HARMONY_SPECIALS, HARMONY_TEMPLATE,
-                                        eos="<|return|>")
-    else:
-        bos, eos = write_byte_tokenizer(path, MISTRAL_SPECIALS, MISTRAL_TEMPLATE, eos="</s>",
-                                        bos="<s>", leave_out="[")
+    specials, template, eos_text, bos_text, leave_out = KINDS[kind]
+    words = QWEN3_CODER_WORDS if kind == "qwen3_coder" else ()
+    bos, eos = write_byte_tokenizer(path, specials, template, eos=eos_text, bos=bos_text,
+                                    leave_out=leave_out, words=words)
     # The ids the model's generation config names are the tokenizer's own markers.
     config = transformers.Qwen3Config(**{**COMMON, "vocab_size": VOCAB, "bos_token_id": bos,
                                          "eos_token_id": eos,

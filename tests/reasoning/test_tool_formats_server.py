@@ -1,8 +1,9 @@
-"""Forced calls and special-token formats end to end, on tiny random models whose byte-level
-tokenizers carry the format's markup (tests/reasoning/format_models.py): a gpt-oss (harmony)
+"""Tool-call formats end to end, on tiny random models whose byte-level tokenizers carry the
+format's markup and chat template (tests/reasoning/format_models.py): a gpt-oss (harmony)
 model forced to call writes harmony's commentary call, never Hermes's ``<tool_call>``; a
-Mistral model's ``[TOOL_CALLS]NAME[ARGS]{...}`` is read though its tags are special tokens,
-which the content never shows."""
+Mistral model's ``[TOOL_CALLS]NAME[ARGS]{...}`` and a Llama 3 call after its text and
+``<|python_tag|>`` are read though their tags are special tokens, which the content never
+shows; Qwen3-Coder's and Llama 3's forced calls come back as calls, whole and streamed."""
 
 from __future__ import annotations
 
@@ -25,22 +26,24 @@ TOOLS = [{"type": "function", "function": {
         "type": "object", "properties": {}}}}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+# Served name -> the format (tests/reasoning/format_models.py).
+MODELS = {"gptoss": "harmony", "mistral": "mistral", "llama": "llama3",
+          "coder": "qwen3_coder"}
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The models' folders: gptoss/ and mistral/."""
     path = tmp_path_factory.mktemp("formats")
-    make_format_model(path / "gptoss", "harmony")
-    make_format_model(path / "mistral", "mistral")
+    for name, kind in MODELS.items():
+        make_format_model(path / name, kind)
     return path
 
 
 @pytest.fixture(scope="module")
 def server(root: Path) -> Iterator[Server]:
-    s = start_server("--model", f"gptoss={root / 'gptoss'}", "--model",
-                     f"mistral={root / 'mistral'}",
-                     env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    models = [arg for name in MODELS for arg in ("--model", f"{name}={root / name}")]
+    s = start_server(*models, env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     yield s
     assert s.stop() == 0, s.log()
 
@@ -135,3 +138,42 @@ def test_the_content_shows_no_special_tokens(server: Server, root: Path) -> None
     shown = chat(server, "mistral", tools=TOOLS, skip_special_tokens=False, **bias)
     assert shown["choices"][0]["message"]["content"] == "[INST]" * 3
     assert chat(server, "mistral", **bias)["choices"][0]["message"]["content"] == ""
+
+
+# The model's text, forced by a grammar: an answer, then Llama 3's tag and a call.
+LLAMA_TEXT = "root ::= " + " ".join(json.dumps(part) for part in (
+    "Sure.", "<|python_tag|>", '{"name": "ping", "parameters": {}}'))
+
+
+def test_a_llama3_call_after_text_and_the_python_tag_is_read(server: Server) -> None:
+    # The tag is a special token (the vocabulary has no plain "|"): without it kept in the
+    # text, the call would read as content after "Sure.".
+    body = chat(server, "llama", tools=TOOLS, max_tokens=60,
+                structured_outputs={"grammar": LLAMA_TEXT})
+    choice0 = body["choices"][0]
+    assert choice0["message"]["content"] == "Sure.", choice0
+    assert choice0["finish_reason"] == "tool_calls"
+    (call,) = choice0["message"]["tool_calls"]
+    assert (call["function"]["name"], call["function"]["arguments"]) == ("ping", "{}")
+    content, names, arguments = streamed_calls(stream(
+        server, "llama", tools=TOOLS, max_tokens=60, structured_outputs={"grammar": LLAMA_TEXT}))
+    assert (content, names, json.loads(arguments)) == ("Sure.", ["ping"], {})
+    # Without tools the same text is content, the tag dropped as before.
+    plain = chat(server, "llama", max_tokens=60, structured_outputs={"grammar": LLAMA_TEXT})
+    assert plain["choices"][0]["message"]["content"] == 'Sure.{"name": "ping", "parameters": {}}'
+
+
+@pytest.mark.parametrize(("model", "function"), [("llama", "get_weather"), ("coder", "ping")])
+def test_forced_calls_in_the_other_formats(server: Server, model: str, function: str) -> None:
+    named = {"type": "function", "function": {"name": function}}
+    body = chat(server, model, tools=TOOLS, tool_choice=named, max_tokens=80)
+    choice0 = body["choices"][0]
+    assert choice0["finish_reason"] == "tool_calls", choice0
+    assert choice0["message"]["content"] is None
+    (call,) = choice0["message"]["tool_calls"]
+    arguments = json.loads(call["function"]["arguments"])
+    assert call["function"]["name"] == function
+    assert arguments == {} if function == "ping" else arguments["city"] in ("Paris", "Rome")
+    content, names, streamed = streamed_calls(stream(server, model, tools=TOOLS,
+                                                     tool_choice=named, max_tokens=80))
+    assert (content, names, json.loads(streamed)) == ("", [function], arguments)

@@ -2,7 +2,8 @@
 
 - ``llama3_json`` (Llama 3.1 / 3.2): ``<|python_tag|>`` or nothing, then a JSON object
   ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``); several calls are separated
-  by ``;``. Without the tag, the output must begin with the object.
+  by ``;``. Without the tag, the output must begin with the object. The tag is a special
+  token, kept in the text of a request with tools as Mistral's are (below).
 - ``mistral``: ``[TOOL_CALLS]`` then a JSON list ``[{"name": ..., "arguments": {...}}]``, or
   (newer templates) ``[TOOL_CALLS]NAME[ARGS]{...}`` per call (``NAME[CALL_ID]ID[ARGS]`` read
   too). The tags are special tokens: a request with tools keeps special tokens in the
@@ -326,6 +327,8 @@ class Llama3JsonParser(ToolParser):
 
     name = "llama3_json"
     format = CallFormat(open="", sep="; ", close="")
+    # <|python_tag|> is a special token: a call after text is found only by it.
+    keeps_special_tokens = True
 
     def stream(self, names: Collection[str],
                schemas: Mapping[str, Any] | None = None) -> FormatStream:

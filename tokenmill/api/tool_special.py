@@ -1,5 +1,6 @@
 """Special tokens kept in the text for a tool-call format whose markup is special tokens
-(Mistral's ``[TOOL_CALLS]`` and ``[ARGS]``), and hidden from the content the client sees.
+(Mistral's ``[TOOL_CALLS]`` and ``[ARGS]``, Llama 3's ``<|python_tag|>``), and hidden from
+the content the client sees.
 
 With ``skip_special_tokens`` on (every request's default) the detokenizer would drop the
 markup, and ``[TOOL_CALLS]get_weather[ARGS]{...}`` would read as the text
