@@ -194,7 +194,7 @@ def test_bad_requests_over_http(server: Server) -> None:
 
 
 def test_batch_rerank_lines(llm: LLM) -> None:
-    from tokenmill.batch.format import parse_line
+    from tokenmill.api.batch_format import parse_line
     from tokenmill.batch.processor import BatchProcessor
 
     line = {"custom_id": "x", "method": "POST", "url": "/v1/rerank",

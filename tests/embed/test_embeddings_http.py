@@ -16,9 +16,9 @@ from embed_helpers import ChatModelFacts
 from server_harness import Server, start_server
 
 from tokenmill import LLM
+from tokenmill.api.batch_format import parse_line
 from tokenmill.api.embeddings import EmbeddingRequest, prepare_embeddings
 from tokenmill.api.errors import APIError
-from tokenmill.batch.format import parse_line
 from tokenmill.batch.processor import BatchProcessor
 
 TEXTS = ["The cat sat on the mat.", "A completely different sentence about finance.", "hi"]

@@ -17,9 +17,9 @@ from embed_helpers import ChatModelFacts
 from server_harness import Server, start_server
 
 from tokenmill import LLM
+from tokenmill.api.batch_format import parse_line
 from tokenmill.api.errors import APIError
 from tokenmill.api.scores import RerankRequest, ScoreRequest, prepare_rerank, prepare_score
-from tokenmill.batch.format import parse_line
 from tokenmill.batch.processor import BatchProcessor
 from tokenmill.engine.scoring import Pairs, pair_scores, pair_texts
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from tokenmill.api.batch_format import BatchRequest, LineError, error_line, output_id, parse_line
 from tokenmill.batch import DEFAULT_MAX_IN_FLIGHT
-from tokenmill.batch.format import BatchRequest, LineError, error_line, output_id, parse_line
 from tokenmill.batch.processor import Answer, BatchProcessor
 from tokenmill.batch.results import ResultsFile
 from tokenmill.engine.llm import LLM

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from tokenmill.api.batch_format import BatchRequest, api_error_line, response_line
 from tokenmill.api.classify import ClassifyCall, ClassifyRequest, prepare_classify
 from tokenmill.api.embeddings import EmbeddingRequest, PoolingCall, prepare_embeddings
 from tokenmill.api.endpoints import ENDPOINTS, prepare
@@ -23,7 +24,6 @@ from tokenmill.api.responses import Call, Collected
 from tokenmill.api.scores import RerankRequest, ScoreRequest, prepare_rerank, prepare_score
 from tokenmill.api.validation import default_model_name, engine_refusal
 from tokenmill.batch import DEFAULT_MAX_IN_FLIGHT
-from tokenmill.batch.format import BatchRequest, api_error_line, response_line
 from tokenmill.engine.classify import LabelRequest
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.lora_request import LoRARequest

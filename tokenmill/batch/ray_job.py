@@ -14,8 +14,8 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+from tokenmill.api.batch_format import BatchRequest
 from tokenmill.batch import DEFAULT_MAX_IN_FLIGHT
-from tokenmill.batch.format import BatchRequest
 from tokenmill.batch.job import BatchStats, answer_lines, check_paths
 from tokenmill.batch.processor import Answer
 from tokenmill.config import EngineConfig

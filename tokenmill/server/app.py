@@ -28,6 +28,7 @@ from tokenmill.api.tokens import detokenize, tokenize, tokenizer_info
 from tokenmill.retrieval.service import RetrievalService
 from tokenmill.server.admin_routes import admin_key_check, admin_router
 from tokenmill.server.anthropic_routes import anthropic_router
+from tokenmill.server.batch_routes import batch_router
 from tokenmill.server.classify import create_classification
 from tokenmill.server.embeddings import create_embeddings
 from tokenmill.server.errors import install_error_handlers, read_json
@@ -98,6 +99,7 @@ def build_app(state: ServerState, manager: ModelManager | None = None,
     if retrieval is not None:
         app.include_router(retrieval_router(retrieval, retrieval_limits(state.config)),
                            dependencies=[Depends(require_key)])
+        app.include_router(batch_router(retrieval, state), dependencies=[Depends(require_key)])
     app.include_router(_open_routes(state), dependencies=[Depends(require_key_if_configured)])
     app.include_router(ollama_router(state), dependencies=[Depends(require_key)])
     app.include_router(anthropic_router(state))  # its own key check: x-api-key

@@ -23,6 +23,7 @@ from tokenmill.server.tenancy_guard import send_error
 LISTS: dict[str, tuple[int, int]] = {
     "/v1/files": (FILES_MAX_LIMIT, FILES_MAX_LIMIT),
     "/v1/vector_stores": (MAX_LIMIT, DEFAULT_LIMIT),
+    "/v1/batches": (MAX_LIMIT, DEFAULT_LIMIT),
 }
 
 Visible = Callable[[list[str]], set[str]]

@@ -1,5 +1,5 @@
 """Objects belong to the project that made them (ASGI middleware, inside the tenancy guard):
-files, vector stores (with their files and file batches) and stored responses.
+files, vector stores (with their files and file batches), stored responses and batches.
 
 Who sees what, as with OpenAI's projects:
 - a request made with a project key sees its project's objects only: every object id it
@@ -30,12 +30,13 @@ from tokenmill.tenancy.meter import current_tab
 from tokenmill.tenancy.store import TenancyStore
 
 # An object id in a path: /v1/files/{id}..., /v1/vector_stores/{id}..., /v1/responses/{id}...
-_PATH_ID = re.compile(r"^/v1/(?:files|vector_stores|responses)/([^/]+)")
+_PATH_ID = re.compile(r"^/v1/(?:files|vector_stores|responses|batches)/([^/]+)")
 # POSTs whose answer is a new object of the caller's project.
-_CREATES = re.compile(r"^/v1/(?:files|vector_stores|responses)/?$")
-_REF_KEYS = ("file_id", "file_ids", "vector_store_ids", "previous_response_id")
+_CREATES = re.compile(r"^/v1/(?:files|vector_stores|responses|batches)/?$")
+_REF_KEYS = ("file_id", "file_ids", "vector_store_ids", "previous_response_id",
+             "input_file_id")
 # The first event of a stream names the new object; no need to read further.
-_STREAM_ID = re.compile(rb'"id"\s*:\s*"((?:resp_|file-|vs_)[A-Za-z0-9_-]+)"')
+_STREAM_ID = re.compile(rb'"id"\s*:\s*"((?:resp_|file-|vs_|batch_)[A-Za-z0-9_-]+)"')
 # JSON bodies up to this size are read to check the ids they name.
 MAX_INSPECTED_BYTES = 16 << 20
 
