@@ -6,14 +6,16 @@ back as the call, and special tokens are kept out of the content."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import xgrammar
 
-from tokenmill.api.chat import ChatCall
+from tokenmill.api.chat import ChatCall, prepare_chat
 from tokenmill.api.protocol import ChatCompletionRequest
-from tokenmill.api.reasoning import ReasoningReader
+from tokenmill.api.reasoning import ReasoningReader, ReasoningSetup
 from tokenmill.api.reasoning_harmony import HARMONY
 from tokenmill.api.tool_formats import MistralParser
 from tokenmill.api.tool_harmony import HarmonyToolParser, harmony_call, harmony_opening
@@ -166,3 +168,50 @@ def test_special_tokens_are_kept_out_of_the_content(size: int) -> None:
         delta, _ = reader.delta(0, piece, i == len(pieces) - 1, None)
         streamed += delta.content or "" if delta is not None else ""
     assert streamed == "Let me see."
+
+
+def served(tmp_path: Path, kind: str) -> Any:
+    """What prepare_chat needs of a served model, with ``kind``'s tokenizer."""
+    from format_models import KINDS, write_byte_tokenizer
+
+    from tokenmill.tokenizer import Tokenizer
+
+    specials, template, eos, bos, leave_out = KINDS[kind]
+    tmp_path.mkdir(exist_ok=True)
+    write_byte_tokenizer(tmp_path, specials, template, eos, bos, leave_out)
+    return SimpleNamespace(tokenizer=Tokenizer.from_hf_dir(str(tmp_path)), max_model_len=512,
+                           vocab_size=272, compile_grammar=lambda params: None)
+
+
+def prepare(model: Any, reasoning: str = "auto", **body: Any) -> ChatCall:
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "Weather?"}], **body)
+    return prepare_chat(req, model, "auto", ReasoningSetup(parser=reasoning))
+
+
+def test_gpt_oss_without_its_reasoning_parser_is_forced_in_hermes(tmp_path: Path) -> None:
+    model = served(tmp_path, "harmony")
+    body = {"tools": [{"type": "function", "function": {"name": "ping"}}],
+            "tool_choice": "required"}
+    grammar = prepare(model, **body).params.structured_outputs.grammar  # type: ignore[union-attr]
+    assert "commentary to=functions.ping" in grammar and "<tool_call>" not in grammar
+    # --reasoning-parser none: nothing reads harmony's markup, so the call is Hermes's text.
+    call = prepare(model, reasoning="none", **body)
+    assert "<tool_call>" in call.params.structured_outputs.grammar  # type: ignore[union-attr]
+    assert type(call.tools.parser) is HermesParser  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("kind", ["mistral", "llama3"])
+def test_special_tokens_are_kept_only_for_a_request_read_for_calls(tmp_path: Path,
+                                                                   kind: str) -> None:
+    model = served(tmp_path, kind)
+    tools = [{"type": "function", "function": {"name": "ping"}}]
+    call = prepare(model, tools=tools)
+    assert not call.params.skip_special_tokens and call.tools is not None
+    assert call.tools.hidden is not None
+    for body in ({}, {"tools": tools, "tool_choice": "none"}):
+        assert prepare(model, **body).params.skip_special_tokens
+    asked = prepare(model, tools=tools, skip_special_tokens=False)
+    assert asked.tools is not None and asked.tools.hidden is None
+    # The other formats keep the request's setting.
+    assert prepare(served(tmp_path / "coder", "qwen3_coder"), tools=tools).params \
+        .skip_special_tokens

@@ -241,6 +241,7 @@ def prepare_chat(req: ChatCompletionRequest, served: ServedModel,
     parser = resolve_parser(tool_call_parser, tokenizer.chat_template)
     reasoning = reasoning or ReasoningSetup()
     thinker = resolve_reasoning_parser(reasoning.parser, tokenizer.chat_template)
+    parser = parser.with_reasoning(thinker.name if thinker is not None else None)
     check_template_switch(req.chat_template_kwargs, thinker, tokenizer.chat_template)
     check_effort(req.reasoning_effort, thinker, tokenizer.chat_template)
     budget = requested_budget({"thinking_token_budget": req.thinking_token_budget,

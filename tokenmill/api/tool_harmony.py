@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tokenmill.api.tool_grammar import CallFrame, framed_call_grammar
-from tokenmill.api.tool_parsers import HermesParser
+from tokenmill.api.tool_parsers import HermesParser, ToolParser
 
 START, CHANNEL, MESSAGE, END = "<|start|>", "<|channel|>", "<|message|>", "<|end|>"
 CONSTRAIN, CALL = "<|constrain|>", "<|call|>"
@@ -61,6 +61,12 @@ class HarmonyToolParser(HermesParser):
         frame = CallFrame(head=CALL_HEAD, open=harmony_opening(prompt), sep=None, close=CALL,
                           optional_close=True)
         return framed_call_grammar(frame, functions, parallel)
+
+    def with_reasoning(self, reasoning_parser: str | None) -> ToolParser:
+        """Itself behind the gpt_oss reasoning parser, which reads the messages; without it
+        (``--reasoning-parser none``) harmony's markup cannot be read, so Hermes's format,
+        whose forced ``<tool_call>`` text is read as it stands."""
+        return self if reasoning_parser == "gpt_oss" else HermesParser()
 
     def system_prompt(self, functions: list[dict[str, Any]], must_call: str | None) -> str:
         """The tools and harmony's call shape, for a template that does not render tools."""

@@ -195,6 +195,11 @@ class ToolParser:
         """This format as the model's chat template writes it (a variant, or itself)."""
         return self
 
+    def with_reasoning(self, reasoning_parser: str | None) -> ToolParser:
+        """The format to use when ``reasoning_parser`` (its name; None: no parser) reads the
+        output before this one (itself, unless the format relies on that parser)."""
+        return self
+
     def stream(self, names: Collection[str],
                schemas: Mapping[str, Any] | None = None) -> CallStream:
         """A reader of one output sequence; ``names``: the functions it may call;
