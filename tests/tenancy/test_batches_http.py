@@ -149,3 +149,24 @@ def test_a_cancelled_batch_stops(server: Server) -> None:
     ended = wait(c, batch.id)
     assert ended.status == "cancelled" and ended.cancelled_at is not None
     assert ended.request_counts.completed + ended.request_counts.failed < 200
+
+
+def test_input_lines_are_read_one_by_one_and_checked(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from tokenmill.api.errors import APIError
+    from tokenmill.retrieval import batches
+
+    path = tmp_path / "in.jsonl"
+    body = {"model": "m", "prompt": "x"}
+    path.write_text("\n".join([line("a", body, "/v1/completions"), "",
+                               line("a", body, "/v1/completions"), line("b", body),
+                               "not json"]) + "\n")
+    items = list(batches.read_lines(str(path), "/v1/completions"))
+    assert [type(i).__name__ for i in items] == ["BatchRequest", "LineError", "LineError",
+                                                 "LineError"]
+    assert "already used on line 1" in items[1].message
+    assert "url must be the batch's endpoint" in items[2].message
+    assert batches.count_lines(str(path)) == 4
+    monkeypatch.setattr(batches, "MAX_BATCH_LINES", 3)
+    with pytest.raises(APIError, match="at most 3 requests"):
+        batches.count_lines(str(path))

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import secrets
 import sqlite3
 import tempfile
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,8 @@ from tokenmill.api.batch_format import (
 from tokenmill.api.errors import APIError, bad_request
 from tokenmill.api.files import ListQuery
 from tokenmill.api.protocol import now
+
+logger = logging.getLogger(__name__)
 
 # What a batch may ask for: the endpoints it can run, and OpenAI's only completion window.
 BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
@@ -153,18 +156,26 @@ class _Outputs:
     failed: int = 0
 
 
-def read_lines(path: str, endpoint: str) -> list[BatchRequest | LineError]:
-    """The input file's lines, parsed; a line for another endpoint, a repeated custom_id or
-    more than MAX_BATCH_LINES lines are errors (the first two of that line only)."""
-    items: list[BatchRequest | LineError] = []
+def count_lines(path: str) -> int:
+    """The input file's requests (non-blank lines); 400 beyond MAX_BATCH_LINES."""
+    n = 0
+    with open(path, "rb") as f:
+        for raw in f:
+            n += bool(raw.strip())
+            if n > MAX_BATCH_LINES:
+                raise bad_request(f"a batch may hold at most {MAX_BATCH_LINES} requests",
+                                  "input_file_id")
+    return n
+
+
+def read_lines(path: str, endpoint: str) -> Iterator[BatchRequest | LineError]:
+    """The input file's lines, parsed one at a time; a line for another endpoint or a
+    repeated custom_id is an error."""
     seen: dict[str, int] = {}
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue
-            if len(items) >= MAX_BATCH_LINES:
-                raise bad_request(f"a batch may hold at most {MAX_BATCH_LINES} requests",
-                                  "input_file_id")
             item = parse_line(number, raw)
             if isinstance(item, BatchRequest):
                 first = seen.setdefault(item.custom_id, number)
@@ -174,8 +185,7 @@ def read_lines(path: str, endpoint: str) -> list[BatchRequest | LineError]:
                 elif item.url != endpoint:
                     item = LineError(number, item.custom_id, f"line {number}: url must be the "
                                      f"batch's endpoint {endpoint!r}, got {item.url!r}")
-            items.append(item)
-    return items
+            yield item
 
 
 class BatchRun:
@@ -201,47 +211,63 @@ class BatchRun:
         return self.batch
 
     async def run(self, input_path: str) -> None:
-        """Answer every line of the input file, then store the output and error files."""
+        """Answer every line of the input file, then store the output and error files; a
+        batch that cannot go on is ``failed`` with the reason."""
         try:
-            items = await asyncio.to_thread(read_lines, input_path, self.batch["endpoint"])
-        except (APIError, OSError) as e:
-            message = e.message if isinstance(e, APIError) else "the input file cannot be read"
-            self._save(status="failed", failed_at=now(), errors={"object": "list", "data": [
-                {"code": "invalid_input_file", "message": message}]})
-            return
+            await self._run(input_path)
+        except APIError as e:
+            self._fail("invalid_input_file", e.message)
+        except Exception as e:
+            logger.exception("batch %s failed", self.batch["id"])
+            self._fail("internal_error", f"the batch stopped: {type(e).__name__}")
+
+    def _fail(self, code: str, message: str) -> None:
+        self._save(status="failed", failed_at=now(),
+                   errors={"object": "list", "data": [{"code": code, "message": message}]})
+
+    async def _run(self, input_path: str) -> None:
+        total = await asyncio.to_thread(count_lines, input_path)
         if not self.cancelled:
             self._save(status="in_progress", in_progress_at=now(),
-                       request_counts={"total": len(items), "completed": 0, "failed": 0})
+                       request_counts={"total": total, "completed": 0, "failed": 0})
         with tempfile.TemporaryDirectory() as folder:
             paths = (os.path.join(folder, "output.jsonl"), os.path.join(folder, "errors.jsonl"))
             with open(paths[0], "w", encoding="utf-8") as out, \
                     open(paths[1], "w", encoding="utf-8") as err:
                 outputs = _Outputs(out, err)
-                await self._answer(items, outputs)
+                await self._answer(read_lines(input_path, self.batch["endpoint"]), outputs)
             await self._finish(outputs, paths)
 
-    async def _answer(self, items: list[BatchRequest | LineError], o: _Outputs) -> None:
-        slots = asyncio.Semaphore(LINES_IN_FLIGHT)
+    async def _answer(self, items: Iterator[BatchRequest | LineError], o: _Outputs) -> None:
+        """LINES_IN_FLIGHT workers take the lines one by one (the file is read as they go)."""
+        reading = asyncio.Lock()  # one generator: one reader at a time
 
-        async def one(item: BatchRequest | LineError) -> None:
-            async with slots:
-                if self.cancelled:
+        async def worker() -> None:
+            while not self.cancelled:
+                async with reading:
+                    item = await asyncio.to_thread(next, items, None)
+                if item is None:
                     return
-                if isinstance(item, LineError):
-                    o.err.write(error_line(item) + "\n")
-                    o.failed += 1
-                else:
-                    status, body = await self._call(item.url, item.body)
-                    # A refused request keeps the status and body the endpoint answered.
-                    line = BatchOutput(id=output_id(item.line), custom_id=item.custom_id,
-                                       response=BatchResponse(status_code=status, body=body))
-                    (o.out if status == 200 else o.err).write(line.model_dump_json() + "\n")
-                    o.completed, o.failed = ((o.completed + 1, o.failed) if status == 200
-                                             else (o.completed, o.failed + 1))
-                self._save(request_counts={**self.batch["request_counts"],
-                                           "completed": o.completed, "failed": o.failed})
+                await self._one(item, o)
 
-        await asyncio.gather(*(one(item) for item in items))
+        await asyncio.gather(*(worker() for _ in range(LINES_IN_FLIGHT)))
+
+    async def _one(self, item: BatchRequest | LineError, o: _Outputs) -> None:
+        if isinstance(item, LineError):
+            o.err.write(error_line(item) + "\n")
+            o.failed += 1
+        else:
+            status, body = await self._call(item.url, item.body)
+            # A refused request keeps the status and body the endpoint answered.
+            line = BatchOutput(id=output_id(item.line), custom_id=item.custom_id,
+                               response=BatchResponse(status_code=status, body=body))
+            (o.out if status == 200 else o.err).write(line.model_dump_json() + "\n")
+            if status == 200:
+                o.completed += 1
+            else:
+                o.failed += 1
+        self._save(request_counts={**self.batch["request_counts"],
+                                   "completed": o.completed, "failed": o.failed})
 
     async def _finish(self, o: _Outputs, paths: tuple[str, str]) -> None:
         self._save(status="cancelling" if self.cancelled else "finalizing",
