@@ -31,7 +31,7 @@ from tokenmill.bench.throughput import run_throughput
 from tokenmill.engine.llm import LLM
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.quant.model import pin_row_kernels
-from tokenmill.runner.fused_decode import make_fused_decoder
+from tokenmill.runner.cpu_program import make_cpu_program
 from tokenmill.sampling_params import SamplingParams
 
 MODES = ("default", "pinned", "deterministic")
@@ -93,7 +93,7 @@ def make_engine(mode: str, threads: int | None) -> LLMEngine:
         runner = engine.core.executor.runner
         pin_row_kernels(runner.model)
         # The fused stack sizes its batch limit from the layers' dense threshold: rebuild it.
-        runner.fused_decoder = make_fused_decoder(runner.model, runner.device)
+        runner.fused_decoder = make_cpu_program(runner.model, runner.device)
     _one(engine, "Hello", 8)  # warm-up: the first steps pay one-time costs
     return engine
 

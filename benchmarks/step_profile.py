@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 from tokenmill import LLM
 from tokenmill.bench.latency import start_decoding
 from tokenmill.bench.report import hardware, hardware_line, markdown_table, now_iso, write_json
-from tokenmill.runner.fused_decode import PROFILE_RANGE
+from tokenmill.runner.cpu_program import PROFILE_RANGE
 
 PROMPT_TOKENS = 128
 # Op name fragments -> the group a table row names (first match wins).

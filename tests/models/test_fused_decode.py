@@ -11,15 +11,13 @@ from hf_checkpoints import Checkpoint
 from paged import PagedKVCache
 
 from tokenmill.quant.kernel_choice import decode_only_step
-from tokenmill.runner.fused_decode import (
+from tokenmill.runner.cpu_linear import KIND_FLOAT, UnsupportedModel, linear_parts
+from tokenmill.runner.cpu_program import (
     ENV_FLAG,
-    KIND_FLOAT,
     PREFILL_ENV_FLAG,
-    FusedDecoder,
-    UnsupportedModel,
+    CpuProgram,
     fused_decode_enabled,
     fused_prefill_enabled,
-    linear_parts,
 )
 
 # Context lengths within, across and exactly at block boundaries (block size 16), and a long one
@@ -39,7 +37,7 @@ def prefill(model: torch.nn.Module, cache: PagedKVCache, lens: tuple[int, ...],
         model(ids, positions, meta)
 
 
-def decode_both(model: torch.nn.Module, fused: FusedDecoder, eager_cache: PagedKVCache,
+def decode_both(model: torch.nn.Module, fused: CpuProgram, eager_cache: PagedKVCache,
                 fused_cache: PagedKVCache, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step of sequences 0..len(tokens)-1 through model.forward (as the runner calls
     it for a decode-only step: decode_only_step) and the fused stack."""
@@ -57,7 +55,7 @@ def decode_both(model: torch.nn.Module, fused: FusedDecoder, eager_cache: PagedK
 @pytest.mark.parametrize("batch", [1, 5])
 def test_fp32_matches_model_forward(checkpoint: Checkpoint, batch: int) -> None:
     model, arch = checkpoint.model, checkpoint.arch
-    fused = FusedDecoder(model)
+    fused = CpuProgram(model)
     cache = PagedKVCache.for_arch(arch, num_blocks=48, block_size=16)
     prefill(model, cache, PROMPT_LENS[:batch] if batch > 1 else (PROMPT_LENS[3],),
             arch.vocab_size)
@@ -77,7 +75,7 @@ def test_fp32_matches_model_forward(checkpoint: Checkpoint, batch: int) -> None:
 def test_long_contexts_threaded_attention(llama: Checkpoint) -> None:
     """16 sequences of ~250 tokens: enough work per step that the attention loop uses threads."""
     model, arch = llama.model, llama.arch
-    fused = FusedDecoder(model)
+    fused = CpuProgram(model)
     cache = PagedKVCache.for_arch(arch, num_blocks=16 * 16 + 8)
     prefill(model, cache, tuple(240 + i for i in range(16)), arch.vocab_size)
     other = cache.clone()
@@ -90,7 +88,7 @@ def test_bf16_as_close_to_fp32_as_model_forward(checkpoint: Checkpoint) -> None:
     distance to an fp32 run of the same bf16-rounded weights."""
     ref = copy.deepcopy(checkpoint.model).to(torch.bfloat16).float()
     model = copy.deepcopy(checkpoint.model).to(torch.bfloat16)
-    fused = FusedDecoder(model)
+    fused = CpuProgram(model)
     arch = checkpoint.arch
     caches = [PagedKVCache.for_arch(arch, num_blocks=48, dtype=dt, seed=3)
               for dt in (torch.float32, torch.bfloat16)]
@@ -122,8 +120,8 @@ def test_refuses_unknown_linear_modules() -> None:
 def test_supports_prefill_steps_unless_told_not_to(llama: Checkpoint) -> None:
     cache = PagedKVCache.for_arch(llama.arch, num_blocks=16)
     meta, _ = cache.step([(0, 3), (1, 1)])
-    assert FusedDecoder(llama.model).supports(torch.zeros(4, dtype=torch.long), meta)
-    decode_only = FusedDecoder(llama.model, prefill=False)
+    assert CpuProgram(llama.model).supports(torch.zeros(4, dtype=torch.long), meta)
+    decode_only = CpuProgram(llama.model, prefill=False)
     assert not decode_only.supports(torch.zeros(4, dtype=torch.long), meta)
     assert not decode_only.supports(torch.zeros(3, dtype=torch.long), meta)  # wrong row count
     meta, _ = cache.step([(0, 1), (1, 1)])
@@ -155,7 +153,7 @@ def test_engine_greedy_identical_on_and_off(llm) -> None:  # noqa: ANN001 (sessi
 
     runner = llm.engine.core.executor.runner
     saved = runner.fused_decoder
-    fused = FusedDecoder(runner.model)
+    fused = CpuProgram(runner.model)
     calls = 0
     stack_forward = fused.forward
 
@@ -218,10 +216,20 @@ def test_embedded_model_embeds_and_scores_through_the_kernels(quantized_llm) -> 
     assert direct == modules
 
 
-def test_runner_falls_back_when_the_stack_fails(llm) -> None:  # noqa: ANN001
+def test_runner_does_not_hide_a_failing_stack(llm) -> None:  # noqa: ANN001
+    """An error of the CPU program's reaches the step's caller: the runner used to catch it,
+    switch to model.forward for good and say so only in a warning; now which steps run
+    eagerly is decided by the step backend's supports(), and the next request, on the
+    engine's own backend again, gets the tokens it got before."""
+    from types import SimpleNamespace
+
     from tokenmill import SamplingParams
+    from tokenmill.runner.batch import FlatBatch
 
     class Broken:
+        lora = False
+        prefill = True
+
         def supports(self, *args: object) -> bool:
             return True
 
@@ -231,14 +239,17 @@ def test_runner_falls_back_when_the_stack_fails(llm) -> None:  # noqa: ANN001
     runner = llm.engine.core.executor.runner
     saved = runner.fused_decoder
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = llm.generate(GREEDY_PROMPTS[:2], params)
+    batch = FlatBatch(runner.block_size)
+    batch.add([5, 6, 7], 0, [runner.kv_caches[0].shape[1] - 1])
+    ids, positions, meta = batch.build(runner.backend, runner.kv_caches, runner.device)
     try:
-        runner.fused_decoder = None
-        want = llm.generate(GREEDY_PROMPTS[:2], params)
         runner.fused_decoder = Broken()
-        got = llm.generate(GREEDY_PROMPTS[:2], params)
-        assert runner.fused_decoder is None
+        with pytest.raises(RuntimeError, match="boom"), torch.inference_mode():
+            runner._forward(SimpleNamespace(input_ids=ids, positions=positions, attn_meta=meta))
     finally:
         runner.fused_decoder = saved
+    got = llm.generate(GREEDY_PROMPTS[:2], params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 
@@ -286,7 +297,7 @@ def test_quantized_as_close_as_model_forward(checkpoint: Checkpoint, kind: str) 
     pytest.importorskip("tokenmill.quant.linear")
     model = quantized_copy(checkpoint.model, kind)
     ref = dequantized_copy(model)
-    fused = FusedDecoder(model)
+    fused = CpuProgram(model)
     qkv = model.model.layers[0].self_attn.qkv_proj
     int8_acts = kind == "int4" and qkv.activation_bits(decode_only=True) == 8
     atol = 0.15 if int8_acts else 5e-2
@@ -319,7 +330,7 @@ def test_quantized_large_batches_take_the_dense_path(llama: Checkpoint, kind: st
                     layer.mlp.down_proj):
             if hasattr(mod, "dense_min_rows"):
                 mod.dense_min_rows = n
-    fused = FusedDecoder(model)
+    fused = CpuProgram(model)
     cache = PagedKVCache.for_arch(llama.arch, num_blocks=2 * n + 8)
     prefill(model, cache, tuple(3 + i for i in range(n)), llama.arch.vocab_size)
     other = cache.clone()
@@ -327,7 +338,7 @@ def test_quantized_large_batches_take_the_dense_path(llama: Checkpoint, kind: st
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
 
 
-def prefill_both(model: torch.nn.Module, fused: FusedDecoder, eager_cache: PagedKVCache,
+def prefill_both(model: torch.nn.Module, fused: CpuProgram, eager_cache: PagedKVCache,
                  fused_cache: PagedKVCache, chunks: list[tuple[int, int]], vocab: int,
                  seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One step of ``chunks`` (sequence, new tokens) through model.forward and the stack."""
@@ -347,7 +358,7 @@ PREFILL_STEPS = [[(0, 70), (1, 5), (2, 1)], [(0, 1), (1, 40), (2, 1), (3, 17)],
 
 def test_prefill_steps_match_model_forward(checkpoint: Checkpoint) -> None:
     model, arch = checkpoint.model, checkpoint.arch
-    fused = FusedDecoder(model)
+    fused = CpuProgram(model)
     assert fused.prefill
     cache = PagedKVCache.for_arch(arch, num_blocks=64, block_size=16)
     other = cache.clone()
@@ -370,7 +381,7 @@ def test_quantized_prefill_steps_as_close_as_model_forward(llama: Checkpoint, ki
             if hasattr(mod, "dense_min_rows"):
                 mod.dense_min_rows = 48
     ref = dequantized_copy(model)
-    fused = FusedDecoder(model)
+    fused = CpuProgram(model)
     arch = llama.arch
     caches = [PagedKVCache.for_arch(arch, num_blocks=64) for _ in range(3)]
     for i, chunks in enumerate(PREFILL_STEPS):
@@ -391,7 +402,7 @@ def test_any_block_size(checkpoint: Checkpoint, block_size: int) -> None:
     """The attention walks each sequence's blocks (shuffled, the last one partly filled) for
     block sizes that do not divide the lengths, one token a block, and more than a prompt."""
     model, arch = checkpoint.model, checkpoint.arch
-    fused = FusedDecoder(model)
+    fused = CpuProgram(model)
     cache = PagedKVCache.for_arch(arch, num_blocks=48 * 16 // block_size + 8,
                                   block_size=block_size)
     prefill(model, cache, PROMPT_LENS[:3], arch.vocab_size)
@@ -414,7 +425,7 @@ def test_int4_activation_bits_follow_the_step_kind(llama: Checkpoint) -> None:
     for bits in (8, 16):
         for m in layers:
             m.decode_act_bits = bits
-        stacks[bits] = FusedDecoder(model)
+        stacks[bits] = CpuProgram(model)
     arch = llama.arch
     cache = PagedKVCache.for_arch(arch, num_blocks=48)
     caches = {bits: cache.clone() for bits in stacks}

@@ -13,7 +13,7 @@ from test_fused_decode import DECODE_STEPS, PROMPT_LENS, decode_both, prefill, q
 
 from tokenmill.config import CacheConfig
 from tokenmill.engine.args import add_engine_args, engine_config_from_args
-from tokenmill.runner.fused_decode import FusedDecoder, fused_cache_dtype_ok
+from tokenmill.runner.cpu_program import CpuProgram, fused_cache_dtype_ok
 from tokenmill.runner.platform import Platform
 
 NARROW = [torch.float16, torch.bfloat16]
@@ -22,7 +22,7 @@ NARROW = [torch.float16, torch.bfloat16]
 def test_fused_stack_matches_model_forward(checkpoint: Checkpoint) -> None:
     cache_dtype = torch.float16
     model, arch = checkpoint.model, checkpoint.arch
-    fused = FusedDecoder(model)
+    fused = CpuProgram(model)
     cache = PagedKVCache.for_arch(arch, num_blocks=48, dtype=cache_dtype)
     prefill(model, cache, PROMPT_LENS, arch.vocab_size)
     other = cache.clone()
@@ -64,7 +64,7 @@ def test_quantized_model_fused_on_fp16_cache(llama: Checkpoint) -> None:
     """The engine's default for a quantized model on the CPU: int4 projections, fp16 cache."""
     pytest.importorskip("tokenmill.quant.linear")
     model = quantized_copy(llama.model, "int4")
-    fused = FusedDecoder(model)
+    fused = CpuProgram(model)
     arch = llama.arch
     cache = PagedKVCache.for_arch(arch, num_blocks=48, dtype=torch.float16)
     prefill(model, cache, PROMPT_LENS, arch.vocab_size)

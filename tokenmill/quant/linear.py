@@ -13,7 +13,7 @@ On CUDA the same modules call PyTorch's CUDA kernels: ``_weight_int8pack_mm`` fo
 bf16 where this build lacks it) and tinygemm's ``_weight_int4pack_mm`` for int4, which needs
 its own packing (:class:`Int4TinyGemmLinear`).
 
-``tokenmill.runner.fused_decode`` reads these modules' tensors (``weight``, ``bias``,
+``tokenmill.runner.cpu_linear`` reads these modules' tensors (``weight``, ``bias``,
 ``scales`` / ``scales_and_zeros``, ``group_size``) and repeats the small-batch path in C++.
 """
 

@@ -1,7 +1,8 @@
 """tokenmill's C++ extension for the CPU: where its sources live and how it is built and loaded.
 
-One extension holds every hand-written CPU kernel: the fused decoder layer stack
-(``fused_decode.cpp``, driven by ``tokenmill.runner.fused_decode``), the weight-only int4 / int8
+One extension holds every hand-written CPU kernel: the op program interpreter
+(``op_program.cpp``, its programs lowered from the module tree by
+``tokenmill.runner.cpu_program``), the weight-only int4 / int8
 matmuls (``quant_gemm.h``, ``int_dot.h``, called by ``tokenmill.quant.linear``) and the grammar
 bitmask (``token_bitmask.h``), all of them parallel on the extension's own worker threads
 (``thread_pool.h``). It is compiled once with ``torch.utils.cpp_extension.load`` (about a
@@ -207,11 +208,11 @@ def _build_or_load() -> ModuleType:
                             + " ".join(_CFLAGS).encode())
     for path in sorted(p for p in _CSRC.iterdir() if p.suffix in _SOURCE_SUFFIXES):
         digest.update(path.name.encode() + path.read_bytes())
-    name = f"tokenmill_fused_decode_{digest.hexdigest()[:12]}"
+    name = f"tokenmill_op_program_{digest.hexdigest()[:12]}"
     clear_stale_build_lock(name)
     return cpp_extension.load(
         name=name,
-        sources=[str(_CSRC / "fused_decode.cpp")],
+        sources=[str(_CSRC / "op_program.cpp")],
         extra_include_paths=[str(_CSRC)],
         # Built on the machine that runs it, so tuning for its CPU is safe. OpenMP makes
         # at::parallel_for parallel inside the extension too (the kernels' threads with

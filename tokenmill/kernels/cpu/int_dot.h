@@ -2,7 +2,7 @@
 // quantized once per call, and the products run as integer dot products (vpmaddubsw /
 // vpmaddwd), several times as many per instruction as the fp32 FMAs of quant_gemm.h.
 //   - int4_q8_linear: int4 weights in a layout of tokenmill's own ("q8 tiles") times int16
-//     activations (the default: vpmaddwd) or int8 ones (vpmaddubsw, what llama.cpp computes
+//     activations (the default: vpmaddwd) or int8 ones (vpmaddubsw, what ggml computes
 //     for Q4_1 x Q8_1), quantized per block of 32 inputs;
 //   - int8_q16_linear: int8 weights (the plain [N, K] layout) times int16 activations, one scale
 //     a row: the output head, whose logits must stay as close to fp32 as the fp32 kernel's.
@@ -387,7 +387,7 @@ inline void tile_rows(const uint8_t* w, const uint16_t* sz, const Q* xq, const f
 // shifts and masks of each load give [8 outputs][2 inputs] words, vpdpwssd (or vpmaddwd)
 // against pairs of activations; int8 ones (TOKENMILL_Q8_PAIR_INT8): masks give [8 outputs][4
 // inputs] unsigned bytes, vpdpbusd against four signed activations, four products a lane
-// (llama.cpp's Q4_1 x Q8_1). Per output the integer sums and the float steps are tile_rows' own,
+// (ggml's Q4_1 x Q8_1). Per output the integer sums and the float steps are tile_rows' own,
 // in the same order: the same bits. w0, w1 / sz0, sz1: the two tiles' weights and scales;
 // y [R][32]: tile t's 16 outputs, then tile t + 1's.
 template <int R, typename Q>
