@@ -150,3 +150,20 @@ def test_two_servers_share_a_projects_requests_per_minute(servers: tuple) -> Non
     done = httpx.post(f"{second.url}/v1/completions", json=body, timeout=60,
                       headers={"Authorization": f"Bearer {other}"})
     assert done.status_code == 200 and done.json()["choices"][0]["text"] is not None
+
+
+def test_a_new_handle_drops_past_minutes_and_gone_processes(tmp_path: Path) -> None:
+    clock = Clock()
+    store = TenancyStore(str(tmp_path))
+    p = store.create_project("t", "admin", limits={"max_concurrent_requests": 5})
+    old = Limiter(store, clock)
+    assert old.admit(p) is None
+    old.close()
+    clock.t += 2 * 86400
+    fresh = Limiter(store, clock)
+    try:
+        for table in ("limit_events", "limit_running", "limit_processes"):
+            assert store._exec(f"SELECT COUNT(*) AS n FROM {table}")[0]["n"] == 0, table
+        assert fresh.admit(p) is None
+    finally:
+        fresh.close()

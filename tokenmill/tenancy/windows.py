@@ -71,11 +71,23 @@ class SharedWindows:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA busy_timeout=10000")
         self._db.executescript(_SCHEMA)
+        self._forget_the_past()
         # Each project's tokens not yet written: (the time of the first, how many).
         self._pending: dict[str, tuple[float, int]] = {}
         self._held = 0
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
+
+    def _forget_the_past(self) -> None:
+        """Drop what no window reads any more: events of past minutes (a project's own are
+        dropped at its admissions; these are of projects no longer used) and the counts of
+        processes gone for a day."""
+        now = self._clock()
+        with self._lock:
+            self._db.execute("DELETE FROM limit_events WHERE time <= ?", (now - WINDOW_S,))
+            self._db.execute("DELETE FROM limit_running WHERE process_id IN (SELECT process_id "
+                             "FROM limit_processes WHERE seen_at < ?)", (now - 86400,))
+            self._db.execute("DELETE FROM limit_processes WHERE seen_at < ?", (now - 86400,))
 
     def close(self) -> None:
         """Stop the heartbeat and close the database (as a killed process would: no
