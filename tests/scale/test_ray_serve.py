@@ -392,7 +392,7 @@ def test_a_replica_whose_engine_died_is_replaced(cluster: str,
     """An engine that dies fails its replica's health check: Ray starts another replica, and
     the next requests are answered by it (here a second application under /faulty, whose
     engines fail at their 4th step)."""
-    faulty = dataclasses.replace(server_config, debug_fail_at_step=4)
+    faulty = dataclasses.replace(server_config, debug_fail_at_step=4, models_dir=None)
     serve.run(build_application([(None, engine_config())], faulty,
                                 ScaleConfig(replicas=1, health_check_period_s=1.0)),
               name="faulty", route_prefix="/faulty")

@@ -185,7 +185,10 @@ class Ingress:
         except REPLICA_GONE as e:
             return _error(503, f"no replica answered: {e}", "no_replica")
         if request.method == "GET" and (path in LISTING_ROUTES or path == "/health"):
-            return await self._everyone(req)
+            try:
+                return await self._everyone(req)
+            except ConnectionError as e:  # a model with no replica up
+                return _error(503, str(e), "no_replica")
         target = catalog.target(request.method, path, dict(request.query_params), req.body)
         self._in_flight += 1
         try:
