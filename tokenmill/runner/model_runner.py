@@ -19,8 +19,8 @@ from tokenmill.models.pooler import PoolerConfig
 from tokenmill.quant.model import linear_layer_names, model_weight_bytes
 from tokenmill.quant.packing import dense_dtype
 from tokenmill.runner.batch import FlatBatch
+from tokenmill.runner.cpu_program import CpuProgram
 from tokenmill.runner.cuda_graphs import DecodeGraphs, GraphCapture
-from tokenmill.runner.fused_decode import FusedDecoder
 from tokenmill.runner.kv_memory import KVCacheShape
 from tokenmill.runner.launched import LaunchedStep
 from tokenmill.runner.platform import Platform
@@ -52,7 +52,7 @@ class ModelRunner:
 
     def __init__(self, model: nn.Module, arch: ArchConfig, platform: Platform,
                  dtype: torch.dtype, block_size: int, eos_token_ids: frozenset[int],
-                 enable_fused_decode: bool | None = None, deterministic: bool = False,
+                 enable_cpu_program: bool | None = None, deterministic: bool = False,
                  pooler: PoolerConfig | None = None,
                  kv_dtype: torch.dtype | None = None) -> None:
         self.model = model
@@ -94,11 +94,11 @@ class ModelRunner:
         self.deterministic = deterministic
         # How a step is computed: the engine's one step backend, picked now by the platform
         # (on CUDA the decode graphs replace it once captured), and model.forward for the
-        # steps it does not support. enable_fused_decode None defers to the environment.
+        # steps it does not support. enable_cpu_program None defers to the environment.
         self.eager = EagerBackend(model, marks_decode_steps=not self.is_encoder)
         self.step_backend: StepBackend = platform.step_backend(
-            self.eager, deterministic=deterministic and not self.is_encoder,
-            cpu_program=enable_fused_decode, tensor_parallel_size=tp,
+            self.eager, deterministic=deterministic,
+            cpu_program=enable_cpu_program, tensor_parallel_size=tp,
             is_encoder=self.is_encoder)
         if not platform.is_cuda or self.is_encoder:  # else when the graphs are decided
             logger.info("step backend: %s", self.step_backend.describe())
@@ -107,7 +107,7 @@ class ModelRunner:
 
     def enable_lora(self, config: LoRAConfig) -> None:
         """Wrap the model's projections in LoRA layers with ``config.max_loras`` slots (after
-        the fused stack took the base weights: it keeps computing the base-only steps)."""
+        the CPU program took the base weights: it keeps computing the base-only steps)."""
         if self.is_encoder:
             raise ValueError(f"LoRA adapters apply to decoder models; {self.arch.architecture} "
                              "is an encoder")
@@ -119,16 +119,16 @@ class ModelRunner:
                 and dense_dtype("cpu") == torch.bfloat16):
             slot_dtype = torch.bfloat16
         self.lora = LoRAManager(self.model, self.arch, config, slot_dtype, self.device)
-        if self.fused_decoder is not None:
-            self.fused_decoder.attach_lora(self.lora.layers)
+        if self.cpu_program is not None:
+            self.cpu_program.attach_lora(self.lora.layers)
 
     @property
-    def fused_decoder(self) -> FusedDecoder | None:
+    def cpu_program(self) -> CpuProgram | None:
         """The CPU program of the step backend, None where the backend is another one."""
         return getattr(self.step_backend, "program", None)
 
-    @fused_decoder.setter
-    def fused_decoder(self, program: FusedDecoder | None) -> None:
+    @cpu_program.setter
+    def cpu_program(self, program: CpuProgram | None) -> None:
         """Swap the step backend for ``program``'s (None: eager): for tests and benchmarks
         that compare the paths on one engine."""
         if program is None:
@@ -137,6 +137,8 @@ class ModelRunner:
             self.step_backend = InvariantCpuProgramBackend(program)
         else:
             self.step_backend = CpuProgramBackend(program)
+
+    fused_decoder = cpu_program  # its former name, which tests and benchmarks use
 
     @property
     def decode_graphs(self) -> DecodeGraphs | None:

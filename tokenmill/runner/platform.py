@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, TorchAttentionBackend
-from tokenmill.runner.fused_decode import make_fused_decoder, make_invariant_decoder
+from tokenmill.runner.cpu_program import make_cpu_program, make_invariant_program
 from tokenmill.runner.step_backend import (
     CpuProgramBackend,
     EagerBackend,
@@ -144,16 +144,16 @@ class Platform:
         run the model); on the CPU, the CPU program where it runs the model (``cpu_program``
         None defers to $TOKENMILL_FUSED_DECODE, its prefill steps to
         $TOKENMILL_FUSED_PREFILL); else ``eager``. An encoder and tensor parallelism (the C++
-        stack has no all-reduce between layers) run eagerly. On CUDA the decode graphs
+        program has no all-reduce between layers) run eagerly. On CUDA the decode graphs
         replace ``eager`` once captured (:meth:`captures_decode_graphs`)."""
         model = eager.model
         if is_encoder:
             return eager
         if deterministic:
-            return InvariantCpuProgramBackend(make_invariant_decoder(model, self.device))
+            return InvariantCpuProgramBackend(make_invariant_program(model, self.device))
         if tensor_parallel_size > 1:
             return eager
-        program = make_fused_decoder(model, self.device, cpu_program)
+        program = make_cpu_program(model, self.device, cpu_program)
         return CpuProgramBackend(program) if program is not None else eager
 
     def captures_decode_graphs(self, attention: AttentionBackend, enforce_eager: bool) -> bool:

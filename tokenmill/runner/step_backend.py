@@ -1,7 +1,7 @@
 """How a step's hidden states are computed: one step backend per engine, picked at start.
 
 The platform (``Platform.step_backend``) picks the engine's backend once: the CPU program
-(the model's layer stack in one C++ call, ``tokenmill.runner.fused_decode``), captured CUDA
+(the model's op program run by one C++ loop, ``tokenmill.runner.cpu_program``), captured CUDA
 decode graphs (``tokenmill.runner.cuda_graphs``), the deterministic CPU program, or
 ``model.forward`` itself. Each answers :meth:`StepBackend.supports` for a step; the runner
 gives a step the backend supports to it and any other to :class:`EagerBackend`. Which steps
@@ -20,8 +20,8 @@ from torch import nn
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.lora.layers import LoRAStep
 from tokenmill.quant.kernel_choice import decode_only_step
+from tokenmill.runner.cpu_program import CpuProgram
 from tokenmill.runner.cuda_graphs import DecodeGraphs
-from tokenmill.runner.fused_decode import FusedDecoder
 
 
 @dataclass(frozen=True)
@@ -123,13 +123,13 @@ class CudaGraphBackend(StepBackend):
 
 
 class CpuProgramBackend(StepBackend):
-    """The model's layer stack in one C++ call on the CPU (``program``: what
-    ``make_fused_decoder`` returns): decode-only steps, steps with prompt chunks where it
+    """The model's op program in one C++ call on the CPU (``program``: what
+    ``make_cpu_program`` returns): decode-only steps, steps with prompt chunks where it
     prefills, steps with LoRA rows once adapters are attached; its logits too."""
 
     name = "cpu_program"
 
-    def __init__(self, program: FusedDecoder) -> None:
+    def __init__(self, program: CpuProgram) -> None:
         self.program = program
 
     def supports(self, step: ModelStep) -> bool:
