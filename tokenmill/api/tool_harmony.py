@@ -41,10 +41,9 @@ def harmony_opening(prompt: str | None) -> str:
     return f"{START}assistant"
 
 
-def harmony_call(name: str, arguments: Any, opening: str = "") -> str:
+def harmony_call(name: str, arguments: Any) -> str:
     """One call as gpt-oss writes it (``arguments``: the JSON value)."""
-    body = json.dumps(arguments, ensure_ascii=False)
-    return opening + CALL_HEAD.replace("{name}", name) + body + CALL
+    return CALL_HEAD.replace("{name}", name) + json.dumps(arguments, ensure_ascii=False) + CALL
 
 
 class HarmonyToolParser(HermesParser):
