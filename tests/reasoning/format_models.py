@@ -1,8 +1,8 @@
 """Test helper: tiny random Qwen3 folders whose byte-level tokenizers carry a tool-call
 format's special tokens and a chat template in that format, so that a forced call's grammar
 can spell JSON: gpt-oss's harmony (generation prompt ``<|start|>assistant``, as gpt-oss's),
-Mistral's ``[TOOL_CALLS]NAME[ARGS]{...}``, Llama 3's ``<|python_tag|>`` and Qwen3-Coder's
-``<function=...>``. The Mistral vocabulary has no plain ``[`` and the Llama one no plain
+Mistral's ``[TOOL_CALLS]NAME[ARGS]{...}``, Llama 3's ``<|python_tag|>``, Qwen3-Coder's
+``<function=...>`` and the pythonic ``[f(x=1)]``. The Mistral vocabulary has no plain ``[`` and the Llama one no plain
 ``<`` or ``|``: their markup can only be written as the special tokens."""
 
 from __future__ import annotations
@@ -51,6 +51,16 @@ QWEN3_CODER_TEMPLATE = (
     "</parameter>\n</function>\n</tool_call><|im_end|>\n{% endif %}"
     "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
     "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+# Llama 3.2 / 4's pythonic calls are described in the system prompt, the template has no
+# markup of its own (so the server is started with --tool-call-parser pythonic).
+PYTHONIC_TEMPLATE = (
+    "<|begin_of_text|>{%- if tools %}<|start_header_id|>system<|end_header_id|>\n\n"
+    "Call functions as [func(arg=value)]:{% for t in tools %} {{ t.function.name }}"
+    "{%- endfor %}<|eot_id|>{% endif %}"
+    "{%- for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
+    "{{- m.content }}<|eot_id|>{% endfor %}"
+    "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    "{%- endif %}")
 # kind -> (special tokens, chat template, eos, bos, bytes left out of the vocabulary).
 KINDS: dict[str, tuple[tuple[str, ...], str, str, str | None, str]] = {
     "harmony": (HARMONY_SPECIALS, HARMONY_TEMPLATE, "<|return|>", None, ""),
@@ -58,6 +68,8 @@ KINDS: dict[str, tuple[tuple[str, ...], str, str, str | None, str]] = {
     # No plain "<" or "|": <|python_tag|> can only be the special token.
     "llama3": (LLAMA3_SPECIALS, LLAMA3_TEMPLATE, "<|eot_id|>", "<|begin_of_text|>", "<|"),
     "qwen3_coder": (QWEN3_CODER_SPECIALS, QWEN3_CODER_TEMPLATE, "<|im_end|>", None, ""),
+    "pythonic": (LLAMA3_SPECIALS[:4], PYTHONIC_TEMPLATE, "<|eot_id|>", "<|begin_of_text|>",
+                 ""),
 }
 VOCAB = 272  # the model's rows: 256 bytes and the special tokens
 
