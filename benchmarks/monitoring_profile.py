@@ -29,7 +29,7 @@ from tokenmill.bench.report import hardware, now_iso, write_json
 # A sample belongs to a part when any frame of its stack is in one of these places.
 PARTS = {
     "accounting": ("tokenmill/metrics/economics.py",),
-    "monitor": ("tokenmill/ops/", "tokenmill/server/monitoring.py"),
+    "monitor": ("tokenmill/monitoring/", "tokenmill/server/monitoring.py"),
     "prompt_embeddings": ("tokenmill/models/bert.py",),
     "engine_steps": ("EngineCore.step",),
 }

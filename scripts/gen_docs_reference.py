@@ -118,7 +118,7 @@ def build_reference_app() -> Any:
     files and vector stores, web page), over a stand-in model: no engine is loaded."""
     from tokenmill.config import MonitorConfig, ServerConfig
     from tokenmill.metrics.prometheus import PrometheusMetrics
-    from tokenmill.ops.registry import MonitorRegistry
+    from tokenmill.monitoring.registry import MonitorRegistry
     from tokenmill.server.app import build_app
     from tokenmill.server.lifecycle import ModelManager
     from tokenmill.server.state import ServedModel, ServerState

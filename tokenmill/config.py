@@ -440,7 +440,7 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class MonitorConfig:
-    """The drift monitor of each served model (tokenmill/ops).
+    """The drift monitor of each served model (tokenmill/monitoring).
 
     The reference is the first ``reference_size`` finished sequences, or the profile saved in
     ``reference_path``; the live window holds the last ``window`` sequences since. A signal's

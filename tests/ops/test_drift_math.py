@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from tokenmill.ops.drift import (
+from tokenmill.monitoring.drift import (
     SMOOTHING,
     bin_counts,
     categorical_psi,
@@ -19,8 +19,8 @@ from tokenmill.ops.drift import (
     quantile_edges,
     summarize,
 )
-from tokenmill.ops.scripts import TAIL_CHARS, prompt_script
-from tokenmill.ops.signals import stop_kind
+from tokenmill.monitoring.scripts import TAIL_CHARS, prompt_script
+from tokenmill.monitoring.signals import stop_kind
 
 
 def test_psi_matches_the_formula() -> None:

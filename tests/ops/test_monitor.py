@@ -14,9 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenmill.config import MonitorConfig
 from tokenmill.metrics.prometheus import PrometheusMetrics
 from tokenmill.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
-from tokenmill.ops import DriftMonitor, MonitorRegistry
-from tokenmill.ops.profile import load_profile, parse_profile
-from tokenmill.ops.registry import TimeBudget
+from tokenmill.monitoring import DriftMonitor, MonitorRegistry
+from tokenmill.monitoring.profile import load_profile, parse_profile
+from tokenmill.monitoring.registry import TimeBudget
 
 WORDS = "the a cat dog runs sees big small red house tree river blue fast slow".split()
 RUSSIAN = "кошка собака бежит видит большой маленький красный дом дерево река".split()
@@ -61,7 +61,7 @@ def test_a_shift_in_length_and_script_crosses_the_same_distribution_does_not(
     metrics = PrometheusMetrics()
     monitor = DriftMonitor("m", CONFIG, metrics.drift_score)
     rng = random.Random(1)
-    caplog.set_level(logging.WARNING, logger="tokenmill.ops.monitor")
+    caplog.set_level(logging.WARNING, logger="tokenmill.monitoring.monitor")
     feed(monitor, english, 100, rng)
     assert monitor.reference_complete and not gauges(metrics)  # nothing live yet
     feed(monitor, english, 100, rng)

@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("spec_decode", "executor"),
     ("engine",),
     ("api",),
-    ("retrieval", "ops", "tenancy"),
+    ("retrieval", "monitoring", "tenancy"),
     ("server", "batch", "stream", "chat"),
     ("bench", "chat_remote", "serve_ray"),
     ("cli",),
@@ -55,7 +55,7 @@ NEVER: list[tuple[str, frozenset[str], str]] = [
 ]
 # The server (HTTP only) reaches the engine through api/ and the engine's public modules, and
 # the services beside the engine (retrieval, ops, tenancy); besides those, only plain data types.
-SERVER_TALKS_TO = frozenset({"api", "engine", "retrieval", "ops", "tenancy", "config", "outputs",
+SERVER_TALKS_TO = frozenset({"api", "engine", "retrieval", "monitoring", "tenancy", "config", "outputs",
                              "sampling_params", "lora_request", "metrics", "utils", "envs"})
 # The scheduler and the block pool are pure Python: none of core/'s modules, nor anything they
 # import when loaded (the package root, the users' facade, aside), imports these.

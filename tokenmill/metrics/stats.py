@@ -117,7 +117,7 @@ class FinishedRequestStats:
     queue_time: float | None
     num_prompt_tokens: int
     num_generation_tokens: int
-    # For the quality monitor (tokenmill/ops): the prompt's text (None when it came as token
+    # For the quality monitor (tokenmill/monitoring): the prompt's text (None when it came as token
     # ids), what stopped the output (a stop string or token id; None for eos, length, abort),
     # and the mean raw logprob of its tokens (None without tokens or logprobs).
     prompt: str | None = None

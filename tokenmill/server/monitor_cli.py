@@ -12,7 +12,7 @@ import httpx
 
 from tokenmill import envs
 from tokenmill.config import MonitorConfig
-from tokenmill.ops.profile import parse_profile
+from tokenmill.monitoring.profile import parse_profile
 
 # Seconds the server has to answer.
 MONITOR_TIMEOUT_S = 60.0

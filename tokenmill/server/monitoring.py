@@ -19,7 +19,7 @@ from tokenmill.api.errors import APIError
 from tokenmill.config import MonitorConfig
 from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.metrics.prometheus import PrometheusMetrics
-from tokenmill.ops.registry import EmbedFn, MonitorRegistry
+from tokenmill.monitoring.registry import EmbedFn, MonitorRegistry
 from tokenmill.server.admin_routes import admin_key_check
 from tokenmill.server.state import EMBED, ServerState
 

@@ -21,7 +21,7 @@ from tokenmill.engine.async_llm import AsyncLLM, StepLoop
 from tokenmill.lora_request import LoRARequest
 from tokenmill.metrics.live import LiveStats
 from tokenmill.metrics.prometheus import PrometheusMetrics
-from tokenmill.ops.registry import MonitorRegistry
+from tokenmill.monitoring.registry import MonitorRegistry
 
 # "Bearer" (any case), one space, one credential of visible ASCII characters.
 T = TypeVar("T")

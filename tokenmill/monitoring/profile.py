@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.ops.signals import CATEGORICAL, NUMERIC
+from tokenmill.monitoring.signals import CATEGORICAL, NUMERIC
 
 FORMAT = "tokenmill-monitor-profile"
 VERSION = 1

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tokenmill.metrics.stats import FinishedRequestStats
-from tokenmill.ops.scripts import prompt_script
+from tokenmill.monitoring.scripts import prompt_script
 
 # Signals whose values are numbers (binned at the reference's quantiles).
 NUMERIC = ("prompt_tokens", "output_tokens", "mean_logprob")

@@ -20,9 +20,9 @@ from typing import Any, Protocol
 
 from tokenmill.config import MonitorConfig
 from tokenmill.metrics.stats import IterationStats, SchedulerStats
-from tokenmill.ops.drift import categorical_psi, cosine_distance, numeric_psi, summarize
-from tokenmill.ops.profile import ModelProfile
-from tokenmill.ops.signals import CENTROID, NUMERIC, SIGNALS, request_signals
+from tokenmill.monitoring.drift import categorical_psi, cosine_distance, numeric_psi, summarize
+from tokenmill.monitoring.profile import ModelProfile
+from tokenmill.monitoring.signals import CENTROID, NUMERIC, SIGNALS, request_signals
 
 logger = logging.getLogger(__name__)
 

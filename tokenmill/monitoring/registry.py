@@ -10,8 +10,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from tokenmill.config import MonitorConfig
-from tokenmill.ops.monitor import DriftMonitor, GaugeFamily
-from tokenmill.ops.profile import ModelProfile, Profile, load_profile
+from tokenmill.monitoring.monitor import DriftMonitor, GaugeFamily
+from tokenmill.monitoring.profile import ModelProfile, Profile, load_profile
 
 logger = logging.getLogger(__name__)
 
