@@ -11,7 +11,7 @@ import pytest
 from tokenmill.api.chat import ChatCall
 from tokenmill.api.protocol import ChatCompletionRequest
 from tokenmill.api.reasoning import PARSERS, ReasoningReader
-from tokenmill.api.responses import Choice, Collected
+from tokenmill.api.response_building import Choice, Collected
 from tokenmill.api.tool_parsers import HermesParser
 from tokenmill.api.tools import ToolReader
 from tokenmill.sampling_params import SamplingParams

@@ -30,7 +30,7 @@ from tokenmill.api.reasoning_request import (
     check_template_switch,
     requested_budget,
 )
-from tokenmill.api.responses import Collected, TokenTexts, finite
+from tokenmill.api.response_building import Collected, TokenTexts, finite
 from tokenmill.api.tool_parsers import ToolParser, resolve_parser
 from tokenmill.api.tools import (
     ToolReader,

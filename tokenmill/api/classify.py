@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from tokenmill.api.chat import MAX_CHARS_PER_TOKEN
 from tokenmill.api.errors import APIError, bad_request
 from tokenmill.api.protocol import StrictModel, UsageInfo
-from tokenmill.api.responses import collect, usage_info
+from tokenmill.api.response_building import collect, usage_info
 from tokenmill.api.validation import ServedModel
 from tokenmill.engine.async_llm import RequestGroup
 from tokenmill.engine.classify import (

@@ -15,7 +15,7 @@ from tokenmill.api.protocol import (
     CompletionResponse,
     UsageInfo,
 )
-from tokenmill.api.responses import Collected, TokenTexts, finite
+from tokenmill.api.response_building import Collected, TokenTexts, finite
 from tokenmill.api.validation import (
     ServedModel,
     beam_max_tokens,

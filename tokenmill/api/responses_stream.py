@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from tokenmill.api.chat import chat_logprobs
 from tokenmill.api.file_search import CitationReader
 from tokenmill.api.protocol import ChatTokenLogprob
-from tokenmill.api.responses import TokenTexts, usage_info
+from tokenmill.api.response_building import TokenTexts, usage_info
 from tokenmill.api.responses_api import ResponsesCall
 from tokenmill.api.responses_protocol import (
     FileSearchCall,

@@ -20,7 +20,7 @@ from tokenmill.api.embeddings import EmbeddingRequest, PoolingCall, prepare_embe
 from tokenmill.api.endpoints import ENDPOINTS, prepare
 from tokenmill.api.errors import APIError, bad_request, validate_body
 from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest, now, random_id
-from tokenmill.api.responses import Call, Collected
+from tokenmill.api.response_building import Call, Collected
 from tokenmill.api.scores import RerankRequest, ScoreRequest, prepare_rerank, prepare_score
 from tokenmill.api.validation import default_model_name, engine_refusal
 from tokenmill.batch import DEFAULT_MAX_IN_FLIGHT

@@ -29,7 +29,7 @@ from tokenmill.api.chat import ChatCall
 from tokenmill.api.errors import APIError
 from tokenmill.api.protocol import now, random_id
 from tokenmill.api.reasoning import resolve_reasoning_parser
-from tokenmill.api.responses import StreamUsage, engine_error
+from tokenmill.api.response_building import StreamUsage, engine_error
 from tokenmill.engine.async_llm import EngineDeadError, RequestGroup
 from tokenmill.server.errors import read_json
 from tokenmill.server.serving import collect_unless_gone, reasoning_setup, start_generation

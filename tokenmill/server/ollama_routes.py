@@ -24,7 +24,7 @@ from tokenmill.api.completions import CompletionCall
 from tokenmill.api.embeddings import prepare_embeddings
 from tokenmill.api.errors import APIError, bad_request, loads_json
 from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest, random_id
-from tokenmill.api.responses import StreamUsage, engine_error
+from tokenmill.api.response_building import StreamUsage, engine_error
 from tokenmill.engine.async_llm import EngineDeadError, RequestGroup, collect_embeddings
 from tokenmill.engine.model_files import model_files
 from tokenmill.server.errors import check_json_content_type, read_body

@@ -16,7 +16,7 @@ from tokenmill.api.endpoints import prepare
 from tokenmill.api.errors import APIError
 from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest, now, random_id
 from tokenmill.api.reasoning import ReasoningSetup
-from tokenmill.api.responses import Collected, collect
+from tokenmill.api.response_building import Collected, collect
 from tokenmill.api.validation import engine_refusal
 from tokenmill.engine.async_llm import (
     EngineDeadError,

@@ -10,7 +10,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tokenmill.api.errors import APIError
-from tokenmill.api.responses import StreamChunks, StreamUsage, engine_error
+from tokenmill.api.response_building import StreamChunks, StreamUsage, engine_error
 from tokenmill.engine.async_llm import EngineDeadError, RequestGroup
 
 T = TypeVar("T")
