@@ -20,7 +20,6 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "quant"))
 from quant_helpers import tiny_arch, tiny_model  # noqa: E402
 
 from tokenmill.attention.metadata import AttentionMetadata  # noqa: E402
-from tokenmill.models import layers  # noqa: E402
 
 
 @torch.no_grad()
@@ -66,9 +65,10 @@ def test_residual_carry_is_bit_identical_in_pytorch_ops(arch_name: str,
 @pytest.mark.parametrize("arch_name", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_residual_carry_is_bit_identical_with_the_fused_kernels(
-        monkeypatch: pytest.MonkeyPatch, arch_name: str, dtype: torch.dtype) -> None:
+        arch_name: str, dtype: torch.dtype) -> None:
     pytest.importorskip("triton")
-    from tokenmill.kernels.triton import fused_ops
+    from tokenmill.models.kernel_binding import bind_kernels, triton_kernels
 
-    monkeypatch.setattr(layers, "cuda_kernels", lambda x: fused_ops)
-    _steps(tiny_model(tiny_arch(arch_name)).to(dtype), dtype)
+    model = tiny_model(tiny_arch(arch_name)).to(dtype)
+    bind_kernels(model, kernels=triton_kernels())
+    _steps(model, dtype)

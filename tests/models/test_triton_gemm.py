@@ -18,6 +18,12 @@ import torch.nn.functional as F  # noqa: E402
 
 from tokenmill.kernels.triton import gemm as fg  # noqa: E402
 from tokenmill.models import linear as lin  # noqa: E402
+from tokenmill.models.kernel_binding import (  # noqa: E402
+    TORCH_KERNELS,
+    bind_kernels,
+    kernels_for,
+    with_tuned_matmul,
+)
 from tokenmill.models.layers import Linear  # noqa: E402
 from tokenmill.quant import fp8  # noqa: E402
 from tokenmill.quant.fp8 import FP8_MAX, Fp8Linear  # noqa: E402
@@ -77,6 +83,9 @@ def test_matmul_matches_linear(m: int, n: int, k: int, tile: fg.GemmTile,
     assert got.dtype == HALF and got.shape == (m, n)
     assert ((got.float() - want).norm() / want.norm()).item() <= 1e-2
 
+# The kernels a model on a GPU is bound to; on the CPU, PyTorch's with the products of
+# models/linear.py (whose tuning the tests patch in): the paths a GPU takes for its products.
+TUNED = kernels_for(DEVICE) if DEVICE.type == "cuda" else with_tuned_matmul(TORCH_KERNELS)
 
 def test_matmul_checks_its_operands() -> None:
     a = torch.zeros(2, 32, dtype=HALF, device=DEVICE)
@@ -95,7 +104,7 @@ def test_linear_layers_run_the_tuned_matmul(monkeypatch: pytest.MonkeyPatch) -> 
     Linear layer's product and the head's are the Triton kernel's, asked with the rows and
     the weight's shape; fp32 products, and tiles of None, go to F.linear."""
     gen = torch.Generator().manual_seed(4)
-    layer = Linear(64, 48, bias=True).to(HALF).to(DEVICE)
+    layer = bind_kernels(Linear(64, 48, bias=True).to(HALF).to(DEVICE), kernels=TUNED)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(48, 64, generator=gen))
         layer.bias.copy_(torch.randn(48, generator=gen))
@@ -244,6 +253,9 @@ def test_norms_hand_their_output_to_the_tuned_projection(
     gen = torch.Generator().manual_seed(8)
     rms = RMSNorm(32, 1e-6).to(HALF).to(DEVICE)
     layer = Linear(32, 48, bias=False).to(HALF).to(DEVICE)
+    rms.feeds(layer)  # as a DecoderLayer says it; then the model's kernels are bound
+    bind_kernels(rms, kernels=TUNED)
+    bind_kernels(layer, kernels=TUNED)
     with torch.no_grad():
         rms.weight.copy_(1 + torch.randn(32, generator=gen) / 4)
         layer.weight.copy_(torch.randn(48, 32, generator=gen) / 4)
@@ -277,7 +289,7 @@ def test_gated_mlp_computes_the_silu_in_the_down_projection(
     from tokenmill.models.layers import GatedMLP
 
     gen = torch.Generator().manual_seed(6)
-    mlp = GatedMLP(32, 48, bias=False).to(HALF).to(DEVICE)
+    mlp = bind_kernels(GatedMLP(32, 48, bias=False).to(HALF).to(DEVICE), kernels=TUNED)
     with torch.no_grad():
         for p in mlp.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) / 4)
@@ -306,7 +318,8 @@ def test_a_decode_step_through_the_tuned_matmul(monkeypatch: pytest.MonkeyPatch,
     from paged import PagedKVCache
     from quant_helpers import tiny_arch, tiny_model
 
-    model = tiny_model(tiny_arch(arch_name, tied=tied)).to(HALF).to(DEVICE)
+    model = bind_kernels(tiny_model(tiny_arch(arch_name, tied=tied)).to(HALF).to(DEVICE),
+                         kernels=TUNED)
     arch = model.config
     tile = fg.GemmTile(block_m=16, block_n=32, block_k=32, num_warps=2, num_stages=2)
     launches = count_matmuls(monkeypatch)

@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 
 from tokenmill.kernels.triton import fp8 as fp8_kernels  # noqa: E402
 from tokenmill.kernels.triton import fused_ops  # noqa: E402
-from tokenmill.models import layers  # noqa: E402
+from tokenmill.models.kernel_binding import bind_kernels, triton_kernels  # noqa: E402
 from tokenmill.quant import fp8, quantize_model  # noqa: E402
 from tokenmill.quant.fp8 import FP8_MAX  # noqa: E402
 from tokenmill.quant.model import fuse_fp8_inputs  # noqa: E402
@@ -131,7 +131,7 @@ def test_fp8_model_outputs_are_unchanged_by_the_fusion(monkeypatch: pytest.Monke
     cpu = logits()  # kernels off: the flags change nothing
     _set_fusion(model, False)
     assert all(torch.equal(a, b) for a, b in zip(logits(), cpu, strict=True))
-    monkeypatch.setattr(layers, "cuda_kernels", lambda x: fused_ops)
+    bind_kernels(model, kernels=triton_kernels())
     monkeypatch.setattr(fp8, "cuda_kernels", lambda x: fp8_kernels)
     unfused = logits()
     _set_fusion(model, True)

@@ -114,10 +114,10 @@ def test_head_rms_norm_names_what_it_cannot_take() -> None:
            torch.float32)
 
 
-def test_cuda_kernels_only_for_cuda_tensors() -> None:
-    from tokenmill.models.layers import cuda_kernels
+def test_triton_kernels_only_for_cuda_models() -> None:
+    from tokenmill.models.kernel_binding import TORCH_KERNELS, kernels_for
 
-    assert cuda_kernels(torch.zeros(1)) is None
+    assert kernels_for("cpu") is TORCH_KERNELS
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -127,20 +127,21 @@ def test_cuda_kernels_only_for_cuda_tensors() -> None:
 def test_model_with_fused_kernels_matches_eager(monkeypatch: pytest.MonkeyPatch,
                                                 arch_name: str) -> None:
     """The layers' fused paths (norms, residual adds, SiLU-and-mul, rotary) give the logits of
-    their PyTorch code: the kernels are forced on for CPU tensors, in the interpreter."""
+    their PyTorch code: the model is bound to the Triton kernels for CPU tensors, in the
+    interpreter."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "quant"))
     from quant_helpers import PagedKVCache, run_step, tiny_arch, tiny_model
 
-    from tokenmill.models import layers
+    from tokenmill.models.kernel_binding import bind_kernels, triton_kernels
 
     arch = tiny_arch(arch_name)
     model = tiny_model(arch)
     batch = [(0, [5, 17, 33, 2, 91, 8]), (1, [4, 4, 9])]
     want = run_step(model, PagedKVCache(2, arch.num_key_value_heads, arch.head_dim), batch)
-    monkeypatch.setattr(layers, "cuda_kernels", lambda x: fused_ops)
+    bind_kernels(model, kernels=triton_kernels())
     got = run_step(model, PagedKVCache(2, arch.num_key_value_heads, arch.head_dim), batch)
     for g, w in zip(got, want, strict=True):
         _close(g.to(DEVICE), w.to(DEVICE), torch.float32)

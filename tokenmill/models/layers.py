@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -15,36 +15,44 @@ from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.distributed import tensor_model_parallel_all_reduce, tp_rank, tp_size
 from tokenmill.kernels.fp8_activation import QuantizedActivation
 from tokenmill.models.config import ArchConfig
-from tokenmill.models.linear import linear, norm_linear, silu_mul_linear
+from tokenmill.models.kernel_binding import (
+    TORCH_KERNELS,
+    Kernels,
+    norm_then_linear,
+    silu_then_down,
+    torch_add_rms_norm,
+    torch_qk_norm,
+    torch_rotary,
+    torch_silu_mul,
+)
 from tokenmill.models.parallel import VocabParallelEmbedding, divide
-from tokenmill.utils import triton_module
+
+# Rotary of ``x`` ``[T, H, D]`` by sign-folded sin, in three kernels (kernel_binding).
+apply_rotary = torch_rotary
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` that skips the random init: weights are loaded or dummy-filled later.
 
     Kaiming init of an 8B model costs tens of seconds on CPU only to be overwritten. The
-    product is :func:`tokenmill.models.linear.linear`'s: on a GPU, cuBLAS or a tuned Triton
-    matmul.
+    product is the kernel bound at load (:mod:`tokenmill.models.kernel_binding`): on a GPU,
+    cuBLAS or a tuned Triton matmul.
     """
 
     def reset_parameters(self) -> None:
         pass
 
-    def forward(self, x: torch.Tensor, norm: tuple[RMSNorm, torch.Tensor | None] | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The product of ``x``; with ``norm`` (an RMSNorm and a residual, or None), the product
-        of ``norm(x + residual)`` and that sum, as :meth:`RMSNorm.linear_forward` returns them:
-        in one kernel where the Triton matmul computes this product, else the norm's kernel
-        first. (A call, not two, so that the module's hooks see the product either way.)"""
-        if norm is None:
-            return linear(x, self.weight, self.bias)
-        rms, residual = norm
-        if (fused := norm_linear(x, residual, rms.weight, rms.eps, self.weight,
-                                 self.bias)) is not None:
-            return fused
-        y, summed = rms.add_forward(x, residual)
-        return linear(y, self.weight, self.bias), summed
+    # The product's kernel (kernel_binding): F.linear until the model's kernels are bound.
+    _product = staticmethod(F.linear)
+
+    def use_kernels(self, kernels: Kernels) -> None:
+        """Compute the product with ``kernels.linear`` from now on."""
+        self._product = kernels.linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T + bias``. (Bound to the Triton kernels, ``x`` may also be a
+        ``linear.NormedInput`` handed over by the norm before this layer.)"""
+        return self._product(x, self.weight, self.bias)
 
 
 class Bf16MatmulLinear(nn.Module):
@@ -85,56 +93,71 @@ class Embedding(nn.Embedding):
         pass
 
 
-def cuda_kernels(x: torch.Tensor) -> ModuleType | None:
-    """:mod:`tokenmill.kernels.triton.fused_ops` for a CUDA tensor when Triton is installed, else None.
-
-    Imported on first use, so a CPU run never imports Triton."""
-    return triton_module("tokenmill.kernels.triton.fused_ops") if x.is_cuda else None
-
-
 class RMSNorm(nn.Module):
-    """Root-mean-square norm over the last dimension, computed in fp32 like Hugging Face's."""
+    """Root-mean-square norm over the last dimension, computed in fp32 like Hugging Face's.
+
+    Its kernels are bound once (:meth:`use_kernels`, re-chosen when ``fp8_out`` changes):
+    ``_norm`` (the add and the norm), ``_norm_linear`` (the norm handed to the next layer).
+    """
+
+    _kernels = TORCH_KERNELS
+    _norm = staticmethod(torch_add_rms_norm)
+    _norm_linear = staticmethod(norm_then_linear)
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.shape = (dim,)
-        # Set by the fp8 quantization pass when the layer reading the output is an Fp8Linear:
-        # on CUDA the kernel then hands it over quantized (one kernel fewer); elsewhere no-op.
-        self.fp8_out = False
+        self._fp8_out = False
+        # The layer reading this norm's output, in a tuple so that it is no submodule.
+        self._feeds: tuple[nn.Module, ...] = ()
+
+    @property
+    def fp8_out(self) -> bool:
+        """Set by the fp8 quantization pass when the layer reading the output is an
+        Fp8Linear: with the Triton kernels the norm then hands it over quantized (one kernel
+        fewer); with PyTorch's, no change."""
+        return self._fp8_out
+
+    @fp8_out.setter
+    def fp8_out(self, on: bool) -> None:
+        self._fp8_out = bool(on)
+        self.use_kernels(self._kernels)
+
+    def feeds(self, layer: nn.Module) -> None:
+        """Say which layer reads this norm's output (for a kernel computing both)."""
+        self._feeds = (layer,)
+        self.use_kernels(self._kernels)
+
+    def use_kernels(self, kernels: Kernels) -> None:
+        """Run ``kernels``' norm from now on; and where they compute a norm in a 16-bit
+        :class:`Linear`'s product and that Linear reads this norm in float, that kernel."""
+        self._kernels = kernels
+        self._norm = kernels.rms_norm_fp8 if self._fp8_out else kernels.rms_norm
+        nxt = self._feeds[0] if self._feeds else None
+        if kernels.norm_linear is not None and type(nxt) is Linear and not self._fp8_out:
+            self._norm_linear = functools.partial(kernels.norm_linear, nxt)
+        else:
+            self._norm_linear = norm_then_linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | QuantizedActivation:
-        if x.ndim == 2 and (ops := cuda_kernels(x)) is not None:
-            norm = ops.rms_norm_fp8 if self.fp8_out else ops.rms_norm
-            return norm(x, self.weight, self.eps)[0]
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.shape, self.weight, self.eps)
-        # Low-precision inputs: normalize in fp32, scale in the input dtype, as HF does.
-        y = F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype)
-        return y * self.weight
+        return self._norm(x, self.weight, self.eps)[0]
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None
                     ) -> tuple[torch.Tensor | QuantizedActivation, torch.Tensor]:
         """``(norm(residual + x), residual + x)`` (residual None: ``(norm(x), x)``): one kernel
-        on CUDA. The sum is rounded to the activations' dtype before the norm, as the eager
-        add rounds it."""
-        if x.ndim == 2 and (ops := cuda_kernels(x)) is not None:
-            norm = ops.rms_norm_fp8 if self.fp8_out else ops.rms_norm
-            return norm(x, self.weight, self.eps, residual=residual)
-        h = x if residual is None else residual + x
-        return self(h), h
+        with the Triton kernels. The sum is rounded to the activations' dtype before the norm,
+        as the eager add rounds it."""
+        return self._norm(x, self.weight, self.eps, residual)
 
     def linear_forward(self, x: torch.Tensor, residual: torch.Tensor | None, layer: nn.Module
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(layer(norm(residual + x)), residual + x)`` (residual None: of ``x`` itself). Where
-        ``layer`` is a 16-bit :class:`Linear` whose product runs on the Triton matmul (a
-        decode step's few rows on a GPU whose tuning says so), the norm and the add are
-        computed in the product's kernel: no norm kernel is launched."""
-        if type(layer) is Linear and not self.fp8_out:
-            return layer(x, norm=(self, residual))
-        y, summed = self.add_forward(x, residual)
-        return layer(y), summed
+        """``(layer(norm(residual + x)), residual + x)`` (residual None: of ``x`` itself). Bound
+        to the Triton kernels with ``layer`` the 16-bit :class:`Linear` it was bound for, the
+        norm and the add may run in the product's kernel (a decode step's few rows on a GPU
+        whose tuning says so): no norm kernel is launched."""
+        return self._norm_linear(self, x, residual, layer)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -193,24 +216,17 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, H, D]``: ``x * cos + rotate_half(x) * sin`` in three kernels.
-
-    ``sin`` comes with its first half negated, so ``rotate_half(x) * sin`` is a plain swap of
-    the halves times it.
-    """
-    half = x.shape[-1] // 2
-    swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
-    return torch.addcmul(x * cos, swapped, sin)
-
-
 class GatedMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul.
 
     Under tensor parallelism each rank holds ``intermediate_size / tp`` columns of gate and up
     and the matching rows of down; the all-reduce adds the partial outputs. A down bias lives
-    on rank 0 only, so it is added once.
+    on rank 0 only, so it is added once. Kernels (``_act``, ``_act_down``): :meth:`use_kernels`.
     """
+
+    _kernels = TORCH_KERNELS
+    _act = staticmethod(torch_silu_mul)
+    _act_down = staticmethod(silu_then_down)
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
@@ -219,9 +235,29 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * self.intermediate_size, bias=bias)
         self.down_proj = Linear(self.intermediate_size, hidden_size,
                                 bias=bias and tp_rank() == 0)
-        # Set by the fp8 quantization pass when down_proj is an Fp8Linear: on CUDA the
-        # SiLU-and-mul kernel then hands its output over quantized; elsewhere no-op.
-        self.fp8_act = False
+        self._fp8_act = False
+
+    @property
+    def fp8_act(self) -> bool:
+        """Set by the fp8 quantization pass when down_proj is an Fp8Linear: with the Triton
+        kernels the SiLU-and-mul then hands its output over quantized; with PyTorch's, no
+        change."""
+        return self._fp8_act
+
+    @fp8_act.setter
+    def fp8_act(self, on: bool) -> None:
+        self._fp8_act = bool(on)
+        self.use_kernels(self._kernels)
+
+    def use_kernels(self, kernels: Kernels) -> None:
+        """Run ``kernels``' SiLU-and-mul from now on (its fp8 one for an Fp8Linear down_proj),
+        and where they compute it in a 16-bit down projection's product, that kernel."""
+        self._kernels = kernels
+        self._act = kernels.silu_mul_fp8 if self._fp8_act else kernels.silu_mul
+        if kernels.silu_down is not None and type(self.down_proj) is Linear:
+            self._act_down = functools.partial(kernels.silu_down, self.down_proj)
+        else:
+            self._act_down = silu_then_down
 
     def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         return self.down(self.gate_up_proj(x))
@@ -229,19 +265,7 @@ class GatedMLP(nn.Module):
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The down projection of ``silu(gate) * up`` from gate_up's output (all-reduced under
         tensor parallelism)."""
-        if type(self.down_proj) is Linear and (
-                out := silu_mul_linear(gate_up, self.down_proj.weight,
-                                       self.down_proj.bias)) is not None:
-            # A decode step's few rows on a GPU whose tuning says so: the SiLU in the down
-            # projection's kernel.
-            return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
-        act: torch.Tensor | QuantizedActivation
-        if gate_up.ndim == 2 and (ops := cuda_kernels(gate_up)) is not None:
-            act = ops.silu_and_mul_fp8(gate_up) if self.fp8_act else ops.silu_and_mul(gate_up)
-        else:
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            act = F.silu(gate) * up
-        out = self.down_proj(act)
+        out = self._act_down(self, gate_up)
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
 
 
@@ -261,6 +285,9 @@ class Attention(nn.Module):
     too) and the matching input rows of o_proj; the all-reduce adds the partial outputs. An
     o_proj bias lives on rank 0 only, so it is added once.
     """
+
+    _qk_norm = staticmethod(torch_qk_norm)
+    _rotary = staticmethod(torch_rotary)
 
     def __init__(self, config: ArchConfig, layer_idx: int, options: AttentionOptions) -> None:
         super().__init__()
@@ -282,6 +309,11 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
+    def use_kernels(self, kernels: Kernels) -> None:
+        """Run ``kernels``' per-head q/k norm and rotary from now on."""
+        self._qk_norm = kernels.qk_norm
+        self._rotary = kernels.rotary
+
     def forward(self, x: torch.Tensor | QuantizedActivation, cos: torch.Tensor,
                 sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.attend(self.qkv_proj(x), cos, sin, meta)
@@ -296,21 +328,14 @@ class Attention(nn.Module):
         qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, hq + self.num_kv_heads,
                                                       self.head_dim)
         if self.qk_norm:
-            if qk.stride(2) == 1 and (ops := cuda_kernels(qk)) is not None:
-                ops.head_rms_norm_(qk, self.q_norm.weight, self.k_norm.weight, hq,
-                                   self.q_norm.eps)  # in place, one kernel
-            else:
-                qk = torch.cat([self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])], dim=1)
+            qk = self._qk_norm(qk, self.q_norm, self.k_norm, hq)
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         backend, cache = meta.backend, meta.kv_caches[self.layer_idx]
         if backend.fuses_rotary:  # rotated in the kernel that stores K/V
             out = backend.forward_rotary(qk[:, :hq], qk[:, hq:], v, cache, meta, self.scale,
                                          cos, sin)
         else:
-            if qk.stride(2) == 1 and (ops := cuda_kernels(qk)) is not None:
-                qk = ops.rotary_(qk, cos, sin)  # in place, one kernel
-            else:
-                qk = apply_rotary(qk, cos, sin)
+            qk = self._rotary(qk, cos, sin)
             out = backend.forward(qk[:, :hq], qk[:, hq:], v, cache, meta, self.scale)
         out = self.o_proj(out)
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
@@ -330,6 +355,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, layer_idx, options)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.input_layernorm.feeds(self.self_attn.qkv_proj)
+        self.post_attention_layernorm.feeds(self.mlp.gate_up_proj)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,6 +6,8 @@ does."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -94,3 +96,23 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     norm = triton_gemm.NormPrologue(norm_weight, eps, residual,
                                     None if residual is None else summed)
     return triton_gemm.matmul(x, weight, bias, tile, norm=norm), summed
+
+
+@dataclass(eq=False)
+class NormedInput:
+    """A linear layer's operand given as ``norm(x + residual)`` (``x`` for residual None), for
+    a product that computes the add and the RMS norm (``weight``, ``eps``) as it loads it;
+    ``norm`` is the norm's own kernel, for a product that cannot. The product sets
+    ``summed`` to ``x + residual``: the residual stream the caller carries on."""
+
+    x: torch.Tensor
+    residual: torch.Tensor | None
+    weight: torch.Tensor
+    eps: float
+    norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    summed: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        """``x``'s: the rows and width the product reads."""
+        return self.x.shape

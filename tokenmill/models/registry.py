@@ -48,6 +48,10 @@ def create_model(arch: ArchConfig, dtype: torch.dtype, device: torch.device | st
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            return model_cls(arch)
+            model = model_cls(arch)
     finally:
         torch.set_default_dtype(default_dtype)
+    from tokenmill.models.kernel_binding import bind_kernels
+
+    bind_kernels(model, device)  # each block's kernels, chosen once for the device
+    return model
