@@ -26,6 +26,8 @@ from paged import PagedKVCache  # noqa: E402
 from quant_helpers import tiny_arch, tiny_model  # noqa: E402
 from test_residual_carry import old_formula  # noqa: E402
 
+from tokenmill.models.kernel_binding import bind_kernels  # noqa: E402
+
 E4M3 = torch.float8_e4m3fn
 
 
@@ -94,7 +96,9 @@ def _hidden(model: torch.nn.Module, fn=None) -> list[torch.Tensor]:
 
 def _bf16_model(arch_name: str) -> torch.nn.Module:
     arch = dataclasses.replace(tiny_arch(arch_name), intermediate_size=2560)  # two passes
-    return tiny_model(arch).to("cuda", torch.bfloat16)
+    # Moved to the GPU after it was built: its kernels are bound for the GPU here, as
+    # create_model binds a model built there.
+    return bind_kernels(tiny_model(arch).to("cuda", torch.bfloat16))
 
 
 @pytest.mark.parametrize("arch_name", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
