@@ -129,3 +129,21 @@ def test_linear_forward_gives_a_tensor_and_a_replaced_reader_gets_the_norm(
     y2, summed2 = rms.linear_forward(h, residual, other)
     assert isinstance(seen[0], torch.Tensor) and torch.equal(summed2, h + residual)
     assert torch.equal(y2, other(rms(h + residual)))
+
+
+def test_an_fp8_linear_quantizes_its_input_with_the_bound_kernel() -> None:
+    from tokenmill.quant import fp8
+
+    if not fp8.fp8_supported(torch.device("cpu")):
+        pytest.skip("this torch's CPU _scaled_mm takes no per-row scales")
+    layer = fp8.Fp8Linear.from_weight(torch.randn(32, 64), None)
+    assert layer._quantize is fp8.torch_quantize_activation  # chosen for the CPU weight
+    triton = kb.triton_kernels()
+    if triton is None:
+        pytest.skip("Triton is not installed")
+    from tokenmill.kernels.triton import fp8 as fp8_kernels
+
+    kb.bind_kernels(layer, kernels=triton)
+    assert layer._quantize.args == (fp8_kernels,)  # (its bytes: tests/quant/test_fp8_*.py)
+    kb.bind_kernels(layer, "cpu")
+    assert layer._quantize is fp8.torch_quantize_activation

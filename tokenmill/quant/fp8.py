@@ -7,7 +7,9 @@ Triton kernel (``fp8_kernels.py``), unless the kernel that produced them already
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import nn
@@ -61,21 +63,34 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(qs), torch.cat(scales)
 
 
-def cuda_kernels(x: torch.Tensor) -> ModuleType | None:
-    """:mod:`tokenmill.kernels.triton.fp8` for a CUDA tensor when Triton is installed, else
-    None (imported on first use, so a CPU run never imports Triton)."""
-    return triton_module("tokenmill.kernels.triton.fp8") if x.is_cuda else None
-
-
 def quantize_activation(x: torch.Tensor) -> QuantizedActivation:
     """Rows of a 2-D ``x`` scaled onto e4m3 per row: one kernel on CUDA, PyTorch ops
     elsewhere, the same bytes either way."""
-    if (kernels := cuda_kernels(x)) is not None:  # one fused kernel instead of ten
-        xq, scale = kernels.quantize_rows_fp8(x.contiguous(), FP8_MAX)
-    else:
-        scaled, scale = scale_rows_absmax(x, FP8_MAX)
-        xq = scaled.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return activation_quantizer(x.device)(x)
+
+
+def torch_quantize_activation(x: torch.Tensor) -> QuantizedActivation:
+    """:func:`quantize_activation` in PyTorch ops (about ten kernels)."""
+    scaled, scale = scale_rows_absmax(x, FP8_MAX)
+    xq = scaled.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return QuantizedActivation(xq, scale, x.dtype)
+
+
+def _triton_quantize_activation(kernels: ModuleType, x: torch.Tensor) -> QuantizedActivation:
+    xq, scale = kernels.quantize_rows_fp8(x.contiguous(), FP8_MAX)  # one kernel, not ten
+    return QuantizedActivation(xq, scale, x.dtype)
+
+
+def activation_quantizer(device: torch.device | str, triton: bool | None = None
+                         ) -> Callable[[torch.Tensor], QuantizedActivation]:
+    """The activation quantization for tensors on ``device``: the Triton kernel on CUDA
+    where Triton is installed (``triton`` True: wherever it is installed, for the tests'
+    interpreter), else PyTorch's ops."""
+    use = torch.device(device).type == "cuda" if triton is None else triton
+    kernels = triton_module("tokenmill.kernels.triton.fp8") if use else None
+    if kernels is None:
+        return torch_quantize_activation
+    return functools.partial(_triton_quantize_activation, kernels)
 
 
 class Fp8Linear(nn.Module):
@@ -96,6 +111,14 @@ class Fp8Linear(nn.Module):
         # [1, N] so that _scaled_mm reads it as one scale per output column.
         self.register_buffer("weight_scale", weight_scale.float().reshape(1, -1).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        # The activations' quantization, chosen once for the weight's device (use_kernels).
+        self._quantize = activation_quantizer(weight.device)
+
+    def use_kernels(self, kernels: Any) -> None:
+        """Quantize the activations with the Triton kernel where ``kernels`` (a model's
+        ``kernel_binding.Kernels``) are the Triton set, else with PyTorch's ops."""
+        self._quantize = activation_quantizer(self.weight.device,
+                                              triton=kernels.name == "triton")
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Fp8Linear:
@@ -111,7 +134,7 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         if isinstance(x, QuantizedActivation):
             return self._scaled_mm(x)
-        y = self._scaled_mm(quantize_activation(x.reshape(-1, self.in_features)))
+        y = self._scaled_mm(self._quantize(x.reshape(-1, self.in_features)))
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _scaled_mm(self, x: QuantizedActivation) -> torch.Tensor:
