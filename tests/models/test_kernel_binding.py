@@ -4,6 +4,7 @@ interpreter on CPU tensors) the blocks call its kernels; ``Linear.forward`` give
 
 from __future__ import annotations
 
+import copy
 import functools
 import sys
 from pathlib import Path
@@ -82,8 +83,8 @@ def test_the_triton_binding_gives_the_blocks_the_triton_kernels() -> None:
     norm = layer.input_layernorm
     assert norm._norm.args == (fused_ops.rms_norm,)
     assert layer.mlp._act.args == (fused_ops.silu_and_mul,)
-    assert layer.self_attn._qk_norm.args == (fused_ops,)
-    assert layer.self_attn._rotary.args == (fused_ops,)
+    assert layer.self_attn._qk_norm.args == (fused_ops.head_rms_norm_,)
+    assert layer.self_attn._rotary.args == (fused_ops.rotary_,)
     assert layer.self_attn.qkv_proj._product is kb._tuned_linear
     # The norm computes in its reader's product, the one it was bound for.
     assert norm._norm_linear.args == (layer.self_attn.qkv_proj,)
@@ -96,6 +97,8 @@ def test_the_triton_binding_gives_the_blocks_the_triton_kernels() -> None:
     assert layer.mlp._act.args == (fused_ops.silu_and_mul_fp8,)
     norm.fp8_out = False
     assert norm._norm.args == (fused_ops.rms_norm,)
+    copied = copy.deepcopy(model).model.layers[0]  # a bound model copies, its binding too
+    assert copied.input_layernorm._norm_linear.args == (copied.self_attn.qkv_proj,)
     # Back to PyTorch's.
     kb.bind_kernels(model, "cpu")
     assert norm._norm is kb.torch_add_rms_norm and norm._norm_linear is kb.norm_then_linear
@@ -144,6 +147,6 @@ def test_an_fp8_linear_quantizes_its_input_with_the_bound_kernel() -> None:
     from tokenmill.kernels.triton import fp8 as fp8_kernels
 
     kb.bind_kernels(layer, kernels=triton)
-    assert layer._quantize.args == (fp8_kernels,)  # (its bytes: tests/quant/test_fp8_*.py)
+    assert layer._quantize.args == (fp8_kernels.quantize_rows_fp8,)  # (its bytes: tests/quant/test_fp8_*.py)
     kb.bind_kernels(layer, "cpu")
     assert layer._quantize is fp8.torch_quantize_activation

@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from types import ModuleType
 from typing import Any, TypeVar
 
 import torch
@@ -110,16 +109,17 @@ def _triton_act(kernel: Callable[[torch.Tensor], Any], gate_up: torch.Tensor) ->
     return kernel(gate_up) if gate_up.ndim == 2 else torch_silu_mul(gate_up)
 
 
-def _triton_qk_norm(ops: ModuleType, qk: torch.Tensor, q_norm: Any, k_norm: Any,
-                    num_q_heads: int) -> torch.Tensor:
+# (Each holds the kernel function, not its module: a bound model stays deep-copyable.)
+def _triton_qk_norm(kernel: Callable[..., torch.Tensor], qk: torch.Tensor, q_norm: Any,
+                    k_norm: Any, num_q_heads: int) -> torch.Tensor:
     if qk.stride(2) == 1:  # in place, one kernel
-        return ops.head_rms_norm_(qk, q_norm.weight, k_norm.weight, num_q_heads, q_norm.eps)
+        return kernel(qk, q_norm.weight, k_norm.weight, num_q_heads, q_norm.eps)
     return torch_qk_norm(qk, q_norm, k_norm, num_q_heads)
 
 
-def _triton_rotary(ops: ModuleType, qk: torch.Tensor, cos: torch.Tensor,
+def _triton_rotary(kernel: Callable[..., torch.Tensor], qk: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor) -> torch.Tensor:
-    return ops.rotary_(qk, cos, sin) if qk.stride(2) == 1 else torch_rotary(qk, cos, sin)
+    return kernel(qk, cos, sin) if qk.stride(2) == 1 else torch_rotary(qk, cos, sin)
 
 
 def _tuned_linear(x: torch.Tensor | NormedInput, weight: torch.Tensor,
@@ -166,7 +166,7 @@ def triton_kernels() -> Kernels | None:
     return with_tuned_matmul(Kernels(
         "triton", p(_triton_norm, ops.rms_norm), p(_triton_norm, ops.rms_norm_fp8),
         p(_triton_act, ops.silu_and_mul), p(_triton_act, ops.silu_and_mul_fp8),
-        p(_triton_qk_norm, ops), p(_triton_rotary, ops), F.linear))
+        p(_triton_qk_norm, ops.head_rms_norm_), p(_triton_rotary, ops.rotary_), F.linear))
 
 
 def with_tuned_matmul(kernels: Kernels) -> Kernels:

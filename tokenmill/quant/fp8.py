@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -76,8 +75,9 @@ def torch_quantize_activation(x: torch.Tensor) -> QuantizedActivation:
     return QuantizedActivation(xq, scale, x.dtype)
 
 
-def _triton_quantize_activation(kernels: ModuleType, x: torch.Tensor) -> QuantizedActivation:
-    xq, scale = kernels.quantize_rows_fp8(x.contiguous(), FP8_MAX)  # one kernel, not ten
+def _triton_quantize_activation(kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+                                x: torch.Tensor) -> QuantizedActivation:
+    xq, scale = kernel(x.contiguous(), FP8_MAX)  # one kernel, not ten
     return QuantizedActivation(xq, scale, x.dtype)
 
 
@@ -90,7 +90,7 @@ def activation_quantizer(device: torch.device | str, triton: bool | None = None
     kernels = triton_module("tokenmill.kernels.triton.fp8") if use else None
     if kernels is None:
         return torch_quantize_activation
-    return functools.partial(_triton_quantize_activation, kernels)
+    return functools.partial(_triton_quantize_activation, kernels.quantize_rows_fp8)
 
 
 class Fp8Linear(nn.Module):
