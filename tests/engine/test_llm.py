@@ -179,12 +179,13 @@ def test_abort_frees_everything(llm: LLM) -> None:
 def test_model_info_walks_the_modules_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The Ollama routes ask for the model's figures with each request: the walks over its
     modules (parameters, weight bytes, bytes a decode step reads) run once per engine."""
-    import tokenmill.engine.core as core
+    import tokenmill.executor.base as executor  # the executor walks them, for the core
 
     walks = []
     for name in ("count_parameters", "model_weight_bytes", "decode_read_bytes"):
-        fn = getattr(core, name)
-        monkeypatch.setattr(core, name, lambda m, fn=fn, name=name: walks.append(name) or fn(m))
+        fn = getattr(executor, name)
+        monkeypatch.setattr(executor, name,
+                            lambda m, fn=fn, name=name: walks.append(name) or fn(m))
     llm = LLM(model="tiny-llama", load_format="dummy", device="cpu")
     first = llm.engine.model_info()
     assert llm.engine.model_info() == first
