@@ -157,15 +157,15 @@ _VARS = (
            "Microseconds the C++ kernels' workers spin for the next call before they sleep "
            "(0: never); `--kernel-spin-us` overrides it.",
            lambda: _optional_count("TOKENMILL_SPIN_US", "microseconds"),
-           read_by="the C++ kernels' thread pool when it starts (tokenmill/kernels/cpu/thread_pool.h)"),
+           read_by="tokenmill/kernels/cpu (load_extension), handed to the C++ thread pool before its first call"),
     EnvVar("TOKENMILL_THREAD_POOL", "1",
            "0: run the C++ kernels on OpenMP's threads (at::parallel_for) instead of their own "
            "pool.", lambda: _raw("TOKENMILL_THREAD_POOL") != "0",
-           read_by="the C++ kernels' thread pool when it starts (tokenmill/kernels/cpu/thread_pool.h)"),
+           read_by="tokenmill/kernels/cpu (load_extension), handed to the C++ thread pool before its first call"),
     EnvVar("TOKENMILL_POOL_CHUNKS", "2",
            "Chunks per thread of each C++ kernel call.",
            lambda: _optional_count("TOKENMILL_POOL_CHUNKS", "chunks"),
-           read_by="the C++ kernels' thread pool when it loads (tokenmill/kernels/cpu/thread_pool.h)"),
+           read_by="tokenmill/kernels/cpu (load_extension), handed to the C++ thread pool before its first call"),
     EnvVar("TOKENMILL_DECODE_TUNING", "the packaged file of the GPU",
            "A JSON file of GPU decode-attention tuning to use instead of the packaged one.",
            lambda: _text("TOKENMILL_DECODE_TUNING")),

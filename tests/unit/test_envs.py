@@ -163,3 +163,14 @@ def test_child_environ_builds_a_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     env = envs.child_environ({"NO_COLOR": "1"}, drop=("TOKENMILL_SPIN_US",))
     assert env["NO_COLOR"] == "1" and env["SOMETHING_ELSE"] == "kept"
     assert "TOKENMILL_SPIN_US" not in env and os.environ["TOKENMILL_SPIN_US"] == "0"
+
+
+def test_the_cpp_kernels_read_no_environment() -> None:
+    """The C++ extension gets its settings from tokenmill.envs (configure_pool at load), so
+    every variable is listed, validated and documented in one place."""
+    sources = sorted((PACKAGE_DIR / "kernels" / "cpu").glob("*.[ch]*"))
+    assert sources, "the C++ sources moved: update this test"
+    reads = [f"{p.name}:{i}" for p in sources
+             for i, line in enumerate(p.read_text().splitlines(), 1)
+             if re.search(r"\b(std::)?(secure_)?getenv\s*\(", line)]
+    assert reads == [], f"environment read in C++: {reads}"

@@ -78,6 +78,9 @@ def _remove_stale_lock(path: str) -> None:
 # The workers' spin time asked for by the engine (--kernel-spin-us), applied when the extension
 # loads; None: the pool's own default (200 us, or TOKENMILL_SPIN_US).
 _kernel_spin_us: int | None = None
+# The pool's defaults where the environment says nothing (see thread_pool.h).
+DEFAULT_SPIN_US = 200
+DEFAULT_POOL_CHUNKS = 2
 
 
 def set_kernel_spin_us(us: int | None) -> None:
@@ -186,6 +189,12 @@ def _decide_streaming(stream: bool | None) -> bool:
 def load_extension() -> ModuleType:
     """Compile (first time, ~1 minute) or load the cached C++ extension."""
     module = _build_or_load()
+    # The pool's settings from the environment, read here (tokenmill.envs) and not by the C++:
+    # before any kernel call starts the pool.
+    module.configure_pool(envs.TOKENMILL_THREAD_POOL,
+                          DEFAULT_SPIN_US if envs.TOKENMILL_SPIN_US is None
+                          else envs.TOKENMILL_SPIN_US,
+                          envs.TOKENMILL_POOL_CHUNKS or DEFAULT_POOL_CHUNKS)
     if _kernel_spin_us is not None:
         module.set_pool_spin_us(_kernel_spin_us)
     # The output head's AMX path gives the vector path's bits; TOKENMILL_AMX=0 turns it off

@@ -647,6 +647,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                           {"spin_us", pool.spin_ns() / 1000}};
   }, "how the thread pool's workers waited for its calls (counts since the pool started), "
      "and their spin time");
+  m.def("configure_pool", [](bool enabled, int64_t spin_us, int64_t chunks_per_thread) {
+    TORCH_CHECK(spin_us >= 0 && chunks_per_thread >= 1,
+                "configure_pool: spin_us >= 0 and chunks_per_thread >= 1, got ", spin_us, " and ",
+                chunks_per_thread);
+    auto& settings = tokenmill::tmpool::pool_settings();
+    settings.enabled = enabled;
+    settings.spin_ns = spin_us * 1000;
+    settings.chunks_per_thread = chunks_per_thread;
+  }, "the thread pool's settings (tokenmill.envs), given before its first call",
+        pybind11::arg("enabled"), pybind11::arg("spin_us"), pybind11::arg("chunks_per_thread"));
   m.def("set_pool_spin_us", [](int64_t us) {
     TORCH_CHECK(us >= 0, "set_pool_spin_us: the spin time must be >= 0 us, got ", us);
     tokenmill::tmpool::Pool::get().set_spin_ns(us * 1000);

@@ -61,13 +61,20 @@ namespace tmpool {
 
 using ChunkFn = void (*)(void* ctx, int64_t begin, int64_t end);
 
-// The integer in $name, or `fallback` where it is unset, empty, not a number or below `min`.
-inline int64_t env_int(const char* name, int64_t fallback, int64_t min) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return fallback;
-  char* end = nullptr;
-  const long long n = std::strtoll(v, &end, 10);
-  return (end == v || n < min) ? fallback : static_cast<int64_t>(n);
+// The pool's settings: tokenmill.envs reads TOKENMILL_THREAD_POOL, TOKENMILL_SPIN_US and
+// TOKENMILL_POOL_CHUNKS and hands them over through configure_pool when the extension loads,
+// before the pool's first call (the extension reads no environment of its own).
+struct PoolSettings {
+  // false sends every call to at::parallel_for (OpenMP) instead: the way back if these
+  // workers misbehave somewhere, and the baseline of benchmarks/thread_pool_ab.py.
+  bool enabled = true;
+  int64_t spin_ns = 200'000;
+  int64_t chunks_per_thread = 2;  // see below
+};
+
+inline PoolSettings& pool_settings() {
+  static PoolSettings settings;
+  return settings;
 }
 
 // Chunks per thread: enough that a thread that starts late, or runs slower on a shared core,
@@ -78,7 +85,6 @@ inline int64_t env_int(const char* name, int64_t fallback, int64_t min) {
 // process), with the same speed under `bench contention` (one core of two busy: 260.6 vs 252.6
 // tok/s single stream, 635.1 vs 634.4 at 32 streams); 1 was faster still on a quiet machine
 // but lost 11% of the 32-stream throughput under contention.
-inline const int64_t kChunksPerThread = env_int("TOKENMILL_POOL_CHUNKS", 2, 1);
 // A worker that saw its core contended does not spin for this long afterwards.
 constexpr int64_t kBackoffNs = 20'000'000;
 // How often a worker checks whether its core is contended.
@@ -94,15 +100,6 @@ inline int64_t now_ns() {
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
-
-// TOKENMILL_THREAD_POOL=0 sends every call to at::parallel_for (OpenMP) instead: the way back
-// if these workers misbehave somewhere, and the baseline of benchmarks/thread_pool_ab.py.
-inline bool pool_enabled_from_env() {
-  const char* v = std::getenv("TOKENMILL_THREAD_POOL");
-  return v == nullptr || std::strcmp(v, "0") != 0;
-}
-
-inline int64_t spin_ns_from_env() { return env_int("TOKENMILL_SPIN_US", 200, 0) * 1000; }
 
 // True on the pool's workers, and on a caller while it computes chunks: a parallel_for from
 // there runs inline.
@@ -162,7 +159,7 @@ class Pool {
       fn(ctx, begin, end);
       return;
     }
-    const int64_t wanted = std::min<int64_t>((n + grain - 1) / grain, threads * kChunksPerThread);
+    const int64_t wanted = std::min<int64_t>((n + grain - 1) / grain, threads * pool_settings().chunks_per_thread);
     const int64_t chunk = (n + wanted - 1) / wanted;
     ensure_workers(threads - 1);
     stats_.calls.fetch_add(1, std::memory_order_relaxed);
@@ -229,7 +226,8 @@ class Pool {
   }
 
   Pool()
-      : enabled_(pool_enabled_from_env()), spin_ns_(spin_ns_from_env()), cores_(usable_cores()) {}
+      : enabled_(pool_settings().enabled), spin_ns_(pool_settings().spin_ns),
+        cores_(usable_cores()) {}
 
   void ensure_workers(int64_t count) {
     while (num_workers_ < count) {
