@@ -347,10 +347,10 @@ def smollm(quantization: str) -> tuple[str, nn.Module, object, object, list[torc
     llm = LLM(dtype="float32", max_model_len=2048, kv_cache_memory_bytes=512 << 20,
               max_num_batched_tokens=512, quantization=quantization)
     runner = llm.engine.core.executor.runner
-    if runner.fused_decoder is None:
+    if runner.cpu_program is None:
         raise RuntimeError("the runner has no C++ stack for this model")
     name = f"smollm2-135m-{quantization}"
-    return name, runner.model, runner.fused_decoder, runner.backend, runner.kv_caches, llm
+    return name, runner.model, runner.cpu_program, runner.backend, runner.kv_caches, llm
 
 
 def qwen3(layers: int) -> tuple[str, nn.Module, object, object, list[torch.Tensor], None]:
@@ -360,7 +360,7 @@ def qwen3(layers: int) -> tuple[str, nn.Module, object, object, list[torch.Tenso
     from tokenmill.models.config import ArchConfig
     from tokenmill.models.registry import create_model
     from tokenmill.presets import get_preset
-    from tokenmill.runner.fused_decode import FusedDecoder
+    from tokenmill.runner.cpu_program import CpuProgram as FusedDecoder
     from tokenmill.runner.kv_memory import KVCacheShape
 
     cfg = dict(get_preset("qwen3-0.6b"), num_hidden_layers=layers)

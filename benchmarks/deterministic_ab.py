@@ -93,7 +93,7 @@ def make_engine(mode: str, threads: int | None) -> LLMEngine:
         runner = engine.core.executor.runner
         pin_row_kernels(runner.model)
         # The fused stack sizes its batch limit from the layers' dense threshold: rebuild it.
-        runner.fused_decoder = make_cpu_program(runner.model, runner.device)
+        runner.cpu_program = make_cpu_program(runner.model, runner.device)
     _one(engine, "Hello", 8)  # warm-up: the first steps pay one-time costs
     return engine
 

@@ -24,7 +24,7 @@ def ab(llm: LLM, context: int, steps: int, rounds: int) -> dict[str, list[float]
     """Step times (s) on the direct paths and on the modules' paths."""
     engine = llm.engine
     runner = engine.core.executor.runner
-    fused = runner.fused_decoder
+    fused = runner.cpu_program
     if fused is None or fused._head is None:
         raise SystemExit("this model's fused decoder has no direct head: nothing to compare")
     sides = {"direct": (fused._embed, fused._head),

@@ -52,11 +52,10 @@ def _modules() -> SimpleNamespace:
     from tokenmill.kernels.triton import attention_decode as triton_decode
     from tokenmill.kernels.triton import attention_prefill as triton_prefill
     from tokenmill.kernels.triton import fp8 as fp8_kernels
-    from tokenmill.kernels.triton import fused_ops
+    from tokenmill.kernels.triton import fused_ops, l2_prefetch
     from tokenmill.kernels.triton import gemm as triton_gemm
     from tokenmill.kernels.triton import greedy as greedy_kernels
     from tokenmill.kernels.tuning.decode_attention import DEFAULT_LAUNCH, TUNED_DIR, load_tuning
-    from tokenmill.kernels.triton import l2_prefetch
 
     return SimpleNamespace(compile=compile_like_runtime, td=triton_decode, tk=triton_kernels,
                            tp=triton_prefill, DEFAULT_LAUNCH=DEFAULT_LAUNCH,

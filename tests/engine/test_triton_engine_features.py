@@ -64,7 +64,7 @@ def _cuda_path(**kw: object) -> LLM:
         llm = LLM(**SMALL | kw, async_scheduling=not speculates)  # type: ignore[arg-type]
         runner = llm.engine.core.executor.runner
         runner.backend = TritonAttentionBackend(decode_partition_size=32)
-        runner.fused_decoder = None
+        runner.cpu_program = None
         runner.capture_decode_graphs(SMALL["max_num_seqs"], llm.engine.core.max_model_len,
                                      capturer=EagerReplay())
     runner = llm.engine.core.executor.runner

@@ -81,7 +81,7 @@ def test_fused_stack_runs_adapter_rows(lora_llm: LLM, adapters: dict[str, Path],
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """On the CPU the fused layer stack computes the adapters' updates too (decode and
     prefill steps): the LoRA steps above ran there, not in model.forward."""
-    fused = lora_llm.engine.core.executor.runner.fused_decoder
+    fused = lora_llm.engine.core.executor.runner.cpu_program
     assert fused is not None and fused.lora
     seen: list[object] = []
     forward = fused.forward
@@ -105,7 +105,7 @@ def test_eager_path(lora_base: Base, adapters: dict[str, Path],
     monkeypatch.setenv("TOKENMILL_FUSED_DECODE", "0")
     llm = LLM(str(lora_base.path), dtype="float32", enable_lora=True, max_loras=2)
     try:
-        assert llm.engine.core.executor.runner.fused_decoder is None
+        assert llm.engine.core.executor.runner.cpu_program is None
         names = ["patterns", None, "mlp", "all"]
         outputs = llm.generate([PROMPTS[i % 3] for i in range(4)], GREEDY,
                                lora_request=[None if n is None else lora_request(adapters, n)

@@ -32,7 +32,7 @@ def _cuda_path(base: Base) -> LLM:
     llm = LLM(str(base.path), **options)
     runner = llm.engine.core.executor.runner
     runner.backend = TritonAttentionBackend(decode_partition_size=32)
-    runner.fused_decoder = None
+    runner.cpu_program = None
     runner.capture_decode_graphs(4, llm.engine.core.max_model_len, capturer=EagerReplay())
     return llm
 

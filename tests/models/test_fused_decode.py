@@ -152,7 +152,7 @@ def test_engine_greedy_identical_on_and_off(llm) -> None:  # noqa: ANN001 (sessi
     from tokenmill import SamplingParams
 
     runner = llm.engine.core.executor.runner
-    saved = runner.fused_decoder
+    saved = runner.cpu_program
     fused = CpuProgram(runner.model)
     calls = 0
     stack_forward = fused.forward
@@ -165,12 +165,12 @@ def test_engine_greedy_identical_on_and_off(llm) -> None:  # noqa: ANN001 (sessi
     fused.forward = counted  # type: ignore[method-assign]
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     try:
-        runner.fused_decoder = None
+        runner.cpu_program = None
         off = [o.outputs[0].token_ids for o in llm.generate(GREEDY_PROMPTS, params)]
-        runner.fused_decoder = fused
+        runner.cpu_program = fused
         on = [o.outputs[0].token_ids for o in llm.generate(GREEDY_PROMPTS, params)]
     finally:
-        runner.fused_decoder = saved
+        runner.cpu_program = saved
     assert calls >= 63  # the decode steps really went through the C++ stack
     assert on == off
 
@@ -191,7 +191,7 @@ def test_embedded_model_embeds_and_scores_through_the_kernels(quantized_llm) -> 
     from tokenmill import SamplingParams
 
     runner = quantized_llm.engine.core.executor.runner
-    model, fused = runner.model, runner.fused_decoder
+    model, fused = runner.model, runner.cpu_program
     table = model.model.embed_tokens
     assert fused is not None and fused._embed is not table and fused._head is not None
     # The head's output tiles were packed with the model, not by the first batched step.
@@ -237,18 +237,18 @@ def test_runner_does_not_hide_a_failing_stack(llm) -> None:  # noqa: ANN001
             raise RuntimeError("boom")
 
     runner = llm.engine.core.executor.runner
-    saved = runner.fused_decoder
+    saved = runner.cpu_program
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     want = llm.generate(GREEDY_PROMPTS[:2], params)
     batch = FlatBatch(runner.block_size)
     batch.add([5, 6, 7], 0, [runner.kv_caches[0].shape[1] - 1])
     ids, positions, meta = batch.build(runner.backend, runner.kv_caches, runner.device)
     try:
-        runner.fused_decoder = Broken()
+        runner.cpu_program = Broken()
         with pytest.raises(RuntimeError, match="boom"), torch.inference_mode():
             runner._forward(SimpleNamespace(input_ids=ids, positions=positions, attn_meta=meta))
     finally:
-        runner.fused_decoder = saved
+        runner.cpu_program = saved
     got = llm.generate(GREEDY_PROMPTS[:2], params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 

@@ -13,7 +13,7 @@ import torch
 from tokenmill.kernels.cpu import clear_stale_build_lock, load_extension
 from tokenmill.quant.packing import pack_int4_q8, pack_int8_q16_tiles
 
-CSRC = Path(__file__).resolve().parents[2] / "tokenmill" / "csrc"
+CSRC = Path(__file__).resolve().parents[2] / "tokenmill" / "kernels" / "cpu"
 HERE = Path(__file__).resolve().parent / "csrc"
 
 

@@ -37,7 +37,7 @@ def _with_graphs(llm: LLM, max_batch_size: int) -> DecodeGraphs:
     CUDA."""
     runner = llm.engine.core.executor.runner
     runner.backend = TritonAttentionBackend(decode_partition_size=32)
-    runner.fused_decoder = None
+    runner.cpu_program = None
     runner.capture_decode_graphs(max_batch_size, llm.engine.core.max_model_len,
                                  capturer=EagerReplay())
     assert runner.decode_graphs is not None
@@ -95,7 +95,7 @@ def test_a_graph_per_context_class_where_the_launch_depends_on_it(
     llm = _tiny_llm()
     runner = llm.engine.core.executor.runner
     runner.backend = TritonAttentionBackend(decode_tuning=tuning)
-    runner.fused_decoder = None
+    runner.cpu_program = None
     runner.capture_decode_graphs(4, llm.engine.core.max_model_len, capturer=EagerReplay())
     graphs = runner.decode_graphs
     assert graphs is not None
@@ -205,7 +205,7 @@ def test_the_last_graph_launches_the_rule_for_the_graphs_bound(
     llm = _tiny_llm()  # max_model_len 256
     runner = llm.engine.core.executor.runner
     runner.backend = TritonAttentionBackend(decode_tuning=tuning)
-    runner.fused_decoder = None
+    runner.cpu_program = None
     runner.capture_decode_graphs(2, llm.engine.core.max_model_len, capturer=EagerReplay())
     graphs = runner.decode_graphs
     assert graphs is not None and graphs.max_seq_len == 256

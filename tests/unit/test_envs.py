@@ -24,7 +24,7 @@ ENTRY_MODULES = ("tokenmill", "tokenmill.envs", "tokenmill.cli", "tokenmill.engi
                  "tokenmill.engine.llm", "tokenmill.engine.llm_engine", "tokenmill.server.app",
                  "tokenmill.server.serve_cli", "tokenmill.batch.cli", "tokenmill.stream.cli",
                  "tokenmill.runner.model_runner", "tokenmill.quant.kernel_choice",
-                 "tokenmill.runner.fused_decode")
+                 "tokenmill.runner.cpu_program")
 
 IMPORT_PROBE = """import importlib, os
 before = dict(os.environ)

@@ -45,7 +45,7 @@ def test_hooks_read_the_next_layer_in_decoder_order_and_change_nothing(
     llm = LLM(model="tiny-llama", load_format="dummy", dtype="float32", quantization="none",
               max_model_len=128, num_kv_blocks=32)
     runner = llm.engine.core.executor.runner
-    runner.fused_decoder = None  # every step through the modules, as on a GPU
+    runner.cpu_program = None  # every step through the modules, as on a GPU
     model = runner.model
     short = {"prompt_token_ids": [5, 6, 7, 8, 9]}
     long = {"prompt_token_ids": list(range(10, 30))}

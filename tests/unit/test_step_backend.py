@@ -66,7 +66,7 @@ def test_cpu_default_is_the_cpu_program_and_the_start_logs_it(
         llm = _tiny_llm()
     runner = _runner(llm)
     backend = runner.step_backend
-    assert type(backend) is CpuProgramBackend and runner.fused_decoder is backend.program
+    assert type(backend) is CpuProgramBackend and runner.cpu_program is backend.program
     assert runner.decode_graphs is None
     lines = [r.getMessage() for r in caplog.records if "step backend" in r.getMessage()]
     assert lines == [f"step backend: {backend.describe()}"]
@@ -120,7 +120,7 @@ def test_captured_graphs_become_the_step_backend() -> None:
     llm = _tiny_llm()
     runner = _runner(llm)
     runner.backend = TritonAttentionBackend(decode_partition_size=32)
-    runner.fused_decoder = None
+    runner.cpu_program = None
     assert runner.step_backend is runner.eager
     runner.capture_decode_graphs(4, llm.engine.core.max_model_len, capturer=EagerReplay())
     backend = runner.step_backend
@@ -168,7 +168,7 @@ class _Refusing(StepBackend):
 def test_an_unsupported_step_runs_eagerly(llm: LLM) -> None:
     runner = _runner(llm)
     saved = runner.step_backend
-    runner.fused_decoder = None
+    runner.cpu_program = None
     want = _tokens(llm)
     refusing = _Refusing(runner.eager)
     try:
@@ -197,17 +197,17 @@ def test_an_error_in_the_backend_reaches_the_caller(llm: LLM) -> None:
     model.forward for good and said so only in a warning); the next request, on the
     engine's own backend again, gets the tokens it got before."""
     runner = _runner(llm)
-    saved = runner.fused_decoder
+    saved = runner.cpu_program
     assert saved is not None
     before = _tokens(llm)
     inputs = _prompt_step(runner)
     try:
-        runner.fused_decoder = _Broken()
+        runner.cpu_program = _Broken()
         with pytest.raises(RuntimeError, match="boom"), torch.inference_mode():
             runner._forward(inputs)
     finally:
-        runner.fused_decoder = saved
-    assert runner.fused_decoder is saved
+        runner.cpu_program = saved
+    assert runner.cpu_program is saved
     assert _tokens(llm) == before
 
 

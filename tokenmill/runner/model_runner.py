@@ -138,7 +138,6 @@ class ModelRunner:
         else:
             self.step_backend = CpuProgramBackend(program)
 
-    fused_decoder = cpu_program  # its former name, which tests and benchmarks use
 
     @property
     def decode_graphs(self) -> DecodeGraphs | None:

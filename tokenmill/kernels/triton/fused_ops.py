@@ -10,12 +10,12 @@ kernel with the same arithmetic as the PyTorch code in ``models/layers.py`` (fp3
 Where an fp8 linear reads the output (``quant.fp8.Fp8Linear``), the norm and SiLU-and-mul
 kernels can also quantize it per row to e4m3 on the way out (``rms_norm_fp8``,
 ``silu_and_mul_fp8``): the same bytes and scales as the unfused output quantized by
-``quant/fp8_kernels.py``, whose kernel shares the arithmetic here (``fp8_scale``,
+``kernels/triton/fp8.py``, whose kernel shares the arithmetic here (``fp8_scale``,
 ``fp8_quantize``, and ``quantize_row``, which the SiLU-and-mul kernel runs over its products
 and that one over loaded values), one kernel and one round trip less per linear.
 
-The layers call them for CUDA tensors only (``layers.cuda_kernels``, which imports this module
-on first use); the tests run them in Triton's interpreter on the CPU against the PyTorch code.
+The model's blocks are bound to them once, when a model is built for CUDA
+(``tokenmill.models.kernel_binding``, which imports this module only then); the tests run them in Triton's interpreter on the CPU against the PyTorch code.
 """
 
 from __future__ import annotations
