@@ -4,12 +4,15 @@ stay free of torch)."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import gc
 import importlib
 import itertools
 import os
-from collections.abc import Iterator, Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -135,3 +138,26 @@ def process_age_s() -> float | None:
     except (OSError, ValueError, IndexError):
         return None
     return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed while quantizing back to the OS (glibc only; a no-op elsewhere).
+
+    Quantizing frees thousands of mid-sized temporaries that glibc keeps in its heap: without
+    this the process stays ~150 MB larger after loading the 135M model than its live tensors.
+    """
+    trim = malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim`` (give the heap's free pages back to the OS), or None where the
+    C library has none (not Linux, or musl)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+        return None

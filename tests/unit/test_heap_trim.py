@@ -8,7 +8,7 @@ import pytest
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine import heap as heap_module
 from tokenmill.engine.heap import HeapTrimmer
-from tokenmill.quant.packing import malloc_trim
+from tokenmill.utils import malloc_trim
 
 
 class _Clock:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 from tokenmill.metrics.stats import StepStats
-from tokenmill.quant.packing import malloc_trim
+from tokenmill.utils import malloc_trim
 
 # Seconds between two trims at most (each ~2 ms on the embedded model: <= 0.2% of the time).
 TRIM_INTERVAL_S = 1.0

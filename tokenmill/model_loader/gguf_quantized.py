@@ -44,8 +44,8 @@ from tokenmill.quant.packing import (
     check_int4_shape,
     quantize_int4,
     quantize_int8,
-    release_freed_memory,
 )
+from tokenmill.utils import release_freed_memory
 
 GGUF_GROUP = 32
 # Hand the freed temporaries back to the OS after this many quantized layers.

@@ -24,8 +24,8 @@ from tokenmill.quant.packing import (
     INT4_GROUP_SIZES,
     check_int4_shape,
     int4_layout_known,
-    release_freed_memory,
 )
+from tokenmill.utils import release_freed_memory
 
 logger = logging.getLogger(__name__)
 

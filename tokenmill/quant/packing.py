@@ -13,12 +13,8 @@ row blocks this build packs with (it follows the CPU: 64 rows with AVX-512, 32 w
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import functools
 import logging
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -337,26 +333,3 @@ def _known_block_n() -> int:
     if block_n is None:
         raise RuntimeError("this PyTorch packs int4 weights in an unknown layout")
     return block_n
-
-
-def release_freed_memory() -> None:
-    """Hand memory freed while quantizing back to the OS (glibc only; a no-op elsewhere).
-
-    Quantizing frees thousands of mid-sized temporaries that glibc keeps in its heap: without
-    this the process stays ~150 MB larger after loading the 135M model than its live tensors.
-    """
-    trim = malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache
-def malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim`` (give the heap's free pages back to the OS), or None where the
-    C library has none (not Linux, or musl)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
-        return None

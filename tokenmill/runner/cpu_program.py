@@ -26,10 +26,10 @@ from tokenmill.lora.layers import LoRALinear, LoRAStep
 from tokenmill.quant.head import QuantizedMatrix
 from tokenmill.quant.linear import Int8WeightOnlyLinear
 from tokenmill.quant.model import float_matmul_layers, pin_row_kernels
-from tokenmill.quant.packing import release_freed_memory
 from tokenmill.runner import cpu_lowering as ops
 from tokenmill.runner.cpu_linear import UnsupportedModel
 from tokenmill.runner.cpu_lowering import ProgramBuilder, lower_model
+from tokenmill.utils import release_freed_memory
 
 logger = logging.getLogger(__name__)
 # The torch.profiler range of one program step (benchmarks/step_profile.py reads it).
