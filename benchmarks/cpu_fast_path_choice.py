@@ -196,7 +196,7 @@ def make_step(name: str, backend: object, caches: list[torch.Tensor], batch: int
               query: int, context: int, vocab: int, first_block: int = 1) -> Step:
     """``batch`` sequences each adding ``query`` tokens to a ``context``-token sequence, laid
     out by FlatBatch as the runner lays a step out."""
-    from tokenmill.runner.batch import FlatBatch
+    from tokenmill.runner.flat_batch import FlatBatch
 
     flat = FlatBatch(BLOCK)
     per_seq = -(-context // BLOCK)

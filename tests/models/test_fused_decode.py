@@ -224,7 +224,7 @@ def test_runner_does_not_hide_a_failing_stack(llm) -> None:  # noqa: ANN001
     from types import SimpleNamespace
 
     from tokenmill import SamplingParams
-    from tokenmill.runner.batch import FlatBatch
+    from tokenmill.runner.flat_batch import FlatBatch
 
     class Broken:
         lora = False

@@ -135,7 +135,7 @@ def test_steps_graphs_cannot_serve_run_eagerly() -> None:
     llm = _tiny_llm()
     graphs = _with_graphs(llm, max_batch_size=2)
     runner = llm.engine.core.executor.runner
-    from tokenmill.runner.batch import FlatBatch
+    from tokenmill.runner.flat_batch import FlatBatch
 
     batch = FlatBatch(16)
     batch.add([1, 2, 3], 0, [1])  # a prefill: never from a graph
@@ -161,7 +161,7 @@ def test_padding_rows_do_not_touch_the_kv_cache() -> None:
     graphs = _with_graphs(llm, max_batch_size=8)
     runner = llm.engine.core.executor.runner
     before = [c.clone() for c in runner.kv_caches]
-    from tokenmill.runner.batch import FlatBatch
+    from tokenmill.runner.flat_batch import FlatBatch
 
     batch = FlatBatch(16)
     for token, block in ((9, 3), (8, 4), (7, 5)):  # three first tokens, in blocks 3, 4, 5

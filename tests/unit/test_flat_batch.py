@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.runner.batch import FlatBatch
+from tokenmill.runner.flat_batch import FlatBatch
 
 CPU = torch.device("cpu")
 

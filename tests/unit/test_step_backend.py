@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.runner.batch import FlatBatch
+from tokenmill.runner.flat_batch import FlatBatch
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.runner.platform import Platform
 from tokenmill.runner.step_backend import (

@@ -26,7 +26,7 @@ from tokenmill.attention.backend import AttentionBackend, TorchAttentionBackend 
 from tokenmill.attention.metadata import AttentionMetadata  # noqa: E402
 from tokenmill.kernels.tuning.decode_attention import DEFAULT_LAUNCH, parse_tuning  # noqa: E402
 from tokenmill.models.layers import RotaryEmbedding, apply_rotary  # noqa: E402
-from tokenmill.runner.batch import FlatBatch  # noqa: E402
+from tokenmill.runner.flat_batch import FlatBatch  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOLS = {torch.float32: 1e-4, torch.float16: 1e-2}

@@ -17,7 +17,7 @@ from tokenmill.utils import host_tensor
 class EncoderBatch:
     """A step's sequences for an encoder: tokens back to back, positions from 0, and
     metadata that gives only the sequence boundaries. The same ``add`` / ``build`` as
-    :class:`~tokenmill.runner.batch.FlatBatch`, whose KV arguments it ignores: an encoder
+    :class:`~tokenmill.runner.flat_batch.FlatBatch`, whose KV arguments it ignores: an encoder
     computes each sequence whole and keeps nothing."""
 
     def __init__(self) -> None:

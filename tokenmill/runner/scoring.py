@@ -2,7 +2,7 @@
 
 For evaluations such as perplexity, outside the engine's scheduler: each sequence is one
 fresh prompt through the model's own ``forward``, on a paged KV cache of its own laid out by
-the runner's :class:`~tokenmill.runner.batch.FlatBatch`.
+the runner's :class:`~tokenmill.runner.flat_batch.FlatBatch`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.core.kv_cache import blocks_for_tokens
-from tokenmill.runner.batch import FlatBatch
+from tokenmill.runner.flat_batch import FlatBatch
 from tokenmill.runner.kv_memory import KVCacheShape
 from tokenmill.utils import cdiv
 

@@ -11,7 +11,7 @@ import torch
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.core.sched_output import SchedulerOutput
-from tokenmill.runner.batch import FlatBatch
+from tokenmill.runner.flat_batch import FlatBatch
 from tokenmill.runner.pooling import EncoderBatch
 from tokenmill.runner.request_state import RequestState
 

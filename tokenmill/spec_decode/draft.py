@@ -23,7 +23,7 @@ from tokenmill.distributed import unsharded
 from tokenmill.model_loader import load_model
 from tokenmill.models.config import ArchConfig
 from tokenmill.request import Request
-from tokenmill.runner.batch import FlatBatch
+from tokenmill.runner.flat_batch import FlatBatch
 from tokenmill.runner.kv_memory import KVCacheShape
 from tokenmill.runner.platform import Platform
 from tokenmill.runner.sampler import (
