@@ -18,9 +18,9 @@ from tokenmill.models.config import ArchConfig
 from tokenmill.models.pooler import PoolerConfig
 from tokenmill.quant.model import linear_layer_names, model_weight_bytes
 from tokenmill.quant.packing import dense_dtype
-from tokenmill.runner.flat_batch import FlatBatch
 from tokenmill.runner.cpu_program import CpuProgram
 from tokenmill.runner.cuda_graphs import DecodeGraphs, GraphCapture
+from tokenmill.runner.flat_batch import FlatBatch
 from tokenmill.runner.kv_memory import KVCacheShape
 from tokenmill.runner.launched import LaunchedStep
 from tokenmill.runner.platform import Platform
