@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -128,8 +129,10 @@ def build_reference_app() -> Any:
                         {"model": ServedModel("model", stand_in)},  # type: ignore[arg-type]
                         PrometheusMetrics(), monitors=MonitorRegistry(MonitorConfig()))
     manager = ModelManager(state, make_config=lambda spec: spec)  # type: ignore[arg-type,return-value]
-    retrieval = SimpleNamespace(search=None)  # only its methods' names are read at build time
-    app = build_app(state, manager, retrieval)  # type: ignore[arg-type]
+    with tempfile.TemporaryDirectory() as data_dir:  # the batch routes open their store there
+        # Only the retrieval service's method names and data folder are read at build time.
+        retrieval = SimpleNamespace(search=None, data_dir=Path(data_dir))
+        app = build_app(state, manager, retrieval)  # type: ignore[arg-type]
     state.workers.shutdown(wait=False)
     return app
 
