@@ -20,6 +20,7 @@ from torch import nn
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.models.config import ArchConfig
 from tokenmill.models.layers import Bf16MatmulLinear, Embedding, Linear
+from tokenmill.models.parallel import check_all_loaded
 
 # Checkpoint names inside one layer -> (our module, row block of the fused qkv or None).
 _LAYER_NAMES: dict[str, tuple[str, int | None]] = {
@@ -223,11 +224,7 @@ class BertModel(nn.Module):
                     raise ValueError(f"tensor {raw_name!r} appears twice in the checkpoint")
                 dst.copy_(tensor)
                 loaded.add(name)
-        missing = sorted(set(targets) - loaded)
-        if missing:
-            shown = ", ".join(repr(m) for m in missing[:8])
-            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-            raise ValueError(f"checkpoint is missing tensors {shown}{more}")
+        check_all_loaded(targets, loaded)
 
     def _hf_targets(self) -> dict[str, _Target]:
         """HF tensor name (without "bert.") -> where it goes."""

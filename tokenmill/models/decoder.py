@@ -15,7 +15,7 @@ from tokenmill.distributed import tensor_model_parallel_all_gather, tp_rank, tp_
 from tokenmill.models.config import ArchConfig
 from tokenmill.models.layers import AttentionOptions, DecoderModel, Linear, RotaryEmbedding
 from tokenmill.models.linear import linear
-from tokenmill.models.parallel import VocabShard, copy_rank_slice
+from tokenmill.models.parallel import VocabShard, check_all_loaded, copy_rank_slice
 
 # Checkpoint tensors that live in one fused parameter here: (fused module, HF module, shard).
 STACKED_PARAMS: tuple[tuple[str, str, int], ...] = (
@@ -135,11 +135,7 @@ class DecoderForCausalLM(nn.Module):
                                      f"expected {tuple(expected)}")
                 copy_rank_slice(dst, tensor, target.split_dim, self.tp_rank)
                 loaded.add(name)
-        missing = sorted(set(targets) - loaded)
-        if missing:
-            shown = ", ".join(repr(m) for m in missing[:8])
-            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-            raise ValueError(f"checkpoint is missing tensors {shown}{more}")
+        check_all_loaded(targets, loaded)
 
     def _hf_targets(self) -> dict[str, _Target]:
         """HF tensor name -> where this rank's part of it goes."""

@@ -12,7 +12,7 @@ built for one process stays one even while a tensor-parallel engine runs in the 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -96,3 +96,13 @@ def copy_rank_slice(dst: torch.Tensor, tensor: torch.Tensor, dim: int | None,
     dst.narrow(dim, 0, n).copy_(tensor.narrow(dim, begin, n))
     if n < per_rank:
         dst.narrow(dim, n, per_rank - n).zero_()
+
+
+def check_all_loaded(expected: Iterable[str], loaded: set[str]) -> None:
+    """ValueError naming (up to eight of) the ``expected`` checkpoint tensors not in ``loaded``,
+    once a checkpoint's tensors are exhausted."""
+    missing = sorted(set(expected) - loaded)
+    if missing:
+        shown = ", ".join(repr(m) for m in missing[:8])
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        raise ValueError(f"checkpoint is missing tensors {shown}{more}")
