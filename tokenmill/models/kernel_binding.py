@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels.fp8_activation import QuantizedActivation
+from tokenmill.kernels.moe import torch_moe
 from tokenmill.models.linear import NormedInput, linear, norm_linear, silu_mul_linear
 from tokenmill.utils import triton_module
 
@@ -90,6 +91,13 @@ class Kernels:
     # in the down projection's; None: no such kernel (the norm, the SiLU run first).
     norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     silu_down: Callable[[nn.Module, Any, torch.Tensor], torch.Tensor] | None = None
+    # A mixture-of-experts feed-forward over stacked float experts (models/moe.py):
+    # ``moe(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] float32,
+    # topk_ids [T, k] int64) -> [T, H]`` in x's dtype, w13 = each expert's gate rows then its
+    # up rows, SiLU gating, the k outputs summed with their weights. Default: the grouped
+    # PyTorch path (tokenmill.kernels.moe), which reads only the experts the tokens chose.
+    moe: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                  torch.Tensor] = torch_moe
 
 
 TORCH_KERNELS = Kernels("torch", torch_add_rms_norm, torch_add_rms_norm, torch_silu_mul,
