@@ -1,0 +1,246 @@
+"""The mixture-of-experts layer on CUDA in two Triton launches (the fused-MoE design of vLLM and
+SGLang): every (token, expert) pair of a step, sorted by expert, through the experts' gated MLPs.
+
+A MoE layer gives each token ``k`` of ``E`` experts. Looping over the experts in PyTorch is a
+few kernels an expert (an index, two products, the activation, a scatter): ~500 launches a
+layer for 128 experts, most of them for a handful of rows. Here the step's ``T * k`` pairs are
+grouped by expert and each expert's group is padded to a multiple of the tile's rows
+(:func:`align_to_blocks`), so that every row tile belongs to one expert; then one launch
+computes every expert's ``w13`` product for the whole layer, with ``silu(gate) * up`` computed
+in the kernel from its two accumulators (no ``[T * k, 2I]`` tensor is written), and one launch
+computes every ``w2`` product with the routing weight multiplied in. The ``k`` products of a
+token are summed last. The sort is PyTorch ops of fixed shapes (no read back to the host), so
+a step can run in a CUDA graph.
+
+The tiles are untuned defaults (:func:`default_tile`); the tests run the kernels in Triton's
+interpreter on CPU tensors against a loop over tokens and experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.kernels.triton.attention import dot_precision
+from tokenmill.kernels.triton.fused_ops import silu_mul_values
+from tokenmill.kernels.triton.pdl import launch_options, pdl_start
+
+
+@triton.jit
+def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr,
+                     total_ptr, N, K, pairs, row_tiles, stride_am, stride_be, stride_bn,
+                     stride_cm, TOP_K: tl.constexpr, GATED: tl.constexpr,
+                     MUL_WEIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr, PDL: tl.constexpr = False):
+    """One program per ``[BLOCK_M, BLOCK_N]`` tile of ``c[pair] = a[pair // TOP_K] @
+    b[expert].T``, a row tile's pairs all of one expert (``sorted_ids``, ``expert_ids``). Rows
+    of padding hold ``pairs`` and are neither read nor written; row tiles past ``total``
+    (the padded pairs of this step) return at once.
+
+    GATED (the ``w13`` product): ``b[expert]`` is ``[2N, K]``, gate rows then up rows, and the
+    program keeps an accumulator for each, storing ``silu(gate) * up``. MUL_WEIGHT (the ``w2``
+    product): each row times its pair's routing weight. Programs run in groups of GROUP_M row
+    tiles, which share their expert's columns of b through L2."""
+    pdl_start(PDL)
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(row_tiles - first_m, GROUP_M)
+    tile_m = first_m + (pid % per_group) % group_rows
+    tile_n = (pid % per_group) // group_rows
+    if tile_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    pair = tl.load(sorted_ids_ptr + tile_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pair < pairs
+    expert = tl.load(expert_ids_ptr + tile_m).to(tl.int64)
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (pair // TOP_K).to(tl.int64)[:, None] * stride_am + ks[None, :]
+    b_ptrs = (b_ptr + expert * stride_be + cols[None, :].to(tl.int64) * stride_bn
+              + ks[:, None])
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # (unused unless GATED)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = k0 + ks < K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b_mask = k_ok[:, None] & col_ok[None, :]
+        b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if GATED:
+            up = tl.load(b_ptrs + N * stride_bn, mask=b_mask, other=0.0)
+            acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    dtype = c_ptr.dtype.element_ty
+    if GATED:
+        # Rounded to the activations' dtype first, as the eager gate_up projection is.
+        out = silu_mul_values(acc.to(dtype), acc_up.to(dtype), dtype)
+    else:
+        if MUL_WEIGHT:
+            acc = acc * tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
+        out = acc.to(dtype)
+    tl.store(c_ptr + pair.to(tl.int64)[:, None] * stride_cm + cols[None, :], out,
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@dataclass(frozen=True)
+class MoeTile:
+    """Both launches' tile: rows (also the padding of each expert's group of pairs), columns
+    and depth, row tiles a group, warps and pipelining depth."""
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value!r}")
+        if not isinstance(self.group_m, int) or self.group_m < 1:
+            raise ValueError(f"group_m must be a positive integer, got {self.group_m!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
+        if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
+            raise ValueError(f"num_stages must be 1..8, got {self.num_stages!r}")
+
+
+def default_tile(pairs: int, num_experts: int) -> MoeTile:
+    """The tile for ``pairs`` (token, expert) pairs over ``num_experts`` experts (not tuned on
+    a device yet). At a few pairs an expert, as in decode, a tile's rows are mostly padding
+    and the step reads the chosen experts' weights: 16 rows waste the least. With many pairs
+    an expert, a prefill's, bigger tiles reuse each loaded weight tile over more rows."""
+    per_expert = pairs / max(num_experts, 1)
+    if per_expert <= 16:
+        return MoeTile(block_m=16, block_n=64, block_k=128, group_m=1, num_stages=4)
+    if per_expert <= 128:
+        return MoeTile(block_m=64, block_n=64, block_k=64, group_m=8)
+    return MoeTile(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8)
+
+
+@dataclass(frozen=True)
+class ExpertBlocks:
+    """A step's (token, expert) pairs grouped by expert, each group padded to ``block_m``.
+
+    A pair is its index in the flattened ``topk_ids`` (``token * k + slot``). ``sorted_ids``
+    holds the pairs of expert 0, then of expert 1, ..., each group followed by the padding
+    value ``pairs`` up to a multiple of ``block_m``, and more padding to the tensor's fixed
+    length; ``expert_ids`` holds each block's expert; ``total`` (one element, on the device)
+    is the length in use. Fixed lengths: no value is read back to the host."""
+
+    sorted_ids: torch.Tensor  # [capacity] int32
+    expert_ids: torch.Tensor  # [capacity // block_m] int32
+    total: torch.Tensor  # [1] int32
+    pairs: int
+    block_m: int
+
+
+def block_capacity(pairs: int, num_experts: int, block_m: int) -> int:
+    """The most padded pairs a step can have: each expert that is chosen at all (at most
+    ``min(E, pairs)`` of them) pads by fewer than ``block_m``; a multiple of ``block_m``."""
+    most = pairs + min(num_experts, pairs) * (block_m - 1)
+    return triton.cdiv(most, block_m) * block_m
+
+
+def align_to_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    """The pairs of ``topk_ids`` ``[T, k]`` (each in ``[0, num_experts)``) grouped by expert
+    and padded to ``block_m`` (:class:`ExpertBlocks`), in PyTorch ops of fixed shapes."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    pairs, device = flat.numel(), flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    # Stable: an expert's pairs keep their token order, so the result never depends on the
+    # sort's implementation.
+    order = torch.argsort(flat, stable=True)
+    by_expert = flat[order]
+    rank = torch.arange(pairs, device=device) - (counts.cumsum(0) - counts)[by_expert]
+    capacity = block_capacity(pairs, num_experts, block_m)
+    sorted_ids = torch.full((capacity,), pairs, dtype=torch.int32, device=device)
+    sorted_ids[(ends - padded)[by_expert] + rank] = order.to(torch.int32)
+    block_starts = torch.arange(0, capacity, block_m, device=device)
+    # A block's expert: the first whose padded group ends after the block's start (blocks
+    # past the total, which the kernel skips, get the last expert).
+    expert_ids = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1)
+    return ExpertBlocks(sorted_ids, expert_ids.to(torch.int32), ends[-1:].to(torch.int32),
+                        pairs, block_m)
+
+
+def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+           topk_ids: torch.Tensor) -> None:
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"fused_moe takes x [T, H], w13 [E, 2I, H] and w2 [E, H, I], got "
+                         f"{tuple(x.shape)}, {tuple(w13.shape)} and {tuple(w2.shape)}")
+    tokens, hidden = x.shape
+    experts, inter = w2.shape[0], w2.shape[2]
+    if w13.shape != (experts, 2 * inter, hidden) or w2.shape[1] != hidden:
+        raise ValueError(f"w13 must be [E, 2I, H] = [{experts}, {2 * inter}, {hidden}] for x "
+                         f"{tuple(x.shape)} and w2 {tuple(w2.shape)}, got {tuple(w13.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens or topk_ids.dtype not in (
+            torch.int32, torch.int64) or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids (int) and topk_weights must be [T, k] with T = {tokens}, "
+                         f"got {tuple(topk_ids.shape)} {topk_ids.dtype} and "
+                         f"{tuple(topk_weights.shape)}")
+    if not 1 <= topk_ids.shape[1] <= experts:
+        raise ValueError(f"top-k must be 1..{experts} (the experts), got {topk_ids.shape[1]}")
+    if not (x.dtype == w13.dtype == w2.dtype):
+        raise ValueError(f"x, w13 and w2 must have one dtype, got {x.dtype}, {w13.dtype} "
+                         f"and {w2.dtype}")
+    for name, t in (("x", x), ("w13", w13), ("w2", w2)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension, "
+                             f"got strides {tuple(t.stride())}")
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              tile: MoeTile | None = None) -> torch.Tensor:
+    """The experts' gated MLPs summed with their routing weights: for each token ``t``,
+    ``sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u)`` with ``e = topk_ids[t, j]`` and
+    ``[g | u] = w13[e] @ x[t]`` (gate rows, then up rows). ``x`` ``[T, H]``, ``w13``
+    ``[E, 2I, H]``, ``w2`` ``[E, H, I]`` in one dtype with contiguous last dimensions;
+    ``topk_weights`` ``[T, k]`` (float32; taken as is), ``topk_ids`` ``[T, k]`` int64 or
+    int32, each id in ``[0, E)`` (not checked: that would read them back to the host).
+    Returns ``[T, H]`` in x's dtype. ``tile``: both launches' tile (default
+    :func:`default_tile`)."""
+    _check(x, w13, w2, topk_weights, topk_ids)
+    tokens, hidden = x.shape
+    experts, inter = w2.shape[0], w2.shape[2]
+    top_k = topk_ids.shape[1]
+    if tokens == 0:
+        return x.new_empty(0, hidden)
+    pairs = tokens * top_k
+    tile = default_tile(pairs, experts) if tile is None else tile
+    blocks = align_to_blocks(topk_ids, experts, tile.block_m)
+    weights = topk_weights.to(torch.float32).contiguous()
+    act = x.new_empty(pairs, inter)
+    _launch(x, w13, act, weights, blocks, tile, top_k, gated=True)
+    out = x.new_empty(pairs, hidden)
+    _launch(act, w2, out, weights, blocks, tile, 1, gated=False)
+    return out.view(tokens, top_k, hidden).sum(dim=1)
+
+
+def _launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, weights: torch.Tensor,
+            blocks: ExpertBlocks, tile: MoeTile, top_k: int, gated: bool) -> None:
+    # c [pairs, N]; a's rows are tokens (top_k > 1: a row for each of a token's pairs) or
+    # pairs; b [E, N, K] (gated: [E, 2N, K]).
+    n, k = c.shape[1], b.shape[2]
+    row_tiles = blocks.expert_ids.numel()
+    grid = (row_tiles * triton.cdiv(n, tile.block_n),)
+    _moe_gemm_kernel[grid](
+        a, b, c, weights, blocks.sorted_ids, blocks.expert_ids, blocks.total, n, k,
+        blocks.pairs, row_tiles, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+        TOP_K=top_k, GATED=gated, MUL_WEIGHT=not gated, DOT_PRECISION=dot_precision(a),
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **launch_options(a.device))
