@@ -469,7 +469,7 @@ class MonitorConfig:
 
 # The tool-call formats the server reads (tokenmill/api/tool_parsers.py); auto picks one.
 TOOL_CALL_PARSERS = ("auto", "hermes", "smollm", "llama3_json", "mistral", "qwen3_coder",
-                     "pythonic")
+                     "pythonic", "gpt_oss")
 REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek_r1", "gpt_oss")
 
 

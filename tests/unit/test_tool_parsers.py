@@ -14,6 +14,7 @@ from tokenmill.api.tool_parsers import (
     SmolLMParser,
     ToolParser,
     assemble,
+    named_parsers,
     parse_text,
     resolve_parser,
 )
@@ -165,4 +166,5 @@ def test_resolve_parser() -> None:
     with pytest.raises(ValueError, match="tool_call_parser"):
         resolve_parser("no_such_format", None)
     # The server's option lists exactly these (the others: tests/unit/test_tool_formats.py).
-    assert set(TOOL_CALL_PARSERS) == {"auto", *PARSERS, *FORMAT_PARSERS}
+    assert set(TOOL_CALL_PARSERS) == {"auto", *named_parsers()}
+    assert {*PARSERS, *FORMAT_PARSERS} < set(named_parsers())

@@ -282,6 +282,15 @@ PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, SmolLM
 _LIST_TEMPLATE = re.compile(re.escape(OPEN_TAG) + r"\s*\[")
 
 
+def named_parsers() -> dict[str, type[ToolParser]]:
+    """Every format ``--tool-call-parser`` can name (``auto`` aside), by name."""
+    # Imported here: the other formats build on this module.
+    from tokenmill.api.tool_formats import FORMAT_PARSERS
+    from tokenmill.api.tool_harmony import HarmonyToolParser
+
+    return PARSERS | FORMAT_PARSERS | {HarmonyToolParser.name: HarmonyToolParser}
+
+
 def resolve_parser(name: str, chat_template: str | None) -> ToolParser:
     """The parser ``name`` names; ``auto`` reads the model's chat template: one that writes
     Mistral's ``[TOOL_CALLS]``, Qwen3-Coder's ``<function=...>`` or Llama 3's JSON calls picks
@@ -290,10 +299,10 @@ def resolve_parser(name: str, chat_template: str | None) -> ToolParser:
     SmolLM's own template picks SmolLM's, anything else gets Hermes (then described to the
     model in the system prompt)."""
     # Imported here: the other formats build on this module.
-    from tokenmill.api.tool_formats import FORMAT_PARSERS, format_by_template
+    from tokenmill.api.tool_formats import format_by_template
     from tokenmill.api.tool_harmony import HarmonyToolParser, is_harmony_template
 
-    parsers = PARSERS | FORMAT_PARSERS
+    parsers = named_parsers()
     if name != "auto":
         if name not in parsers:
             raise ValueError(f"tool_call_parser must be auto or one of {sorted(parsers)}, "

@@ -186,8 +186,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="the format of the model's tool calls on /v1/chat/completions: hermes "
                    "(<tool_call> per call: Qwen, Hermes), smollm (<tool_call>[...]: SmolLM2), "
                    "llama3_json (Llama 3.1/3.2 JSON), mistral ([TOOL_CALLS]), qwen3_coder "
-                   "(<function=...>: Qwen3-Coder), pythonic ([f(x=1)]: Llama 3.2/4), "
-                   "or auto (by the chat template)")
+                   "(<function=...>: Qwen3-Coder), pythonic ([f(x=1)]: Llama 3.2/4), gpt_oss "
+                   "(harmony's commentary calls), or auto (by the chat template)")
     g.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                    default=ServerConfig.reasoning_parser,
                    help="split a reasoning model's thinking from its answer (into "
