@@ -47,6 +47,17 @@ class ArchConfig:
     type_vocab_size: int = 0
     # Cross-encoders only: the classification head's outputs.
     num_labels: int = 0
+    # Mixture of experts (models/moe.py; Qwen3-MoE, Mixtral). num_experts 0: every layer
+    # dense. A layer is sparse unless listed in mlp_only_layers, every decoder_sparse_step-th
+    # layer (Qwen3-MoE's rule); norm_topk_prob renormalises the top-k routing weights; a
+    # shared expert (0: none) runs on every token beside the routed ones.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -75,6 +86,34 @@ class ArchConfig:
             if rope_type not in SUPPORTED_ROPE_TYPES:
                 raise ValueError(f"rope_scaling.rope_type {rope_type!r} is not supported; "
                                  f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        if self.num_experts:
+            self._check_experts()
+
+    def _check_experts(self) -> None:
+        # Mixture of experts: the numbers the router and the stacked experts are built from.
+        if not isinstance(self.num_experts, int) or self.num_experts < 0:
+            raise ValueError(f"num_experts must be a non-negative integer, got "
+                             f"{self.num_experts!r}")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be between 1 and num_experts "
+                             f"({self.num_experts}), got {self.num_experts_per_tok!r}")
+        for name in ("moe_intermediate_size", "decoder_sparse_step"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.shared_expert_intermediate_size < 0:
+            raise ValueError(f"shared_expert_intermediate_size must be >= 0, got "
+                             f"{self.shared_expert_intermediate_size!r}")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ValueError(f"mlp_only_layers {bad} are not layers of a "
+                             f"{self.num_hidden_layers}-layer model")
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx``'s feed-forward is the experts' (Qwen3-MoE's rule, which
+        makes every layer sparse for Mixtral's configs)."""
+        return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
     def _check_encoder(self) -> None:
         # HF's "gelu" is the exact (erf) GELU; the tanh approximations would differ slightly.
@@ -151,7 +190,26 @@ class ArchConfig:
             layer_norm_eps=float(d.get("layer_norm_eps", 1e-12)),
             type_vocab_size=int(d.get("type_vocab_size", 0)),
             num_labels=_num_labels(d),
+            **_moe_from_hf(d),
         )
+
+
+def _moe_from_hf(d: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of a config.json: Qwen3-MoE names its expert count
+    ``num_experts``, Mixtral (and transformers 5 for both) ``num_local_experts``; Mixtral's
+    experts are ``intermediate_size`` wide, Qwen3-MoE's ``moe_intermediate_size``."""
+    experts = d.get("num_experts") or d.get("num_local_experts") or 0
+    if not experts:
+        return {}
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=d.get("num_experts_per_tok") or 0,
+        moe_intermediate_size=d.get("moe_intermediate_size") or d.get("intermediate_size"),
+        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=d.get("shared_expert_intermediate_size") or 0,
+        decoder_sparse_step=d.get("decoder_sparse_step") or 1,
+        mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
+    )
 
 
 def _num_labels(d: dict[str, Any]) -> int:

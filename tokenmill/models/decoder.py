@@ -13,7 +13,13 @@ from torch import nn
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.distributed import tensor_model_parallel_all_gather, tp_rank, tp_size
 from tokenmill.models.config import ArchConfig
-from tokenmill.models.layers import AttentionOptions, DecoderModel, Linear, RotaryEmbedding
+from tokenmill.models.layers import (
+    AttentionOptions,
+    DecoderLayer,
+    DecoderModel,
+    Linear,
+    RotaryEmbedding,
+)
 from tokenmill.models.linear import linear
 from tokenmill.models.parallel import VocabShard, check_all_loaded, copy_rank_slice
 
@@ -53,10 +59,14 @@ class DecoderForCausalLM(nn.Module):
     ``tokenmill.model_loader.dummy.init_dummy_weights``.
     """
 
+    # The layer type of the stack (None: layers.DecoderLayer); a family whose layers differ
+    # in more than attention options says its own (models/moe.py's MoEDecoderLayer).
+    layer_cls: type[DecoderLayer] | None = None
+
     def __init__(self, config: ArchConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.attention_options(config))
+        self.model = DecoderModel(config, self.attention_options(config), self.layer_cls)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling)
         # Tied models reuse the embedding matrix, so no vocab x hidden copy is allocated.

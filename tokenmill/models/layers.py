@@ -354,9 +354,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_idx, options)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.mlp = self.make_mlp(config, layer_idx)
         self.input_layernorm.feeds(self.self_attn.qkv_proj)
-        self.post_attention_layernorm.feeds(self.mlp.gate_up_proj)
+        if isinstance(self.mlp, GatedMLP):
+            self.post_attention_layernorm.feeds(self.mlp.gate_up_proj)
+
+    def make_mlp(self, config: ArchConfig, layer_idx: int) -> nn.Module:
+        """The layer's feed-forward block: a gated MLP (a layer type may build another, such
+        as the mixture of experts of models/moe.py, and say its own forward)."""
+        return GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -375,11 +381,13 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding, the layer stack and the final norm (HF's ``model.`` prefix)."""
 
-    def __init__(self, config: ArchConfig, options: AttentionOptions) -> None:
+    def __init__(self, config: ArchConfig, options: AttentionOptions,
+                 layer_cls: type[DecoderLayer] | None = None) -> None:
         super().__init__()
+        layer_cls = layer_cls or DecoderLayer  # a family may say another layer type
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, options) for i in range(config.num_hidden_layers))
+            layer_cls(config, i, options) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -16,6 +16,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("tokenmill.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("tokenmill.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("tokenmill.models.qwen3", "Qwen3ForCausalLM"),
+    "Phi3ForCausalLM": ("tokenmill.models.phi3", "Phi3ForCausalLM"),  # Phi-3, Phi-4
+    # Mixture of experts (models/moe.py).
+    "Qwen3MoeForCausalLM": ("tokenmill.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ("tokenmill.models.mixtral", "MixtralForCausalLM"),
     # Encoders for embeddings; a BertFor* checkpoint's task head is left unused.
     "BertModel": ("tokenmill.models.bert", "BertModel"),
     "BertForMaskedLM": ("tokenmill.models.bert", "BertModel"),
