@@ -1,0 +1,176 @@
+"""The fused-MoE Triton kernel (tokenmill/kernels/triton/fused_moe.py) against a loop over
+tokens and their experts in PyTorch, and the grouping of (token, expert) pairs it runs on.
+
+Without a GPU the kernels run in Triton's interpreter on CPU tensors (fp32 and fp16; the
+interpreter gets bf16 wrong, so bf16 is compared on CUDA only). Shapes are small so that the
+interpreter takes seconds; tests/gpu/test_fused_moe_cuda.py runs a real model's shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from tokenmill.kernels.triton import fused_moe as fm  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+# A small tile, so that small shapes still mask rows, columns and depth and span several tiles.
+SMALL = fm.MoeTile(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1, num_stages=2)
+# Fewer programs for the interpreter at 300 tokens: one column tile, one step of depth.
+WIDE = fm.MoeTile(block_m=16, block_n=32, block_k=32, group_m=4, num_warps=2, num_stages=2)
+
+
+def reference_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Each token through each of its experts' gated MLPs, weighted and summed, in float64."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    x, w13, w2 = (t.double().cpu() for t in (x, w13, w2))
+    for t in range(x.shape[0]):
+        for weight, e in zip(topk_weights[t].tolist(), topk_ids[t].tolist(), strict=True):
+            gate, up = (w13[e] @ x[t]).chunk(2)
+            out[t] += weight * (w2[e] @ (F.silu(gate) * up))
+    return out
+
+
+def _weights(experts: int, hidden: int, inter: int, dtype: torch.dtype,
+             gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5
+    return w13.to(DEVICE, dtype), w2.to(DEVICE, dtype)
+
+
+def _route(tokens: int, experts: int, k: int, gen: torch.Generator, chosen: int | None = None,
+           hot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k routing, renormalised; only the first ``chosen`` experts picked (the
+    others by no token), or expert ``hot`` picked by every token."""
+    logits = torch.randn(tokens, experts, generator=gen)
+    if chosen is not None:
+        logits[:, chosen:] = float("-inf")
+    if hot is not None:
+        logits[:, hot] = logits.max() + 1.0
+    weights, ids = torch.softmax(logits, dim=-1).topk(k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(DEVICE), ids.to(DEVICE)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    err = ((got.double().cpu() - want).norm() / want.norm()).item()
+    assert err < TOL[dtype], err
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,experts,k,hidden,inter,chosen,hot,tile", [
+    (1, 8, 2, 48, 24, None, None, SMALL),  # decode: a token, two experts
+    (37, 8, 2, 48, 24, None, None, SMALL),  # H, I not multiples of the tile
+    (37, 8, 2, 32, 16, 3, None, SMALL),  # five experts no token chose
+    (37, 8, 2, 32, 16, None, 5, SMALL),  # one expert every token chose
+    (1, 64, 8, 32, 16, None, None, SMALL),
+    (300, 64, 8, 32, 16, None, None, WIDE),
+])
+def test_matches_a_loop_over_tokens_and_experts(dtype: torch.dtype, tokens: int, experts: int,
+                                                k: int, hidden: int, inter: int,
+                                                chosen: int | None, hot: int | None,
+                                                tile: fm.MoeTile) -> None:
+    gen = torch.Generator().manual_seed(tokens * experts + hidden)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
+    w13, w2 = _weights(experts, hidden, inter, dtype, gen)
+    weights, ids = _route(tokens, experts, k, gen, chosen, hot)
+    if hot is not None:
+        assert (ids == hot).any(dim=1).all()
+    got = fm.fused_moe(x, w13, w2, weights, ids, tile)
+    assert got.shape == (tokens, hidden) and got.dtype == dtype
+    _close(got, reference_moe(x, w13, w2, weights, ids), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_default_tile_strided_rows_and_int32_ids(dtype: torch.dtype) -> None:
+    """x a view with rows wider than H, int32 ids, the tile of default_tile; then the next
+    call, of another shape, is answered as before."""
+    gen = torch.Generator().manual_seed(7)
+    wide = torch.randn(37, 80, generator=gen).to(DEVICE, dtype)
+    x = wide[:, 8:56]
+    w13, w2 = _weights(8, 48, 24, dtype, gen)
+    weights, ids = _route(37, 8, 2, gen)
+    _close(fm.fused_moe(x, w13, w2, weights, ids.to(torch.int32)),
+           reference_moe(x, w13, w2, weights, ids), dtype)
+    x = torch.randn(5, 48, generator=gen).to(DEVICE, dtype)
+    weights, ids = _route(5, 8, 2, gen)
+    _close(fm.fused_moe(x, w13, w2, weights, ids), reference_moe(x, w13, w2, weights, ids),
+           dtype)
+
+
+def test_no_tokens_gives_an_empty_output() -> None:
+    gen = torch.Generator().manual_seed(0)
+    w13, w2 = _weights(4, 32, 16, torch.float32, gen)
+    x = torch.empty(0, 32, device=DEVICE)
+    ids = torch.empty(0, 2, dtype=torch.int64, device=DEVICE)
+    out = fm.fused_moe(x, w13, w2, torch.empty(0, 2, device=DEVICE), ids)
+    assert out.shape == (0, 32)
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("tokens,experts,k,chosen", [(1, 64, 8, None), (37, 8, 2, 3),
+                                                     (300, 64, 8, None)])
+def test_pairs_grouped_by_expert_and_padded(block_m: int, tokens: int, experts: int, k: int,
+                                            chosen: int | None) -> None:
+    gen = torch.Generator().manual_seed(tokens + block_m)
+    _, ids = _route(tokens, experts, k, gen, chosen)
+    blocks = fm.align_to_blocks(ids, experts, block_m)
+    pairs = tokens * k
+    sorted_ids, expert_ids = blocks.sorted_ids.cpu(), blocks.expert_ids.cpu()
+    total = int(blocks.total.item())
+    flat = ids.reshape(-1).cpu()
+    counts = torch.bincount(flat, minlength=experts)
+    assert total == int(((counts + block_m - 1) // block_m * block_m).sum())
+    assert sorted_ids.numel() == fm.block_capacity(pairs, experts, block_m) >= total
+    assert sorted_ids.numel() % block_m == 0
+    assert expert_ids.numel() == sorted_ids.numel() // block_m
+    used = sorted_ids[:total]
+    real = used[used < pairs]
+    assert torch.equal(real.sort().values, torch.arange(pairs, dtype=torch.int32))
+    assert (sorted_ids[total:] == pairs).all()
+    # Every block's pairs are its expert's, in token order; each chosen expert's pairs fill
+    # as few blocks as they can.
+    for b in range(total // block_m):
+        block = used[b * block_m:(b + 1) * block_m]
+        mine = block[block < pairs].long()
+        assert mine.numel() > 0 and (flat[mine] == expert_ids[b]).all()
+        assert torch.equal(mine, mine.sort().values)
+    per_expert = torch.bincount(expert_ids[:total // block_m].long(), minlength=experts)
+    assert torch.equal(per_expert, (counts + block_m - 1) // block_m)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(w13=torch.zeros(4, 30, 32)), "w13 must be"),
+    (dict(w2=torch.zeros(4, 32)), "fused_moe takes"),
+    (dict(ids=torch.zeros(3, 2, dtype=torch.int64)), "topk_ids"),
+    (dict(ids=torch.zeros(5, 2)), "topk_ids"),
+    (dict(ids=torch.zeros(5, 5, dtype=torch.int64), weights=torch.zeros(5, 5)), "top-k"),
+    (dict(x=torch.zeros(5, 32, dtype=torch.float16)), "one dtype"),
+    (dict(x=torch.zeros(32, 5).T), "x must be contiguous"),
+])
+def test_bad_arguments_are_refused(change: dict, message: str) -> None:
+    args = dict(x=torch.zeros(5, 32), w13=torch.zeros(4, 32, 32), w2=torch.zeros(4, 32, 16),
+                weights=torch.zeros(5, 2), ids=torch.zeros(5, 2, dtype=torch.int64))
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        fm.fused_moe(args["x"], args["w13"], args["w2"], args["weights"], args["ids"])
+
+
+@pytest.mark.parametrize("field,value", [("block_m", 8), ("block_n", 48), ("group_m", 0),
+                                         ("num_warps", 3), ("num_stages", 9)])
+def test_bad_tiles_are_refused(field: str, value: int) -> None:
+    with pytest.raises(ValueError, match=field):
+        fm.MoeTile(**{field: value})
+
+
+def test_default_tile_pads_decode_least() -> None:
+    assert fm.default_tile(8, 128).block_m == 16  # batch-1 decode, k = 8
+    assert fm.default_tile(32 * 8, 128).block_m == 16
+    assert fm.default_tile(512 * 8, 128).block_m == 64
+    assert fm.default_tile(8192 * 8, 128).block_m == 128
