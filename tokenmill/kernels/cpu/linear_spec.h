@@ -11,6 +11,7 @@
 #include <optional>
 
 #include "int_dot.h"
+#include "kquant.h"
 #include "lora_kernels.h"
 #include "quant_gemm.h"
 
@@ -22,6 +23,10 @@ enum LinearKind : int64_t {
   kFloat = 0,  // at::linear(x, weight, bias)
   kInt8 = 1,  // _weight_int8pack_mm(x as bf16, int8 weight [N, K], per-channel scales [N])
   kInt4 = 2,  // _weight_int4pack_mm_for_cpu(x as bf16, packed weight, group size, scales+zeros)
+  // A GGUF tensor's own blocks (kquant.h): weight uint8 (the segments' blocks), scales the
+  // segment table int64 [S, 2] of (ggml type, rows); x as bf16, as the other quantized kinds
+  // (tokenmill.quant.kquant.KQuantLinear).
+  kKQuant = 3,
 };
 
 // Whether this thread runs a decode-only step of an op program (LinearSpec picks its int4
@@ -67,6 +72,7 @@ struct LinearSpec {
   // Outputs: [N, K] weights (float, int8), or N / 16 tiles of q8 int4 (else its scales'
   // columns).
   int64_t out_features() const {
+    if (kind == kKQuant) return scales.select(1, 1).sum().item<int64_t>();
     if (kind != kInt4) return weight.size(0);
     return q8_packed.defined() ? q8_packed.size(0) * intdot::kTileN : scales.size(1);
   }
@@ -77,6 +83,10 @@ struct LinearSpec {
 
   // The module's dense path on bf16 activations xb.
   at::Tensor dense(const at::Tensor& xb) const {
+    if (kind == kKQuant) {
+      return at::linear(xb.to(dense_type),
+                        kquant::kquant_dequantize(weight, scales, xb.size(1)).to(dense_type));
+    }
     if (kind == kInt8) {
       return at::linear(xb.to(dense_type), weight * scales.to(dense_type).unsqueeze(1));
     }
@@ -108,6 +118,7 @@ struct LinearSpec {
   at::Tensor quantized(const at::Tensor& xb, const at::Tensor* out) const {
     const int64_t rows = xb.size(0);
     if (rows >= dense_min_rows) return dense(xb);
+    if (kind == kKQuant) return kquant::kquant_linear(xb, weight, scales);
     if (own_at(rows)) {
       if (kind == kInt8) {
         return act_bits ? intdot::int8_q16_linear(xb, weight, scales)

@@ -63,7 +63,7 @@ struct Op {
 // bits, dense min rows, dense in bf16, dense block width, decode activation bits]).
 inline LinearSpec make_linear_spec(int64_t kind, const std::vector<at::Tensor>& tensors,
                                    int64_t group_size, const std::vector<int64_t>& rows) {
-  TORCH_CHECK(kind >= kFloat && kind <= kInt4, "unknown linear kind ", kind);
+  TORCH_CHECK(kind >= kFloat && kind <= kKQuant, "unknown linear kind ", kind);
   TORCH_CHECK(tensors.size() == 5,
               "a linear is [weight, bias, scales, q8 packed weight, q8 scales]");
   LinearSpec spec;
@@ -614,6 +614,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   }, "whether int4 layers on int8 activations run two weight tiles a 512-bit register "
      "(AVX512-VNNI): then they beat dequantizing for a dense matmul at every row count");
+  m.def("kquant_linear", &tokenmill::kquant::kquant_linear,
+        "y = x W^T for W a GGUF tensor's own blocks (uint8, segments of rows of one ggml type "
+        "each: `table` int64 [S, 2] of (type, rows)); x fp32 or bf16 [M, K], y in x's dtype "
+        "(tokenmill/kernels/cpu/kquant.h)",
+        py::arg("x"), py::arg("blocks"), py::arg("table"));
+  m.def("kquant_dequantize", &tokenmill::kquant::kquant_dequantize,
+        "the fp32 weight [N, K] of a GGUF tensor's blocks (see kquant_linear)",
+        py::arg("blocks"), py::arg("table"), py::arg("k"));
+  m.def("kquant_types", [] {
+    return std::vector<int64_t>{2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 23};
+  }, "the ggml types kquant_linear computes on");
   m.def("int8_linear", &tokenmill::qgemm::int8_linear,
         "x (W * scales[:, None])^T for int8 W [N, K], x fp32 or bf16",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("scales"),
