@@ -152,9 +152,18 @@ class CacheConfig:
         "AllBlocksCleared; msgpack over ZeroMQ PUB) on this endpoint, e.g. tcp://*:5557, for "
         "KV-aware routers (needs pyzmq and msgpack: pip install tokenmill[ray])",
         metavar="ZMQ_ENDPOINT")
+    # Issue 60: vLLM's replay socket (ZeroMQ ROUTER) that resends the last batches of KV events
+    # from a sequence number, for a subscriber that missed some.
+    kv_events_replay_endpoint: str | None = option(
+        None, "answer replay requests for the KV events (vLLM's replay_endpoint: a ZeroMQ "
+        "ROUTER socket that resends the last 10000 batches from a sequence number) on this "
+        "endpoint, e.g. tcp://*:5558; needs --kv-events-endpoint", metavar="ZMQ_ENDPOINT")
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint (the replay "
+                             "resends the batches published there)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")

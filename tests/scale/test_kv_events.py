@@ -82,16 +82,17 @@ def test_events_off_by_default() -> None:
 
 
 def test_wire_format_is_vllms_arrays() -> None:
-    """msgspec's array_like tagged structs: [ts, [[tag, fields...], ...]], trailing defaults
-    left out (what vLLM's KVEventBatch decoder reads)."""
+    """msgspec's array_like tagged structs: [ts, [[tag, fields...], ...]]. vLLM's BlockStored
+    and BlockRemoved give no field a default (lora_id and medium are Optional, not omitted):
+    every field is written, or vLLM's KVEventBatch decoder refuses the array as too short."""
     h1, h2 = b"\x01" * 16, b"\x02" * 16
     batch = EventBatch(12.5, [BlockStored([h1, h2], None, [1, 2, 3, 4], 2),
                               BlockStored([h2], h1, [5, 6], 2, lora_id=3),
                               BlockRemoved([h1]), AllBlocksCleared()])
     raw = msgpack.unpackb(encode_batch(batch))
-    assert raw == [12.5, [["BlockStored", [h1, h2], None, [1, 2, 3, 4], 2],
-                          ["BlockStored", [h2], h1, [5, 6], 2, 3],
-                          ["BlockRemoved", [h1]], ["AllBlocksCleared"]]]
+    assert raw == [12.5, [["BlockStored", [h1, h2], None, [1, 2, 3, 4], 2, None, "GPU"],
+                          ["BlockStored", [h2], h1, [5, 6], 2, 3, "GPU"],
+                          ["BlockRemoved", [h1], "GPU"], ["AllBlocksCleared"]]]
     assert decode_batch(encode_batch(batch)) == batch
     ranked = EventBatch(1.0, [], data_parallel_rank=1)
     assert msgpack.unpackb(encode_batch(ranked)) == [1.0, [], 1]
@@ -210,3 +211,113 @@ def test_the_option_reaches_the_cache_config() -> None:
     args = p.parse_args(["--kv-events-endpoint", "tcp://*:5557"])
     assert engine_config_from_args(args).cache.kv_events_endpoint == "tcp://*:5557"
     assert engine_config_from_args(p.parse_args([])).cache.kv_events_endpoint is None
+
+
+def test_stored_blocks_name_their_adapter() -> None:
+    """A request run with an adapter: its BlockStored carries the adapter's lora_int_id (as
+    vLLM's lora_id), a plain request's carries none."""
+    kv = KVCacheManager(num_blocks=8, block_size=BS, enable_kv_events=True)
+    prompt = list(range(1, 10))
+    kv.set_salt("a", b"lora:7", lora_id=7)
+    _run(kv, "a", prompt)
+    _run(kv, "b", [50 + t for t in prompt])
+    stored = [e for e in kv.take_events() if isinstance(e, BlockStored)]
+    assert [e.lora_id for e in stored] == [7, None]
+    assert msgpack.unpackb(encode_batch(EventBatch(1.0, stored[:1])))[1][0][5] == 7
+
+
+def test_the_scheduler_names_the_adapter_of_a_requests_blocks() -> None:
+    """Through the scheduler (a fake runner): a request with a LoRA adapter stores blocks
+    whose event names the adapter's lora_int_id."""
+    from tokenmill.config import SchedulerConfig
+    from tokenmill.core.sched_output import RunnerOutput
+    from tokenmill.core.scheduler import Scheduler
+    from tokenmill.lora_request import LoRARequest
+    from tokenmill.request import Request
+    from tokenmill.sampling_params import SamplingParams
+
+    kv = KVCacheManager(64, BS, enable_kv_events=True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv, 256,
+                      max_loras=1)
+    request = Request("r", list(range(10, 22)), SamplingParams(temperature=0.0, max_tokens=1),
+                      frozenset(), lora_request=LoRARequest("sql", 5, "/nowhere"))
+    sched.add_request(request)
+    while sched.has_unfinished():
+        out = sched.schedule()
+        runner = RunnerOutput()
+        for rid in out.num_scheduled_tokens:
+            runner.sampled_token_ids[rid] = [7]
+        sched.update(out, runner)
+    stored = [e for e in kv.take_events() if isinstance(e, BlockStored)]
+    assert stored and {e.lora_id for e in stored} == {5}
+
+
+def _dealer(endpoint: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(endpoint)
+    return sock
+
+
+def _ask_replay(sock: zmq.Socket, start: int) -> list[tuple[int, list]]:
+    """vLLM's replay request (as a REQ socket frames it) and every answer up to the end."""
+    sock.send_multipart([b"", start.to_bytes(8, "big")])
+    answers = []
+    while True:
+        empty, seq, payload = sock.recv_multipart()
+        assert empty == b""
+        number = int.from_bytes(seq, "big", signed=True)
+        if number == -1:
+            assert payload == b""
+            return answers
+        answers.append((number, decode_batch(payload).events))
+
+
+def test_replay_resends_the_batches_from_a_sequence_number() -> None:
+    """vLLM's replay socket: a ROUTER that resends the kept batches from the number asked,
+    then the end marker (-1, empty payload); older batches beyond buffer_steps are gone."""
+    h = [bytes([i]) * 16 for i in range(5)]
+    pub = ZmqEventPublisher(_free_endpoint(), replay_endpoint=(replay := _free_endpoint()),
+                            buffer_steps=3)
+    sock = _dealer(replay)
+    try:
+        for i in range(5):
+            pub.publish([BlockRemoved([h[i]])])
+        assert _ask_replay(sock, 3) == [(3, [BlockRemoved([h[3]])]),
+                                        (4, [BlockRemoved([h[4]])])]
+        # Batches 0 and 1 fell out of the buffer of three.
+        assert [n for n, _ in _ask_replay(sock, 0)] == [2, 3, 4]
+        assert _ask_replay(sock, 9) == []
+        # A normal batch after the replays is published and kept as before.
+        pub.publish([AllBlocksCleared()])
+        assert _ask_replay(sock, 5) == [(5, [AllBlocksCleared()])]
+    finally:
+        sock.close(linger=0)
+        pub.close()
+
+
+def test_replay_endpoint_in_use_names_its_field_and_frees_the_other() -> None:
+    taken = _free_endpoint()
+    first = ZmqEventPublisher(_free_endpoint(), replay_endpoint=taken)
+    endpoint = _free_endpoint()
+    try:
+        with pytest.raises(ValueError, match="kv_events_replay_endpoint"):
+            ZmqEventPublisher(endpoint, replay_endpoint=taken)
+        ZmqEventPublisher(endpoint).close()  # the refused one's PUB port was let go
+    finally:
+        first.close()
+
+
+def test_the_replay_option_needs_the_events_endpoint() -> None:
+    import argparse
+
+    from tokenmill.config import CacheConfig
+    from tokenmill.engine.args import add_engine_args, engine_config_from_args
+
+    with pytest.raises(ValueError, match="kv_events_replay_endpoint needs kv_events_endpoint"):
+        CacheConfig(kv_events_replay_endpoint="tcp://*:5558")
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    args = p.parse_args(["--kv-events-endpoint", "tcp://*:5557",
+                         "--kv-events-replay-endpoint", "tcp://*:5558"])
+    assert engine_config_from_args(args).cache.kv_events_replay_endpoint == "tcp://*:5558"

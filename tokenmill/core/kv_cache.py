@@ -199,6 +199,8 @@ class KVCacheManager:
         # Per request whose KV depends on more than its tokens (a LoRA adapter): what its
         # first block's hash is chained to.
         self._salts: dict[str, bytes] = {}
+        # Each adapter request's lora_int_id (for its KV events).
+        self._lora_ids: dict[str, int] = {}
         self._num_registered: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
 
@@ -225,10 +227,13 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ prefix caching
 
-    def set_salt(self, request_id: str, salt: bytes) -> None:
+    def set_salt(self, request_id: str, salt: bytes, lora_id: int | None = None) -> None:
         """Chain the request's block hashes to ``salt``: its blocks are hits only for requests
-        with the same salt (the same adapter), before any of its hashes is computed."""
+        with the same salt (the same adapter), before any of its hashes is computed.
+        ``lora_id``: the adapter's id, named in the KV events of the request's blocks."""
         self._salts[request_id] = salt
+        if lora_id is not None:
+            self._lora_ids[request_id] = lora_id
 
     def block_hashes(self, request_id: str, token_ids: Sequence[int],
                      num_blocks: int) -> list[BlockHash]:
@@ -291,7 +296,8 @@ class KVCacheManager:
         self._num_registered[request_id] = full
         if self.pool.events is not None and stored:
             self.pool.events += stored_events(stored, hashes, self._salts.get(request_id),
-                                              token_ids, self.block_size)
+                                              token_ids, self.block_size,
+                                              self._lora_ids.get(request_id))
 
     def take_events(self) -> list[KVCacheEvent]:
         """The prefix cache's changes since the last call (none when events are off)."""
@@ -361,6 +367,7 @@ class KVCacheManager:
         """Drop what is kept about a finished request beyond its blocks (its hashes)."""
         self._hashes.pop(request_id, None)
         self._salts.pop(request_id, None)
+        self._lora_ids.pop(request_id, None)
 
 
 class NoKVCache(KVCacheManager):

@@ -102,8 +102,8 @@ class Scheduler:
         """Know a request (new, or a beam search's new beam) by its id."""
         rid = request.request_id
         if request.lora_request is not None:
-            self.kv.set_salt(rid, request.lora_request.cache_salt)
             lora_id = request.lora_request.lora_int_id
+            self.kv.set_salt(rid, request.lora_request.cache_salt, lora_id)
             self._lora_live[lora_id] = self._lora_live.get(lora_id, 0) + 1
         self.requests[rid] = request
 

@@ -132,7 +132,9 @@ class EngineCore:
         kv, captured = self._set_up_kv_cache(config)
         # Where the prefix cache's changes go after each step (None: nowhere; an encoder has
         # no cache, and leaves the endpoint to a model that has one).
-        self.kv_events = (ZmqEventPublisher(config.cache.kv_events_endpoint)
+        self.kv_events = (ZmqEventPublisher(
+            config.cache.kv_events_endpoint,
+            replay_endpoint=config.cache.kv_events_replay_endpoint)
                           if config.cache.kv_events_endpoint is not None
                           and not self.arch.is_encoder else None)
         if self.task == "embed" and sched_config.max_num_batched_tokens < self.max_model_len:
