@@ -7,6 +7,18 @@ model's own ``forward`` on a paged KV cache (the engine's
 window count, so every token after the first is scored exactly once (for stride < context),
 with at least ``context - stride`` tokens of history once the first window is past.
 
+``--recipe llama.cpp`` scores as llama.cpp's ``llama-perplexity`` does by default (no
+``--ppl-stride``): the text is tokenized with the model's special tokens (BOS where the GGUF
+says ``add_bos_token``), cut into ``len // context`` disjoint chunks of ``--context`` tokens
+(the tail is dropped; it needs at least two chunks), the first token of each chunk is replaced
+by BOS where the model adds one, and only the second half of each chunk is scored (targets
+``context/2 + 1 .. context - 1``), so its numbers compare with llama.cpp's on the same file.
+
+``--text fixed`` is the text shipped with tokenmill (``tokenmill/bench/perplexity_text.txt``:
+the Declaration of Independence, the Gettysburg Address and Lincoln's Second Inaugural
+Address, public-domain documents written out here; ~2.9k tokens for SmolLM2), the text of
+benchmarks/results/kquant-perplexity.md.
+
 The default text is numpy's ``LICENSE.txt`` (NumPy's BSD license followed by the licenses of
 the libraries its wheels bundle, the GPL v3 among them: ~10k tokens of real English), which
 every install of tokenmill has because numpy is a dependency.
@@ -14,6 +26,7 @@ every install of tokenmill has because numpy is a dependency.
     python -m tokenmill.bench.perplexity --quantization int4
     python -m tokenmill.bench.perplexity --compare none int8 int4 \\
         --result-file benchmarks/results/perplexity-cpu.json
+    tokenmill bench perplexity --model FILE.gguf --text fixed --recipe llama.cpp --context 512
 """
 
 from __future__ import annotations
@@ -39,6 +52,8 @@ from tokenmill.engine.evaluate import EvalModel
 
 DEFAULT_TEXT_PACKAGE = "numpy"
 DEFAULT_TEXT_NAME = "LICENSE.txt"
+FIXED_TEXT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "perplexity_text.txt")
+RECIPES = ("sliding", "llama.cpp")
 
 
 @dataclass(frozen=True)
@@ -52,6 +67,7 @@ class PerplexityResult:
     num_windows: int
     context: int
     stride: int
+    recipe: str = "sliding"
 
 
 def window_spans(num_tokens: int, context: int, stride: int) -> list[tuple[int, int, int]]:
@@ -79,22 +95,48 @@ def window_spans(num_tokens: int, context: int, stride: int) -> list[tuple[int, 
     return spans
 
 
+def llama_cpp_spans(num_tokens: int, context: int) -> list[tuple[int, int, int]]:
+    """llama-perplexity's default chunks as ``(begin, end, first_target)``: ``num_tokens //
+    context`` disjoint chunks, each scoring targets ``context // 2 + 1 .. context - 1`` (the
+    logits of positions ``context // 2 .. context - 2``). ValueError unless the text has at
+    least ``2 * context`` tokens (llama.cpp refuses shorter texts too)."""
+    if context < 4:
+        raise ValueError(f"context must be at least 4 for the llama.cpp recipe, got {context}")
+    if num_tokens < 2 * context:
+        raise ValueError(f"the text has {num_tokens} tokens; the llama.cpp recipe with context "
+                         f"{context} needs at least {2 * context}")
+    first = context // 2 + 1
+    return [(i * context, (i + 1) * context, i * context + first)
+            for i in range(num_tokens // context)]
+
+
 @torch.inference_mode()
 def perplexity(model: EvalModel | nn.Module, token_ids: list[int], context: int = 512,
-               stride: int = 256) -> PerplexityResult:
+               stride: int = 256, recipe: str = "sliding",
+               bos_token_id: int | None = None) -> PerplexityResult:
     """Perplexity of ``token_ids`` under ``model`` (an :class:`EvalModel`, or a bare tokenmill
-    model scored with torch attention), in sliding windows (see :func:`window_spans`)."""
-    spans = window_spans(len(token_ids), context, stride)
+    model scored with torch attention): in sliding windows (see :func:`window_spans`), or with
+    ``recipe="llama.cpp"`` in llama-perplexity's chunks (see :func:`llama_cpp_spans`), the first
+    token of each chunk replaced by ``bos_token_id`` when one is given."""
+    if recipe == "llama.cpp":
+        spans, stride = llama_cpp_spans(len(token_ids), context), context
+    elif recipe == "sliding":
+        spans = window_spans(len(token_ids), context, stride)
+    else:
+        raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {recipe!r}")
     scorer = model if isinstance(model, EvalModel) else EvalModel(model)
     nll = 0.0
     scored = 0
     for begin, end, first in spans:
-        for logprobs in scorer.token_logprobs(token_ids[begin:end], first - begin):
+        window = list(token_ids[begin:end])
+        if recipe == "llama.cpp" and bos_token_id is not None:
+            window[0] = bos_token_id  # llama.cpp starts every chunk at BOS
+        for logprobs in scorer.token_logprobs(window, first - begin):
             nll -= logprobs.double().sum().item()
             scored += logprobs.numel()
     mean = nll / scored
     return PerplexityResult(math.exp(mean), mean, scored, len(token_ids), len(spans),
-                            context, stride)
+                            context, stride, recipe)
 
 
 # ------------------------------------------------------------------------------ the command
@@ -131,7 +173,12 @@ def add_perplexity_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     g = p.add_argument_group("perplexity")
     g.add_argument("--text", default=None,
-                   help="UTF-8 text file (default: numpy's LICENSE.txt from site-packages)")
+                   help="UTF-8 text file, or 'fixed' for the text shipped with tokenmill "
+                        "(default: numpy's LICENSE.txt from site-packages)")
+    g.add_argument("--recipe", choices=RECIPES, default="sliding",
+                   help="'sliding': windows of --context every --stride tokens, each token "
+                        "scored once; 'llama.cpp': llama-perplexity's disjoint chunks of "
+                        "--context, BOS first, the second half of each scored")
     g.add_argument("--max-tokens", type=int, default=None,
                    help="score only the first N tokens of the text (default: all)")
     g.add_argument("--context", type=int, default=512, help="tokens per window")
@@ -172,16 +219,16 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     """Load the model as configured, score the text, and return the run's facts."""
     from tokenmill.bench.report import peak_rss_mib
 
-    text_path = args.text or default_text_path()
+    text_path = _text_path(args.text)
     text = _read_text(text_path)  # before the model: a wrong path should fail fast
     started = time.perf_counter()
     loaded, after_load = _load(args)
     load_s = time.perf_counter() - started
     rss_after_load = _current_rss_mib()
-    ids = loaded.tokenizer.encode(text, add_special_tokens=False)
+    ids, bos = _tokens(loaded.tokenizer, text, args.recipe)
     used = ids if args.max_tokens is None else ids[:args.max_tokens]
     started = time.perf_counter()
-    result = perplexity(loaded, used, args.context, args.stride)
+    result = perplexity(loaded, used, args.context, args.stride, args.recipe, bos)
     eval_s = time.perf_counter() - started
     method = args.quantization if after_load else loaded.quantization
     dtype = loaded.dtype
@@ -196,9 +243,29 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "weight_mib": loaded.weight_bytes / 2**20,
         "rss_after_load_mib": rss_after_load, "peak_rss_mib": peak_rss_mib(),
         "load_s": load_s, "eval_s": eval_s,
-        "window_tokens_per_s": sum(e - b for b, e, _ in window_spans(
+        "window_tokens_per_s": result.num_windows * args.context / eval_s
+        if args.recipe == "llama.cpp" else sum(e - b for b, e, _ in window_spans(
             len(used), args.context, args.stride)) / eval_s,
     }
+
+
+def _text_path(text: str | None) -> str:
+    if text == "fixed":
+        return FIXED_TEXT_PATH
+    return text or default_text_path()
+
+
+def _tokens(tokenizer: Any, text: str, recipe: str) -> tuple[list[int], int | None]:
+    """The text's token ids for ``recipe``, and the BOS that starts each llama.cpp chunk (None
+    where the model adds no BOS: llama.cpp asks the GGUF's add_bos_token, as the tokenizer
+    does)."""
+    if recipe != "llama.cpp":
+        return tokenizer.encode(text, add_special_tokens=False), None
+    ids = tokenizer.encode(text, add_special_tokens=True)
+    bos = tokenizer.bos_token_id
+    adds_bos = bos is not None and ids[:1] == [bos] and tokenizer.encode(
+        text, add_special_tokens=False)[:1] != [bos]
+    return ids, bos if adds_bos else None
 
 
 def _load(args: argparse.Namespace) -> tuple[EvalModel, bool]:
@@ -231,7 +298,8 @@ def _run_child(args: argparse.Namespace, spec: str) -> dict[str, Any]:
 
 def _common_argv(args: argparse.Namespace) -> list[str]:
     argv = ["--dtype", args.dtype, "--load-format", args.load_format, "--device", args.device,
-            "--context", str(args.context), "--stride", str(args.stride)]
+            "--context", str(args.context), "--stride", str(args.stride),
+            "--recipe", args.recipe]
     for flag, value in (("--model", args.model), ("--threads", args.num_threads),
                         ("--text", args.text), ("--max-tokens", args.max_tokens)):
         if value is not None:
@@ -272,9 +340,11 @@ def _label(method: str, group: int, requantize: bool, dtype: torch.dtype) -> str
 
 
 def _summary_line(run: dict[str, Any]) -> str:
+    windows = (f"{run['num_windows']} llama.cpp chunks of {run['context']}"
+               if run.get("recipe") == "llama.cpp" else
+               f"{run['num_windows']} windows of {run['context']}, stride {run['stride']}")
     return (f"{run['label']}: perplexity {run['perplexity']:.4f} over {run['num_scored']} "
-            f"tokens ({run['num_windows']} windows of {run['context']}, stride "
-            f"{run['stride']}); weights {run['weight_mib']:.0f} MiB, peak RSS "
+            f"tokens ({windows}); weights {run['weight_mib']:.0f} MiB, peak RSS "
             f"{run['peak_rss_mib']:.0f} MiB; {run['eval_s']:.1f} s")
 
 
