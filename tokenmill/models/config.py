@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Rope types whose frequencies models/layers.py knows how to compute.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 # Bidirectional encoders (the BERT family, models/bert.py): their checkpoints hold a BertModel,
 # bare or under "bert." beside a task head that embeddings do not use; or, for the
 # cross-encoders (rerankers), beside the one-label classification head that scores a pair.
@@ -58,6 +58,10 @@ class ArchConfig:
     shared_expert_intermediate_size: int = 0
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # Phi-3 / Phi-4 (models/phi3.py, models/rope_scaling.py): rope turns only the first
+    # partial_rotary_factor of each head's dims (Phi-4-mini: 0.75); longrope's short and long
+    # factors live in rope_scaling.
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -88,6 +92,25 @@ class ArchConfig:
                                  f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
         if self.num_experts:
             self._check_experts()
+        self._check_rotary()
+
+    def _check_rotary(self) -> None:
+        # Partial rotary and longrope (Phi-3 / Phi-4): the rotated dims and their factors.
+        factor = self.partial_rotary_factor
+        if not 0.0 < factor <= 1.0 or self.rotary_dim % 2 or self.rotary_dim <= 0:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1] and turn an even number "
+                             f"of head_dim's {self.head_dim} dims, got {factor!r}")
+        if self.rope_scaling is not None and self.rope_scaling.get("rope_type") == "longrope":
+            for key in ("short_factor", "long_factor"):
+                value = self.rope_scaling.get(key)
+                if not isinstance(value, list | tuple) or len(value) != self.rotary_dim // 2:
+                    raise ValueError(f"rope_scaling.{key} must list {self.rotary_dim // 2} "
+                                     f"numbers (half the rotated dims), got {value!r}")
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's dims rope turns: head_dim unless partial (Phi-4-mini)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def _check_experts(self) -> None:
         # Mixture of experts: the numbers the router and the stacked experts are built from.
@@ -190,6 +213,7 @@ class ArchConfig:
             layer_norm_eps=float(d.get("layer_norm_eps", 1e-12)),
             type_vocab_size=int(d.get("type_vocab_size", 0)),
             num_labels=_num_labels(d),
+            partial_rotary_factor=_partial_rotary_factor(d),
             **_moe_from_hf(d),
         )
 
@@ -242,10 +266,34 @@ def _rope_from_hf(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     # v4 configs of older models spell the key "type".
     rope_type = scaling.pop("type", None)
     rope_type = scaling.get("rope_type", rope_type) or "default"
+    scaling.pop("partial_rotary_factor", None)  # transformers 5 keeps it here: a field of ours
+    if rope_type == "su":  # the first Phi-3 configs' name for longrope
+        rope_type = "longrope"
     scaling["rope_type"] = rope_type
     if rope_type == "default":
         return float(theta), None
+    if rope_type == "longrope":
+        _longrope_from_hf(d, scaling)
     return float(theta), scaling
+
+
+def _longrope_from_hf(d: dict[str, Any], scaling: dict[str, Any]) -> None:
+    """Phi-3 keeps the pretraining context beside rope_scaling, and transformers takes that one
+    first; the default ``factor`` is the context's growth (before any sliding-window cap)."""
+    original = d.get("original_max_position_embeddings") or scaling.get(
+        "original_max_position_embeddings") or d.get("max_position_embeddings", 2048)
+    scaling["original_max_position_embeddings"] = int(original)
+    if scaling.get("factor") is None:
+        scaling["factor"] = d.get("max_position_embeddings", 2048) / int(original)
+
+
+def _partial_rotary_factor(d: dict[str, Any]) -> float:
+    """``partial_rotary_factor`` at the top (transformers 4) or in rope_parameters (5)."""
+    params = d.get("rope_parameters")
+    value = d.get("partial_rotary_factor")
+    if value is None and isinstance(params, dict):
+        value = params.get("partial_rotary_factor")
+    return 1.0 if value is None else float(value)
 
 
 def _max_positions(d: dict[str, Any]) -> int:

@@ -22,6 +22,7 @@ from tokenmill.models.layers import (
 )
 from tokenmill.models.linear import linear
 from tokenmill.models.parallel import VocabShard, check_all_loaded, copy_rank_slice
+from tokenmill.models.rope_scaling import partial_rotary_row_order, reorder_head_rows
 
 # Checkpoint tensors that live in one fused parameter here: (fused module, HF module, shard).
 STACKED_PARAMS: tuple[tuple[str, str, int], ...] = (
@@ -68,7 +69,7 @@ class DecoderForCausalLM(nn.Module):
         self.config = config
         self.model = DecoderModel(config, self.attention_options(config), self.layer_cls)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                      config.rope_theta, config.rope_scaling)
+                                      config.rope_theta, config.rope_scaling, config.rotary_dim)
         # Tied models reuse the embedding matrix, so no vocab x hidden copy is allocated.
         # Under tensor parallelism each rank holds a slice of the vocabulary (VocabShard).
         self.tp_size = tp_size()
@@ -135,6 +136,7 @@ class DecoderForCausalLM(nn.Module):
                 if target is None:
                     raise ValueError(f"unexpected tensor {name!r} in checkpoint for "
                                      f"{self.config.architecture}")
+                tensor = self._rotary_rows(name, tensor)
                 dst = (target.param if target.start is None
                        else target.param.narrow(0, target.start, target.rows))
                 expected = list(dst.shape)
@@ -146,6 +148,18 @@ class DecoderForCausalLM(nn.Module):
                 copy_rank_slice(dst, tensor, target.split_dim, self.tp_rank)
                 loaded.add(name)
         check_all_loaded(targets, loaded)
+
+    def _rotary_rows(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """q and k rows in the order partial rotary needs (models/rope_scaling.py); any
+        other tensor, or every tensor of a model whose rope turns whole heads, as it is."""
+        c = self.config
+        if c.rotary_dim == c.head_dim:
+            return tensor
+        for proj, heads in (("q_proj", c.num_attention_heads), ("k_proj", c.num_key_value_heads)):
+            if name.endswith((f"self_attn.{proj}.weight", f"self_attn.{proj}.bias")):
+                order = partial_rotary_row_order(c.head_dim, c.rotary_dim)
+                return reorder_head_rows(tensor, heads, order)
+        return tensor
 
     def _hf_targets(self) -> dict[str, _Target]:
         """HF tensor name -> where this rank's part of it goes."""

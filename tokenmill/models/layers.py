@@ -26,6 +26,7 @@ from tokenmill.models.kernel_binding import (
     torch_silu_mul,
 )
 from tokenmill.models.parallel import VocabParallelEmbedding, divide
+from tokenmill.models.rope_scaling import longrope_inv_freq, rope_attention_factor
 
 # Rotary of ``x`` ``[T, H, D]`` by sign-folded sin, in three kernels (kernel_binding).
 apply_rotary = torch_rotary
@@ -160,14 +161,18 @@ class RMSNorm(nn.Module):
         return self._norm_linear(self, x, residual, layer)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Per-pair rotation frequencies ``[head_dim // 2]`` (fp32), with optional context scaling."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
+                  max_positions: int = 0) -> torch.Tensor:
+    """Per-pair rotation frequencies ``[head_dim // 2]`` (fp32), with optional context scaling
+    (longrope's factors are chosen by the context served, ``max_positions``)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta ** exponents)
     rope_type = "default" if scaling is None else scaling["rope_type"]
     if rope_type == "default":
         return inv_freq
     try:
+        if rope_type == "longrope":
+            return longrope_inv_freq(head_dim, theta, scaling, max_positions)  # type: ignore[arg-type]
         factor = float(scaling["factor"])  # type: ignore[index]
         if rope_type == "linear":
             return inv_freq / factor
@@ -195,17 +200,32 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: flo
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (rotate-half layout) with a cos/sin table for every position."""
+    """Rotary position embedding (rotate-half layout) with a cos/sin table for every position.
+
+    With ``rotary_dim`` below ``head_dim`` (partial rotary) the pairs past ``rotary_dim // 2``
+    keep cos 1 and sin 0: the q/k rows are reordered at load so that this equals the partial
+    rope (models/rope_scaling.py). Longrope's attention factor scales the turned pairs."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: dict[str, Any] | None) -> None:
+                 scaling: dict[str, Any] | None, rotary_dim: int | None = None) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        rotary_dim = rotary_dim or head_dim
+        inv_freq = rope_inv_freq(rotary_dim, theta, scaling, max_positions)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
+        cos, sin = freqs.cos(), freqs.sin()
+        scale = rope_attention_factor(scaling)
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
+        passed = (head_dim - rotary_dim) // 2
+        if passed:
+            cos = torch.cat([cos, torch.ones(max_positions, passed, dtype=cos.dtype)],
+                            dim=-1)
+            sin = torch.cat([sin, torch.zeros(max_positions, passed, dtype=sin.dtype)],
+                            dim=-1)
         # Half-width tables in fp32; widened once per step in cos_sin(), not per layer.
-        self.register_buffer("cos_half", freqs.cos(), persistent=False)
-        self.register_buffer("sin_half", freqs.sin(), persistent=False)
+        self.register_buffer("cos_half", cos, persistent=False)
+        self.register_buffer("sin_half", sin, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``[T, 1, head_dim]`` cos and sign-folded sin for :func:`apply_rotary`."""
