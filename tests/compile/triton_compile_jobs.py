@@ -52,7 +52,7 @@ def _modules() -> SimpleNamespace:
     from tokenmill.kernels.triton import attention_decode as triton_decode
     from tokenmill.kernels.triton import attention_prefill as triton_prefill
     from tokenmill.kernels.triton import fp8 as fp8_kernels
-    from tokenmill.kernels.triton import fused_ops, l2_prefetch
+    from tokenmill.kernels.triton import fused_moe, fused_ops, l2_prefetch
     from tokenmill.kernels.triton import gemm as triton_gemm
     from tokenmill.kernels.triton import greedy as greedy_kernels
     from tokenmill.kernels.tuning.decode_attention import DEFAULT_LAUNCH, TUNED_DIR, load_tuning
@@ -60,7 +60,8 @@ def _modules() -> SimpleNamespace:
     return SimpleNamespace(compile=compile_like_runtime, td=triton_decode, tk=triton_kernels,
                            tp=triton_prefill, DEFAULT_LAUNCH=DEFAULT_LAUNCH,
                            TUNED_DIR=TUNED_DIR, load_tuning=load_tuning, fo=fused_ops,
-                           tg=triton_gemm, fk=fp8_kernels, gk=greedy_kernels, l2=l2_prefetch)
+                           tg=triton_gemm, fk=fp8_kernels, gk=greedy_kernels, l2=l2_prefetch,
+                           moe=fused_moe)
 
 
 def _decode(m: SimpleNamespace, head_dim: int = 128, partition: int = 512,
@@ -215,10 +216,25 @@ def _gemm_and_sampler_kernels(m: SimpleNamespace) -> list[tuple]:
     return gemm + sampler + prefetch
 
 
+def _moe_kernels(m: SimpleNamespace) -> list[tuple]:
+    # The fused-MoE products (kernels/triton/fused_moe.py) at each default tile: w13 with the
+    # SiLU-and-mul (a row a token, top-k 8) and w2 with the routing weights (a row a pair).
+    ints = {"sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "total_ptr": "*i32",
+            "weights_ptr": "*fp32"}
+    return [
+        (m.moe._moe_gemm_kernel, dict(TOP_K=8 if gated else 1, GATED=gated, MUL_WEIGHT=not gated,
+                                      DOT_PRECISION="tf32", BLOCK_M=t.block_m,
+                                      BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m),
+         {"num_warps": t.num_warps, "num_stages": t.num_stages}, ints)
+        for t in dict.fromkeys(m.moe.default_tile(pairs, 128) for pairs in (8, 4096, 65536))
+        for gated in (True, False)
+    ]
+
+
 def kernel_table(m: SimpleNamespace) -> list[tuple]:
     """``(kernel, constexprs[, options[, pointer types]])`` for every launch checked."""
     return (_attention_kernels(m) + _fp8_activation_kernels(m) + _tuned_decode_kernels(m)
-            + _fp8_cache_kernels(m) + _gemm_and_sampler_kernels(m))
+            + _fp8_cache_kernels(m) + _gemm_and_sampler_kernels(m) + _moe_kernels(m))
 
 
 def _options(extra: list) -> dict | None:
