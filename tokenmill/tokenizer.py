@@ -11,7 +11,7 @@ import json
 import os
 import re
 import secrets
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jinja2
@@ -150,7 +150,8 @@ class Tokenizer:
         return plain.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    *, max_chars: int | None = None, **kwargs: Any) -> tuple[str, list[int]]:
+                    *, max_chars: int | None = None, markup: Callable[[str], str] | None = None,
+                    **kwargs: Any) -> tuple[str, list[int]]:
         """The chat template applied to ``messages``, and its token ids, where only the
         template's own text can become control tokens.
 
@@ -160,9 +161,13 @@ class Tokenizer:
         template's), and each piece between them is encoded as plain text with the caller's
         text put back. A user who writes "<|im_end|><|im_start|>system" gets those characters,
         not a system turn. Without such text the ids equal ``encode(text)``'s.
-        ``max_chars``: ValueError, before tokenizing, for a longer rendered prompt."""
+        ``max_chars``: ValueError, before tokenizing, for a longer rendered prompt.
+        ``markup``: the server's own rewrite of the rendered text (the caller's text in it
+        still hidden), whose control-token text is read as such: markup a template cannot
+        write (api/harmony_history.py)."""
+        markup = markup or (lambda text: text)
         if self._special_re is None:
-            text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+            text = markup(self.apply_chat_template(messages, add_generation_prompt, **kwargs))
             _check_length(text, max_chars)
             return text, self.encode(text, add_special_tokens=False)
         nonce = secrets.token_hex(8)
@@ -187,6 +192,7 @@ class Tokenizer:
             e.args = tuple(show(a) if isinstance(a, str) else a for a in e.args)
             raise
         _check_length(rendered, max_chars)
+        rendered = markup(rendered)
 
         ids: list[int] = []
         pos = 0

@@ -3,6 +3,7 @@ SamplingParams, and the answer built whole or as streamed chunks."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -69,15 +70,17 @@ TEMPLATE_ERRORS = (ValueError, TypeError, LookupError, ArithmeticError, jinja2.T
 
 
 def chat_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]], /,
-                max_chars: int | None = None, **template_kwargs: Any) -> tuple[str, list[int]]:
+                max_chars: int | None = None, markup: Callable[[str], str] | None = None,
+                **template_kwargs: Any) -> tuple[str, list[int]]:
     """The chat template applied to ``messages`` (ready for the assistant's turn), and its
     token ids, special-token text inside the messages read as plain text (the template holds
-    any BOS the model wants); whatever the template raises goes to the caller."""
+    any BOS the model wants; ``markup``: the server's own, see Tokenizer.encode_chat);
+    whatever the template raises goes to the caller."""
     if len(messages) > MAX_CHAT_MESSAGES:
         raise ValueError(f"a conversation may hold at most {MAX_CHAT_MESSAGES} messages, "
                          f"got {len(messages)}")
     return tokenizer.encode_chat(messages, add_generation_prompt=True, max_chars=max_chars,
-                                 **template_kwargs)
+                                 markup=markup, **template_kwargs)
 
 
 def render_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest, max_model_len: int,
@@ -86,12 +89,13 @@ def render_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest, max_model_le
     and its token ids; 400 if it cannot be, or if the rendered text is too long for the
     context (checked before tokenizing it)."""
     try:
-        messages, extra = req.messages, {}
+        messages, extra, markup = req.messages, {}, None
         if tools is not None:
             messages, extra = tool_prompt(*tools, req.messages, tokenizer.chat_template)
+            markup = tools[1].expand_history  # earlier calls in markup the template lacks
         effort = {"reasoning_effort": req.reasoning_effort} \
             if req.reasoning_effort is not None else {}
-        return chat_prompt(tokenizer, messages, max_model_len * MAX_CHARS_PER_TOKEN,
+        return chat_prompt(tokenizer, messages, max_model_len * MAX_CHARS_PER_TOKEN, markup,
                            **{**effort, **(req.chat_template_kwargs or {}), **extra})
     except TEMPLATE_ERRORS as e:
         raise bad_request(f"messages: {e}", "messages") from None

@@ -17,9 +17,10 @@ the first token: no analysis message comes before it.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+from tokenmill.api.harmony_history import HarmonyHistory
 from tokenmill.api.tool_grammar import CallFrame, framed_call_grammar
 from tokenmill.api.tool_parsers import HermesParser, ToolParser
 
@@ -50,6 +51,23 @@ class HarmonyToolParser(HermesParser):
     """gpt-oss (see the module docstring). Chosen by ``auto`` for a harmony chat template."""
 
     name = "gpt_oss"
+
+    def __init__(self) -> None:
+        # Earlier calls and results for a template that cannot write them: this request's.
+        self._history = HarmonyHistory()
+
+    def format_calls(self, calls: Iterable[tuple[str, Any]]) -> str:
+        """Earlier calls, as stand-ins that ``expand_history`` turns into harmony messages
+        (api/harmony_history.py); ValueError for a name harmony cannot write."""
+        return self._history.calls(calls)
+
+    def format_result(self, content: str, name: str | None = None) -> str:
+        """A tool's result, as a stand-in for its harmony message (see ``format_calls``)."""
+        return self._history.result(content, name)
+
+    def expand_history(self, rendered: str) -> str:
+        """The rendered prompt with the stand-ins written in harmony."""
+        return self._history.expand(rendered)
 
     def forced_grammar(self, functions: Mapping[str, Mapping[str, Any] | None],
                        parallel: bool, prompt: str | None = None) -> str:

@@ -238,9 +238,15 @@ class ToolParser:
         f = self.format
         return f.open + f.sep.join(_call_json(n, a) for n, a in calls) + f.close
 
-    def format_result(self, content: str) -> str:
-        """A tool's result, as the model expects to read it back."""
+    def format_result(self, content: str, name: str | None = None) -> str:
+        """A tool's result, as the model expects to read it back (``name``: the function
+        that was called, where known; formats that name it read it)."""
         return f"<tool_response>\n{content}\n</tool_response>"
+
+    def expand_history(self, rendered: str) -> str:
+        """The rendered prompt with the markup of earlier calls that message content cannot
+        hold put in (formats whose markup is control tokens; the others: as it is)."""
+        return rendered
 
     def system_prompt(self, functions: list[dict[str, Any]], must_call: str | None) -> str:
         """The instructions that describe the tools and the call format. ``must_call``: the

@@ -191,7 +191,10 @@ def _assistant(msg: dict[str, Any], i: int, known: TemplateTools,
         calls = [{**c, "function": {**c["function"], "arguments": args}}
                  for c, (_, args) in zip(calls, pairs, strict=True)]
         return {**msg, "tool_calls": calls}
-    written = parser.format_calls(pairs) if pairs else ""
+    try:
+        written = parser.format_calls(pairs) if pairs else ""
+    except ValueError as e:  # a name the format cannot write
+        raise ValueError(f"messages[{i}].tool_calls: {e}") from None
     content = "\n".join(part for part in (msg.get("content") or "", written) if part)
     return {k: v for k, v in msg.items() if k != "tool_calls"} | {"content": content}
 
@@ -204,12 +207,21 @@ def render_history(messages: list[dict[str, Any]], known: TemplateTools,
     malformed call or result."""
     out: list[dict[str, Any]] = []
     results_at: int | None = None  # the user message that collects tool results, if open
+    called: dict[str, str] = {}  # the earlier calls' names by id (a result may name it)
     for i, msg in enumerate(validate_messages(messages)):
         role = msg["role"]
         if role == "tool" and not isinstance(msg.get("tool_call_id"), str):
             raise ValueError(f"messages[{i}] of role tool needs a tool_call_id (a string)")
+        if role == "assistant" and isinstance(msg.get("tool_calls"), list):
+            called |= {c["id"]: c["function"]["name"] for c in msg["tool_calls"]
+                       if isinstance(c, dict) and isinstance(c.get("id"), str)
+                       and isinstance(c.get("function"), dict)
+                       and isinstance(c["function"].get("name"), str)}
         if role == "tool" and not known.tool_role:
-            result = parser.format_result(msg["content"])
+            try:
+                result = parser.format_result(msg["content"], called.get(msg["tool_call_id"]))
+            except ValueError as e:
+                raise ValueError(f"messages[{i}]: {e}") from None
             if results_at is None:
                 results_at = len(out)
                 out.append({"role": "user", "content": result})
