@@ -9,7 +9,7 @@ grouped by expert and each expert's group is padded to a multiple of the tile's 
 computes every expert's ``w13`` product for the whole layer, with ``silu(gate) * up`` computed
 in the kernel from its two accumulators (no ``[T * k, 2I]`` tensor is written), and one launch
 computes every ``w2`` product with the routing weight multiplied in. The ``k`` products of a
-token are summed last. The sort is PyTorch ops of fixed shapes (no read back to the host), so
+token are summed last, in fp32. The sort is PyTorch ops of fixed shapes (no read back to the host), so
 a step can run in a CUDA graph.
 
 The tiles are untuned defaults (:func:`default_tile`); the tests run the kernels in Triton's
@@ -225,9 +225,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     weights = topk_weights.to(torch.float32).contiguous()
     act = x.new_empty(pairs, inter)
     _launch(x, w13, act, weights, blocks, tile, top_k, gated=True)
-    out = x.new_empty(pairs, hidden)
+    # Each pair's weighted output kept in fp32 and the k of a token summed in fp32, rounded
+    # once (as the grouped PyTorch path, tokenmill.kernels.moe, sums them).
+    out = x.new_empty(pairs, hidden, dtype=torch.float32)
     _launch(act, w2, out, weights, blocks, tile, 1, gated=False)
-    return out.view(tokens, top_k, hidden).sum(dim=1)
+    return out.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
 
 
 def _launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, weights: torch.Tensor,
