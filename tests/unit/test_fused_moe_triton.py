@@ -174,3 +174,32 @@ def test_default_tile_pads_decode_least() -> None:
     assert fm.default_tile(32 * 8, 128).block_m == 16
     assert fm.default_tile(512 * 8, 128).block_m == 64
     assert fm.default_tile(8192 * 8, 128).block_m == 128
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_cuda_kernel_set_binds_it_to_stacked_experts(dtype: torch.dtype,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The experts of a model built for CUDA multiply with the fused kernel (here in the
+    interpreter: two launches), as the grouped PyTorch path does; a call the kernel does not
+    take (x with strided columns) goes to that path."""
+    from tokenmill.models.kernel_binding import TORCH_KERNELS, bind_kernels, triton_kernels
+    from tokenmill.models.moe import StackedExperts
+
+    launches = []
+    launch = fm._launch
+    monkeypatch.setattr(fm, "_launch",
+                        lambda *args, **kw: launches.append(1) or launch(*args, **kw))
+    gen = torch.Generator().manual_seed(3)
+    experts = StackedExperts(8, 48, 24)
+    experts.w13.data, experts.w2.data = _weights(8, 48, 24, dtype, gen)
+    x = torch.randn(37, 48, generator=gen).to(DEVICE, dtype)
+    weights, ids = _route(37, 8, 2, gen)
+    want = reference_moe(x, experts.w13, experts.w2, weights, ids)
+    _close(bind_kernels(experts, kernels=TORCH_KERNELS)(x, weights, ids), want, dtype)
+    assert not launches
+    _close(bind_kernels(experts, kernels=triton_kernels())(x, weights, ids), want, dtype)
+    assert len(launches) == 2
+    strided = torch.randn(48, 37, generator=gen).to(DEVICE, dtype).T
+    _close(experts(strided, weights, ids),
+           reference_moe(strided, experts.w13, experts.w2, weights, ids), dtype)
+    assert len(launches) == 2

@@ -130,6 +130,15 @@ def _triton_rotary(kernel: Callable[..., torch.Tensor], qk: torch.Tensor, cos: t
     return kernel(qk, cos, sin) if qk.stride(2) == 1 else torch_rotary(qk, cos, sin)
 
 
+def _triton_moe(kernel: Callable[..., torch.Tensor], x: torch.Tensor, w13: torch.Tensor,
+                w2: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+    # The fused kernel takes rows of x, w13 and w2 with contiguous last dimensions.
+    if x.ndim == 2 and x.stride(1) == 1 and w13.stride(-1) == 1 and w2.stride(-1) == 1:
+        return kernel(x, w13, w2, topk_weights, topk_ids)
+    return torch_moe(x, w13, w2, topk_weights, topk_ids)
+
+
 def _tuned_linear(x: torch.Tensor | NormedInput, weight: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """The product on CUDA (:func:`linear.linear`); for a :class:`NormedInput`, with the norm
@@ -165,16 +174,19 @@ def _fused_silu_down(fused_with: nn.Module, mlp: Any, gate_up: torch.Tensor) -> 
 
 @functools.cache
 def triton_kernels() -> Kernels | None:
-    """The fused Triton kernels (:mod:`tokenmill.kernels.triton.fused_ops`) as a set, or None
-    where Triton is not installed."""
+    """The fused Triton kernels (:mod:`tokenmill.kernels.triton.fused_ops`, and
+    :mod:`tokenmill.kernels.triton.fused_moe` for the experts) as a set, or None where Triton
+    is not installed."""
     ops = triton_module("tokenmill.kernels.triton.fused_ops")
     if ops is None:
         return None
+    fused_moe = triton_module("tokenmill.kernels.triton.fused_moe").fused_moe
     p = functools.partial
     return with_tuned_matmul(Kernels(
         "triton", p(_triton_norm, ops.rms_norm), p(_triton_norm, ops.rms_norm_fp8),
         p(_triton_act, ops.silu_and_mul), p(_triton_act, ops.silu_and_mul_fp8),
-        p(_triton_qk_norm, ops.head_rms_norm_), p(_triton_rotary, ops.rotary_), F.linear))
+        p(_triton_qk_norm, ops.head_rms_norm_), p(_triton_rotary, ops.rotary_), F.linear,
+        moe=p(_triton_moe, fused_moe)))
 
 
 def with_tuned_matmul(kernels: Kernels) -> Kernels:
