@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from tokenmill.config import QUANTIZATIONS
-from tokenmill.models.layers import DecoderLayer, RotaryEmbedding
+from tokenmill.models.layers import DecoderLayer, GatedMLP, RotaryEmbedding
 from tokenmill.quant import kernel_choice
+from tokenmill.quant.experts import quantize_experts
 from tokenmill.quant.fp8 import Fp8Linear, fp8_supported, fp8_unsupported_reason
 from tokenmill.quant.head import QuantizedEmbedding, QuantizedHead, QuantizedLinear
 from tokenmill.quant.kernel_choice import NEVER_DENSE
@@ -203,6 +204,9 @@ def _quantize_linears(model: nn.Module, method: str, group_size: int,
             logger.warning("%s stays in float: %s", name, e)
             continue
         replace_module(model, name, quantized)
+    # A mixture of experts' stacked weights (models/moe.py), quantized per expert.
+    quantize_experts(model, lambda w: quantize_weight(w, None, method, group_size),
+                     summary.kept_float)
 
 
 def fuse_fp8_inputs(model: nn.Module) -> int:
@@ -212,7 +216,7 @@ def fuse_fp8_inputs(model: nn.Module) -> int:
     and is still quantized by the linear. Returns how many kernels now do."""
     fused = 0
     for layer in model.modules():
-        if isinstance(layer, DecoderLayer):
+        if isinstance(layer, DecoderLayer) and isinstance(layer.mlp, GatedMLP):
             attn, mlp = layer.self_attn, layer.mlp
             layer.input_layernorm.fp8_out = isinstance(attn.qkv_proj, Fp8Linear)
             layer.post_attention_layernorm.fp8_out = isinstance(mlp.gate_up_proj, Fp8Linear)
