@@ -20,15 +20,17 @@ HALF_FIELDS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2),
 ALL_TYPES = QUANTIZABLE + tuple(HALF_FIELDS)
 
 
-def make_blocks(qtype: Q, rows: int, cols: int, seed: int) -> np.ndarray:
-    """uint8 ``[rows, row bytes]``: ``rows`` x ``cols`` weights stored as ``qtype``."""
+def make_blocks(qtype: Q, rows: int, cols: int, seed: int, scale: float = 1.0) -> np.ndarray:
+    """uint8 ``[rows, row bytes]``: ``rows`` x ``cols`` weights stored as ``qtype``; ``scale``
+    shrinks the weights (the fp16 scales of random blocks)."""
     rng = np.random.default_rng(seed)
     if qtype in QUANTIZABLE:
-        return quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, qtype)
+        weights = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05 * scale
+        return quantize(weights, qtype)
     block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (rows, cols // block_elems, block_bytes), dtype=np.uint8)
-    for off in HALF_FIELDS[qtype]:
-        half = (rng.uniform(0.0005, 0.004, blocks.shape[:2])).astype(np.float16)
+    for off in HALF_FIELDS.get(qtype, (0,)):  # other types: d first, as IQ2_XS and most
+        half = (rng.uniform(0.0005, 0.004, blocks.shape[:2]) * scale).astype(np.float16)
         blocks[..., off:off + 2] = half[..., None].view(np.uint8).reshape(*blocks.shape[:2], 2)
     return blocks.reshape(rows, -1)
 

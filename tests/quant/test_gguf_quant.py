@@ -149,10 +149,12 @@ class _FileOfKinds:
         return SimpleNamespace(qtype=self._raws[name])
 
 
+# Files of Q4_0 / Q4_1 layers only: their exact int4 groups; any other quantized type: every
+# layer keeps its own blocks ("gguf", tokenmill.quant.kquant; issue 58).
 @pytest.mark.parametrize(("kinds", "expected"), [
-    ([Q.Q4_1] * 3, "int4"), ([Q.Q4_0, Q.Q4_0, Q.Q6_K], "int4"), ([Q.Q8_0] * 2, "int8"),
-    ([Q.Q6_K, Q.Q5_K, Q.Q4_0], "int8"), ([Q.F16] * 2, "none"), ([Q.F32, Q.BF16], "none"),
-    ([Q.F16, Q.F16, Q.Q4_0], "none"),
+    ([Q.Q4_1] * 3, "int4"), ([Q.Q4_0, Q.Q4_0, Q.Q6_K], "gguf"), ([Q.Q8_0] * 2, "gguf"),
+    ([Q.Q6_K, Q.Q5_K, Q.Q4_0], "gguf"), ([Q.F16] * 2, "none"), ([Q.F32, Q.BF16], "none"),
+    ([Q.F16, Q.F16, Q.Q4_0], "none"), ([Q.Q4_0, Q.Q4_1, Q.F16], "int4"),
 ])
 def test_auto_follows_the_files_block_types(kinds: list[Q], expected: str) -> None:
     file = _FileOfKinds(kinds)

@@ -23,6 +23,7 @@ from tokenmill.models.pooler import PoolerConfig
 from tokenmill.models.registry import create_model
 from tokenmill.presets import get_preset
 from tokenmill.quant import quantize_model
+from tokenmill.quant.model import KEEP_GGUF_TYPES
 from tokenmill.quant.packing import dense_dtype
 from tokenmill.tokenizer import Tokenizer
 
@@ -37,7 +38,8 @@ class LoadedModel:
     arch: ArchConfig
     tokenizer: Tokenizer
     path: str
-    # The weight-only quantization applied ("none", "int8", "int4"), with "auto" resolved.
+    # The weight-only quantization applied ("none", "int8", "int4", or "gguf": the GGUF file's
+    # own block types kept), with "auto" resolved.
     quantization: str = "none"
     # How embeddings are pooled (see resolve_pooler), and the longest input the folder's
     # sentence-transformers config allows (None: no such limit).
@@ -79,11 +81,12 @@ def resolve_pooler(config: ModelConfig, arch: ArchConfig,
     return PoolerConfig(config.pooling or default, normalize), length
 
 
-# GGUF block types by the weight-only method that keeps them compact under quantization="auto":
-# Q4_0/Q4_1 blocks become int4 groups of 32 exactly; the wider ones lose nothing that matters at
-# int8 per channel (see tokenmill.model_loader.gguf_quantized).
+# GGUF block types under quantization="auto": a file of Q4_0/Q4_1 layers only becomes int4
+# groups of 32 exactly; any other quantized type keeps every layer's own blocks
+# (KEEP_GGUF_TYPES: tokenmill.quant.kquant), or int8 per channel where the layers are cut into
+# tensor-parallel shards (the blocks are not cut).
 _GGUF_INT4 = frozenset({"Q4_0", "Q4_1"})
-_GGUF_INT8 = frozenset({"Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"})
+_GGUF_FLOAT = frozenset({"F32", "F16", "BF16", "F64"})
 
 
 def encoder_bf16_matmuls(config: ModelConfig, model: nn.Module, dtype: torch.dtype,
@@ -108,19 +111,22 @@ def _sep_token_id(tokenizer: Tokenizer, path: str) -> int:
 
 
 def resolve_quantization(requested: str, gguf: GGUFModel | None, device: torch.device) -> str:
-    """The method ``requested`` means here: itself unless "auto", which follows the layers' GGUF
-    block type on the CPU (by the majority of the decoder's weights) and is "none" otherwise."""
+    """The method ``requested`` means here: itself unless "auto", which on the CPU follows the
+    decoder's GGUF block types (none where most of its weights are float; int4 where its
+    quantized ones are all Q4_0/Q4_1; else each layer's own types, KEEP_GGUF_TYPES) and is
+    "none" otherwise."""
     if requested != "auto":
         return requested
     if gguf is None or device.type != "cpu":
         return "none"
     kinds = [gguf.raw_tensor(n).qtype.name for n in gguf.tensor_names()
              if n.startswith("model.layers.") and n.endswith(".weight")]
-    int4 = sum(k in _GGUF_INT4 for k in kinds)
-    int8 = sum(k in _GGUF_INT8 for k in kinds)
-    if 2 * max(int4, int8) <= len(kinds):
+    quantized = [k for k in kinds if k not in _GGUF_FLOAT]
+    if 2 * len(quantized) <= len(kinds):
         return "none"
-    return "int4" if int4 >= int8 else "int8"
+    if all(k in _GGUF_INT4 for k in quantized):
+        return "int4"
+    return KEEP_GGUF_TYPES if tp_size() == 1 else "int8"
 
 
 def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LoadedModel:
@@ -157,7 +163,8 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) ->
     model = create_model(arch, dtype, device)
     if config.load_format == "dummy":
         init_dummy_weights(model, seed=config.seed)
-    elif (is_gguf and method in ("int8", "int4") and torch.device(device).type == "cpu"
+    elif (is_gguf and method in ("int8", "int4", KEEP_GGUF_TYPES)
+          and torch.device(device).type == "cpu"
           and tp_size() == 1):
         # Linear layers come quantized from the file's blocks (Q4 ones exactly, for int4); only
         # the rest is loaded in float, so no float copy of those layers is ever filled in.

@@ -13,23 +13,33 @@ per row) rounds again; so does anything to int4 with a group size other than 32.
 :func:`load_gguf_quantized` builds the model's Linear layers this way *before* the rest is
 loaded, so the float copies of those layers are never filled in memory; tensors that are
 requantized are dequantized a few thousand rows at a time for the same reason.
+
+Under ``quantization="auto"`` (``KEEP_GGUF_TYPES``) nothing is requantized: each Linear layer
+keeps its tensors' blocks as the file stores them, in their own types (a Q4_K_M file keeps its
+Q4_K, Q6_K, Q5_0... tensors), in a :class:`~tokenmill.quant.kquant.KQuantLinear`; a tensor
+whose type has no kernel is refused by name, never widened to floats behind the user's back.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from collections.abc import Iterator
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
 from torch import nn
 
 from tokenmill.model_loader.gguf import GGUFModel, RawTensor, float_from_gguf, float_tensor
 from tokenmill.models.decoder import STACKED_PARAMS
 from tokenmill.quant.head import QuantizedLinear
+from tokenmill.quant.kquant import KQuantLinear, check_kquant_type
 from tokenmill.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from tokenmill.quant.model import (
     DEFAULT_GROUP_SIZE,
+    KEEP_GGUF_TYPES,
     check_quantization,
     head_slot,
     head_unsupported,
@@ -47,7 +57,15 @@ from tokenmill.quant.packing import (
 )
 from tokenmill.utils import release_freed_memory
 
+logger = logging.getLogger(__name__)
+# (weights, bytes) per block, by ggml type id.
+_BLOCK_SIZES = {int(t): size for t, size in GGML_QUANT_SIZES.items()}
+
 GGUF_GROUP = 32
+# Tensors stored in these types are loaded in float whatever the method (a float layer stays
+# float under KEEP_GGUF_TYPES: nothing to keep compact).
+_FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16,
+                          GGMLQuantizationType.BF16, GGMLQuantizationType.F64})
 # Hand the freed temporaries back to the OS after this many quantized layers.
 TRIM_EVERY_LAYERS = 16
 # Bytes per block of 32 weights: (d fp16, [m fp16], 16 bytes of nibbles).
@@ -124,6 +142,54 @@ def quantized_linear_from_gguf(gguf: GGUFModel, module_name: str, method: str,
         Int4Groups.cat([_int4_part(r, group_size) for r in raws]), bias)
 
 
+def kquant_linear_from_gguf(gguf: GGUFModel, module_name: str,
+                            dtype: torch.dtype = torch.float32) -> KQuantLinear | None:
+    """``module_name``'s layer on its tensors' blocks as stored, each part in its own type;
+    None where its tensors are float (the layer stays a float Linear). ValueError naming the
+    tensor, its type and the supported types where a type has no kernel."""
+    raws = [gguf.raw_tensor(f"{p}.weight") for p in _part_names(module_name)]
+    floats = [r.qtype in _FLOAT_TYPES for r in raws]
+    if all(floats):
+        return None
+    for raw in raws:
+        if raw.qtype not in _FLOAT_TYPES:
+            try:
+                check_kquant_type(raw.qtype, raw.name)
+            except ValueError as e:
+                raise ValueError(f"{e} (quantization 'none' loads it in float, at 4 bytes a "
+                                 "weight; 'int8' / 'int4' requantize it)") from e
+    if any(floats):  # a fused layer of float and quantized parts: no kernel takes both
+        logger.warning("%s mixes float and quantized tensors: loaded in float", module_name)
+        return None
+    parts = [(torch.from_numpy(np.array(raw.data, dtype=np.uint8, copy=True)), raw.qtype)
+             for raw in raws]
+    return KQuantLinear(parts, raws[0].shape[1], _bias(gguf, module_name, dtype))
+
+
+def _load_kept_types(model: nn.Module, gguf: GGUFModel, device: torch.device | None,
+                     dtype: torch.dtype) -> tuple[list[str], set[str]]:
+    """KEEP_GGUF_TYPES: every Linear layer on its file blocks; (built names, tensors used)."""
+    built: list[str] = []
+    consumed: set[str] = set()
+    kept: Counter[str] = Counter()
+    kept_bytes: Counter[str] = Counter()
+    for name in linear_layer_names(model):
+        module = kquant_linear_from_gguf(gguf, name, dtype)
+        if module is None:
+            continue
+        _install(model, name, module, device)
+        built.append(name)
+        consumed.update(f"{p}.{kind}" for p in _part_names(name) for kind in ("weight", "bias"))
+        for (qtype, rows) in module.segments.tolist():
+            type_name = GGMLQuantizationType(qtype).name
+            kept[type_name] += 1
+            kept_bytes[type_name] += rows * module.in_features // _BLOCK_SIZES[qtype][0] \
+                * _BLOCK_SIZES[qtype][1]
+    logger.info("GGUF types kept: %s", ", ".join(
+        f"{t} {kept[t]} tensors {kept_bytes[t] / 2**20:.1f} MiB" for t in sorted(kept)) or "none")
+    return built, consumed
+
+
 def load_gguf_quantized(model: nn.Module, gguf: GGUFModel, method: str,
                         group_size: int = DEFAULT_GROUP_SIZE,
                         device: torch.device | None = None,
@@ -145,7 +211,9 @@ def load_gguf_quantized(model: nn.Module, gguf: GGUFModel, method: str,
         raise ValueError(f"quantization {method!r} runs on the CPU only, not on {device}")
     built: list[str] = []
     consumed: set[str] = set()
-    for name in linear_layer_names(model):
+    if method == KEEP_GGUF_TYPES:
+        built, consumed = _load_kept_types(model, gguf, device, dtype)
+    for name in linear_layer_names(model) if method != KEEP_GGUF_TYPES else []:
         try:
             module: nn.Module = quantized_linear_from_gguf(gguf, name, method, group_size, dtype)
         except ValueError:

@@ -31,6 +31,10 @@ from tokenmill.utils import release_freed_memory
 logger = logging.getLogger(__name__)
 
 QUANT_METHODS = tuple(q for q in QUANTIZATIONS if q != "auto")  # none, int8, int4, fp8
+# What quantization="auto" resolves to for a GGUF file on the CPU: every Linear layer keeps its
+# tensors' own GGUF block types (KQuantLinear, built by the GGUF loader), none is requantized;
+# the output head follows DEFAULT_HEAD_METHOD as under int8 / int4.
+KEEP_GGUF_TYPES = "gguf"
 DEFAULT_GROUP_SIZE = 32
 # The output head (or tied embedding) under every method: on SmolLM2-135M an int4 head costs
 # +9.7% perplexity, an int8 one +0.2%, for 11 MiB (benchmarks/results/perplexity-cpu.md); GGUF
@@ -62,7 +66,7 @@ class QuantizationSummary:
 
 def check_quantization(method: str, group_size: int = DEFAULT_GROUP_SIZE) -> None:
     """ValueError naming the field unless ``method`` / ``group_size`` are supported."""
-    if method not in QUANT_METHODS:
+    if method not in QUANT_METHODS and method != KEEP_GGUF_TYPES:
         raise ValueError(f"quantization must be one of {QUANT_METHODS}, got {method!r}")
     if method == "int4" and group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"group_size must be one of {INT4_GROUP_SIZES}, got {group_size!r}")
@@ -169,7 +173,7 @@ def quantize_model(model: nn.Module, method: str, group_size: int = DEFAULT_GROU
         raise ValueError(f"quantization 'fp8' on {device}: {fp8_unsupported_reason(device)}")
     summary = QuantizationSummary(method, group_size if method == "int4" else None)
     if method != "none" or head_method != "none":
-        if method != "none":
+        if method not in ("none", KEEP_GGUF_TYPES):
             _quantize_linears(model, method, group_size, summary)
             fuse_fp8_inputs(model)
         _quantize_head(model, head_method, group_size, summary)

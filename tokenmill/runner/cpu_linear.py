@@ -10,11 +10,12 @@ from torch import nn
 
 from tokenmill.models import layers
 from tokenmill.quant.kernel_choice import cpu_kernels
+from tokenmill.quant.kquant import KQuantLinear
 from tokenmill.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from tokenmill.quant.packing import dense_dtype
 
 # Linear kinds, as in linear_spec.h.
-KIND_FLOAT, KIND_INT8, KIND_INT4 = 0, 1, 2
+KIND_FLOAT, KIND_INT8, KIND_INT4, KIND_KQUANT = 0, 1, 2, 3
 
 
 class UnsupportedModel(ValueError):
@@ -81,6 +82,12 @@ def linear_parts(module: nn.Module, dtype: torch.dtype) -> LinearParts:
 
 def _quant_parts(module: nn.Module) -> LinearParts | None:
     """Parts of tokenmill.quant's weight-only modules, or None for any other module."""
+    if type(module) is KQuantLinear:
+        # The GGUF blocks and their segment table (in the scales' place); KQuantLinear takes
+        # its kernel below dense_min_rows, the dense matmul from there, as the C++ side does.
+        return LinearParts(KIND_KQUANT, module.out_features, module.weight, module.bias,
+                           module.segments, dense_min_rows=int(module.dense_min_rows),
+                           dense_bf16=dense_dtype("cpu") == torch.bfloat16, own_kernel=1)
     if type(module) not in (Int8WeightOnlyLinear, Int4WeightOnlyLinear):
         return None
     own = cpu_kernels() is not None
