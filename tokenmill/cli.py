@@ -78,6 +78,7 @@ BENCH_SUITES: tuple[str, ...] = (
     "tokenmill.bench.rerank:add_rerank_parser",
     "tokenmill.bench.contention:add_contention_parser", "tokenmill.bench.lora:add_lora_parser",
     "tokenmill.bench.beam:add_beam_parser", "tokenmill.bench.reasoning:add_reasoning_parser",
+    "tokenmill.bench.reasoning_stream:add_reasoning_stream_parser",
 )
 
 # Registers one sub-command on a subparsers action: its name, help, options, and its handler
