@@ -7,7 +7,7 @@ backends (Triton on CUDA) are tested against.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,8 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                window: int | None = None) -> torch.Tensor:
         """Store ``k``/``v`` at ``meta.slot_mapping`` and attend ``q`` over each sequence's context.
 
         Args:
@@ -33,6 +34,9 @@ class AttentionBackend(ABC):
                 its dtype may be narrower than ``q``'s (the CPU's fp16 cache).
             meta: the step's batch layout.
             scale: softmax scale, usually ``D ** -0.5``.
+            window: a sliding-window layer's window (None: full attention): the query at
+                position ``p`` sees the keys at positions ``p - window + 1 .. p`` only
+                (transformers' ``sliding_window``; Gemma 3's local layers).
 
         Returns:
             ``[T, Hq * D]`` attention output in the dtype of ``q``.
@@ -44,7 +48,8 @@ class AttentionBackend(ABC):
 
     def forward_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                       cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                       cos: torch.Tensor, sin: torch.Tensor,
+                       window: int | None = None) -> torch.Tensor:
         """:meth:`forward` of ``q`` and ``k`` not yet rotated: ``cos`` and ``sin`` are the
         step's ``[T, 1, D]`` tables (``RotaryEmbedding.cos_sin``'s). ``q`` is rotated in place
         and ``k`` goes to the cache rotated; ``k`` itself may be left as it was. Only where
@@ -100,6 +105,10 @@ class _StepPlan:
     # (start, length, context, block-table row) of each prefill chunk, flat: the argument of
     # the CPU backend's kernel, made on its first layer's call.
     prefill_chunks: list[int] | None = None
+    # The sliding window this plan masks to (None: full attention), and the plans of the
+    # step's other windows, made on the first call of a layer with that window.
+    window: int | None = None
+    windowed: dict[int, _StepPlan] = field(default_factory=dict)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -113,13 +122,11 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                window: int | None = None) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
-        plan = meta.backend_plan
-        if not isinstance(plan, _StepPlan):
-            plan = _build_plan(meta, num_tokens, q.device)
-            meta.backend_plan = plan
+        plan = _step_plan(meta, num_tokens, q.device, window)
         if kv_cache.dtype != k.dtype:
             # Stored narrower than computed: attend over the stored values everywhere, the new
             # tokens' too, so a token's keys read the same whether cached or just computed.
@@ -196,8 +203,27 @@ def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: to
     return out[0].transpose(0, 1)
 
 
-def _build_plan(meta: AttentionMetadata, num_tokens: int, device: torch.device) -> _StepPlan:
-    """Plan the step from the host-side lengths (no device sync)."""
+def _step_plan(meta: AttentionMetadata, num_tokens: int, device: torch.device,
+               window: int | None) -> _StepPlan:
+    """The step's plan for layers of ``window`` (None: full attention), made on the first
+    layer that asks for it and kept on ``meta`` for the others."""
+    plan = meta.backend_plan
+    if not isinstance(plan, _StepPlan):
+        plan = _build_plan(meta, num_tokens, device)
+        meta.backend_plan = plan
+    if window is None:
+        return plan
+    if window <= 0:
+        raise ValueError(f"sliding window must be a positive number of tokens, got {window}")
+    if window not in plan.windowed:
+        plan.windowed[window] = _build_plan(meta, num_tokens, device, window)
+    return plan.windowed[window]
+
+
+def _build_plan(meta: AttentionMetadata, num_tokens: int, device: torch.device,
+                window: int | None = None) -> _StepPlan:
+    """Plan the step from the host-side lengths (no device sync); with ``window``, its masks
+    also hide the keys that fell out of each query's window."""
     query_lens, seq_lens = meta.query_lens_cpu, meta.seq_lens_cpu
     if sum(query_lens) != num_tokens:
         raise ValueError(f"query_lens_cpu sums to {sum(query_lens)} but q has {num_tokens} rows")
@@ -205,7 +231,7 @@ def _build_plan(meta: AttentionMetadata, num_tokens: int, device: torch.device) 
     decode_seqs = [i for i, n in enumerate(query_lens) if n == 1]
     decode: _DecodePlan | None = None
     if decode_seqs:
-        decode = _plan_decode(meta, decode_seqs, device)
+        decode = _plan_decode(meta, decode_seqs, device, window)
     prefill: list[_PrefillSeq] = []
     start = 0
     for i, (qlen, slen) in enumerate(zip(query_lens, seq_lens, strict=True)):
@@ -216,15 +242,20 @@ def _build_plan(meta: AttentionMetadata, num_tokens: int, device: torch.device) 
             if qlen < slen:
                 nblk = -(-slen // bs)
                 blocks = meta.block_tables[i, :nblk].long()
+            # A window shorter than the context hides keys: no plain causal mask then.
+            if qlen < slen or (window is not None and window < slen):
                 cols = torch.arange(slen, device=device)
                 rows = torch.arange(slen - qlen, slen, device=device)
                 mask = cols[None, :] <= rows[:, None]
+                if window is not None:
+                    mask &= cols[None, :] > rows[:, None] - window
             prefill.append(_PrefillSeq(start, start + qlen, slen, i, blocks, mask))
         start += qlen
-    return _StepPlan(num_tokens, decode, prefill)
+    return _StepPlan(num_tokens, decode, prefill, window=window)
 
 
-def _plan_decode(meta: AttentionMetadata, seqs: list[int], device: torch.device) -> _DecodePlan:
+def _plan_decode(meta: AttentionMetadata, seqs: list[int], device: torch.device,
+                 window: int | None = None) -> _DecodePlan:
     bs = meta.block_size
     lens = [meta.seq_lens_cpu[i] for i in seqs]
     ctx_len = max(lens)
@@ -241,8 +272,14 @@ def _plan_decode(meta: AttentionMetadata, seqs: list[int], device: torch.device)
         starts = meta.query_start_loc.index_select(0, idx)
         rows = starts.long()
     mask = None
+    cols = torch.arange(ctx_len, device=device)[None, :]
     if min(lens) != ctx_len:
-        pad = torch.arange(ctx_len, device=device)[None, :] >= seq_lens[:, None]
-        mask = pad.view(len(seqs), 1, 1, ctx_len)
+        mask = cols >= seq_lens[:, None]
+    if window is not None and ctx_len > window:
+        # The query is at position seq_len - 1: it sees keys from seq_len - window on.
+        early = cols < seq_lens[:, None] - window
+        mask = early if mask is None else mask | early
+    if mask is not None:
+        mask = mask.view(len(seqs), 1, 1, ctx_len)
     blocks = tables.reshape(-1).long()
     return _DecodePlan(rows, blocks, len(seqs), nblk, ctx_len, mask)

@@ -13,6 +13,10 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 CROSS_ENCODER_ARCHITECTURES = frozenset({"BertForSequenceClassification"})
 ENCODER_ARCHITECTURES = frozenset({"BertModel", "BertForMaskedLM", "BertForPreTraining",
                                    *CROSS_ENCODER_ARCHITECTURES})
+# Gemma 3 (models/gemma3.py): decoders whose sliding-window layers are implemented, so their
+# context is not capped at the window; and the activation each decoder family's MLP takes.
+SLIDING_WINDOW_ARCHITECTURES = frozenset({"Gemma3ForCausalLM"})
+DECODER_ACTIVATIONS = {"Gemma3ForCausalLM": ("gelu_pytorch_tanh",)}
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,16 @@ class ArchConfig:
     # factors live in rope_scaling.
     partial_rotary_factor: float = 1.0
 
+    # Gemma 3 (models/gemma3.py): the sliding window of the layers that have one and each
+    # layer's type ("sliding_attention" / "full_attention"; empty: every layer full), the
+    # local layers' rope base, the query scale's 1 / sqrt(query_pre_attn_scalar) (None:
+    # 1 / sqrt(head_dim)) and the logits' tanh soft cap (None: none).
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    rope_local_base_freq: float = 10000.0
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
+
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -83,8 +97,11 @@ class ArchConfig:
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         if self.rope_theta <= 0:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
-        if self.hidden_act != "silu":
-            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
+        activations = DECODER_ACTIVATIONS.get(self.architecture, ("silu",))
+        if self.hidden_act not in activations:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported for "
+                             f"{self.architecture} (only {', '.join(map(repr, activations))})")
+        self._check_layer_types()
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type")
             if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -138,6 +155,31 @@ class ArchConfig:
         return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
                 and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
+    def _check_layer_types(self) -> None:
+        # Gemma 3: a window per sliding layer, one type per layer.
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
+                                                or self.sliding_window <= 0):
+            raise ValueError(f"sliding_window must be a positive integer, got "
+                             f"{self.sliding_window!r}")
+        if not self.layer_types:
+            return
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                             f"{self.num_hidden_layers} layers (num_hidden_layers)")
+        bad = sorted(set(self.layer_types) - {"sliding_attention", "full_attention"})
+        if bad:
+            raise ValueError(f"layer_types {bad} are not supported (only 'sliding_attention', "
+                             "'full_attention')")
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window "
+                             "is not set")
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The sliding window of layer ``layer_idx`` (None: it attends to the whole context)."""
+        if self.layer_types and self.layer_types[layer_idx] == "sliding_attention":
+            return self.sliding_window
+        return None
+
     def _check_encoder(self) -> None:
         # HF's "gelu" is the exact (erf) GELU; the tanh approximations would differ slightly.
         if self.hidden_act != "gelu":
@@ -183,7 +225,10 @@ class ArchConfig:
         heads = d["num_attention_heads"]
         kv_heads = d.get("num_key_value_heads") or heads
         head_dim = d.get("head_dim") or _div(d["hidden_size"], heads, "hidden_size")
-        rope_theta, rope_scaling = _rope_from_hf(d)
+        rope_source, sliding = d, {}
+        if archs[0] in SLIDING_WINDOW_ARCHITECTURES:
+            rope_source, sliding = _sliding_from_hf(d)
+        rope_theta, rope_scaling = _rope_from_hf(rope_source)
         encoder = archs[0] in ENCODER_ARCHITECTURES
         if encoder and d.get("position_embedding_type", "absolute") != "absolute":
             raise ValueError(f"position_embedding_type {d['position_embedding_type']!r} is not "
@@ -202,17 +247,20 @@ class ArchConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=_max_positions(d),
+            max_position_embeddings=(d.get("max_position_embeddings", 2048) if sliding
+                                     else _max_positions(d)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)),
             mlp_bias=bool(d.get("mlp_bias", False)),
-            hidden_act=d.get("hidden_act", "gelu" if encoder else "silu"),
+            hidden_act=(d.get("hidden_act") or d.get("hidden_activation")
+                        or ("gelu" if encoder else "silu")),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
             layer_norm_eps=float(d.get("layer_norm_eps", 1e-12)),
             type_vocab_size=int(d.get("type_vocab_size", 0)),
             num_labels=_num_labels(d),
+            **sliding,
             partial_rotary_factor=_partial_rotary_factor(d),
             **_moe_from_hf(d),
         )
@@ -249,6 +297,35 @@ def _div(a: int, b: int, field: str) -> int:
     if not b or a % b:
         raise ValueError(f"{field} ({a}) must be divisible by num_attention_heads ({b})")
     return a // b
+
+
+def _sliding_from_hf(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Gemma 3's config.json: (a dict whose rope keys are the global layers' rope, for
+    :func:`_rope_from_hf`; the sliding-window fields). Reads transformers 5's per-layer-type
+    ``rope_parameters`` and 4's ``rope_theta`` / ``rope_scaling`` / ``rope_local_base_freq``;
+    the layer types from ``layer_types``, else every ``sliding_window_pattern``-th layer full."""
+    if d.get("attn_logit_softcapping") is not None:
+        raise ValueError("attn_logit_softcapping is not supported (Gemma 3 has none)")
+    if d.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention is not supported (a causal LM only)")
+    params = d.get("rope_parameters")
+    rope_source, local = d, d.get("rope_local_base_freq", 10000.0)
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        rope_source = {k: v for k, v in d.items() if k not in ("rope_theta", "rope_scaling")}
+        rope_source["rope_parameters"] = params["full_attention"]
+        local = (params.get("sliding_attention") or {}).get("rope_theta", local)
+    layers = d["num_hidden_layers"]
+    types = d.get("layer_types")
+    if not types:
+        pattern = d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                 for i in range(layers)]
+    scalar = d.get("query_pre_attn_scalar")
+    return rope_source, dict(
+        sliding_window=d.get("sliding_window"), layer_types=tuple(types),
+        rope_local_base_freq=float(local),
+        query_pre_attn_scalar=None if scalar is None else float(scalar),
+        final_logit_softcapping=d.get("final_logit_softcapping"))
 
 
 def _rope_from_hf(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

@@ -308,6 +308,9 @@ class Attention(nn.Module):
 
     _qk_norm = staticmethod(torch_qk_norm)
     _rotary = staticmethod(torch_rotary)
+    # A sliding-window layer's window in tokens, handed to the backend with each call
+    # (None: full attention); set by a family with such layers (models/gemma3.py).
+    window: int | None = None
 
     def __init__(self, config: ArchConfig, layer_idx: int, options: AttentionOptions) -> None:
         super().__init__()
@@ -353,10 +356,11 @@ class Attention(nn.Module):
         backend, cache = meta.backend, meta.kv_caches[self.layer_idx]
         if backend.fuses_rotary:  # rotated in the kernel that stores K/V
             out = backend.forward_rotary(qk[:, :hq], qk[:, hq:], v, cache, meta, self.scale,
-                                         cos, sin)
+                                         cos, sin, window=self.window)
         else:
             qk = self._rotary(qk, cos, sin)
-            out = backend.forward(qk[:, :hq], qk[:, hq:], v, cache, meta, self.scale)
+            out = backend.forward(qk[:, :hq], qk[:, hq:], v, cache, meta, self.scale,
+                                  window=self.window)
         out = self.o_proj(out)
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
 

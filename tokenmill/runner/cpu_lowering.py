@@ -230,6 +230,8 @@ def _lower_attention(attn: layers.Attention, b: ProgramBuilder, path: str, src: 
     _single_rank(attn, path)
     if b.rope is None:
         raise UnsupportedModel(f"{path}: attention without a rotary embedding")
+    if attn.window is not None:  # the program's attention op sees the whole context
+        raise UnsupportedModel(f"{path}: sliding-window attention ({attn.window} tokens)")
     qkv = b.linear(attn.qkv_proj, f"{path}.qkv_proj", src, "qkv")
     q_norm = k_norm = None
     eps = 0.0

@@ -213,6 +213,30 @@ def softmax_step(s, v, m, denom, acc, DOT_PRECISION: tl.constexpr):
     return m_new, denom, acc
 
 
+@triton.jit
+def softmax_step_windowed(s, v, m, denom, acc, DOT_PRECISION: tl.constexpr):
+    """:func:`softmax_step` for tiles where a row may have no key yet (a sliding window's
+    first tiles): such a row keeps its max at -inf and adds nothing, where the plain step
+    would compute ``exp2(-inf - -inf)``, NaN."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m - m_safe)
+    denom = denom * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, denom, acc
+
+
+def window_arg(window: int | None) -> int:
+    """A kernel's WINDOW: the sliding window in tokens, 0 for full attention; ValueError for
+    a window that is not a positive number of tokens."""
+    if window is None:
+        return 0
+    if window <= 0:
+        raise ValueError(f"sliding window must be a positive number of tokens, got {window}")
+    return int(window)
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write ``k``/``v`` ``[T, Hkv, D]`` into ``kv_cache`` at ``slot_mapping`` ``[T]``.

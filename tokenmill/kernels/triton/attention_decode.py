@@ -26,6 +26,7 @@ from tokenmill.kernels.triton.attention import (
     span_bases,
     span_rows,
     widens_to_fp16,
+    window_arg,
 )
 from tokenmill.kernels.triton.pdl import launch_options, pdl_start
 from tokenmill.kernels.tuning.decode_attention import DEFAULT_LAUNCH
@@ -41,7 +42,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_pt
                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, FP16: tl.constexpr,
                          TABLE_SPAN: tl.constexpr, ROW_ALIGN: tl.constexpr,
-                         DIRECT: tl.constexpr, PDL: tl.constexpr = False):
+                         DIRECT: tl.constexpr, WINDOW: tl.constexpr = 0,
+                         PDL: tl.constexpr = False):
     """Program (seq, kv head, split): the GROUP query heads of one KV head over one partition.
 
     Writes the partition's normalized output and log2-sum-exp per query head, to be combined by
@@ -52,6 +54,10 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_pt
     With TABLE_SPAN > 0 (the launch's ``preload_table``) the partition's block ids, at most
     TABLE_SPAN of them, are read before the loop and each tile's rows are gathered from them;
     ROW_ALIGN is what every cache row's element offset is a multiple of (the strides').
+
+    With WINDOW > 0 (a sliding-window layer) the query sees the last WINDOW keys only: a
+    partition that ends before them writes nothing (the reduction starts after it), and the
+    one they start in begins at the tile holding the first.
     """
     pdl_start(PDL)
     b = tl.program_id(0)
@@ -73,6 +79,13 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_pt
                      tl.zeros([BLOCK_G, BLOCK_D], out_ptr.dtype.element_ty), mask=out_mask)
         return
     end = tl.minimum(start + PARTITION, seq_len)
+    first_n = start
+    lo = seq_len * 0  # the first key in the window
+    if WINDOW > 0:
+        lo = tl.maximum(seq_len - WINDOW, 0)
+        if end <= lo:
+            return
+        first_n = tl.maximum(start, lo // BLOCK_N * BLOCK_N)
     q = queries_to(tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                             mask=g_mask[:, None] & d_mask[None, :], other=0.0), FP16)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -82,7 +95,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_pt
     if TABLE_SPAN > 0:  # the partition's block ids, read once
         first, bases = span_bases(table, start, end, kv_head, stride_cb, stride_ch,
                                    BLOCK_SIZE, TABLE_SPAN)
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in range(first_n, end, BLOCK_N):
         if TABLE_SPAN > 0:
             # Tiles never cross the partition's end (BLOCK_N divides PARTITION), so every
             # position is in the span; past ``end`` it picks a masked id.
@@ -96,6 +109,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_pt
                                              stride_cb, stride_co, stride_ch,
                                              HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if WINDOW > 0:  # every tile holds a key of the window (it starts at first_n)
+            valid = valid & (pos >= lo)
         s = tl.where(valid[None, :], s, float("-inf"))
         m, denom, acc = softmax_step(s, v, m, denom, acc, DOT_PRECISION)
 
@@ -115,11 +130,12 @@ def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, num
                           stride_ob, stride_oh,
                           NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                           PARTITION: tl.constexpr, BLOCK_D: tl.constexpr,
-                          PDL: tl.constexpr = False):
+                          WINDOW: tl.constexpr = 0, PDL: tl.constexpr = False):
     """Program (seq, query head): combine the partitions that hold keys, weighted by their sums.
 
     Only the first ``cdiv(seq_len, PARTITION)`` partitions are read, since the others were never
-    written; a sequence of length 0 (a padding row) gets zeros.
+    written; a sequence of length 0 (a padding row) gets zeros. Under a WINDOW the partitions
+    before the window's first key were not written either: the loop starts after them.
     """
     pdl_start(PDL)
     b = tl.program_id(0)
@@ -132,7 +148,10 @@ def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, num
     m = tl.full([BLOCK_D], float("-inf"), tl.float32)
     total = tl.full([BLOCK_D], 0.0, tl.float32)
     acc = tl.full([BLOCK_D], 0.0, tl.float32)
-    for split in range(0, used):
+    first = 0
+    if WINDOW > 0:
+        first = tl.maximum(seq_len - WINDOW, 0) // PARTITION
+    for split in range(first, used):
         # The split's lse, broadcast over D so that the running values stay one shape.
         lse = tl.load(part_lse_ptr + row0 + split + d * 0)
         part = tl.load(part_out_ptr + (row0 + split) * HEAD_DIM + d, mask=d_mask, other=0.0)
@@ -158,7 +177,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
                      num_stages: int | None = DEFAULT_LAUNCH.num_stages,
                      fp8_compute: str = DEFAULT_LAUNCH.fp8_compute,
                      max_registers: int | None = DEFAULT_LAUNCH.max_registers,
-                     preload_table: bool = DEFAULT_LAUNCH.preload_table) -> torch.Tensor:
+                     preload_table: bool = DEFAULT_LAUNCH.preload_table,
+                     window: int | None = None) -> torch.Tensor:
     """Attend one query per sequence over its paged context (flash decoding).
 
     Each sequence's context is cut into partitions of ``partition_size`` tokens, attended in
@@ -187,6 +207,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         preload_table: read each partition's block ids once, before the loop over its tiles,
             so that the tiles' loads can be pipelined (``num_stages``); otherwise each tile
             reads its own.
+        window: a sliding-window layer's window in tokens (None: full attention): the
+            query sees the last ``window`` keys of its context only.
 
     Returns:
         ``out`` or a new ``[B, Hq, D]`` tensor in the dtype of q.
@@ -225,7 +247,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         BLOCK_N=min(block_n, partition_size), BLOCK_D=block_d,
         DOT_PRECISION=dot_precision(q), FP16=widens_to_fp16(q, kv_cache, fp8_compute),
         TABLE_SPAN=span(partition_size, block_size) if preload_table else 0,
-        ROW_ALIGN=row_align(cache_strides), DIRECT=direct,
+        ROW_ALIGN=row_align(cache_strides), DIRECT=direct, WINDOW=window_arg(window),
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
         **({} if max_registers is None else {"maxnreg": max_registers}),
         **launch_options(q.device))
@@ -233,5 +255,5 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_out, part_lse, seq_lens, out, num_splits, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, PARTITION=partition_size, BLOCK_D=block_d,
-            **launch_options(part_out.device))
+            WINDOW=window_arg(window), **launch_options(part_out.device))
     return out

@@ -18,10 +18,12 @@ from tokenmill.kernels.triton.attention import (
     queries_to,
     row_align,
     softmax_step,
+    softmax_step_windowed,
     span,
     span_bases,
     span_rows,
     widens_to_fp16,
+    window_arg,
 )
 from tokenmill.kernels.triton.pdl import launch_options, pdl_start
 from tokenmill.utils import host_tensor
@@ -49,7 +51,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, table_ptr, query_s
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, FP16: tl.constexpr, CHUNK: tl.constexpr,
-                    CHUNK_SPAN: tl.constexpr, ROW_ALIGN: tl.constexpr, PDL: tl.constexpr = False):
+                    CHUNK_SPAN: tl.constexpr, ROW_ALIGN: tl.constexpr, WINDOW: tl.constexpr = 0,
+                    PDL: tl.constexpr = False):
     """Program (tile, kv head): causal attention of BLOCK_M // GROUP query tokens of one
     sequence; the step's tiles are listed in ``tile_seq`` / ``tile_idx`` (sequence, tile of it),
     so a mixed step launches no programs for the empty tiles of its short sequences.
@@ -59,6 +62,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, table_ptr, query_s
     positions of the sequence; keys are read from the cache up to the tile's last position,
     CHUNK of them at a time: a chunk's block ids (at most CHUNK_SPAN) are read once, and the
     loop over its tiles loads only K and V, which the pipeliner keeps in flight.
+
+    With WINDOW > 0 (a sliding-window layer) the query at position p sees keys p - WINDOW + 1
+    .. p only: the loop starts at the tile holding the first key of the tile's first query.
     """
     pdl_start(PDL)
     tile = tl.program_id(0)
@@ -83,25 +89,35 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, table_ptr, query_s
     q = queries_to(tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh
                             + d[None, :], mask=mask, other=0.0), FP16)
     q_pos = ctx + tok
-    # Every row sees key 0, so the first tile gives each row a finite max (no inf - inf).
+    # Every row sees key 0, so the first tile gives each row a finite max (no inf - inf);
+    # under a window a row may see none of a tile's keys: softmax_step_windowed then.
     end = tl.minimum(seq_len, ctx + (q_tile + 1) * BLOCK_Q)
+    lo = ctx * 0  # the first key any row of the tile sees
+    if WINDOW > 0:
+        lo = tl.maximum(ctx + q_tile * BLOCK_Q - WINDOW + 1, 0)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
     table = table_ptr + b * stride_bt
-    for c0 in range(0, end, CHUNK):
+    for c0 in range(lo // CHUNK * CHUNK, end, CHUNK):
         c_end = tl.minimum(c0 + CHUNK, end)
         first, bases = span_bases(table, c0, c_end, kv_head, stride_cb, stride_ch,
                                    BLOCK_SIZE, CHUNK_SPAN)
-        for n0 in range(c0, c_end, BLOCK_N):
+        for n0 in range(tl.maximum(c0, lo // BLOCK_N * BLOCK_N), c_end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             valid = pos < end
             row = span_rows(bases, first, pos, stride_co, BLOCK_SIZE, ROW_ALIGN)
             k, v = load_kv_rows(k_cache_ptr, v_cache_ptr, row, valid, HEAD_DIM, BLOCK_D,
                                  q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-            m, denom, acc = softmax_step(s, v, m, denom, acc, DOT_PRECISION)
+            keep = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+            if WINDOW > 0:
+                keep = keep & (pos[None, :] > q_pos[:, None] - WINDOW)
+                s = tl.where(keep, s, float("-inf"))
+                m, denom, acc = softmax_step_windowed(s, v, m, denom, acc, DOT_PRECISION)
+            else:
+                s = tl.where(keep, s, float("-inf"))
+                m, denom, acc = softmax_step(s, v, m, denom, acc, DOT_PRECISION)
 
     out = acc / denom[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -133,7 +149,8 @@ def prefill_tiles(query_lens: Sequence[int], num_heads: int, num_kv_heads: int,
 def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                       query_lens: Sequence[int], out: torch.Tensor | None = None,
-                      tiles: torch.Tensor | None = None) -> torch.Tensor:
+                      tiles: torch.Tensor | None = None,
+                      window: int | None = None) -> torch.Tensor:
     """Causal attention of a flat batch of variable-length chunks over their paged contexts.
 
     Sequence ``b`` owns rows ``query_start_loc[b]:query_start_loc[b+1]`` of q, the last
@@ -150,6 +167,7 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
         query_lens: the ``B`` chunk lengths, on the host (they lay out the grid).
         out: optional ``[T, Hq, D]`` output (any strides with a contiguous last dimension).
         tiles: :func:`prefill_tiles` of ``query_lens``, when the caller keeps it for every layer.
+        window: a sliding-window layer's window in tokens (None: full attention).
 
     Returns:
         ``out`` or a new ``[T, Hq, D]`` tensor in the dtype of q.
@@ -178,5 +196,6 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
         BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
         DOT_PRECISION=dot_precision(q), FP16=widens_to_fp16(q, kv_cache),
         CHUNK=chunk, CHUNK_SPAN=span(chunk, k_cache.shape[1]),
-        ROW_ALIGN=row_align(cache_strides), num_warps=NUM_WARPS, **launch_options(q.device))
+        ROW_ALIGN=row_align(cache_strides), WINDOW=window_arg(window), num_warps=NUM_WARPS,
+        **launch_options(q.device))
     return out
