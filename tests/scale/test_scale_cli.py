@@ -140,13 +140,27 @@ def test_models_dir_gets_replicas_that_load_on_demand(tmp_path) -> None:
                              ScaleConfig())._bound_deployment.init_kwargs["on_demand"] is None
 
 
-def test_serve_command_refuses_the_admin_api_with_replicas() -> None:
-    """The admin API changes one server's models: refused with --replicas, by name, before
-    any cluster starts."""
+def test_serve_command_refuses_overlapping_kv_event_ports() -> None:
+    """With --replicas each replica binds the KV-event ports + its rank: vLLM's usual 5557 /
+    5558 would collide for two replicas, refused by name before any cluster starts."""
     import subprocess
     import sys
 
     done = subprocess.run([sys.executable, "-m", "tokenmill", "serve", "--replicas", "2",
-                           "--admin-key", "k"], capture_output=True, text=True, timeout=120)
+                           "--kv-events-endpoint", "tcp://*:5557",
+                           "--kv-events-replay-endpoint", "tcp://*:5558"],
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
-    assert "the admin API" in done.stderr
+    assert "overlaps" in done.stderr and "one port per replica" in done.stderr
+
+
+def test_the_ingress_gets_the_servers_options_and_the_projects_settings() -> None:
+    """The ingress answers the admin API and checks project keys: it is bound with the
+    server's options (admin key, data folder) and the projects' settings."""
+    from tokenmill.tenancy.retention import TenancySettings
+
+    server = ServerConfig(admin_key="adm", allow_runtime_lora_updating=True)
+    settings = TenancySettings(usage_retention_days=7)
+    app = build_application([(None, EngineConfig())], server, ScaleConfig(), tenancy=settings)
+    kwargs = app._bound_deployment.init_kwargs
+    assert kwargs["server"] is server and kwargs["tenancy"] is settings

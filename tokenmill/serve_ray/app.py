@@ -22,6 +22,7 @@ from tokenmill.serve_ray.ingress import Ingress
 from tokenmill.serve_ray.replica import ReplicaServer
 from tokenmill.serve_ray.routing import router_class
 from tokenmill.server.model_registry import ENCODER_MODEL_TYPES
+from tokenmill.tenancy.retention import TenancySettings
 
 REPLICA_DEPLOYMENT = "tokenmill-replica"
 # The replicas that load models of --models-dir on demand.
@@ -82,7 +83,7 @@ def _router_config(scale: ScaleConfig) -> RequestRouterConfig | None:
                                request_routing_stats_period_s=1.0)
 
 
-def _generates(config: EngineConfig) -> bool:
+def generates(config: EngineConfig) -> bool:
     """Whether the model generates text (not task embed, not an encoder's folder)."""
     if config.model.task == "embed":
         return False
@@ -103,7 +104,7 @@ def assign_adapters(models: Sequence[tuple[str | None, EngineConfig]],
     names = [name or served_model_name or (default_model_name(c.model.model)
                                             if c.model.model else None) for name, c in models]
     out: list[list[LoRAModule]] = [[] for _ in models]
-    first = next((i for i, (_, c) in enumerate(models) if _generates(c)), None)
+    first = next((i for i, (_, c) in enumerate(models) if generates(c)), None)
     for module in lora_modules:
         if module.base_model_name is None:
             at = first
@@ -111,7 +112,7 @@ def assign_adapters(models: Sequence[tuple[str | None, EngineConfig]],
             at = names.index(module.base_model_name)
         else:
             unnamed = [i for i, (n, (_, c)) in enumerate(zip(names, models, strict=True))
-                       if n is None and _generates(c)]
+                       if n is None and generates(c)]
             at = unnamed[0] if len(unnamed) == 1 else None
         if at is None:
             raise ValueError(f"--lora-modules {module.name}: base_model_name "
@@ -123,10 +124,12 @@ def assign_adapters(models: Sequence[tuple[str | None, EngineConfig]],
 
 def build_application(models: Sequence[tuple[str | None, EngineConfig]], server: ServerConfig,
                       scale: ScaleConfig, lora_modules: Sequence[LoRAModule] = (),
-                      engine_args: argparse.Namespace | None = None) -> Application:
+                      engine_args: argparse.Namespace | None = None,
+                      tenancy: TenancySettings | None = None) -> Application:
     """A deployment per model (and with --models-dir one whose replicas load that folder's
     models on demand, with ``engine_args``: the command line's engine options) and the
-    ingress, bound; ``serve.run`` starts them."""
+    ingress, bound; ``serve.run`` starts them. ``tenancy``: the projects' options (with an
+    admin key, whose routes the ingress answers)."""
     router = _router_config(scale)
     sizing: dict[str, object] = {"num_replicas": scale.replicas}
     if scale.replicas is None:
@@ -157,4 +160,5 @@ def build_application(models: Sequence[tuple[str | None, EngineConfig]], server:
                                ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=100_000)
     return ingress.bind(deployments, own_metrics=not server.auth_health_metrics,
-                        on_demand=on_demand, models_dir=server.models_dir)
+                        on_demand=on_demand, models_dir=server.models_dir, server=server,
+                        tenancy=tenancy)

@@ -71,30 +71,28 @@ def run_ray_serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from tokenmill.engine.args import parse_lora_module
-    from tokenmill.serve_ray.app import build_application
+    from tokenmill.serve_ray.app import build_application, generates
+    from tokenmill.serve_ray.kv_endpoints import port_ranges
     from tokenmill.server.lora_adapters import check_lora_options
     from tokenmill.server.model_registry import served_models
     from tokenmill.server.serve_cli import merge_model_args, server_config_from_args
+    from tokenmill.tenancy.retention import TenancySettings
 
     merge_model_args(args)
     server = server_config_from_args(args)
-    if server.admin_key is not None or server.allow_runtime_lora_updating:
-        raise ValueError("--replicas serves the models and adapters named at start (and those "
-                         "of --models-dir on demand): the admin API and "
-                         "--allow-runtime-lora-updating, which change them on one server, are "
-                         "refused")
     scale = scale_config_from_args(args)
     models = served_models(args)
-    if any(c.cache.kv_events_endpoint for _, c in models):
-        raise ValueError("--kv-events-endpoint is for one server (the replicas would bind one "
-                         "endpoint); with --replicas each replica publishes its KV events on a "
-                         "port of its own, named in its routing stats")
+    # Each replica binds its KV-event endpoints' ports + its rank (kv_endpoints.py).
+    port_ranges([m for m in models if generates(m[1])],
+                scale.replicas if scale.replicas is not None else scale.max_replicas)
     lora_modules = [parse_lora_module(v) for v in args.lora_modules]
-    check_lora_options([c for _, c in models], lora_modules, False)
+    check_lora_options([c for _, c in models], lora_modules,
+                       server.allow_runtime_lora_updating)
     # What replicas that load --models-dir's models on demand need of the command line.
     engine_args = argparse.Namespace(**{k: v for k, v in vars(args).items()
                                         if not callable(v)})
-    application = build_application(models, server, scale, lora_modules, engine_args)
+    tenancy = TenancySettings(usage_retention_days=args.usage_retention_days)
+    application = build_application(models, server, scale, lora_modules, engine_args, tenancy)
     ray.init(address=args.ray_address, ignore_reinit_error=True)
     serve.start(http_options={"host": server.host, "port": server.port})
     stop = threading.Event()

@@ -25,10 +25,18 @@ from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from tokenmill.api.errors import APIError
+from tokenmill.config import ServerConfig
+from tokenmill.serve_ray.adapters import LOAD_PATH, UNLOAD_PATH, AdapterRoutes
 from tokenmill.serve_ray.catalog import LISTING_ROUTES, Catalog, Entry, merge_listings
-from tokenmill.serve_ray.messages import REPLICA_HEADER, HTTPRequestData, ResponseHead
+from tokenmill.serve_ray.front import FrontDoor, is_admin_path, unsupported
+from tokenmill.serve_ray.messages import REPLICA_HEADER, HTTPRequestData, ResponseHead, run_asgi
 from tokenmill.serve_ray.metrics import aggregate, open_board
 from tokenmill.serve_ray.routing import ROUTE_KEY, block_hashes
+from tokenmill.server.errors import error_response
+from tokenmill.server.tenancy_guard import project_token
+from tokenmill.tenancy.retention import TenancySettings
+from tokenmill.tenancy.store import Caller
 from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -67,9 +75,15 @@ class Ingress:
     ``models_dir`` on demand)."""
 
     def __init__(self, deployments: list[DeploymentHandle], own_metrics: bool = True,
-                 on_demand: DeploymentHandle | None = None, models_dir: str | None = None
+                 on_demand: DeploymentHandle | None = None, models_dir: str | None = None,
+                 server: ServerConfig | None = None, tenancy: TenancySettings | None = None
                  ) -> None:
         self.deployments = deployments
+        server = server or ServerConfig()
+        # --admin-key: the admin API and project keys, answered and checked here (front.py).
+        self.front = FrontDoor(server, tenancy) if server.admin_key is not None else None
+        # --allow-runtime-lora-updating: adapters changed on every replica (adapters.py).
+        self.adapters = AdapterRoutes(server.admin_key, server.api_key, models_dir)
         # --models-dir: the replicas that load the folder's models a request names.
         self.on_demand = on_demand
         self.models_dir = models_dir
@@ -96,7 +110,9 @@ class Ingress:
         time the application is running)."""
         async with self._catalog_lock:
             if self._catalog is None:
-                infos = await asyncio.gather(*(d.describe.remote() for d in self.deployments))
+                infos = await asyncio.gather(*(
+                    d.describe.remote(self.adapters.version(d.deployment_name))
+                    for d in self.deployments))
                 self._catalog = Catalog([Entry(info, handle) for info, handle
                                          in zip(infos, self.deployments, strict=True)],
                                         self.on_demand, self.models_dir)
@@ -116,12 +132,15 @@ class Ingress:
             return None
         return block_hashes(ids, info.block_size, salt=salt) if ids else None
 
-    async def _open(self, entry: Entry, req: HTTPRequestData
+    async def _open(self, entry: Entry, req: HTTPRequestData, caller: Caller | None = None
                     ) -> tuple[ResponseHead, AsyncIterator[Any]]:
-        """Send the request to a replica of ``entry``'s model; its head and the rest."""
+        """Send the request (of ``caller``'s project) to a replica of ``entry``'s model; its
+        head and the rest."""
         key = await self._route_key(entry, req)
+        version = self.adapters.version(entry.handle.deployment_name)
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            stream = entry.handle.options(stream=True).handle.remote(req, **{ROUTE_KEY: key})
+            stream = entry.handle.options(stream=True).handle.remote(
+                req, **{ROUTE_KEY: key}, caller=caller, adapters_version=version)
             try:
                 head = await stream.__anext__()
                 return head, stream
@@ -131,17 +150,18 @@ class Ingress:
                 await asyncio.sleep(RETRY_BACKOFF_S * attempt)
         raise ConnectionError(f"no replica answered in {MAX_ATTEMPTS} tries")
 
-    async def _whole(self, entry: Entry, req: HTTPRequestData) -> tuple[ResponseHead, bytes]:
+    async def _whole(self, entry: Entry, req: HTTPRequestData, caller: Caller | None = None
+                     ) -> tuple[ResponseHead, bytes]:
         """A replica's whole (short) answer."""
-        head, stream = await self._open(entry, req)
+        head, stream = await self._open(entry, req, caller)
         return head, b"".join([chunk async for chunk in stream])
 
-    async def _everyone(self, req: HTTPRequestData) -> Response:
+    async def _everyone(self, req: HTTPRequestData, caller: Caller | None = None) -> Response:
         """A route every model answers (a listing, /health): each deployment's answer, merged
         or the first that is not ok."""
         catalog = await self.catalog()
         everyone = catalog.entries + ([catalog.on_demand] if catalog.on_demand else [])
-        answers = await asyncio.gather(*(self._whole(e, req) for e in everyone))
+        answers = await asyncio.gather(*(self._whole(e, req, caller) for e in everyone))
         merged = None
         if req.path in LISTING_ROUTES:
             merged = merge_listings(req.path, [(h.status, body) for h, body in answers])
@@ -180,38 +200,103 @@ class Ingress:
         req = HTTPRequestData(request.method, path, request.url.query.encode(),
                               list(request.headers.raw), await request.body(),
                               (client.host, client.port) if client else None)
+        if self.front is not None and is_admin_path(path):
+            return await self._answer(run_asgi(self.front.app, req, "ingress"))
+        refusal = unsupported(req.method, path, req.body)
+        if refusal is not None:
+            return error_response(refusal, path)
         try:
             catalog = await self.catalog()
         except REPLICA_GONE as e:
             return _error(503, f"no replica answered: {e}", "no_replica")
+        if request.method == "POST" and path in (LOAD_PATH, UNLOAD_PATH):
+            return await self._change_adapter(catalog, req)
+        caller, limit_headers = None, {}
+        token = project_token(request.scope) if self.front is not None else None
+        if token is not None:  # a project's request: admitted by its limits first
+            admitted = self.front.admit(token)  # type: ignore[union-attr]
+            if isinstance(admitted, APIError):
+                return error_response(admitted, path)
+            caller, limit_headers = admitted
+        self._in_flight += 1
         if request.method == "GET" and (path in LISTING_ROUTES or path == "/health"):
             try:
-                return await self._everyone(req)
+                return await self._everyone(req, caller)
             except ConnectionError as e:  # a model with no replica up
                 return _error(503, str(e), "no_replica")
-        target = catalog.target(request.method, path, dict(request.query_params), req.body)
-        self._in_flight += 1
+            finally:
+                self._finished(caller)
+        return await self._forward(catalog, req, request, caller, limit_headers)
+
+    async def _forward(self, catalog: Catalog, req: HTTPRequestData, request: Request,
+                       caller: Caller | None, limit_headers: dict[str, str]) -> Response:
+        """Route ``req`` (of ``caller``'s project) to its model's replicas."""
+        target = catalog.target(req.method, req.path, dict(request.query_params), req.body)
         try:
-            head, stream = await self._open(target.entry, req)
+            head, stream = await self._open(target.entry, req, caller)
             if target.not_found is not None and head.status == 404:
                 # The default model's server found the request well formed, then no model:
                 # the 404 names every model, not only its own.
                 async for _ in stream:
                     pass
-                self._in_flight -= 1
+                self._finished(caller)
                 return target.not_found
         except BaseException as e:
-            self._in_flight -= 1
+            self._finished(caller)
             if isinstance(e, ConnectionError):
                 return _error(503, str(e), "no_replica")
             raise
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in head.headers}
+        headers |= limit_headers
         headers[REPLICA_HEADER] = head.replica
         sse = headers.get("content-type", "").startswith("text/event-stream")
-        return StreamingResponse(self._body(stream, sse), status_code=head.status,
+        return StreamingResponse(self._body(stream, sse, caller), status_code=head.status,
                                  headers=headers)
 
-    async def _body(self, stream: AsyncIterator[bytes], sse: bool) -> AsyncIterator[bytes]:
+    def _finished(self, caller: Caller | None) -> None:
+        """An answer ended (its project's concurrency slot is free again)."""
+        self._in_flight -= 1
+        if caller is not None and self.front is not None:
+            self.front.release(caller)
+
+    async def _change_adapter(self, catalog: Catalog, req: HTTPRequestData) -> Response:
+        """Load or unload a LoRA adapter on one replica of its base model's deployment and,
+        when that succeeds, log it for the others (adapters.py)."""
+        authorized = self.adapters.authorize(req)
+        if isinstance(authorized, APIError):
+            return error_response(authorized, req.path)
+        name = self.adapters.model_named(req)
+        entry = (catalog.find(name) if name else None) or catalog.default()
+        async with self.adapters.lock:
+            try:
+                head, body = await self._whole(entry, authorized)
+            except ConnectionError as e:
+                return _error(503, str(e), "no_replica")
+            if head.status == 200:
+                op = self.adapters.operation(req)
+                await self.adapters.record(entry.handle.deployment_name, op)
+                async with self._catalog_lock:
+                    self._catalog = None  # the adapters' names and salts changed
+                if self.front is not None:
+                    self.front.audit("lora.loaded" if op.module else "lora.unloaded",
+                                     {"name": op.name} | ({"path": op.module.path}
+                                                          if op.module else {}))
+        return self._response(head, body)
+
+    async def _answer(self, parts: AsyncIterator[ResponseHead | bytes]) -> Response:
+        """The whole answer of an app run here (the admin routes)."""
+        head = await parts.__anext__()
+        assert isinstance(head, ResponseHead)
+        return self._response(head, b"".join([p async for p in parts]))  # type: ignore[misc]
+
+    @staticmethod
+    def _response(head: ResponseHead, body: bytes) -> Response:
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in head.headers}
+        headers[REPLICA_HEADER] = head.replica
+        return Response(body, status_code=head.status, headers=headers)
+
+    async def _body(self, stream: AsyncIterator[bytes], sse: bool, caller: Caller | None
+                    ) -> AsyncIterator[bytes]:
         """The rest of the replica's answer; an error event if the replica dies mid-stream."""
         try:
             async for chunk in stream:
@@ -223,7 +308,7 @@ class Ingress:
                                    "type": "server_error", "code": "replica_died"}}
                 yield f"data: {json.dumps(error)}\n\n".encode()
         finally:
-            self._in_flight -= 1
+            self._finished(caller)
 
 
 def _app_path(request: Request) -> str:

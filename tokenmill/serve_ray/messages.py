@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,10 +66,12 @@ def _scope(req: HTTPRequestData) -> dict[str, Any]:
             "client": req.client, "server": ("127.0.0.1", 0)}
 
 
-async def run_asgi(app: Any, req: HTTPRequestData, replica: str
+async def run_asgi(app: Any, req: HTTPRequestData, replica: str,
+                   context: contextvars.Context | None = None
                    ) -> AsyncIterator[ResponseHead | bytes]:
     """The app's response to ``req``: a ResponseHead, then the body's chunks. Closing the
-    iterator early (the client left) tells the app the client disconnected."""
+    iterator early (the client left) tells the app the client disconnected. ``context``:
+    the context variables the app runs with (the project of a request the ingress admitted)."""
     sent: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     gone = asyncio.Event()
     delivered = False
@@ -84,7 +87,8 @@ async def run_asgi(app: Any, req: HTTPRequestData, replica: str
     async def send(message: dict[str, Any]) -> None:
         await sent.put(message)
 
-    task = asyncio.ensure_future(app(_scope(req), receive, send))
+    task = asyncio.get_running_loop().create_task(app(_scope(req), receive, send),
+                                                  context=context)
     task.add_done_callback(lambda _: sent.put_nowait({"type": "tokenmill.done"}))
     try:
         while True:

@@ -27,6 +27,9 @@ from ray import serve
 
 from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.engine.args import LoRAModule
+from tokenmill.serve_ray.adapters import AdapterSync
+from tokenmill.serve_ray.front import ReplicaTenancy
+from tokenmill.serve_ray.kv_endpoints import advertised, replica_endpoint
 from tokenmill.serve_ray.messages import HTTPRequestData, ModelInfo, ResponseHead, run_asgi
 from tokenmill.serve_ray.metrics import PUSH_INTERVAL_S, find_board
 from tokenmill.serve_ray.routing import KV_EVENTS_STAT
@@ -36,6 +39,7 @@ from tokenmill.server.lifecycle import ModelManager
 from tokenmill.server.lora_adapters import load_lora_modules
 from tokenmill.server.model_registry import config_factory
 from tokenmill.server.state import GENERATE, ServerState
+from tokenmill.tenancy.store import Caller
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +52,11 @@ class ReplicaServer:
                  lora_modules: Sequence[LoRAModule] = (), kv_events: bool = False,
                  engine_args: argparse.Namespace | None = None) -> None:
         self.kv_events_endpoint: str | None = None
+        context = serve.get_replica_context()
+        # The admin API and project keys are the ingress's (front.py): the replica's own app
+        # has no admin routes, and meters the requests the ingress admitted for a project.
+        projects = config.admin_key is not None
+        config = dataclasses.replace(config, admin_key=None)
         manager = None
         if model is None:  # --models-dir: none at start, each loaded when a request names it
             self.state = load_models([], config)
@@ -55,23 +64,24 @@ class ReplicaServer:
             manager = ModelManager(self.state, factory, config.models_dir,
                                    config.max_loaded_models, config.keep_alive, factory.budget)
         else:
-            self.state = self._load(model, config, lora_modules, kv_events)
+            self.state = self._load(model, config, lora_modules, kv_events, _local_rank(context))
         self.app = build_app(self.state, manager)
-        self.name = serve.get_replica_context().replica_id.unique_id
+        self._tenancy = ReplicaTenancy(config, self.state.metrics.registry) if projects else None
+        self._asgi = self._tenancy.wrap(self.app) if self._tenancy is not None else self.app
+        self.name = context.replica_id.unique_id
+        # LoRA adapters loaded or unloaded while serving (adapters.py), applied in order.
+        self._adapters = AdapterSync(self.state, context.deployment)
+        self._adapters_lock = asyncio.Lock()
         self._lifespan: contextlib.AbstractAsyncContextManager[None] | None = None
         self._start_lock = asyncio.Lock()
         self._pusher: asyncio.Future[None] | None = None
 
     def _load(self, model: tuple[str | None, EngineConfig], config: ServerConfig,
-              lora_modules: Sequence[LoRAModule], kv_events: bool) -> ServerState:
-        """The model's engine (publishing its KV events with ``kv_events``) and adapters."""
+              lora_modules: Sequence[LoRAModule], kv_events: bool, rank: int) -> ServerState:
+        """The model's engine (publishing its KV events with ``kv_events`` or on the
+        endpoints configured, ``rank`` ports up: kv_endpoints.py) and adapters."""
         name, engine_config = model
-        if kv_events and _publishes(engine_config):
-            self.kv_events_endpoint = _free_endpoint()
-            cache = dataclasses.replace(engine_config.cache,
-                                        kv_events_endpoint=self.kv_events_endpoint)
-            engine_config = dataclasses.replace(engine_config, cache=cache)
-            logger.info("KV-cache events on %s", self.kv_events_endpoint)
+        engine_config = self._kv_events_config(engine_config, kv_events, rank)
         state = load_models([(name, engine_config)], config)
         try:
             if lora_modules:
@@ -84,6 +94,28 @@ class ReplicaServer:
                 served.client.engine.close()
             raise
         return state
+
+    def _kv_events_config(self, config: EngineConfig, kv_events: bool, rank: int
+                          ) -> EngineConfig:
+        """``config`` with the endpoints this replica binds (none for a model without a
+        prefix cache); ``kv_events_endpoint`` is set to where subscribers connect."""
+        cache = config.cache
+        if not _publishes(config):
+            bind, replay = None, None
+        elif cache.kv_events_endpoint is not None:
+            bind = replica_endpoint(cache.kv_events_endpoint, rank)
+            replay = (None if cache.kv_events_replay_endpoint is None else replica_endpoint(
+                cache.kv_events_replay_endpoint, rank, "kv_events_replay_endpoint"))
+        elif kv_events:
+            bind, replay = _free_endpoint(), None
+        else:
+            return config
+        if bind is not None:
+            self.kv_events_endpoint = advertised(bind, _node_ip())
+            logger.info("KV-cache events on %s (replay: %s)", bind, replay)
+        cache = dataclasses.replace(cache, kv_events_endpoint=bind,
+                                    kv_events_replay_endpoint=replay)
+        return dataclasses.replace(config, cache=cache)
 
     async def _started(self) -> None:
         """Start the engines' step loops (the app's lifespan) on the replica's event loop,
@@ -104,16 +136,29 @@ class ReplicaServer:
                 board.put.remote(self.name, body.decode() if isinstance(body, bytes) else body)
             await asyncio.sleep(PUSH_INTERVAL_S)
 
-    async def handle(self, request: HTTPRequestData, route_key: list[bytes] | None = None
+    async def handle(self, request: HTTPRequestData, route_key: list[bytes] | None = None,
+                     caller: Caller | None = None, adapters_version: int = 0
                      ) -> AsyncIterator[ResponseHead | bytes]:
         """The response to ``request``: its head, then its body's chunks. ``route_key`` is
-        the router's (the prompt's block hashes); the replica does not need it."""
+        the router's (the prompt's block hashes); the replica does not need it. ``caller``:
+        the project the ingress admitted the request for; ``adapters_version``: how much of
+        the deployment's adapter log the answer needs applied first (adapters.py)."""
         await self._started()
-        async for part in run_asgi(self.app, request, self.name):
+        await self._catch_up(adapters_version)
+        context = (self._tenancy.context(caller)
+                   if self._tenancy is not None and caller is not None else None)
+        async for part in run_asgi(self._asgi, request, self.name, context):
             yield part
 
-    def describe(self) -> ModelInfo:
-        """This deployment's model, for the ingress's routing table."""
+    async def _catch_up(self, adapters_version: int) -> None:
+        if adapters_version > self._adapters.applied:
+            async with self._adapters_lock:
+                await self._adapters.catch_up(adapters_version)
+
+    async def describe(self, adapters_version: int = 0) -> ModelInfo:
+        """This deployment's model, for the ingress's routing table (its adapters as of the
+        log's ``adapters_version``)."""
+        await self._catch_up(adapters_version)
         served = next(iter(self.state.models.values()))
         adapters = tuple(self.state.adapters_of(served.name))
         if served.task != GENERATE:
@@ -162,11 +207,22 @@ def _publishes(config: EngineConfig) -> bool:
     return True
 
 
-def _free_endpoint() -> str:
-    """A TCP endpoint on this node's address (the one Ray knows it by) with a free port."""
+def _local_rank(context: Any) -> int:
+    """The replica's rank among its deployment's replicas on this node (0, 1, ...)."""
+    rank = getattr(context, "rank", None)
+    return int(getattr(rank, "local_rank", rank) or 0)
+
+
+def _node_ip() -> str:
+    """This node's address (the one Ray knows it by)."""
     import ray
 
-    host = ray.util.get_node_ip_address()
+    return ray.util.get_node_ip_address()
+
+
+def _free_endpoint() -> str:
+    """A TCP endpoint on this node's address with a free port."""
+    host = _node_ip()
     with socket.socket() as s:
         s.bind((host, 0))
         port = s.getsockname()[1]

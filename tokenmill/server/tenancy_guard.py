@@ -24,7 +24,7 @@ from tokenmill.tenancy.limits import Limiter, retry_after
 from tokenmill.tenancy.meter import Tab, current_tab
 from tokenmill.tenancy.metrics import ProjectMetrics
 from tokenmill.tenancy.retention import UsagePruner
-from tokenmill.tenancy.store import TenancyStore
+from tokenmill.tenancy.store import Caller, TenancyStore
 
 # The same words as the server key's refusal (app.py), whichever key was wrong.
 BAD_KEY = "missing or invalid API key (send Authorization: Bearer <key>)"
@@ -45,17 +45,12 @@ class TenancyGuard:
         self.limiter = limiter
         self.metrics = metrics
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
-        token = (bearer_token(Headers(scope=scope).get("authorization"))
-                 if scope["type"] == "http" and not path.startswith(ADMIN_PREFIXES) else None)
-        if token is None or not looks_like_project_key(token):
-            await self.app(scope, receive, send)
-            return
+    def admit(self, token: str) -> tuple[Caller, dict[str, str]] | APIError:
+        """The caller of a project key and its rate-limit headers, its request counted (the
+        caller's ``limiter.release`` ends it); or the refusal (401, 429) to answer."""
         caller = self.store.caller(token)
         if caller is None:
-            await send_error(send, APIError(401, BAD_KEY, code="invalid_api_key"), path)
-            return
+            return APIError(401, BAD_KEY, code="invalid_api_key")
         project = caller.project
         refusal = self.limiter.admit(project)
         if refusal is not None:
@@ -63,10 +58,21 @@ class TenancyGuard:
                 self.metrics.refused.labels(project.id, refusal.code).inc()
             headers = {**self.limiter.headers(project),
                        "Retry-After": retry_after(refusal.retry_after_s)}
-            await send_error(send, APIError(429, refusal.message, code=refusal.code,
-                                            headers=headers), path)
+            return APIError(429, refusal.message, code=refusal.code, headers=headers)
+        return caller, self.limiter.headers(project)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        token = project_token(scope)
+        if token is None or current_tab.get() is not None:
+            # No project key, or one a Ray Serve ingress already admitted.
+            await self.app(scope, receive, send)
             return
-        headers = self.limiter.headers(project)
+        admitted = self.admit(token)
+        if isinstance(admitted, APIError):
+            await send_error(send, admitted, path)
+            return
+        caller, headers = admitted
 
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start" and headers:
@@ -80,9 +86,18 @@ class TenancyGuard:
             await self.app(scope, receive, send_with_headers)
         finally:
             current_tab.reset(reset)
-            self.limiter.release(project.id)
+            self.limiter.release(caller.project.id)
             if self.pruner is not None:  # on its own thread, not awaited
                 self.pruner.maybe_prune()
+
+
+def project_token(scope: Scope) -> str | None:
+    """The project key (``sk-proj-``) a request bears, outside the admin routes (which check
+    the admin key themselves); None for any other request."""
+    path = scope.get("path", "")
+    token = (bearer_token(Headers(scope=scope).get("authorization"))
+             if scope["type"] == "http" and not path.startswith(ADMIN_PREFIXES) else None)
+    return token if token is not None and looks_like_project_key(token) else None
 
 
 async def send_error(send: Send, err: APIError, path: str) -> None:

@@ -67,16 +67,21 @@ class Limiter:
         refusal = self._budget_refusal(p)
         if refusal is not None or not _counted(p):
             return refusal
-        with self._lock:
-            if p.max_tokens_per_1_minute is None:
-                self._token_projects.discard(p.id)
-            else:
-                self._token_projects.add(p.id)
+        self.follow(p)
         refusal = self._windows.admit(p.id, lambda snap, now: self._refusal(p, snap, now))
         if refusal is None:
             with self._lock:
                 self._held[p.id] = self._held.get(p.id, 0) + 1
         return refusal
+
+    def follow(self, p: Project) -> None:
+        """Count the tokens of ``p``'s requests when it has a tokens-per-minute limit (also
+        for a request that another process admitted: a Ray Serve replica behind the ingress)."""
+        with self._lock:
+            if p.max_tokens_per_1_minute is None:
+                self._token_projects.discard(p.id)
+            else:
+                self._token_projects.add(p.id)
 
     def _refusal(self, p: Project, w: Snapshot, now: float) -> Refusal | None:
         rpm, tpm = p.max_requests_per_1_minute, p.max_tokens_per_1_minute
