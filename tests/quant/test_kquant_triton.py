@@ -19,6 +19,7 @@ from gguf import quants  # noqa: E402
 from tokenmill.kernels.triton.kquant import (  # noqa: E402
     KQUANT_TYPES,
     kquant_matmul,
+    kquant_matmul_segments,
     kquant_type,
 )
 
@@ -99,6 +100,26 @@ def test_bad_input_is_refused_with_the_supported_types() -> None:
         kquant_matmul(x, raw.to(torch.int16), "Q6_K")
     # the next ordinary product is answered as before
     _check(Q.Q6_K, 2, 8, 256, torch.float32)
+
+
+def test_segments_of_mixed_types_as_kquant_linear_holds_them() -> None:
+    """A fused projection of a Q4_K_M file: Q4_K rows then Q6_K rows, one flat byte tensor."""
+    k = 512
+    parts = [(Q.Q4_K, random_blocks(Q.Q4_K, 24, k, seed=5)),
+             (Q.Q6_K, random_blocks(Q.Q6_K, 8, k, seed=6)),
+             (Q.Q8_0, random_blocks(Q.Q8_0, 16, k, seed=7))]
+    flat = torch.from_numpy(np.concatenate([b.reshape(-1) for _, b in parts])).to(DEVICE)
+    segments = torch.tensor([(int(t), b.shape[0]) for t, b in parts])
+    ref_w = torch.from_numpy(np.concatenate([quants.dequantize(b, t) for t, b in parts]))
+    x = torch.randn(3, k)
+    got = kquant_matmul_segments(x.to(DEVICE), flat, segments).cpu()
+    want = x.double() @ ref_w.double().T
+    assert got.shape == (3, 48)
+    assert ((got.double() - want).norm() / want.norm()).item() <= 1e-6
+    with pytest.raises(ValueError, match="Q5_0 has no Triton kernel"):
+        kquant_matmul_segments(x.to(DEVICE), flat, [(int(Q.Q5_0), 48)])
+    with pytest.raises(ValueError, match="cover"):
+        kquant_matmul_segments(x.to(DEVICE), flat, segments[:2])
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (bf16 on the tensor cores)")

@@ -59,6 +59,13 @@ def kquant_type(qtype: str | int) -> KQuantType:
         if qtype == t.name or (isinstance(qtype, int) and qtype == t.ggml_type):
             return t
     name = getattr(qtype, "name", qtype)
+    if isinstance(qtype, int):
+        from gguf import GGMLQuantizationType  # only to name the type in the message
+
+        try:
+            name = GGMLQuantizationType(qtype).name
+        except ValueError:
+            name = f"id {qtype}"
     raise ValueError(f"GGUF type {name} has no Triton kernel; supported: "
                      f"{', '.join(KQUANT_TYPES)}")
 
@@ -179,3 +186,25 @@ def kquant_matmul(x: torch.Tensor, w: torch.Tensor, qtype: str | int, block_m: i
             BLOCK_BYTES=t.block_bytes, BLOCK_M=block_m, BLOCK_N=block_n,
             IEEE=x.dtype == torch.float32, num_warps=num_warps)
     return out.reshape(*x.shape[:-1], n)
+
+
+def kquant_matmul_segments(x: torch.Tensor, weight: torch.Tensor,
+                           segments: torch.Tensor | list[tuple[int, int]]) -> torch.Tensor:
+    """``x @ W.T`` for a weight held as ``KQuantLinear`` holds it: ``weight`` the flat uint8
+    bytes of one or more segments of rows, ``segments`` each one's ``(ggml type, rows)`` in
+    order (a fused q/k/v projection of a Q4_K_M file mixes Q4_K and Q6_K). One kernel launch a
+    segment, on a view of its bytes; ValueError for a segment type without a kernel."""
+    k = x.shape[-1]
+    table = segments.tolist() if isinstance(segments, torch.Tensor) else list(segments)
+    outs, start = [], 0
+    for ggml_type, rows in table:
+        t = kquant_type(int(ggml_type))
+        nbytes = rows * (k // t.block_elems) * t.block_bytes
+        if start + nbytes > weight.numel():
+            raise ValueError(f"the segments need {start + nbytes} bytes of weight, got "
+                             f"{weight.numel()}")
+        outs.append(kquant_matmul(x, weight[start:start + nbytes].view(rows, -1), t.name))
+        start += nbytes
+    if start != weight.numel():
+        raise ValueError(f"the segments cover {start} bytes of a {weight.numel()}-byte weight")
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
