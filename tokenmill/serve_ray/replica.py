@@ -3,9 +3,12 @@
 requests the ingress forwards. Each served model is a deployment of such replicas.
 
 The replica loads its engine as ``tokenmill serve`` does (``load_models``), on the CPUs or
-GPU Ray gave its actor. With ``kv_events`` its engine publishes its KV-cache events (vLLM's
-format) on a port of its node, named in its routing stats for the prefix-aware router (and
-open to any external KV-aware router). Ray Serve calls ``check_health`` now and then: once an
+GPU Ray gave its actor. Its engine publishes its KV-cache events (vLLM's format) on the
+configured endpoints' ports + its rank (kv_endpoints.py), or with ``kv_events`` alone on a
+free port of its node; the address is named in its routing stats for the prefix-aware router
+(and open to any external KV-aware router). A request the ingress admitted for a project runs
+as that project's (front.py); the LoRA adapters loaded while serving are applied from the
+deployment's log before a request that needs them (adapters.py). Ray Serve calls ``check_health`` now and then: once an
 engine has died the check fails and Ray replaces the replica. On shutdown Ray stops sending
 requests and waits for the ones in flight (``graceful_shutdown_timeout_s``:
 ``--drain-timeout``).
