@@ -29,6 +29,7 @@ _ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),  # llama-arch files with experts: Mixtral
     "phi3": ("Phi3ForCausalLM", "phi3"),
 }
 # llama.cpp permutes q/k rows of llama-arch models (its rope kernel pairs adjacent dims).
@@ -45,6 +46,10 @@ _LAYER_NAMES = {
     "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    # Mixture of experts: the router and the experts stacked [E, out, in] (models/moe.py
+    # splits them per expert).
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj",
 }
 # Names of one architecture: phi3's attn_qkv holds q, k and v and its ffn_up gate and up, fused
 # as in its Hugging Face checkpoints; GGUFModel serves their parts (_split_fused).
@@ -293,6 +298,8 @@ class GGUFModel:
         }
         if arch == "qwen2":
             config["attention_bias"] = True
+        if self._meta("expert_count"):
+            config.update(self._moe_config())
         if arch == "phi3":
             config.update(self._phi3_config())
         return config
@@ -320,6 +327,22 @@ class GGUFModel:
             if attn is not None:
                 scaling["attention_factor"] = _f32(attn)
             config["rope_scaling"] = scaling
+        return config
+
+    def _moe_config(self) -> dict[str, Any]:
+        """A mixture of experts' keys: a llama-arch file with experts is Mixtral; llama.cpp
+        renormalises the top-k routing weights of both (as Qwen3-MoE's configs say)."""
+        width = self._meta("expert_feed_forward_length") or self._meta("feed_forward_length")
+        config: dict[str, Any] = {
+            "num_experts": self._meta("expert_count"),
+            "num_experts_per_tok": self._meta("expert_used_count"),
+            "moe_intermediate_size": width, "norm_topk_prob": True,
+            "intermediate_size": self._meta("feed_forward_length") or width,
+            # Layers without a router have a dense feed-forward (Qwen3-MoE's mlp_only_layers).
+            "mlp_only_layers": [i for i in range(self._meta("block_count") or 0)
+                                if f"model.layers.{i}.mlp.gate.weight" not in self._by_hf_name]}
+        if self.architecture == "llama":
+            config.update(architectures=["MixtralForCausalLM"], model_type="mixtral")
         return config
 
     def _rope_scaling(self) -> dict[str, Any] | None:

@@ -133,7 +133,8 @@ class ExpertNames:
 
 # A sparse layer's tensors under any of the names checkpoints use: transformers' per-expert
 # ones, its stacked ones (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj``
-# [E, H, I]) and the GGUF loader's (``experts.gate_proj`` / ``up_proj`` [E, I, H]).
+# [E, H, I]) and the GGUF loader's (``experts.gate_proj.weight`` / ``up_proj`` [E, I, H],
+# ``down_proj`` [E, H, I]).
 _MOE_TENSOR = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(gate\.weight|experts\..+)")
 _EXPERT = re.compile(r"experts\.(\d+)\.(\w+)\.weight")
 _STACKED = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
@@ -180,10 +181,10 @@ class MoEForCausalLM(DecoderForCausalLM):
             if rest == "gate.weight":
                 self._check_experts(name, tensor.shape[0])
                 yield f"{prefix}.gate.weight", tensor
-            elif rest.removeprefix("experts.") in _STACKED:
+            elif (kind := rest.removeprefix("experts.").removesuffix(".weight")) in _STACKED:
                 self._check_experts(name, tensor.shape[0])
                 seen.setdefault(layer, set()).update(range(tensor.shape[0]))
-                yield from self._split(prefix, rest.removeprefix("experts."), tensor)
+                yield from self._split(prefix, kind, tensor)
             elif (e := _EXPERT.fullmatch(rest)) is not None:
                 expert, part = int(e.group(1)), e.group(2)
                 if expert >= c.num_experts:
