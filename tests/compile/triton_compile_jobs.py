@@ -220,15 +220,19 @@ def _moe_kernels(m: SimpleNamespace) -> list[tuple]:
     # The fused-MoE products (kernels/triton/fused_moe.py) at each default tile: w13 with the
     # SiLU-and-mul (a row a token, top-k 8) and w2 with the routing weights (a row a pair,
     # written in fp32).
+    # Quantized experts (int8 or e4m3 weights, a float32 scale a row) at the decode tile.
     ints = {"sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "total_ptr": "*i32",
-            "weights_ptr": "*fp32"}
+            "weights_ptr": "*fp32", "scale_ptr": "*fp32"}
+    tiles = dict.fromkeys(m.moe.default_tile(pairs, 128) for pairs in (8, 4096, 65536))
     return [
         (m.moe._moe_gemm_kernel, dict(TOP_K=8 if gated else 1, GATED=gated, MUL_WEIGHT=not gated,
-                                      DOT_PRECISION="tf32", BLOCK_M=t.block_m,
-                                      BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m),
+                                      HAS_SCALE=b != "*bf16", DOT_PRECISION="tf32",
+                                      BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+                                      GROUP_M=t.group_m),
          {"num_warps": t.num_warps, "num_stages": t.num_stages},
-         ints if gated else dict(ints, c_ptr="*fp32"))
-        for t in dict.fromkeys(m.moe.default_tile(pairs, 128) for pairs in (8, 4096, 65536))
+         dict(ints, b_ptr=b, c_ptr="*bf16" if gated else "*fp32"))
+        for t, b in [(t, "*bf16") for t in tiles] + [(next(iter(tiles)), "*i8"),
+                                                     (next(iter(tiles)), "*fp8e4nv")]
         for gated in (True, False)
     ]
 

@@ -90,3 +90,21 @@ def test_runs_in_a_cuda_graph() -> None:
         ids.copy_(ids2)
         graph.replay()
         torch.testing.assert_close(out, fm.fused_moe(x2, w13, w2, weights2, ids2))
+
+
+@pytest.mark.parametrize("wdtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("tokens", [1, 256])
+def test_quantized_experts_in_bf16(wdtype: torch.dtype, tokens: int) -> None:
+    """int8 or e4m3 experts with a scale a row, widened to bf16 in the kernel, against their
+    dequantized weights."""
+    from tokenmill.kernels.triton import fused_moe as fm
+
+    if wdtype == torch.float8_e4m3fn and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("e4m3 needs compute capability 8.9 or later")
+    w13, w2 = _layer(QWEN3_MOE, 4)
+    (q13, s13), (q2, s2) = fm.quantize_experts(w13, wdtype), fm.quantize_experts(w2, wdtype)
+    x, weights, ids = _step(tokens, QWEN3_MOE, tokens)
+    got = fm.fused_moe(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2)
+    want = reference_moe(x, q13.float() * s13[..., None], q2.float() * s2[..., None], weights,
+                         ids)
+    assert got.dtype == torch.bfloat16 and _err(got, want) < 1.6e-2

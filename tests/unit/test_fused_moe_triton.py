@@ -203,3 +203,63 @@ def test_the_cuda_kernel_set_binds_it_to_stacked_experts(dtype: torch.dtype,
     _close(experts(strided, weights, ids),
            reference_moe(strided, experts.w13, experts.w2, weights, ids), dtype)
     assert len(launches) == 2
+
+
+QUANTIZED = [torch.int8, torch.float8_e4m3fn]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("wdtype", QUANTIZED)
+@pytest.mark.parametrize("tokens,experts,k", [(1, 8, 2), (37, 8, 2)])
+def test_quantized_experts_match_their_dequantized_weights(dtype: torch.dtype,
+                                                           wdtype: torch.dtype, tokens: int,
+                                                           experts: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(tokens + experts)
+    x = torch.randn(tokens, 48, generator=gen).to(DEVICE, dtype)
+    w13, w2 = _weights(experts, 48, 24, torch.float32, gen)
+    (q13, s13), (q2, s2) = fm.quantize_experts(w13, wdtype), fm.quantize_experts(w2, wdtype)
+    weights, ids = _route(tokens, experts, k, gen)
+    got = fm.fused_moe(x, q13, q2, weights, ids, SMALL, w13_scale=s13, w2_scale=s2)
+    assert got.dtype == dtype
+    want = reference_moe(x, q13.float() * s13[..., None], q2.float() * s2[..., None], weights,
+                         ids)
+    _close(got, want, dtype)
+    # The next call, of 16-bit experts, as before.
+    _close(fm.fused_moe(x, w13.to(dtype), w2.to(dtype), weights, ids, SMALL),
+           reference_moe(x, w13.to(dtype), w2.to(dtype), weights, ids), dtype)
+
+
+@pytest.mark.parametrize("wdtype,tol", [(torch.int8, 1e-2), (torch.float8_e4m3fn, 4e-2)])
+def test_quantize_experts_scales_each_row(wdtype: torch.dtype, tol: float) -> None:
+    """A row's peak maps onto the dtype's largest value; int8 rounds each weight to within
+    half its row's step."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 20, 40, generator=gen)
+    w[1, 4] = 0.0
+    q, scale = fm.quantize_experts(w, wdtype)
+    assert q.dtype == wdtype and q.shape == w.shape and scale.shape == (3, 20)
+    assert scale[1, 4] == 1.0 and (q[1, 4].float() == 0).all()
+    back = q.float() * scale[..., None]
+    assert ((back - w).norm() / w.norm()).item() < tol
+    assert torch.allclose(back.abs().amax(dim=-1), w.abs().amax(dim=-1), rtol=1e-6)
+    if wdtype == torch.int8:
+        assert ((back - w).abs() <= scale[..., None] * 0.5001).all()
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        fm.quantize_experts(w, torch.float16)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(w2_scale=None), "both w13_scale and w2_scale"),
+    (dict(w13_scale=torch.ones(4, 16)), "w13_scale must be float32 \\[4, 32\\]"),
+    (dict(w2_scale=torch.ones(4, 32, dtype=torch.float16)), "w2_scale must be float32"),
+    (dict(w13=torch.zeros(4, 32, 32)), "both be int8 or float8_e4m3fn"),
+])
+def test_bad_quantized_arguments_are_refused(change: dict, message: str) -> None:
+    args = dict(w13=torch.zeros(4, 32, 32, dtype=torch.int8),
+                w2=torch.zeros(4, 32, 16, dtype=torch.int8), w13_scale=torch.ones(4, 32),
+                w2_scale=torch.ones(4, 32))
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        fm.fused_moe(torch.zeros(5, 32), args["w13"], args["w2"], torch.zeros(5, 2),
+                     torch.zeros(5, 2, dtype=torch.int64), w13_scale=args["w13_scale"],
+                     w2_scale=args["w2_scale"])

@@ -31,9 +31,10 @@ from tokenmill.kernels.triton.pdl import launch_options, pdl_start
 
 @triton.jit
 def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr,
-                     total_ptr, N, K, pairs, row_tiles, stride_am, stride_be, stride_bn,
-                     stride_cm, TOP_K: tl.constexpr, GATED: tl.constexpr,
-                     MUL_WEIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     total_ptr, scale_ptr, N, K, pairs, row_tiles, stride_am, stride_be,
+                     stride_bn, stride_cm, stride_se, TOP_K: tl.constexpr,
+                     GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, PDL: tl.constexpr = False):
     """One program per ``[BLOCK_M, BLOCK_N]`` tile of ``c[pair] = a[pair // TOP_K] @
@@ -43,8 +44,11 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_id
 
     GATED (the ``w13`` product): ``b[expert]`` is ``[2N, K]``, gate rows then up rows, and the
     program keeps an accumulator for each, storing ``silu(gate) * up``. MUL_WEIGHT (the ``w2``
-    product): each row times its pair's routing weight. Programs run in groups of GROUP_M row
-    tiles, which share their expert's columns of b through L2."""
+    product): each row times its pair's routing weight. HAS_SCALE: b holds int8 or fp8
+    weights, widened to a's dtype as they are loaded, and ``scale[expert]`` the scale of each
+    of its rows (``[E, N]``, gated ``[E, 2N]``), which multiplies the row's accumulator.
+    Programs run in groups of GROUP_M row tiles, which share their expert's columns of b
+    through L2."""
     pdl_start(PDL)
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -71,12 +75,21 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_id
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b_mask = k_ok[:, None] & col_ok[None, :]
         b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+        if HAS_SCALE:
+            b = b.to(a.dtype)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         if GATED:
             up = tl.load(b_ptrs + N * stride_bn, mask=b_mask, other=0.0)
+            if HAS_SCALE:
+                up = up.to(a.dtype)
             acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if HAS_SCALE:
+        scales = scale_ptr + expert * stride_se + cols
+        acc = acc * tl.load(scales, mask=col_ok, other=0.0)[None, :]
+        if GATED:
+            acc_up = acc_up * tl.load(scales + N, mask=col_ok, other=0.0)[None, :]
     dtype = c_ptr.dtype.element_ty
     if GATED:
         # Rounded to the activations' dtype first, as the eager gate_up projection is.
@@ -125,6 +138,30 @@ def default_tile(pairs: int, num_experts: int) -> MoeTile:
     if per_expert <= 128:
         return MoeTile(block_m=64, block_n=64, block_k=64, group_m=8)
     return MoeTile(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8)
+
+
+# The experts' quantized dtypes and each one's largest value a scale maps a row's peak onto.
+QUANTIZED = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
+def quantize_experts(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)`` of stacked expert weights ``w`` ``[E, N, K]`` for :func:`fused_moe`: a
+    float32 scale a row (``[E, N]``: the row's largest magnitude over the dtype's largest
+    value, 1 for a zero row) and ``q ~= w / scale`` in ``dtype`` (int8, rounded; or
+    float8_e4m3fn), contiguous. One expert at a time, so the fp32 copy is one expert's."""
+    if dtype not in QUANTIZED:
+        raise ValueError(f"quantize_experts: dtype must be one of "
+                         f"{', '.join(map(str, QUANTIZED))}, got {dtype}")
+    top = QUANTIZED[dtype]
+    q = torch.empty(w.shape, dtype=dtype, device=w.device)
+    scale = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
+    for e in range(w.shape[0]):
+        rows = w[e].float()
+        peak = rows.abs().amax(dim=-1)
+        scale[e] = torch.where(peak > 0, peak / top, torch.ones_like(peak))
+        rows = (rows / scale[e, :, None]).clamp_(-top, top)
+        q[e] = rows.round_() if dtype == torch.int8 else rows
+    return q, scale
 
 
 @dataclass(frozen=True)
@@ -177,7 +214,7 @@ def align_to_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
 
 
 def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-           topk_ids: torch.Tensor) -> None:
+           topk_ids: torch.Tensor, quantized: bool) -> None:
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"fused_moe takes x [T, H], w13 [E, 2I, H] and w2 [E, H, I], got "
                          f"{tuple(x.shape)}, {tuple(w13.shape)} and {tuple(w2.shape)}")
@@ -193,10 +230,26 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: t
                          f"{tuple(topk_weights.shape)}")
     if not 1 <= topk_ids.shape[1] <= experts:
         raise ValueError(f"top-k must be 1..{experts} (the experts), got {topk_ids.shape[1]}")
-    if not (x.dtype == w13.dtype == w2.dtype):
+    if not quantized and not (x.dtype == w13.dtype == w2.dtype):
         raise ValueError(f"x, w13 and w2 must have one dtype, got {x.dtype}, {w13.dtype} "
-                         f"and {w2.dtype}")
-    for name, t in (("x", x), ("w13", w13), ("w2", w2)):
+                         f"and {w2.dtype} (quantized experts take w13_scale and w2_scale)")
+    _check_contiguous(x=x, w13=w13, w2=w2)
+
+
+def _check_quantized(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
+                     w2_scale: torch.Tensor) -> None:
+    if w13.dtype != w2.dtype or w13.dtype not in QUANTIZED:
+        raise ValueError(f"with scales, w13 and w2 must both be int8 or float8_e4m3fn, got "
+                         f"{w13.dtype} and {w2.dtype}")
+    for name, scale, w in (("w13_scale", w13_scale, w13), ("w2_scale", w2_scale, w2)):
+        if scale.shape != w.shape[:2] or scale.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32 {list(w.shape[:2])} (a scale for each "
+                             f"row), got {scale.dtype} {list(scale.shape)}")
+    _check_contiguous(w13_scale=w13_scale, w2_scale=w2_scale)
+
+
+def _check_contiguous(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension, "
                              f"got strides {tuple(t.stride())}")
@@ -204,7 +257,8 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: t
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              tile: MoeTile | None = None) -> torch.Tensor:
+              tile: MoeTile | None = None, w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The experts' gated MLPs summed with their routing weights: for each token ``t``,
     ``sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u)`` with ``e = topk_ids[t, j]`` and
     ``[g | u] = w13[e] @ x[t]`` (gate rows, then up rows). ``x`` ``[T, H]``, ``w13``
@@ -212,8 +266,16 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     ``topk_weights`` ``[T, k]`` (float32; taken as is), ``topk_ids`` ``[T, k]`` int64 or
     int32, each id in ``[0, E)`` (not checked: that would read them back to the host).
     Returns ``[T, H]`` in x's dtype. ``tile``: both launches' tile (default
-    :func:`default_tile`)."""
-    _check(x, w13, w2, topk_weights, topk_ids)
+    :func:`default_tile`).
+
+    Quantized experts (:func:`quantize_experts`): ``w13`` and ``w2`` in int8 or e4m3 with
+    ``w13_scale`` ``[E, 2I]`` and ``w2_scale`` ``[E, H]`` (float32, one a row), the weights
+    widened to x's dtype in the kernel (weight-only: half the bytes of 16-bit experts)."""
+    _check(x, w13, w2, topk_weights, topk_ids, quantized=w13_scale is not None)
+    if (w13_scale is None) != (w2_scale is None):
+        raise ValueError("fused_moe takes both w13_scale and w2_scale, or neither")
+    if w13_scale is not None:
+        _check_quantized(w13, w2, w13_scale, w2_scale)
     tokens, hidden = x.shape
     experts, inter = w2.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -224,25 +286,28 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     blocks = align_to_blocks(topk_ids, experts, tile.block_m)
     weights = topk_weights.to(torch.float32).contiguous()
     act = x.new_empty(pairs, inter)
-    _launch(x, w13, act, weights, blocks, tile, top_k, gated=True)
+    _launch(x, w13, w13_scale, act, weights, blocks, tile, top_k, gated=True)
     # Each pair's weighted output kept in fp32 and the k of a token summed in fp32, rounded
     # once (as the grouped PyTorch path, tokenmill.kernels.moe, sums them).
     out = x.new_empty(pairs, hidden, dtype=torch.float32)
-    _launch(act, w2, out, weights, blocks, tile, 1, gated=False)
+    _launch(act, w2, w2_scale, out, weights, blocks, tile, 1, gated=False)
     return out.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
 
 
-def _launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, weights: torch.Tensor,
-            blocks: ExpertBlocks, tile: MoeTile, top_k: int, gated: bool) -> None:
+def _launch(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None, c: torch.Tensor,
+            weights: torch.Tensor, blocks: ExpertBlocks, tile: MoeTile, top_k: int,
+            gated: bool) -> None:
     # c [pairs, N]; a's rows are tokens (top_k > 1: a row for each of a token's pairs) or
-    # pairs; b [E, N, K] (gated: [E, 2N, K]).
+    # pairs; b [E, N, K] (gated: [E, 2N, K]), quantized where scale [E, N] (2N) is given.
     n, k = c.shape[1], b.shape[2]
     row_tiles = blocks.expert_ids.numel()
     grid = (row_tiles * triton.cdiv(n, tile.block_n),)
     _moe_gemm_kernel[grid](
-        a, b, c, weights, blocks.sorted_ids, blocks.expert_ids, blocks.total, n, k,
-        blocks.pairs, row_tiles, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-        TOP_K=top_k, GATED=gated, MUL_WEIGHT=not gated, DOT_PRECISION=dot_precision(a),
+        a, b, c, weights, blocks.sorted_ids, blocks.expert_ids, blocks.total,
+        c if scale is None else scale, n, k, blocks.pairs, row_tiles, a.stride(0),
+        b.stride(0), b.stride(1), c.stride(0), 0 if scale is None else scale.stride(0),
+        TOP_K=top_k, GATED=gated, MUL_WEIGHT=not gated, HAS_SCALE=scale is not None,
+        DOT_PRECISION=dot_precision(a),
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages,
         **launch_options(a.device))
