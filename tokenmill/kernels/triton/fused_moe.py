@@ -9,11 +9,14 @@ grouped by expert and each expert's group is padded to a multiple of the tile's 
 computes every expert's ``w13`` product for the whole layer, with ``silu(gate) * up`` computed
 in the kernel from its two accumulators (no ``[T * k, 2I]`` tensor is written), and one launch
 computes every ``w2`` product with the routing weight multiplied in. The ``k`` products of a
-token are summed last, in fp32. The sort is PyTorch ops of fixed shapes (no read back to the host), so
-a step can run in a CUDA graph.
+token are summed last, in fp32. The sort is PyTorch ops of fixed shapes (nothing is read back
+to the host), so a step can run in a CUDA graph. Experts may also be int8 or e4m3 with a scale
+a row (:func:`quantize_experts`), widened in the kernel as they are loaded.
 
-The tiles are untuned defaults (:func:`default_tile`); the tests run the kernels in Triton's
-interpreter on CPU tensors against a loop over tokens and experts.
+The CUDA kernel set binds :func:`fused_moe` as ``Kernels.moe``
+(tokenmill/models/kernel_binding.py). The tiles are untuned defaults (:func:`default_tile`);
+the tests run the kernels in Triton's interpreter on CPU tensors against a loop over tokens
+and experts, and on a GPU where one is lent (tests/gpu/test_fused_moe_cuda.py).
 """
 
 from __future__ import annotations
