@@ -26,6 +26,7 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # general.architecture -> (HF architecture, HF model_type)
 _ARCHITECTURES = {
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
@@ -58,7 +59,30 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _FUSED_RE = re.compile(r"(model\.layers\.\d+)\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)")
 # Tensors that carry no weight of the HF model (llama3 rope factors become config instead).
 _SKIPPED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+# Each layer's tensors of the dense architectures (their feed-forward ones unless the layer
+# has a router), checked with the global ones before anything is loaded (_check_tensors).
+_ATTN_QKV = ("attn_q", "attn_k", "attn_v")
+_REQUIRED = {"llama": (*_ATTN_QKV, "ffn_gate", "ffn_up"), "qwen2": (*_ATTN_QKV, "ffn_gate", "ffn_up"),
+             "qwen3": (*_ATTN_QKV, "attn_q_norm", "attn_k_norm", "ffn_gate", "ffn_up"),
+             "phi3": ("attn_qkv", "ffn_up"),
+             "gemma3": (*_ATTN_QKV, "attn_q_norm", "attn_k_norm", "ffn_gate", "ffn_up",
+                        "post_attention_norm", "post_ffw_norm")}
+_FFN = ("ffn_gate", "ffn_up", "ffn_down")
+_LAYER_PREFIX = re.compile(r"^model\.layers\.\d+\.")
 _VOCAB_KEYS = frozenset(f"tokenizer.ggml.{k}" for k in ("tokens", "token_type", "merges", "scores"))
+
+
+# Gemma 3's sandwich norms (llama.cpp's names), and its norms, which llama.cpp stores as
+# Gemma's (1 + w): served as HF's w (transformers' GGUF loader subtracts 1 too).
+_GEMMA3_LAYER_NAMES = {"post_attention_norm": "post_attention_layernorm",
+                       "ffn_norm": "pre_feedforward_layernorm",
+                       "post_ffw_norm": "post_feedforward_layernorm"}
+_GEMMA3_SHIFTED_NORM = "norm.weight"
+# llama.cpp's fixed Gemma 3 numbers (llama-model.cpp): every 6th layer global, the local
+# layers' rope base; the 62-layer 27B scales queries by hidden / heads, the others by head_dim.
+_GEMMA3_SWA_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
+_GEMMA3_27B_LAYERS = 62
 
 
 def embedded_model_path() -> str:
@@ -86,6 +110,8 @@ def gguf_name_to_hf(name: str, arch: str = "") -> str:
         return _GLOBAL_NAMES[name]
     m = _LAYER_RE.fullmatch(name)
     names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    if arch == "gemma3":
+        names.update(_GEMMA3_LAYER_NAMES)
     if m is None or m.group(2) not in names:
         raise ValueError(f"unknown GGUF tensor {name!r}: no Hugging Face name for it")
     return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
@@ -170,6 +196,7 @@ class GGUFModel:
         if self.architecture == "phi3":
             self._split_fused()
         self.hf_config: dict[str, Any] = self._build_hf_config()
+        self._check_tensors()
         self._tokenizer: Tokenizer | None = None
 
     @property
@@ -178,6 +205,10 @@ class GGUFModel:
         if self._tokenizer is None:
             self._tokenizer = _tokenizer(self._header)
         return self._tokenizer
+
+    def stored_tensors(self) -> list[HeaderTensor]:
+        """The file's tensors as stored: GGUF names, types and shapes (data not read)."""
+        return list(self._header.tensors)
 
     def tensor_names(self) -> list[str]:
         """HF names of every tensor in the file, in file order."""
@@ -198,12 +229,67 @@ class GGUFModel:
         heads = self._permute_heads(name)
         if heads is not None:
             data = unpermute_rows(data, heads)
+        if self.architecture == "gemma3" and name.endswith(_GEMMA3_SHIFTED_NORM):
+            data = np.asarray(data, dtype=np.float32) - 1.0  # (F32 in llama.cpp's files)
         order = self._partial_rotary_order(name)
         if order is not None:
             head_dim = len(order)
             data = data.reshape(-1, head_dim, *data.shape[1:])[:, order].reshape(data.shape)
         return RawTensor(name=name, data=data, qtype=GGMLQuantizationType(t.tensor_type),
                          shape=shape)
+
+    def _check_tensors(self) -> None:
+        """ValueError naming the GGUF tensor that is missing from, or has a shape other than,
+        what the file's own architecture keys say (a wrong tensor is refused before loading,
+        also where a layer is built from its blocks as they are)."""
+        c = self.hf_config
+        hidden, hd, ffn = c["hidden_size"], c["head_dim"], c["intermediate_size"]
+        q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+        want = {"self_attn.q_proj": (q, hidden), "self_attn.k_proj": (kv, hidden),
+                "self_attn.v_proj": (kv, hidden), "self_attn.o_proj": (hidden, q),
+                "mlp.gate_proj": (ffn, hidden), "mlp.up_proj": (ffn, hidden),
+                "mlp.down_proj": (hidden, ffn), "input_layernorm": (hidden,),
+                "post_attention_layernorm": (hidden,), "pre_feedforward_layernorm": (hidden,),
+                "post_feedforward_layernorm": (hidden,), "self_attn.q_norm": (hd,),
+                "self_attn.k_norm": (hd,), "model.norm": (hidden,),
+                "model.embed_tokens": (c["vocab_size"], hidden), "lm_head": (c["vocab_size"], hidden)}
+        for name, t in self._by_hf_name.items():
+            module, _, leaf = name.rpartition(".")
+            expected = want.get(_LAYER_PREFIX.sub("", module))
+            if expected is None:
+                continue  # a tensor of another block (experts, ...): its loader checks it
+            expected = expected if leaf == "weight" else expected[:1]
+            got = self._hf_shape(name)
+            if got != expected:
+                part = f" (its {module.rpartition('.')[2]} rows)" if name in self._rows else ""
+                raise ValueError(
+                    f"GGUF tensor {t.name!r}{part} has shape {got}, expected {expected} for "
+                    f"{self.architecture} of hidden size {hidden}, {c['num_attention_heads']} "
+                    f"heads and {c['num_key_value_heads']} KV heads of {hd}, ffn {ffn}")
+        self._check_present()
+
+    def _hf_shape(self, name: str) -> tuple[int, ...]:
+        """Tensor ``name``'s HF shape ([out, in]; a fused tensor's part: its rows)."""
+        shape = tuple(int(d) for d in reversed(self._by_hf_name[name].shape))
+        if name in self._rows:
+            shape = (self._rows[name][1], *shape[1:])
+        return shape
+
+    def _check_present(self) -> None:
+        present = {t.name.removesuffix(".weight") for t in self._header.tensors}
+        kinds = _REQUIRED.get(self.architecture)
+        if kinds is None:
+            return
+        needed = ["token_embd", "output_norm"]
+        for i in range(self._meta("block_count") or 0):
+            routed = f"blk.{i}.ffn_gate_inp" in present
+            needed += [f"blk.{i}.{k}" for k in ("attn_norm", "attn_output", "ffn_norm",
+                                                "ffn_down", *kinds)
+                       if not (routed and k in _FFN)]
+        missing = [n for n in needed if n not in present]
+        if missing:
+            raise ValueError(f"GGUF file {self.path!r} has no tensor {missing[0]}.weight, which "
+                             f"{self.architecture} needs ({len(missing)} missing in all)")
 
     def _split_fused(self) -> None:
         """Serve phi3's attn_qkv and ffn_up as their parts (q/k/v, gate/up), so that every
@@ -302,7 +388,20 @@ class GGUFModel:
             config.update(self._moe_config())
         if arch == "phi3":
             config.update(self._phi3_config())
+        if arch == "gemma3":
+            config.update(self._gemma3_config())
         return config
+
+    def _gemma3_config(self) -> dict[str, Any]:
+        """Gemma 3's keys: the window from the file, the rest as llama.cpp fixes them."""
+        layers, head_dim = self._meta("block_count"), self._head_dim()
+        pattern = self._meta("attention.sliding_window_pattern", _GEMMA3_SWA_PATTERN)
+        scalar = (self._meta("embedding_length") // self._meta("attention.head_count")
+                  if layers == _GEMMA3_27B_LAYERS else head_dim)
+        return {"hidden_act": "gelu_pytorch_tanh", "query_pre_attn_scalar": scalar,
+                "sliding_window": self._meta("attention.sliding_window"),
+                "sliding_window_pattern": pattern,
+                "rope_local_base_freq": _GEMMA3_LOCAL_ROPE_BASE}
 
     def _phi3_config(self) -> dict[str, Any]:
         """Phi-3 / Phi-4's keys as llama.cpp's converter writes them: the rotated dims
