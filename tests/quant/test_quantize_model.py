@@ -55,6 +55,9 @@ def test_logits_stay_close(method: str, tied: bool) -> None:
     head = model.model.embed_tokens if tied else model.lm_head
     assert isinstance(head, QuantizedEmbedding if tied else QuantizedHead)
     assert summary.head == ("int8 (tied embedding)" if tied else "int8")
+    # The logits' product was chosen when the head was put in place: the quantized kernel
+    h = torch.randn(3, model.config.hidden_size)
+    torch.testing.assert_close(model.compute_logits(h), head.matrix(h).float())
 
 
 def test_greedy_decode_mostly_equal() -> None:

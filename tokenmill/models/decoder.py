@@ -4,7 +4,8 @@ loading. A family module (llama.py, qwen2.py, qwen3.py) only says its attention 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,11 @@ class _Target:
     full_size: int = 0
 
 
+def _float_head(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """Logits from a float head or embedding table: ``hidden @ head.weight.T``."""
+    return linear(hidden, head.weight)
+
+
 class DecoderForCausalLM(nn.Module):
     """A decoder-only causal LM over a flat batch of tokens and a paged KV cache, built from
     the shared blocks of :mod:`tokenmill.models.layers`.
@@ -84,6 +90,17 @@ class DecoderForCausalLM(nn.Module):
                                     bias=False))
         # Inference only: no autograd bookkeeping even outside torch.inference_mode().
         self.requires_grad_(False)
+        self.bind_head()
+
+    def bind_head(self) -> None:
+        """Choose the logits' product from the head now in place: a quantized head's own
+        kernel (its ``logits``), or the product with the float weight of ``lm_head`` or, tied,
+        of the embedding table. Called at construction and by the quantization pass when it
+        replaces the head (``quant.model.replace_module``)."""
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        quantized = getattr(head, "logits", None)
+        self._head_product: Callable[[torch.Tensor], torch.Tensor] = (
+            quantized if quantized is not None else functools.partial(_float_head, head))
 
     @classmethod
     def attention_options(cls, config: ArchConfig) -> AttentionOptions:
@@ -114,8 +131,7 @@ class DecoderForCausalLM(nn.Module):
         """``[N, vocab]`` fp32 logits of the given hidden states (every rank gets them all);
         with ``float32`` False, in the head's dtype (the GPU's greedy kernel reads them so:
         no fp32 copy of the step's logits)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = linear(hidden, weight)
+        logits = self._head_product(hidden)
         if self.tp_size > 1:
             vocab = self.config.vocab_size
             logits = tensor_model_parallel_all_gather(logits, dim=-1)[..., :vocab].contiguous()

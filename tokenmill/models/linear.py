@@ -56,8 +56,7 @@ def _matmul_tile(x: torch.Tensor, weight: torch.Tensor, halves: int = 1) -> Gemm
 def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; a 2-D 16-bit product on CUDA goes to the Triton matmul
-    where the GPU's tuning picks it (a decode step's few rows). ``weight`` may be a stand-in
-    that ``F.linear`` dispatches (``quant.head.QuantizedMatrix``): that goes to F.linear."""
+    where the GPU's tuning picks it (a decode step's few rows)."""
     if (tile := _matmul_tile(x, weight)) is not None:
         from tokenmill.kernels.triton import gemm as triton_gemm
 

@@ -5,7 +5,7 @@
 GGUF file's Q4_0 / Q4_1 blocks.
 """
 
-from tokenmill.quant.head import QuantizedEmbedding, QuantizedHead, QuantizedMatrix
+from tokenmill.quant.head import QuantizedEmbedding, QuantizedHead
 from tokenmill.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from tokenmill.quant.model import (
     DEFAULT_GROUP_SIZE,
@@ -24,7 +24,6 @@ __all__ = [
     "QuantizationSummary",
     "QuantizedEmbedding",
     "QuantizedHead",
-    "QuantizedMatrix",
     "check_quantization",
     "quantize_model",
     "quantize_weight",

@@ -1,20 +1,16 @@
 """Quantized output head and (tied) embedding table.
 
-The models compute logits as ``F.linear(hidden, head_weight)`` where ``head_weight`` is
-``lm_head.weight`` or, for tied embeddings, ``embed_tokens.weight``. The modules here expose a
-:class:`QuantizedMatrix` as ``weight``: an object that ``F.linear`` hands back to the quantized
-kernel through PyTorch's ``__torch_function__`` protocol, so model code stays unchanged.
-For a 135M model the head is the largest matmul (576 x 49152: over a third of the weights
-read per decoded token), so it is quantized with the rest.
+Both give the model their logits' product as :meth:`logits`: the model chooses it once, when
+the head is put in place (``DecoderForCausalLM.bind_head``), not at every call. For a 135M
+model the head is the largest matmul (576 x 49152: over a third of the weights read per decoded
+token), so it is quantized with the rest.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed import tp_rank, tp_size
@@ -25,42 +21,8 @@ from tokenmill.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 QuantizedLinear = Int8WeightOnlyLinear | Int4WeightOnlyLinear
 
 
-class QuantizedMatrix:
-    """Stands in for a ``[out, in]`` weight: ``F.linear(x, m, bias)`` runs ``m.linear``.
-
-    Any other torch function on it raises TypeError (it has no float values to offer).
-    """
-
-    def __init__(self, linear: QuantizedLinear, dtype: torch.dtype) -> None:
-        self.linear = linear
-        self.dtype = dtype
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.linear.out_features, self.linear.in_features))
-
-    @property
-    def device(self) -> torch.device:
-        return self.linear.weight.device
-
-    @property
-    def ndim(self) -> int:
-        return 2
-
-    @classmethod
-    def __torch_function__(cls, func: Callable[..., Any], types: tuple[type, ...],
-                           args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-                           ) -> Any:
-        kwargs = kwargs or {}
-        if func is F.linear and len(args) >= 2 and isinstance(args[1], QuantizedMatrix):
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            y = args[1].linear(args[0])
-            return y if bias is None else y + bias
-        return NotImplemented
-
-
 class QuantizedHead(nn.Module):
-    """An untied ``lm_head``: ``forward`` and ``F.linear(h, head.weight)`` both quantized."""
+    """An untied ``lm_head`` whose product (``forward``, :meth:`logits`) is quantized."""
 
     def __init__(self, linear: QuantizedLinear, dtype: torch.dtype) -> None:
         super().__init__()
@@ -68,8 +30,13 @@ class QuantizedHead(nn.Module):
         self.dtype = dtype
 
     @property
-    def weight(self) -> QuantizedMatrix:
-        return QuantizedMatrix(self.linear, self.dtype)
+    def matrix(self) -> QuantizedLinear:
+        """The quantized ``[vocab, hidden]`` product."""
+        return self.linear
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden @ W.T`` through the quantized kernel."""
+        return self.linear(hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x)
@@ -77,7 +44,7 @@ class QuantizedHead(nn.Module):
 
 class QuantizedEmbedding(nn.Module):
     """A tied embedding table stored once, quantized: lookups dequantize the rows they read,
-    and ``F.linear(h, embedding.weight)`` (the tied head) runs the quantized matmul.
+    and :meth:`logits` (the tied head) runs the quantized matmul.
 
     Under tensor parallelism ``table`` is this rank's vocabulary shard (rows from
     ``rank * rows``, as ``VocabParallelEmbedding`` lays them out) and lookups are masked and
@@ -94,8 +61,13 @@ class QuantizedEmbedding(nn.Module):
         self.vocab_start = tp_rank() * table.out_features
 
     @property
-    def weight(self) -> QuantizedMatrix:
-        return QuantizedMatrix(self.table, self.dtype)
+    def matrix(self) -> QuantizedLinear:
+        """The quantized ``[vocab, hidden]`` table, also the tied head's product."""
+        return self.table
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden @ table.T`` through the quantized kernel (the tied head)."""
+        return self.table(hidden)
 
     def direct_lookup(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """``forward`` as one C++ call (``int8_embedding``, the same bits) where the table is

@@ -330,7 +330,12 @@ def float_matmul_layers(model: nn.Module) -> list[str]:
 
 
 def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
-    """Put ``module`` in place of the submodule called ``name``."""
+    """Put ``module`` in place of the submodule called ``name``. Where that is the output head
+    (or the tied embedding table), the model chooses its logits' product again
+    (``bind_head``): the choice is made when the head changes, not at every call."""
     parent_name, _, leaf = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, leaf, module)
+    bind_head = getattr(model, "bind_head", None)
+    if bind_head is not None and name in ("lm_head", "model.embed_tokens"):
+        bind_head()

@@ -23,7 +23,7 @@ from tokenmill import envs
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.kernels.cpu import load_extension
 from tokenmill.lora.layers import LoRALinear, LoRAStep
-from tokenmill.quant.head import QuantizedMatrix
+from tokenmill.quant.head import QuantizedEmbedding, QuantizedHead
 from tokenmill.quant.linear import Int8WeightOnlyLinear
 from tokenmill.quant.model import float_matmul_layers, pin_row_kernels
 from tokenmill.runner import cpu_lowering as ops
@@ -213,12 +213,11 @@ def _direct_head(head: nn.Module | None) -> Callable[[torch.Tensor], torch.Tenso
     model's logits are the plain product of ``head`` (the lowering says so) and its weight is
     an int8 quantized matrix; None elsewhere. Such a head also packs its output tiles now
     (``prepare_row_tiles``), with the rest of the model."""
-    weight = getattr(head, "weight", None)
-    if not isinstance(weight, QuantizedMatrix) or not isinstance(weight.linear,
-                                                                 Int8WeightOnlyLinear):
+    matrix = head.matrix if isinstance(head, QuantizedHead | QuantizedEmbedding) else None
+    if not isinstance(matrix, Int8WeightOnlyLinear):
         return None
-    weight.linear.prepare_row_tiles()
-    return weight.linear.direct_rows_kernel()
+    matrix.prepare_row_tiles()
+    return matrix.direct_rows_kernel()
 
 
 def make_cpu_program(model: nn.Module, device: torch.device,
