@@ -23,6 +23,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import copy  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
@@ -30,12 +31,14 @@ import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
 from dataclasses import dataclass, field, replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
+
+from tokenmill.quant.linear import StepKindMarks  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STEPS = ("decode_b1", "decode_b8", "prefill_500")
@@ -240,27 +243,29 @@ class Variant:
     graph_breaks: dict[str, int] = field(default_factory=dict)
 
 
-def _decode_ctx(step: Step):  # noqa: ANN202
-    from tokenmill.quant.kernel_choice import decode_only_step
-
-    return decode_only_step(step.meta.decode_only)
+@contextlib.contextmanager
+def _decode_ctx(step: Step, marks: StepKindMarks) -> Iterator[None]:
+    """Tell the int4 layers the step's kind, as the eager step backend does."""
+    marks.mark(step.meta.decode_only)
+    yield
 
 
 def make_variants(model: nn.Module, fused: object, modes: list[str]) -> tuple[list[Variant], dict]:
     """The C++ stack, eager, eager over the custom ops, and the compiled variants."""
     opm, wrapped, embeds = op_model(model)
     info = {"custom_op_linears": wrapped, "custom_op_embeddings": embeds}
+    marks = StepKindMarks(nn.ModuleList([model, opm]))
 
     def cxx(step: Step) -> torch.Tensor:
         return fused.forward(step.ids, step.positions, step.meta)
 
     def eager(step: Step) -> torch.Tensor:
         step.meta.backend_plan = None  # the runner makes new metadata every step
-        with _decode_ctx(step):
+        with _decode_ctx(step, marks):
             return model(step.ids, step.positions, step.meta)
 
     def eager_ops(step: Step) -> torch.Tensor:
-        with _decode_ctx(step):
+        with _decode_ctx(step, marks):
             return opm(step.ids, step.positions, step.op_meta)
 
     variants = [Variant("cxx_stack", cxx), Variant("eager", eager),
@@ -281,9 +286,10 @@ def _compiled(opm: nn.Module, mode: str) -> Callable[[Step], torch.Tensor]:
     else:
         kwargs["mode"] = mode
     fn = torch.compile(opm.forward, **kwargs)
+    marks = StepKindMarks(opm)
 
     def run(step: Step) -> torch.Tensor:
-        with _decode_ctx(step):
+        with _decode_ctx(step, marks):
             return fn(step.ids, step.positions, step.op_meta)
 
     return run

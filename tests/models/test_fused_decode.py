@@ -10,7 +10,6 @@ import torch
 from hf_checkpoints import Checkpoint
 from paged import PagedKVCache
 
-from tokenmill.quant.kernel_choice import decode_only_step
 from tokenmill.runner.cpu_linear import KIND_FLOAT, UnsupportedModel, linear_parts
 from tokenmill.runner.cpu_program import (
     ENV_FLAG,
@@ -19,6 +18,7 @@ from tokenmill.runner.cpu_program import (
     fused_decode_enabled,
     fused_prefill_enabled,
 )
+from tokenmill.runner.step_backend import EagerBackend, ModelStep
 
 # Context lengths within, across and exactly at block boundaries (block size 16), and a long one
 # so that batch 5 has very different lengths in one step.
@@ -39,16 +39,15 @@ def prefill(model: torch.nn.Module, cache: PagedKVCache, lens: tuple[int, ...],
 
 def decode_both(model: torch.nn.Module, fused: CpuProgram, eager_cache: PagedKVCache,
                 fused_cache: PagedKVCache, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode step of sequences 0..len(tokens)-1 through model.forward (as the runner calls
-    it for a decode-only step: decode_only_step) and the fused stack."""
+    """One decode step of sequences 0..len(tokens)-1 through the eager step backend (which
+    marks the int4 layers for a decode-only step, as the runner runs it) and the fused stack."""
     chunks = [(i, 1) for i in range(len(tokens))]
     ids = torch.tensor(tokens)
     meta_e, pos_e = eager_cache.step(chunks)
     meta_f, pos_f = fused_cache.step(chunks)
     assert fused.supports(ids, meta_f)
     with torch.inference_mode():
-        with decode_only_step(meta_e.decode_only):
-            eager = model(ids, pos_e, meta_e)
+        eager = EagerBackend(model).forward(ModelStep(ids, pos_e, meta_e))
         return eager, fused.forward(ids, pos_f, meta_f)
 
 
@@ -195,7 +194,7 @@ def test_embedded_model_embeds_and_scores_through_the_kernels(quantized_llm) -> 
     table = model.model.embed_tokens
     assert fused is not None and fused._embed is not table and fused._head is not None
     # The head's output tiles were packed with the model, not by the first batched step.
-    head = table.weight.linear
+    head = table.matrix
     if head.row_tiles and head.int_activations():
         assert head._tiles is not None
     ids = torch.tensor([1, 42, 49151, 9])

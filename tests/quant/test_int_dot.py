@@ -318,8 +318,9 @@ def test_modules_take_the_integer_kernels(int_activations) -> None:
 
 def test_int4_decode_steps_take_their_own_activation_bits(int_activations) -> None:
     """int4 layers compute on INT4_ACT_BITS activations in prompt steps and on
-    decode_act_bits (int8 by default) inside decode_only_step; pin_row_kernels (the
-    deterministic engine) makes both the prompt's."""
+    decode_act_bits (int8 by default) in steps the step backend marks decode-only
+    (StepKindMarks); pin_row_kernels (the deterministic engine) makes both the prompt's."""
+    from tokenmill.quant.linear import StepKindMarks
     from tokenmill.quant.model import pin_row_kernels
 
     int_activations(True)
@@ -335,19 +336,19 @@ def test_int4_decode_steps_take_their_own_activation_bits(int_activations) -> No
         return ext.int4_q8_linear(xb, packed, scales, 32, bits).to(x.dtype)
 
     layer.decode_act_bits = 8
+    marks = StepKindMarks(torch.nn.Sequential(layer))
+    assert marks.layers == [layer]
     assert torch.equal(layer(x), kernel(kernel_choice.INT4_ACT_BITS))
-    with kernel_choice.decode_only_step():
-        assert kernel_choice.in_decode_only_step()
-        assert torch.equal(layer(x), kernel(8))
-        with kernel_choice.decode_only_step(False):  # a prompt step inside restores the prompt's
-            assert torch.equal(layer(x), kernel(kernel_choice.INT4_ACT_BITS))
-    assert not kernel_choice.in_decode_only_step()
+    marks.mark(True)
+    assert torch.equal(layer(x), kernel(8))
+    marks.mark(False)  # a prompt step after it takes the prompt's again
+    assert torch.equal(layer(x), kernel(kernel_choice.INT4_ACT_BITS))
     assert layer.activation_bits() == kernel_choice.INT4_ACT_BITS
     assert layer.activation_bits(decode_only=True) == 8
     pin_row_kernels(torch.nn.Sequential(layer))
     assert layer.activation_bits(decode_only=True) == kernel_choice.INT4_ACT_BITS
-    with kernel_choice.decode_only_step():
-        assert torch.equal(layer(x), kernel(kernel_choice.INT4_ACT_BITS))
+    marks.mark(True)
+    assert torch.equal(layer(x), kernel(kernel_choice.INT4_ACT_BITS))
 
 
 @pytest.mark.parametrize("bits", [8, 16])

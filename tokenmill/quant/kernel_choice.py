@@ -1,6 +1,5 @@
 """Which kernel a quantized layer runs (``tokenmill.quant.linear``): the environment switches
-(tokenmill's C++ kernels or PyTorch's, integer activations and their bits), whether the step on
-this thread is decode-only, the row counts from which a layer computes dense, and the CUDA
+(tokenmill's C++ kernels or PyTorch's, integer activations and their bits), the row counts from which a layer computes dense, and the CUDA
 kernels this PyTorch build lacks.
 
 The switches come from the environment (``tokenmill.envs``) when first asked for, then stay
@@ -10,9 +9,6 @@ set them while the process runs.
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -76,26 +72,6 @@ def __getattr__(name: str) -> Any:
         return setting(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-
-# Whether the step running on this thread is decode-only (one new token per sequence): set by
-# the model runner around model.forward (decode_only_step); the fused C++ stack tells from its
-# own step.
-_STEP = threading.local()
-
-
-@contextlib.contextmanager
-def decode_only_step(on: bool = True) -> Iterator[None]:
-    """Within: the int4 layers compute as in a decode-only step (``on``) or a prompt step."""
-    saved = getattr(_STEP, "decode_only", False)
-    _STEP.decode_only = on
-    try:
-        yield
-    finally:
-        _STEP.decode_only = saved
-
-
-def in_decode_only_step() -> bool:
-    return getattr(_STEP, "decode_only", False)
 
 # Rows from which the dense bf16 path wins where AMX runs it, measured on SmolLM2-135M's shapes
 # (see benchmarks/results/quant-kernels-cpu.md). Dequantizing a weight that does not fit in cache

@@ -272,6 +272,9 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         self._q8_fits = q8_fits
         # Activation bits in decode-only steps (pin_row_kernels sets the prompts' bits).
         self.decode_act_bits = kernel_choice.INT4_DECODE_ACT_BITS
+        # Whether the step being computed is decode-only: told by the step backend before
+        # each step, from the step's AttentionMetadata (StepKindMarks).
+        self.decode_only = False
         self._q8: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
@@ -297,7 +300,7 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         if self.int_activations():
             packed, scales = self.q8_tiles()  # type: ignore[misc]
             return ext.int4_q8_linear(x, packed, scales, self.group_size,
-                                      self.activation_bits(kernel_choice.in_decode_only_step()))
+                                      self.activation_bits(self.decode_only))
         return ext.int4_linear(x, self.weight, self.scales_and_zeros, self.group_size,
                                self.cpu_block_n())
 
@@ -421,3 +424,18 @@ class Int4TinyGemmLinear(_WeightOnlyLinear):
         # The packed layout is the kernel's business: multiply the identity through it.
         eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE, device=self.weight.device)
         return self._kernel(eye).float().t().contiguous()
+
+
+class StepKindMarks:
+    """A model's int4 layers, whose integer activations take their own bits in decode-only
+    steps (``decode_act_bits``): the step backend tells them each step's kind from its
+    ``AttentionMetadata.decode_only`` before running it (the C++ op program tells its own
+    linears from its own step)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.layers = [m for m in model.modules() if isinstance(m, Int4WeightOnlyLinear)]
+
+    def mark(self, decode_only: bool) -> None:
+        """The coming step is decode-only (``decode_only``) or has prompt tokens."""
+        for layer in self.layers:
+            layer.decode_only = decode_only

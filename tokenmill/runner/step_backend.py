@@ -19,7 +19,7 @@ from torch import nn
 
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.lora.layers import LoRAStep
-from tokenmill.quant.kernel_choice import decode_only_step
+from tokenmill.quant.linear import StepKindMarks
 from tokenmill.runner.cpu_program import CpuProgram
 from tokenmill.runner.cuda_graphs import DecodeGraphs
 
@@ -76,17 +76,16 @@ class EagerBackend(StepBackend):
     def __init__(self, model: nn.Module, marks_decode_steps: bool = True) -> None:
         self.model = model
         # Decoders tell their int4 layers a decode-only step (the activations' bits the C++
-        # stack uses for such a step); an encoder's steps never were marked.
-        self.marks_decode_steps = marks_decode_steps
+        # program uses for such a step); an encoder's steps never were marked.
+        self.marks = StepKindMarks(model) if marks_decode_steps else None
 
     def supports(self, step: ModelStep) -> bool:
         return True
 
     def forward(self, step: ModelStep) -> torch.Tensor:
-        if not self.marks_decode_steps:
-            return self.model(step.input_ids, step.positions, step.attn_meta)
-        with decode_only_step(step.attn_meta.decode_only):
-            return self.model(step.input_ids, step.positions, step.attn_meta)
+        if self.marks is not None:
+            self.marks.mark(step.attn_meta.decode_only)
+        return self.model(step.input_ids, step.positions, step.attn_meta)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return model_logits(self.model, hidden)
