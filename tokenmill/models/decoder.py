@@ -4,7 +4,6 @@ loading. A family module (llama.py, qwen2.py, qwen3.py) only says its attention 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -52,11 +51,6 @@ class _Target:
     full_size: int = 0
 
 
-def _float_head(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """Logits from a float head or embedding table: ``hidden @ head.weight.T``."""
-    return linear(hidden, head.weight)
-
-
 class DecoderForCausalLM(nn.Module):
     """A decoder-only causal LM over a flat batch of tokens and a paged KV cache, built from
     the shared blocks of :mod:`tokenmill.models.layers`.
@@ -100,7 +94,13 @@ class DecoderForCausalLM(nn.Module):
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         quantized = getattr(head, "logits", None)
         self._head_product: Callable[[torch.Tensor], torch.Tensor] = (
-            quantized if quantized is not None else functools.partial(_float_head, head))
+            quantized if quantized is not None else self._float_head_product)
+
+    def _float_head_product(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits from the float weight of ``lm_head`` or, tied, of the embedding table (read
+        at the call: a family may put its own embedding module in place after construction)."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return linear(hidden, weight)
 
     @classmethod
     def attention_options(cls, config: ArchConfig) -> AttentionOptions:
