@@ -94,13 +94,14 @@ class KQuantLinear(_WeightOnlyLinear):
 
     def _dense(self, xb: torch.Tensor) -> torch.Tensor:
         dtype = dense_dtype(xb.device.type)
-        return F.linear(xb.to(dtype), self.dequantize().to(dtype))
+        return F.linear(xb.to(dtype), self.dequantize(dtype))
 
-    def dequantize(self) -> torch.Tensor:
-        """The weight ``[out, in]`` in fp32 (ggml's dequantization)."""
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight ``[out, in]`` in ``dtype`` (ggml's dequantization, rounded once)."""
         ext = kernel_choice.cpu_kernels() if self.weight.device.type == "cpu" else None
-        if ext is not None:
-            return ext.kquant_dequantize(self.weight, self.segments, self.in_features)
+        if ext is not None and dtype in (torch.float32, torch.bfloat16):
+            return ext.kquant_dequantize(self.weight, self.segments, self.in_features,
+                                         dtype == torch.bfloat16)
         data = self.weight.cpu().numpy()
         rows, start = [], 0
         for ggml_type, n in self.segments.tolist():
@@ -109,7 +110,7 @@ class KQuantLinear(_WeightOnlyLinear):
             seg = data[start:start + nbytes].reshape(n, -1)
             rows.append(np.asarray(gguf_dequantize(seg, qtype), dtype=np.float32))
             start += nbytes
-        return torch.from_numpy(np.concatenate(rows)).to(self.weight.device)
+        return torch.from_numpy(np.concatenate(rows)).to(self.weight.device, dtype)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, types={self.type_names()}"

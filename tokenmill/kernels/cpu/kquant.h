@@ -27,7 +27,8 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__) && defined(__F16C__)
 #include <immintrin.h>
 #define TOKENMILL_KQ_AVX512 1
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -440,6 +441,172 @@ inline __m512 chunk_dot32(const ChunkRegs& r, const int8_t* xq, const float* d, 
 }
 
 constexpr int64_t kAccLanes = 16;
+
+// ---- AVX-512 decoders straight into registers, for the types of Q4_K_M / Q5_K_M / Q6_K / Q8_0
+// files (the others go through a Chunk in memory). Lane l of register k covers weights
+// 64 k + 4 l .. + 3 of the chunk, in the natural order, as load_chunk leaves them.
+inline __m512i lane_index(int base, int shift) {
+  return _mm512_add_epi32(
+      _mm512_set1_epi32(base),
+      _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                        shift));
+}
+
+// Q4_K / Q5_K's scales (lanes 0-7) and mins (lanes 8-15) of the eight sub-blocks of 32, times
+// d and dmin: llama.cpp's unpacking of the 12 bytes.
+inline __m512 k4_scales_mins(const uint8_t* p) {
+  uint32_t utmp[4];
+  std::memcpy(utmp, p + 4, 12);
+  const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+  utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
+  const uint32_t uaux = utmp[1] & kmask1;
+  utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
+  utmp[2] = uaux;
+  utmp[0] &= kmask1;
+  const __m512 sm = _mm512_cvtepi32_ps(
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(utmp))));
+  return _mm512_mul_ps(sm, _mm512_insertf32x8(_mm512_set1_ps(half_at(p)),
+                                              _mm256_set1_ps(half_at(p + 2)), 1));
+}
+
+inline void k4_scale_regs(const uint8_t* p, ChunkRegs& r) {
+  const __m512 sm = k4_scales_mins(p);
+  for (int k = 0; k < 4; ++k) r.a[k] = _mm512_permutexvar_ps(lane_index(2 * k, 3), sm);
+  r.b = _mm512_permutexvar_ps(lane_index(8, 1), sm);  // sub-block of 16 i: min i / 2
+}
+
+// qs[64 h .. 64 h + 63] holds weights 128 h + 0..31 and 64..95 in its low nibbles, 32..63 and
+// 96..127 in its high ones: 128-bit lane shuffles put them in order.
+inline void q4_k_regs(const uint8_t* p, ChunkRegs& r) {
+  k4_scale_regs(p, r);
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i q = _mm512_loadu_si512(p + 16 + 64 * h);
+    const __m512i lo = _mm512_and_si512(q, m4);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+    r.u[2 * h] = _mm512_shuffle_i64x2(lo, hi, 0x44);
+    r.u[2 * h + 1] = _mm512_shuffle_i64x2(lo, hi, 0xEE);
+  }
+}
+
+// Q5_K: the same, plus the fifth bits: for register k (weights 64 k ..), bit 2 k of qh[l] for
+// its first 32 weights and bit 2 k + 1 for the next 32.
+inline void q5_k_regs(const uint8_t* p, ChunkRegs& r) {
+  k4_scale_regs(p, r);
+  const __m512i m4 = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1);
+  const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(p + 16)));
+  for (int h = 0; h < 2; ++h) {
+    const __m512i q = _mm512_loadu_si512(p + 48 + 64 * h);
+    const __m512i lo = _mm512_and_si512(q, m4);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+    for (int e = 0; e < 2; ++e) {
+      const int k = 2 * h + e;
+      const __m512i shift = _mm512_setr_epi64(2 * k, 2 * k, 2 * k, 2 * k, 2 * k + 1, 2 * k + 1,
+                                              2 * k + 1, 2 * k + 1);
+      const __m512i bit = _mm512_and_si512(_mm512_srlv_epi64(qh, shift), one);
+      const __m512i low4 = _mm512_shuffle_i64x2(lo, hi, e == 0 ? 0x44 : 0xEE);
+      r.u[k] = _mm512_or_si512(low4, _mm512_slli_epi16(bit, 4));
+    }
+  }
+}
+
+// Q6_K: per half n, ql[64 n ..]'s low nibbles are weights 128 n + 0..63 in order and its high
+// ones 64..127; qh[32 n + l] gives weights l, l + 32, l + 64, l + 96 their bits 4-5.
+inline void q6_k_regs(const uint8_t* p, ChunkRegs& r) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(3);
+  for (int n = 0; n < 2; ++n) {
+    const __m512i q = _mm512_loadu_si512(p + 64 * n);
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(p + 128 + 32 * n)));
+    const __m512i h0 = _mm512_and_si512(
+        _mm512_srlv_epi64(qh, _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2)), m2);
+    const __m512i h1 = _mm512_and_si512(
+        _mm512_srlv_epi64(qh, _mm512_setr_epi64(4, 4, 4, 4, 6, 6, 6, 6)), m2);
+    r.u[2 * n] = _mm512_or_si512(_mm512_and_si512(q, m4), _mm512_slli_epi16(h0, 4));
+    r.u[2 * n + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q, 4), m4),
+                                     _mm512_slli_epi16(h1, 4));
+  }
+  const __m512 a = _mm512_mul_ps(
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(p + 192)))),
+      _mm512_set1_ps(half_at(p + 208)));
+  for (int k = 0; k < 4; ++k) r.a[k] = _mm512_permutexvar_ps(lane_index(4 * k, 2), a);
+  r.b = _mm512_mul_ps(a, _mm512_set1_ps(32.f));
+}
+
+// Eight fp16 scales of blocks `bytes` apart as fp32 lanes 0-7.
+inline __m512 block_scales8(const uint8_t* p, int64_t bytes) {
+  uint16_t h[8];
+  for (int k = 0; k < 8; ++k) std::memcpy(&h[k], p + k * bytes, 2);
+  return _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128(
+      reinterpret_cast<const __m128i*>(h))));
+}
+
+inline void block32_scale_regs(__m512 d8, float offset, ChunkRegs& r) {
+  for (int k = 0; k < 4; ++k) r.a[k] = _mm512_permutexvar_ps(lane_index(2 * k, 3), d8);
+  r.b = _mm512_mul_ps(_mm512_permutexvar_ps(lane_index(0, 1), d8), _mm512_set1_ps(offset));
+}
+
+// Q8_0, eight whole blocks: u = q + 128 (b = 128 d).
+inline void q8_0_regs(const uint8_t* p, ChunkRegs& r) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int k = 0; k < 4; ++k) {
+    const uint8_t* b0 = p + (2 * k) * 34 + 2;
+    const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0));
+    const __m256i q1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 34));
+    r.u[k] = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1), flip);
+  }
+  block32_scale_regs(block_scales8(p, 34), 128.f, r);
+}
+
+// Q5_0, eight whole blocks: nibbles of qs[16] (weights j, j + 16) and their fifth bits in qh.
+inline __m256i q5_0_block(const uint8_t* b) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 6));
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  const __m256i nib = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(q, m4)),
+                                              _mm_and_si128(_mm_srli_epi16(q, 4), m4), 1);
+  uint32_t qh;
+  std::memcpy(&qh, b + 2, 4);
+  return _mm256_or_si256(nib, _mm256_maskz_mov_epi8(qh, _mm256_set1_epi8(0x10)));
+}
+
+inline void q5_0_regs(const uint8_t* p, ChunkRegs& r) {
+  for (int k = 0; k < 4; ++k) {
+    const uint8_t* b0 = p + (2 * k) * 22;
+    r.u[k] = _mm512_inserti64x4(_mm512_castsi256_si512(q5_0_block(b0)), q5_0_block(b0 + 22), 1);
+  }
+  block32_scale_regs(block_scales8(p, 22), 16.f, r);
+}
+
+// The chunk `ci` of a row in registers: straight from the blocks for the types above (whole
+// chunks), through a Chunk in memory otherwise.
+template <int64_t kType>
+inline void chunk_regs(const uint8_t* row, int64_t ci, int64_t K, ChunkRegs& r) {
+  if constexpr (kType == kQ4_K) {
+    q4_k_regs(row + ci * 144, r);
+  } else if constexpr (kType == kQ5_K) {
+    q5_k_regs(row + ci * 176, r);
+  } else if constexpr (kType == kQ6_K) {
+    q6_k_regs(row + ci * 210, r);
+  } else if constexpr (kType == kQ8_0 || kType == kQ5_0) {
+    if (8 * (ci + 1) <= K / 32) {
+      if constexpr (kType == kQ8_0) {
+        q8_0_regs(row + ci * 8 * 34, r);
+      } else {
+        q5_0_regs(row + ci * 8 * 22, r);
+      }
+      return;
+    }
+    Chunk c;
+    decode_chunk(kType, row, ci, K, c);
+    load_chunk(c, r);
+  } else {
+    Chunk c;
+    decode_chunk(kType, row, ci, K, c);
+    load_chunk(c, r);
+  }
+}
 #else
 constexpr int64_t kAccLanes = 8;
 #endif
@@ -475,35 +642,77 @@ inline void chunk_dot_generic(const Chunk& c, const int8_t* xq, const float* d, 
 
 // ---- the matmul ------------------------------------------------------------------------------
 // Output n of every row of xq into acc[m][kAccLanes] (zeroed here).
+#if defined(TOKENMILL_KQ_AVX512)
+// R rows from row m0 at once, their sums in registers; the chunk decoded once for them.
+template <int64_t kType, int R>
+inline void rows_dots(const uint8_t* row, int64_t K, const ActRows& xq, int64_t m0,
+                      float* acc) {
+  const int64_t chunks = xq.Kp / kChunk, Kp = xq.Kp;
+  const bool per32 = xq.block == 32;
+  const int64_t dpc = kChunk / xq.block;  // activation scales a chunk
+  __m512 v[R];
+  for (int i = 0; i < R; ++i) v[i] = _mm512_setzero_ps();
+  for (int64_t ci = 0; ci < chunks; ++ci) {
+    ChunkRegs r;
+    chunk_regs<kType>(row, ci, K, r);
+    for (int i = 0; i < R; ++i) {
+      const int64_t m = m0 + i;
+      const int8_t* q = xq.q.data() + m * Kp + ci * kChunk;
+      const float* d = xq.d.data() + (m * chunks + ci) * dpc;
+      const float* xs = xq.xs.data() + (m * Kp + ci * kChunk) / 16;
+      v[i] = per32 ? chunk_dot32(r, q, d, xs, v[i]) : chunk_dot256(r, q, d[0], xs, v[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) _mm512_storeu_ps(acc + (m0 + i) * kAccLanes, v[i]);
+}
+
+template <int64_t kType>
+inline void output_dots_as(const uint8_t* row, int64_t K, const ActRows& xq, int64_t M,
+                           float* acc) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) rows_dots<kType, 4>(row, K, xq, m, acc);
+  switch (M - m) {
+    case 3: rows_dots<kType, 3>(row, K, xq, m, acc); break;
+    case 2: rows_dots<kType, 2>(row, K, xq, m, acc); break;
+    case 1: rows_dots<kType, 1>(row, K, xq, m, acc); break;
+    default: break;
+  }
+}
+
+inline void output_dots(int64_t type, const uint8_t* row, int64_t K, const ActRows& xq,
+                        int64_t M, float* acc) {
+  switch (type) {
+    case kQ4_0: return output_dots_as<kQ4_0>(row, K, xq, M, acc);
+    case kQ4_1: return output_dots_as<kQ4_1>(row, K, xq, M, acc);
+    case kQ5_0: return output_dots_as<kQ5_0>(row, K, xq, M, acc);
+    case kQ5_1: return output_dots_as<kQ5_1>(row, K, xq, M, acc);
+    case kQ8_0: return output_dots_as<kQ8_0>(row, K, xq, M, acc);
+    case kQ2_K: return output_dots_as<kQ2_K>(row, K, xq, M, acc);
+    case kQ3_K: return output_dots_as<kQ3_K>(row, K, xq, M, acc);
+    case kQ4_K: return output_dots_as<kQ4_K>(row, K, xq, M, acc);
+    case kQ5_K: return output_dots_as<kQ5_K>(row, K, xq, M, acc);
+    case kQ6_K: return output_dots_as<kQ6_K>(row, K, xq, M, acc);
+    default: return output_dots_as<kIQ4_XS>(row, K, xq, M, acc);
+  }
+}
+#else
 inline void output_dots(int64_t type, const uint8_t* row, int64_t K, const ActRows& xq,
                         int64_t M, float* acc) {
   const int64_t chunks = xq.Kp / kChunk, Kp = xq.Kp;
   const bool per32 = xq.block == 32;
-  const int64_t dpc = kChunk / xq.block;  // activation scales a chunk
+  const int64_t dpc = kChunk / xq.block;
   std::fill(acc, acc + M * kAccLanes, 0.f);
   Chunk c;
   for (int64_t ci = 0; ci < chunks; ++ci) {
     decode_chunk(type, row, ci, K, c);
-#if defined(TOKENMILL_KQ_AVX512)
-    ChunkRegs r;
-    load_chunk(c, r);
-    for (int64_t m = 0; m < M; ++m) {
-      const int8_t* q = xq.q.data() + m * Kp + ci * kChunk;
-      const float* d = xq.d.data() + (m * chunks + ci) * dpc;
-      const float* xs = xq.xs.data() + (m * Kp + ci * kChunk) / 16;
-      __m512 v = _mm512_loadu_ps(acc + m * kAccLanes);
-      v = per32 ? chunk_dot32(r, q, d, xs, v) : chunk_dot256(r, q, d[0], xs, v);
-      _mm512_storeu_ps(acc + m * kAccLanes, v);
-    }
-#else
     for (int64_t m = 0; m < M; ++m) {
       chunk_dot_generic(c, xq.q.data() + m * Kp + ci * kChunk,
                         xq.d.data() + (m * chunks + ci) * dpc, per32,
                         xq.xs.data() + (m * Kp + ci * kChunk) / 16, acc + m * kAccLanes);
     }
-#endif
   }
 }
+#endif
 
 // A layer's weight: segments of output rows, each of one ggml type (a fused q/k/v projection
 // of a Q4_K_M file: Q4_K, Q4_K, Q6_K), their blocks back to back in one uint8 tensor. `table`:
@@ -592,30 +801,43 @@ inline at::Tensor kquant_linear(const at::Tensor& x_in, const at::Tensor& blocks
   return y;
 }
 
-// The fp32 weight [N, K] the blocks stand for (ggml's dequantization, same values).
+// The weight [N, K] the blocks stand for (ggml's dequantization, same values), fp32 or bf16
+// (each value rounded once): what the dense route multiplies by.
 inline at::Tensor kquant_dequantize(const at::Tensor& blocks, const at::Tensor& table,
-                                    int64_t K) {
+                                    int64_t K, bool bf16 = false) {
   RECORD_FUNCTION("tokenmill::kquant_dequantize", std::vector<c10::IValue>());
   const Segments seg("kquant_dequantize", table, blocks, K);
   const int64_t N = seg.N, chunks = (K + kChunk - 1) / kChunk;
-  at::Tensor w = at::empty({N, K}, blocks.options().dtype(at::kFloat));
+  at::Tensor w = at::empty({N, K}, blocks.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   const uint8_t* src = blocks.data_ptr<uint8_t>();
-  float* dst = w.data_ptr<float>();
-  tmpool::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    Chunk c;
-    for (int64_t n = n0; n < n1; ++n) {
-      const int64_t s = seg.of_row(n);
-      const uint8_t* row = src + seg.byte_off[s] + (n - seg.first_row[s]) * seg.row_bytes[s];
-      for (int64_t ci = 0; ci < chunks; ++ci) {
-        decode_chunk(seg.type[s], row, ci, K, c);
-        const int64_t len = std::min(kChunk, K - ci * kChunk);
-        float* out = dst + n * K + ci * kChunk;
-        for (int64_t j = 0; j < len; ++j) {
-          out[j] = c.a[j / 16] * static_cast<float>(c.u[j]) - c.b[j / 16];
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    T* dst = w.data_ptr<T>();
+    tmpool::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      Chunk c;
+      alignas(64) float buf[kChunk];
+      for (int64_t n = n0; n < n1; ++n) {
+        const int64_t s = seg.of_row(n);
+        const uint8_t* row = src + seg.byte_off[s] + (n - seg.first_row[s]) * seg.row_bytes[s];
+        for (int64_t ci = 0; ci < chunks; ++ci) {
+          decode_chunk(seg.type[s], row, ci, K, c);
+          for (int64_t i = 0; i < kSubs; ++i) {
+            for (int64_t j = 0; j < 16; ++j) {
+              buf[16 * i + j] = c.a[i] * static_cast<float>(c.u[16 * i + j]) - c.b[i];
+            }
+          }
+          const int64_t len = std::min(kChunk, K - ci * kChunk);
+          T* out = dst + n * K + ci * kChunk;
+          for (int64_t j = 0; j < len; ++j) out[j] = from_f<T>(buf[j]);
         }
       }
-    }
-  });
+    });
+  };
+  if (bf16) {
+    run(c10::BFloat16{});
+  } else {
+    run(float{});
+  }
   return w;
 }
 

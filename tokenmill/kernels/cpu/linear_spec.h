@@ -84,8 +84,9 @@ struct LinearSpec {
   // The module's dense path on bf16 activations xb.
   at::Tensor dense(const at::Tensor& xb) const {
     if (kind == kKQuant) {
-      return at::linear(xb.to(dense_type),
-                        kquant::kquant_dequantize(weight, scales, xb.size(1)).to(dense_type));
+      return at::linear(xb.to(dense_type), kquant::kquant_dequantize(
+                                               weight, scales, xb.size(1),
+                                               dense_type == at::kBFloat16));
     }
     if (kind == kInt8) {
       return at::linear(xb.to(dense_type), weight * scales.to(dense_type).unsqueeze(1));

@@ -620,8 +620,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(tokenmill/kernels/cpu/kquant.h)",
         py::arg("x"), py::arg("blocks"), py::arg("table"));
   m.def("kquant_dequantize", &tokenmill::kquant::kquant_dequantize,
-        "the fp32 weight [N, K] of a GGUF tensor's blocks (see kquant_linear)",
-        py::arg("blocks"), py::arg("table"), py::arg("k"));
+        "the weight [N, K] of a GGUF tensor's blocks (see kquant_linear), fp32 or bf16",
+        py::arg("blocks"), py::arg("table"), py::arg("k"), py::arg("bf16") = false);
   m.def("kquant_types", [] {
     return std::vector<int64_t>{2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 23};
   }, "the ggml types kquant_linear computes on");
