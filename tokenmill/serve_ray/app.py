@@ -19,6 +19,7 @@ from tokenmill.api.validation import default_model_name
 from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.engine.args import LoRAModule
 from tokenmill.serve_ray.ingress import Ingress
+from tokenmill.serve_ray.messages import INGRESS_DEPLOYMENT
 from tokenmill.serve_ray.replica import ReplicaServer
 from tokenmill.serve_ray.routing import router_class
 from tokenmill.server.model_registry import ENCODER_MODEL_TYPES
@@ -27,7 +28,6 @@ from tokenmill.tenancy.retention import TenancySettings
 REPLICA_DEPLOYMENT = "tokenmill-replica"
 # The replicas that load models of --models-dir on demand.
 ON_DEMAND_DEPLOYMENT = f"{REPLICA_DEPLOYMENT}-models-dir"
-INGRESS_DEPLOYMENT = "tokenmill-ingress"
 
 
 @dataclass(frozen=True)

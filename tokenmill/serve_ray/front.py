@@ -9,14 +9,13 @@
   process over the file (tenancy/windows.py). Replicas on other machines cannot open the file:
   projects need their replicas on the ingress's machine (or a data folder they all share).
 - Refused with a 400 naming the limitation: loading models through ``/admin/models`` (the
-  deployments are fixed at start), and files, vector stores, batches and the Responses API's
-  ``file_search`` tool (each replica would keep a store of its own).
+  deployments are fixed at start) and batches (they run on one server's engines). Files and
+  vector stores are the ingress's (stores.py).
 """
 
 from __future__ import annotations
 
 import contextvars
-import json
 from typing import Any
 
 from fastapi import Depends, FastAPI
@@ -37,32 +36,17 @@ from tokenmill.tenancy.retention import TenancySettings, UsagePruner
 from tokenmill.tenancy.store import Caller, TenancyStore
 
 UNSUPPORTED = "unsupported_with_replicas"
-# Routes of objects a server keeps: one store each, which replicas would not share.
-STORE_PREFIXES = ("/v1/files", "/v1/vector_stores", "/v1/batches")
+# Batches run on one server's engines, reading the files of its store.
+BATCH_PREFIX = "/v1/batches"
 
 
-def _refusal(what: str, param: str | None = None) -> APIError:
-    return APIError(400, f"{what} not served with --replicas (each replica would keep its "
-                    "own); serve them from one `tokenmill serve` without --replicas",
-                    param=param, code=UNSUPPORTED)
-
-
-def unsupported(method: str, path: str, body: bytes) -> APIError | None:
+def unsupported(path: str) -> APIError | None:
     """The refusal of a request ``--replicas`` does not serve (None: it is served)."""
-    if any(path == p or path.startswith(p + "/") for p in STORE_PREFIXES):
-        return _refusal("files, vector stores and batches are")
-    if method == "POST" and path == "/v1/responses" and _uses_file_search(body):
-        return _refusal("the file_search tool and its vector stores are", "tools")
+    if path == BATCH_PREFIX or path.startswith(BATCH_PREFIX + "/"):
+        return APIError(400, "batches (/v1/batches) are not served with --replicas: they run "
+                        "on one server's engines; serve them from one `tokenmill serve` "
+                        "without --replicas, or send the requests themselves", code=UNSUPPORTED)
     return None
-
-
-def _uses_file_search(body: bytes) -> bool:
-    try:
-        tools = json.loads(body).get("tools")
-    except (ValueError, AttributeError):
-        return False
-    return isinstance(tools, list) and any(
-        isinstance(t, dict) and t.get("type") == "file_search" for t in tools)
 
 
 def is_admin_path(path: str) -> bool:

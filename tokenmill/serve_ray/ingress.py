@@ -4,6 +4,10 @@ the model it names (one deployment per served model, catalog.py) that answers it
 ``x-tokenmill-replica``. The routes that list every model get every deployment's list merged;
 /health is ok when every deployment is.
 
+The ingress answers some routes itself: the admin API and project keys' admission (front.py),
+files and vector stores (stores.py), and LoRA adapter loads, sent to one replica and logged for
+the others (adapters.py).
+
 The ingress computes the prompt's block hashes (``route_key``) with the model's tokenizer, for
 the prefix-aware router of the model's deployment. A replica that dies before it sends the head of its answer (the
 request had not started there) is left for another: the request is sent again, up to
@@ -33,7 +37,9 @@ from tokenmill.serve_ray.front import FrontDoor, is_admin_path, unsupported
 from tokenmill.serve_ray.messages import REPLICA_HEADER, HTTPRequestData, ResponseHead, run_asgi
 from tokenmill.serve_ray.metrics import aggregate, open_board
 from tokenmill.serve_ray.routing import ROUTE_KEY, block_hashes
+from tokenmill.serve_ray.stores import IngressStores, is_store_path
 from tokenmill.server.errors import error_response
+from tokenmill.server.state import EMBED
 from tokenmill.server.tenancy_guard import project_token
 from tokenmill.tenancy.retention import TenancySettings
 from tokenmill.tenancy.store import Caller
@@ -79,7 +85,9 @@ class Ingress:
                  server: ServerConfig | None = None, tenancy: TenancySettings | None = None
                  ) -> None:
         self.deployments = deployments
-        server = server or ServerConfig()
+        server = self.server = server or ServerConfig()
+        # Files and vector stores (stores.py), made when first asked for.
+        self._stores: IngressStores | None = None
         # --admin-key: the admin API and project keys, answered and checked here (front.py).
         self.front = FrontDoor(server, tenancy) if server.admin_key is not None else None
         # --allow-runtime-lora-updating: adapters changed on every replica (adapters.py).
@@ -202,7 +210,7 @@ class Ingress:
                               (client.host, client.port) if client else None)
         if self.front is not None and is_admin_path(path):
             return await self._answer(run_asgi(self.front.app, req, "ingress"))
-        refusal = unsupported(req.method, path, req.body)
+        refusal = unsupported(path)
         if refusal is not None:
             return error_response(refusal, path)
         try:
@@ -219,6 +227,11 @@ class Ingress:
                 return error_response(admitted, path)
             caller, limit_headers = admitted
         self._in_flight += 1
+        if is_store_path(path):
+            try:
+                return await self._store_answer(req, caller)
+            finally:
+                self._finished(caller)
         if request.method == "GET" and (path in LISTING_ROUTES or path == "/health"):
             try:
                 return await self._everyone(req, caller)
@@ -252,6 +265,37 @@ class Ingress:
         sse = headers.get("content-type", "").startswith("text/event-stream")
         return StreamingResponse(self._body(stream, sse, caller), status_code=head.status,
                                  headers=headers)
+
+    async def stores(self) -> IngressStores | None:
+        """The files and vector stores, embedded by the first embedding model (None when no
+        model embeds)."""
+        catalog = await self.catalog()
+        async with self._catalog_lock:
+            if self._stores is None:
+                embedder = next((e for e in catalog.entries if e.info.task == EMBED), None)
+                if embedder is None:
+                    return None
+                self._stores = IngressStores(self.server, embedder, self._whole, self.front)
+            return self._stores
+
+    async def _store_answer(self, req: HTTPRequestData, caller: Caller | None) -> Response:
+        """A files or vector stores route, answered by the ingress's store."""
+        stores = await self.stores()
+        if stores is None:
+            return error_response(APIError(404, "files and vector stores need an embedding "
+                                           "model: serve one (e.g. --model NAME=PATH,task=embed)",
+                                           code="not_found"), req.path)
+        return await self._answer(run_asgi(stores.app, req, "ingress", stores.context(caller)))
+
+    async def search(self, vector_store_ids: list[str], query: str, max_num_results: int,
+                     filters: Any = None, score_threshold: float = 0.0) -> Any:
+        """The file_search tool's search, for a replica (stores.py's ``remote_search``)."""
+        stores = await self.stores()
+        if stores is None:
+            return (400, "the file_search tool needs vector stores, which this server does not "
+                    "serve (no embedding model)", "tools", None)
+        return await stores.search(vector_store_ids, query, max_num_results, filters,
+                                   score_threshold)
 
     def _finished(self, caller: Caller | None) -> None:
         """An answer ended (its project's concurrency slot is free again)."""

@@ -20,6 +20,8 @@ from tokenmill.tokenizer import Tokenizer
 # Headers the ingress's HTTP server sets itself on the way out.
 HOP_HEADERS = frozenset({b"content-length", b"transfer-encoding", b"connection"})
 REPLICA_HEADER = "x-tokenmill-replica"
+# The ingress's deployment (the replicas ask it for the file_search tool's results).
+INGRESS_DEPLOYMENT = "tokenmill-ingress"
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,7 @@ class ResponseHead:
 @dataclass(frozen=True)
 class ModelInfo:
     """What the ingress needs of a deployment's model to route to it: the names it answers
-    to (the model's, then its adapters'), its task, and (text generation) its tokenizer and
+    to (the model's, then its adapters'), its task, its tokenizer, and (text generation) its
     KV block size for the prompt's block hashes."""
 
     name: str
@@ -56,6 +58,8 @@ class ModelInfo:
     block_size: int = 0
     # Each adapter's prefix-cache salt (its blocks' hashes are chained to it).
     salts: dict[str, bytes] = field(default_factory=dict)
+    # An embedding model's context (the ingress's retrieval splits its texts to fit).
+    max_model_len: int = 0
 
 
 def _scope(req: HTTPRequestData) -> dict[str, Any]:

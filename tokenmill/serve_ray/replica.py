@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import socket
 from collections.abc import AsyncIterator, Sequence
@@ -33,9 +34,16 @@ from tokenmill.engine.args import LoRAModule
 from tokenmill.serve_ray.adapters import AdapterSync
 from tokenmill.serve_ray.front import ReplicaTenancy
 from tokenmill.serve_ray.kv_endpoints import advertised, replica_endpoint
-from tokenmill.serve_ray.messages import HTTPRequestData, ModelInfo, ResponseHead, run_asgi
+from tokenmill.serve_ray.messages import (
+    INGRESS_DEPLOYMENT,
+    HTTPRequestData,
+    ModelInfo,
+    ResponseHead,
+    run_asgi,
+)
 from tokenmill.serve_ray.metrics import PUSH_INTERVAL_S, find_board
 from tokenmill.serve_ray.routing import KV_EVENTS_STAT
+from tokenmill.serve_ray.stores import remote_search
 from tokenmill.server.app import build_app
 from tokenmill.server.launcher import load_models
 from tokenmill.server.lifecycle import ModelManager
@@ -68,7 +76,10 @@ class ReplicaServer:
                                    config.max_loaded_models, config.keep_alive, factory.budget)
         else:
             self.state = self._load(model, config, lora_modules, kv_events, _local_rank(context))
-        self.app = build_app(self.state, manager)
+        # The file_search tool searches the ingress's vector stores (stores.py).
+        ingress = functools.cache(lambda: serve.get_deployment_handle(
+            INGRESS_DEPLOYMENT, context.app_name))
+        self.app = build_app(self.state, manager, file_search=remote_search(ingress))
         self._tenancy = ReplicaTenancy(config, self.state.metrics.registry) if projects else None
         self._asgi = self._tenancy.wrap(self.app) if self._tenancy is not None else self.app
         self.name = context.replica_id.unique_id
@@ -165,7 +176,8 @@ class ReplicaServer:
         served = next(iter(self.state.models.values()))
         adapters = tuple(self.state.adapters_of(served.name))
         if served.task != GENERATE:
-            return ModelInfo(served.name, served.task, adapters)
+            return ModelInfo(served.name, served.task, adapters, served.client.tokenizer,
+                             max_model_len=served.client.max_model_len)
         salts = {a: lora.cache_salt for a in adapters
                  if (lora := self.state.adapters[a].lora) is not None}
         return ModelInfo(served.name, served.task, adapters, served.client.tokenizer,

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from tokenmill.api.classify import ClassifyRequest
 from tokenmill.api.embeddings import EmbeddingRequest
 from tokenmill.api.errors import APIError
+from tokenmill.api.file_search import SearchFn
 from tokenmill.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -51,11 +52,14 @@ from tokenmill.tenancy.retention import TenancySettings
 
 def build_app(state: ServerState, manager: ModelManager | None = None,
               retrieval: RetrievalService | None = None,
-              tenancy: TenancySettings | None = None) -> FastAPI:
+              tenancy: TenancySettings | None = None,
+              file_search: SearchFn | None = None) -> FastAPI:
     """The application; its lifespan starts and stops the engines. ``manager``: the admin API's
     model manager (its routes exist only when the server has an admin key); ``retrieval``: the
     files and vector stores (their routes and the file_search tool exist only with it);
-    ``tenancy``: the projects' options (tokenmill/tenancy; defaults when None)."""
+    ``tenancy``: the projects' options (tokenmill/tenancy; defaults when None);
+    ``file_search``: the file_search tool's search when the stores are elsewhere (a Ray Serve
+    replica's: the ingress keeps them)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -94,7 +98,7 @@ def build_app(state: ServerState, manager: ModelManager | None = None,
             await require_key(request)
 
     app.include_router(_inference_routes(state), dependencies=[Depends(require_key)])
-    search = retrieval.search if retrieval is not None else None
+    search = retrieval.search if retrieval is not None else file_search
     app.include_router(responses_router(state, search), dependencies=[Depends(require_key)])
     if retrieval is not None:
         app.include_router(retrieval_router(retrieval, retrieval_limits(state.config)),
