@@ -5,8 +5,11 @@ replicas' /metrics (tokenmill:prefix_cache_hits / tokenmill:prefix_cache_queries
 
     OMP_NUM_THREADS=1 python benchmarks/serve_ray_prefix.py \
         [--num-prompts 96] [--systems 6] [--max-concurrency 4] [--routers prefix round_robin]
+        [--rounds 2]
 
-Prints a table and writes benchmarks/results/serve-ray-prefix-<device>.json.
+Each router runs ``--rounds`` times, alternated (prefix, round_robin, round_robin, prefix, ...),
+each run on a fresh `tokenmill serve --replicas 2` (one OMP thread per replica). Prints each
+round and a table of the means, and writes benchmarks/results/serve-ray-prefix-<device>.json.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from tokenmill.model_loader.gguf import embedded_model_path
 
 RESULTS = Path(__file__).parent / "results"
 TOPICS = ["a hardware shop", "a train company", "a city library", "a bakery", "a bank",
@@ -86,8 +91,10 @@ def run_router(router: str, data: Path, args: argparse.Namespace, workdir: Path)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "OMP_NUM_THREADS": "1"}
-    serve = [sys.executable, "-m", "tokenmill", "serve", "--replicas", "2", "--router", router,
-             "--port", str(port), "--threads", "1", "--max-model-len", "512",
+    # The embedded chat model alone (without --model the embedding model would get replicas
+    # of its own, more than two cores hold).
+    serve = [sys.executable, "-m", "tokenmill", "serve", "--model", embedded_model_path(),
+             "--replicas", "2", "--router", router, "--port", str(port), "--threads", "1", "--max-model-len", "512",
              "--num-kv-blocks", str(args.kv_blocks), "--replica-cpus", "1", "--no-webui"]
     log = (RESULTS / f"serve-ray-prefix-{router}.log").open("w")  # read on failure
     proc = subprocess.Popen(serve, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -113,6 +120,32 @@ def run_router(router: str, data: Path, args: argparse.Namespace, workdir: Path)
             proc.kill()
 
 
+def cpu_model() -> str:
+    """lscpu's model name (the platform's processor name when lscpu is missing)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor() or platform.machine()
+    found = re.search(r"^Model name:\s*(.+)$", out, re.M)
+    return found.group(1).strip() if found else platform.machine()
+
+
+def summary(runs: list[dict], router: str) -> dict:
+    """The mean over the rounds of one router."""
+    mine = [r for r in runs if r["router"] == router]
+
+    def mean(values: list[float]) -> float:
+        return sum(values) / len(values)
+
+    return {"router": router, "rounds": len(mine),
+            "prefix_cache_hit_rate": mean([r["prefix_cache_hit_rate"] for r in mine]),
+            "mean_ttft_ms": mean([r["bench"]["mean_ttft_ms"] for r in mine]),
+            "median_ttft_ms": mean([r["bench"]["median_ttft_ms"] for r in mine]),
+            "p99_ttft_ms": mean([r["bench"]["p99_ttft_ms"] for r in mine]),
+            "request_throughput": mean([r["bench"]["request_throughput"] for r in mine]),
+            "completed": sum(r["bench"]["completed"] for r in mine)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--num-prompts", type=int, default=96)
@@ -122,28 +155,42 @@ def main() -> int:
                    help="KV blocks per replica: too few to hold every system prompt, enough "
                         "for half of them")
     p.add_argument("--routers", nargs="+", default=["prefix", "round_robin"])
+    p.add_argument("--rounds", type=int, default=2,
+                   help="runs of each router, alternated (A B B A ...) so that drift of a "
+                        "shared machine falls on both")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    order = [r for i in range(args.rounds)
+             for r in (args.routers if i % 2 == 0 else args.routers[::-1])]
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         data = workdir / "prefix-heavy.jsonl"
         workload(data, args.num_prompts, args.systems, args.seed)
-        runs = [run_router(r, data, args, workdir) for r in args.routers]
+        runs = []
+        for i, router in enumerate(order):
+            run = run_router(router, data, args, workdir)
+            runs.append({"round": i // len(args.routers) + 1, **run})
+            print(f"round {runs[-1]['round']} {router}: hit rate "
+                  f"{run['prefix_cache_hit_rate']:.1%}, mean TTFT "
+                  f"{run['bench']['mean_ttft_ms']:.1f} ms", flush=True)
     for router in args.routers:
         (RESULTS / f"serve-ray-prefix-{router}.log").unlink(missing_ok=True)
-    print(f"{'router':<12} {'hit rate':>9} {'mean TTFT ms':>13} {'p99 TTFT ms':>12} "
-          f"{'req/s':>7} {'done':>5}")
-    for r in runs:
-        b = r["bench"]
-        print(f"{r['router']:<12} {r['prefix_cache_hit_rate']:>9.1%} {b['mean_ttft_ms']:>13.1f} "
-              f"{b.get('p99_ttft_ms', float('nan')):>12.1f} {b['request_throughput']:>7.2f} "
-              f"{b['completed']:>5}")
+    means = [summary(runs, r) for r in args.routers]
+    print(f"{'router':<12} {'rounds':>6} {'hit rate':>9} {'mean TTFT ms':>13} "
+          f"{'median TTFT ms':>15} {'p99 TTFT ms':>12} {'req/s':>7} {'done':>5}")
+    for m in means:
+        print(f"{m['router']:<12} {m['rounds']:>6} {m['prefix_cache_hit_rate']:>9.1%} "
+              f"{m['mean_ttft_ms']:>13.1f} {m['median_ttft_ms']:>15.1f} "
+              f"{m['p99_ttft_ms']:>12.1f} {m['request_throughput']:>7.2f} "
+              f"{m['completed']:>5}")
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "serve-ray-prefix-cpu.json"
     out.write_text(json.dumps({
         "benchmark": "serve_ray_prefix", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "cpu": cpu_model(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), {platform.system()}",
-        "command": " ".join(["python", *sys.argv]), "workload": vars(args), "runs": runs},
+        "command": " ".join(["OMP_NUM_THREADS=1", "python", *sys.argv]),
+        "workload": vars(args), "order": order, "summary": means, "runs": runs},
         indent=2) + "\n")
     print(f"wrote {out}")
     return 0
