@@ -199,12 +199,38 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    """Run `tokenmill info`: load the engine and print what it runs and how."""
+    """Run `tokenmill info [MODEL]`: what the model's files say (their headers only: family,
+    parameters, how each part is stored, KV bytes per token), then, unless --no-load, the
+    engine loaded and what it runs and how."""
+    from tokenmill.model_loader import resolve_model_path
+    from tokenmill.model_loader.info import summarize
+
+    if args.model_path is not None:
+        if args.model:
+            raise ValueError(f"the model is given twice: as MODEL ({args.model_path!r}) and as "
+                             f"--model {args.model}; give one of them")
+        args.model = args.model_path
+    fetch_model(args)
+    summary = summarize(resolve_model_path(args.model, args.task))
+    _print_rows([("model", summary.path), *summary.rows()])
+    if args.no_load:
+        return 0
+    _print_rows(_engine_rows(_engine(args)))
+    return 0
+
+
+def _print_rows(rows: Sequence[tuple[str, str]]) -> None:
+    width = 36  # the longest label of both tables, so that they line up
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}", flush=True)
+
+
+def _engine_rows(engine: LLMEngine) -> list[tuple[str, str]]:
+    """`tokenmill info`'s lines about the loaded engine."""
     import torch
 
-    info = _engine(args).model_info()
-    rows = [
-        ("model", info.path),
+    info = engine.model_info()
+    return [
         ("architecture", info.architecture),
         ("parameters", f"{info.num_parameters / 1e6:.1f} M"),
         ("quantization", info.quantization),
@@ -223,10 +249,6 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("kv cache", info.kv_cache.describe().removeprefix("KV cache: ")),
         ("torch", torch.__version__),
     ]
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"{k:<{width}}  {v}")
-    return 0
 
 
 def _describe_graphs(sizes: Sequence[int], max_seq_len: int | None) -> str:
@@ -279,6 +301,12 @@ def add_chat_parser(subparsers: argparse._SubParsersAction) -> None:
 def add_info_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `tokenmill info`."""
     p = subparsers.add_parser("info", help="print model, device, dtype and the KV memory plan")
+    p.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                   help="the model (as --model): a GGUF file, a Hugging Face folder or repo")
+    p.add_argument("--no-load", action="store_true",
+                   help="print only what the model's files say (family, total and active "
+                   "parameters, how each part is stored, KV bytes per token), read from their "
+                   "headers without loading the weights")
     _add_model_args(p, remote=False)
     p.set_defaults(func=cmd_info)
 

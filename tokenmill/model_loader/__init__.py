@@ -133,6 +133,19 @@ def resolve_quantization(requested: str, gguf: GGUFModel | None, device: torch.d
     return KEEP_GGUF_TYPES if tp_size() == 1 else "int8"
 
 
+def log_model_summary(path: str, gguf: GGUFModel | None) -> None:
+    """The start log's line of what the model is (`tokenmill info`'s summary: family, total
+    and active parameters, how each part is stored, KV bytes per token), from the headers."""
+    from tokenmill.model_loader.info import summarize, summarize_gguf
+
+    try:
+        summary = summarize_gguf(gguf) if gguf is not None else summarize(path)
+    except (ValueError, OSError) as e:  # a file the loader took but the summary cannot read
+        logger.warning("no model summary for %s: %s", path, e)
+        return
+    logger.info("%s", summary.one_line())
+
+
 def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     """Build the model on ``device`` in ``dtype`` and fill its weights as configured."""
     path = resolve_model_path(config.model, config.task)
@@ -191,5 +204,6 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) ->
     model.eval()
     logger.info("loaded %s (%s, %s%s) in %.1f s", path, arch.architecture, dtype,
                 ", bf16 matmuls" if bf16_matmuls else "", time.perf_counter() - started)
+    log_model_summary(path, gguf if is_gguf else None)
     return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, path=path,
                        quantization=method, pooler=pooler, max_seq_length=max_seq_length)
