@@ -50,3 +50,24 @@ def test_reasoning_item_comes_before_the_message(client: openai.OpenAI,
                                               for i in resp.output],
                                             {"role": "user", "content": "t3"}])
     assert follow.status in ("completed", "incomplete")
+
+
+def test_reasoning_effort_is_the_chat_requests(client: openai.OpenAI) -> None:
+    from tokenmill.api.responses_api import _chat_request, plan_response
+    from tokenmill.api.responses_protocol import ResponsesRequest
+
+    req = ResponsesRequest(input="t7", reasoning={"effort": "high", "summary": "auto"})
+    plan = plan_response(req, [])
+    assert _chat_request(plan, plan.messages).reasoning_effort == "high"
+    # A model that does not think: a 400 naming the Responses API's field, not a silent drop.
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="smol", input="hi", max_output_tokens=2,
+                                reasoning={"effort": "low"})
+    assert "reasoning.effort" in str(e.value)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="harmony", input="t7", max_output_tokens=2,
+                                reasoning={"effort": "extreme"})  # type: ignore[typeddict-item]
+    # The next request, and one with an effort for the harmony model, are answered.
+    ok = client.responses.create(model="harmony", input="t7", max_output_tokens=2,
+                                 temperature=0, reasoning={"effort": "high"})
+    assert ok.status in ("completed", "incomplete")

@@ -46,7 +46,7 @@ SOURCE_MARGIN_TOKENS = 16
 
 # Chat's field names in its 400s, and what the Responses API calls them.
 _FIELDS = {"max_completion_tokens": "max_output_tokens", "response_format": "text",
-           "messages": "input"}
+           "messages": "input", "reasoning_effort": "reasoning.effort"}
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,8 @@ def _chat_request(plan: ResponsePlan, messages: list[Message]) -> ChatCompletion
         temperature=req.temperature, top_p=req.top_p, seed=req.seed, user=req.user,
         logprobs=logprobs, top_logprobs=(req.top_logprobs or 0) if logprobs else None,
         tools=tools.functions or None, tool_choice=tools.chat_choice,
-        parallel_tool_calls=req.parallel_tool_calls, response_format=_response_format(req))
+        parallel_tool_calls=req.parallel_tool_calls, response_format=_response_format(req),
+        reasoning_effort=req.reasoning.effort if req.reasoning is not None else None)
 
 
 def _responses_error(e: APIError) -> APIError:

@@ -35,6 +35,15 @@ class TextConfig(StrictModel):
     format: TextFormat = Field(default_factory=TextFormat)
 
 
+class ReasoningConfig(StrictModel):
+    """``reasoning``: ``effort`` goes to the chat template as chat's ``reasoning_effort``
+    (gpt-oss's system message); a summary of the thinking is not written (``summary`` is
+    accepted and the reasoning item carries the thinking itself)."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    summary: str | None = None
+
+
 class ResponsesRequest(StrictModel):
     """POST /v1/responses. ``seed`` is tokenmill's extension (OpenAI's API has none)."""
 
@@ -57,6 +66,7 @@ class ResponsesRequest(StrictModel):
     user: str | None = None
     background: bool = False
     seed: int | None = None
+    reasoning: ReasoningConfig | None = None
 
 
 # ----------------------------------------------------------------------------- tools
