@@ -66,6 +66,12 @@ def test_mixtral_without_experts_is_refused() -> None:
         get_model_class([arch.architecture])(arch)
 
 
+def test_a_shared_expert_is_refused_not_ignored() -> None:
+    arch = ArchConfig.from_hf_dict({**BASE, "shared_expert_intermediate_size": 64})
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size"):
+        get_model_class([arch.architecture])(arch)
+
+
 def test_stacked_expert_tensors_load_like_per_expert_ones(mixtral: Checkpoint) -> None:
     """transformers' in-memory names (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.gate``)
     and the saved per-expert ones (``block_sparse_moe.experts.N.w1``) fill the same model."""

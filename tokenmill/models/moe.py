@@ -152,6 +152,11 @@ class MoEForCausalLM(DecoderForCausalLM):
         if tp_size() > 1:
             raise ValueError(f"{config.architecture}: tensor parallelism is not supported for "
                              "mixture-of-experts models (tensor_parallel_size must be 1)")
+        if config.shared_expert_intermediate_size:
+            # Qwen2-MoE-style shared experts are not built here: refused, never ignored.
+            raise ValueError(f"{config.architecture}: shared_expert_intermediate_size "
+                             f"{config.shared_expert_intermediate_size} is not supported (the "
+                             "MoE block has no shared expert)")
         super().__init__(config)
 
     @classmethod
