@@ -535,10 +535,10 @@ inline void q6_k_regs(const uint8_t* p, ChunkRegs& r) {
   r.b = _mm512_mul_ps(a, _mm512_set1_ps(32.f));
 }
 
-// Eight fp16 scales of blocks `bytes` apart as fp32 lanes 0-7.
-inline __m512 block_scales8(const uint8_t* p, int64_t bytes) {
-  uint16_t h[8];
-  for (int k = 0; k < 8; ++k) std::memcpy(&h[k], p + k * bytes, 2);
+// The fp16 scales of `blocks` (<= 8) blocks `bytes` apart as fp32 lanes (zeros after).
+inline __m512 block_scales8(const uint8_t* p, int64_t bytes, int64_t blocks) {
+  uint16_t h[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t k = 0; k < blocks; ++k) std::memcpy(&h[k], p + k * bytes, 2);
   return _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128(
       reinterpret_cast<const __m128i*>(h))));
 }
@@ -548,19 +548,13 @@ inline void block32_scale_regs(__m512 d8, float offset, ChunkRegs& r) {
   r.b = _mm512_mul_ps(_mm512_permutexvar_ps(lane_index(0, 1), d8), _mm512_set1_ps(offset));
 }
 
-// Q8_0, eight whole blocks: u = q + 128 (b = 128 d).
-inline void q8_0_regs(const uint8_t* p, ChunkRegs& r) {
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int k = 0; k < 4; ++k) {
-    const uint8_t* b0 = p + (2 * k) * 34 + 2;
-    const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0));
-    const __m256i q1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 34));
-    r.u[k] = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1), flip);
-  }
-  block32_scale_regs(block_scales8(p, 34), 128.f, r);
+// Q8_0, `blocks` (<= 8: fewer at a row's end) blocks: u = q + 128 (b = 128 d); zeros after.
+inline __m256i q8_0_block(const uint8_t* b) {
+  return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)),
+                          _mm256_set1_epi8(static_cast<char>(0x80)));
 }
 
-// Q5_0, eight whole blocks: nibbles of qs[16] (weights j, j + 16) and their fifth bits in qh.
+// Q5_0: nibbles of qs[16] (weights j, j + 16) and their fifth bits in qh.
 inline __m256i q5_0_block(const uint8_t* b) {
   const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 6));
   const __m128i m4 = _mm_set1_epi8(0x0F);
@@ -571,12 +565,23 @@ inline __m256i q5_0_block(const uint8_t* b) {
   return _mm256_or_si256(nib, _mm256_maskz_mov_epi8(qh, _mm256_set1_epi8(0x10)));
 }
 
-inline void q5_0_regs(const uint8_t* p, ChunkRegs& r) {
+// Q4_0: the nibbles of qs[16] (weights j, j + 16).
+inline __m256i q4_0_block(const uint8_t* b) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(q, m4)),
+                                 _mm_and_si128(_mm_srli_epi16(q, 4), m4), 1);
+}
+
+template <int64_t kBytes, __m256i (*kBlock)(const uint8_t*)>
+inline void blocks32_regs(const uint8_t* p, int64_t blocks, float offset, ChunkRegs& r) {
   for (int k = 0; k < 4; ++k) {
-    const uint8_t* b0 = p + (2 * k) * 22;
-    r.u[k] = _mm512_inserti64x4(_mm512_castsi256_si512(q5_0_block(b0)), q5_0_block(b0 + 22), 1);
+    const uint8_t* b0 = p + (2 * k) * kBytes;
+    const __m256i lo = 2 * k < blocks ? kBlock(b0) : _mm256_setzero_si256();
+    const __m256i hi = 2 * k + 1 < blocks ? kBlock(b0 + kBytes) : _mm256_setzero_si256();
+    r.u[k] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
   }
-  block32_scale_regs(block_scales8(p, 22), 16.f, r);
+  block32_scale_regs(block_scales8(p, kBytes, blocks), offset, r);
 }
 
 // The chunk `ci` of a row in registers: straight from the blocks for the types above (whole
@@ -589,18 +594,15 @@ inline void chunk_regs(const uint8_t* row, int64_t ci, int64_t K, ChunkRegs& r) 
     q5_k_regs(row + ci * 176, r);
   } else if constexpr (kType == kQ6_K) {
     q6_k_regs(row + ci * 210, r);
-  } else if constexpr (kType == kQ8_0 || kType == kQ5_0) {
-    if (8 * (ci + 1) <= K / 32) {
-      if constexpr (kType == kQ8_0) {
-        q8_0_regs(row + ci * 8 * 34, r);
-      } else {
-        q5_0_regs(row + ci * 8 * 22, r);
-      }
-      return;
-    }
-    Chunk c;
-    decode_chunk(kType, row, ci, K, c);
-    load_chunk(c, r);
+  } else if constexpr (kType == kQ8_0) {
+    blocks32_regs<34, q8_0_block>(row + ci * 8 * 34, std::min<int64_t>(8, K / 32 - 8 * ci),
+                                  128.f, r);
+  } else if constexpr (kType == kQ4_0) {
+    blocks32_regs<18, q4_0_block>(row + ci * 8 * 18, std::min<int64_t>(8, K / 32 - 8 * ci),
+                                  8.f, r);
+  } else if constexpr (kType == kQ5_0) {
+    blocks32_regs<22, q5_0_block>(row + ci * 8 * 22, std::min<int64_t>(8, K / 32 - 8 * ci),
+                                  16.f, r);
   } else {
     Chunk c;
     decode_chunk(kType, row, ci, K, c);
