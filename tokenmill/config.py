@@ -34,8 +34,9 @@ class ModelConfig:
     architecture (``tokenmill.presets``: "llama-3.1-8b", "qwen3-0.6b") filled with random
     weights, for benchmarks. ``max_model_len`` None means the model's own context length.
     ``quantization``: int8 per output channel or int4 in groups of 32 are weight-only; fp8 (e4m3)
-    keeps weights per output channel and quantizes activations per token; "auto" follows a GGUF file's own blocks on the CPU (Q4 -> int4, Q5/Q6/Q8 -> int8, float ->
-    none) and means none for Hugging Face folders and other devices.
+    keeps weights per output channel and quantizes activations per token; "auto" keeps a GGUF file's own block types on the CPU (Q4_K, Q6_K, Q8_0...: the
+    file's bytes; Q4_0/Q4_1-only files as int4; float files none; a type without a kernel is
+    refused) and means none for Hugging Face folders and other devices.
     ``task``: "generate" text, or "embed" (pooled embeddings of whole prompts; "auto": embed
     for encoder architectures such as BERT, generate otherwise). With task "embed" and no
     ``model``, the engine runs the embedded all-MiniLM-L6-v2. ``pooling`` overrides how
@@ -57,8 +58,8 @@ class ModelConfig:
     seed: int = option(0, "random seed")
     quantization: str = option(
         "auto", "int8 per channel or int4 in groups of 32 (weight-only), fp8 (e4m3 weights and "
-        "per-token activations); auto keeps a GGUF file's Q4 (int4) or Q5-Q8 (int8) weights "
-        "compact on the CPU and is none otherwise", choices=QUANTIZATIONS)
+        "per-token activations); auto keeps a GGUF file's own block types (Q4_K, Q6_K, Q8_0...) "
+        "on the CPU and is none otherwise", choices=QUANTIZATIONS)
     task: str = option("auto", "generate text, or embed (pooled embeddings; the default for "
                        "encoder models such as BERT; without --model: the embedded "
                        "all-MiniLM-L6-v2)", choices=TASKS)
