@@ -52,7 +52,7 @@ def _modules() -> SimpleNamespace:
     from tokenmill.kernels.triton import attention_decode as triton_decode
     from tokenmill.kernels.triton import attention_prefill as triton_prefill
     from tokenmill.kernels.triton import fp8 as fp8_kernels
-    from tokenmill.kernels.triton import fused_moe, fused_ops, l2_prefetch
+    from tokenmill.kernels.triton import fused_moe, fused_ops, l2_prefetch, moe_align
     from tokenmill.kernels.triton import gemm as triton_gemm
     from tokenmill.kernels.triton import greedy as greedy_kernels
     from tokenmill.kernels.tuning.decode_attention import DEFAULT_LAUNCH, TUNED_DIR, load_tuning
@@ -61,7 +61,7 @@ def _modules() -> SimpleNamespace:
                            tp=triton_prefill, DEFAULT_LAUNCH=DEFAULT_LAUNCH,
                            TUNED_DIR=TUNED_DIR, load_tuning=load_tuning, fo=fused_ops,
                            tg=triton_gemm, fk=fp8_kernels, gk=greedy_kernels, l2=l2_prefetch,
-                           moe=fused_moe)
+                           moe=fused_moe, ma=moe_align)
 
 
 def _decode(m: SimpleNamespace, head_dim: int = 128, partition: int = 512,
@@ -234,6 +234,13 @@ def _moe_kernels(m: SimpleNamespace) -> list[tuple]:
         for t, b in [(t, "*bf16") for t in tiles] + [(next(iter(tiles)), "*i8"),
                                                      (next(iter(tiles)), "*fp8e4nv")]
         for gated in (True, False)
+    ] + [
+        # The grouping of a decode step's pairs by expert, one program: 8 pairs of 128
+        # experts, and the most pairs and experts it takes.
+        (m.ma._align_kernel, dict(BLOCK_M=16, BLOCK_P=p, BLOCK_E=e, FILL=1024),
+         {"num_warps": 4}, dict(ints, ids_ptr="*i64", sorted_ids_ptr="*i32",
+                                expert_ids_ptr="*i32", starts_ptr="*i32", firsts_ptr="*i32"))
+        for p, e in ((16, 256), (1024, 1024))
     ]
 
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from tokenmill.kernels.triton import fused_moe as fm  # noqa: E402
+from tokenmill.kernels.triton import moe_align  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
@@ -113,27 +114,35 @@ def test_no_tokens_gives_an_empty_output() -> None:
     assert out.shape == (0, 32)
 
 
+@pytest.mark.parametrize("in_kernel", [True, False])
 @pytest.mark.parametrize("block_m", [16, 64])
-@pytest.mark.parametrize("tokens,experts,k,chosen", [(1, 64, 8, None), (37, 8, 2, 3),
-                                                     (300, 64, 8, None)])
-def test_pairs_grouped_by_expert_and_padded(block_m: int, tokens: int, experts: int, k: int,
-                                            chosen: int | None) -> None:
+@pytest.mark.parametrize("tokens,experts,k,chosen,hot", [
+    (1, 64, 8, None, None), (37, 8, 2, 3, None), (37, 8, 2, None, 5), (128, 64, 8, None, None),
+    (300, 64, 8, None, None)])  # 2,400 pairs: beyond the kernel's
+def test_pairs_grouped_by_expert_and_padded(in_kernel: bool, block_m: int, tokens: int,
+                                            experts: int, k: int, chosen: int | None,
+                                            hot: int | None) -> None:
     gen = torch.Generator().manual_seed(tokens + block_m)
-    _, ids = _route(tokens, experts, k, gen, chosen)
-    blocks = fm.align_to_blocks(ids, experts, block_m)
+    _, ids = _route(tokens, experts, k, gen, chosen, hot)
     pairs = tokens * k
+    if in_kernel and pairs > moe_align.KERNEL_MAX_PAIRS:
+        with pytest.raises(ValueError, match="up to 1024 pairs"):
+            moe_align.align_to_blocks(ids, experts, block_m, in_kernel=True)
+        return
+    blocks = moe_align.align_to_blocks(ids, experts, block_m, in_kernel=in_kernel)
     sorted_ids, expert_ids = blocks.sorted_ids.cpu(), blocks.expert_ids.cpu()
     total = int(blocks.total.item())
     flat = ids.reshape(-1).cpu()
     counts = torch.bincount(flat, minlength=experts)
     assert total == int(((counts + block_m - 1) // block_m * block_m).sum())
-    assert sorted_ids.numel() == fm.block_capacity(pairs, experts, block_m) >= total
+    assert sorted_ids.numel() == moe_align.block_capacity(pairs, experts, block_m) >= total
     assert sorted_ids.numel() % block_m == 0
     assert expert_ids.numel() == sorted_ids.numel() // block_m
     used = sorted_ids[:total]
     real = used[used < pairs]
     assert torch.equal(real.sort().values, torch.arange(pairs, dtype=torch.int32))
     assert (sorted_ids[total:] == pairs).all()
+    assert (expert_ids[total // block_m:] == experts - 1).all()
     # Every block's pairs are its expert's, in token order; each chosen expert's pairs fill
     # as few blocks as they can.
     for b in range(total // block_m):
@@ -143,6 +152,27 @@ def test_pairs_grouped_by_expert_and_padded(block_m: int, tokens: int, experts: 
         assert torch.equal(mine, mine.sort().values)
     per_expert = torch.bincount(expert_ids[:total // block_m].long(), minlength=experts)
     assert torch.equal(per_expert, (counts + block_m - 1) // block_m)
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
+def test_the_grouping_kernel_gives_the_pytorch_ops_result(
+        ids_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same tensors, to the padding; and the default takes the kernel up to its limit."""
+    gen = torch.Generator().manual_seed(11)
+    _, ids = _route(128, 64, 8, gen)
+    ids = ids.to(ids_dtype)
+    got = moe_align.align_to_blocks(ids, 64, 16, in_kernel=True)
+    want = moe_align.align_to_blocks(ids, 64, 16, in_kernel=False)
+    for name in ("sorted_ids", "expert_ids", "total"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert moe_align.KERNEL_MAX_PAIRS == 128 * 8
+    launches = []
+    launch = moe_align._align_in_kernel
+    monkeypatch.setattr(moe_align, "_align_in_kernel",
+                        lambda *args: launches.append(1) or launch(*args))
+    moe_align.align_to_blocks(ids, 64, 16)
+    moe_align.align_to_blocks(torch.cat([ids, ids[:1]]), 64, 16)  # one pair over: PyTorch's
+    assert launches == [1]
 
 
 @pytest.mark.parametrize("change,message", [

@@ -1,17 +1,18 @@
-"""The mixture-of-experts layer on CUDA in two Triton launches (the fused-MoE design of vLLM and
-SGLang): every (token, expert) pair of a step, sorted by expert, through the experts' gated MLPs.
+"""The mixture-of-experts layer on CUDA in Triton kernels (the fused-MoE design of vLLM and
+SGLang): every (token, expert) pair of a step, grouped by expert, through the experts' gated
+MLPs in one launch a projection.
 
 A MoE layer gives each token ``k`` of ``E`` experts. Looping over the experts in PyTorch is a
 few kernels an expert (an index, two products, the activation, a scatter): ~500 launches a
 layer for 128 experts, most of them for a handful of rows. Here the step's ``T * k`` pairs are
-grouped by expert and each expert's group is padded to a multiple of the tile's rows
-(:func:`align_to_blocks`), so that every row tile belongs to one expert; then one launch
-computes every expert's ``w13`` product for the whole layer, with ``silu(gate) * up`` computed
-in the kernel from its two accumulators (no ``[T * k, 2I]`` tensor is written), and one launch
-computes every ``w2`` product with the routing weight multiplied in. The ``k`` products of a
-token are summed last, in fp32. The sort is PyTorch ops of fixed shapes (nothing is read back
-to the host), so a step can run in a CUDA graph. Experts may also be int8 or e4m3 with a scale
-a row (:func:`quantize_experts`), widened in the kernel as they are loaded.
+grouped by expert and each group is padded to a multiple of the tile's rows
+(:mod:`tokenmill.kernels.triton.moe_align`: one more small launch at decode), so that every
+row tile belongs to one expert. Then one launch computes every chosen expert's ``w13``
+product, with ``silu(gate) * up`` computed in the kernel from its two accumulators (no
+``[T * k, 2I]`` tensor is written), and one launch every ``w2`` product with the routing
+weight multiplied in. The ``k`` products of a token are summed last, in fp32. Nothing is read
+back to the host, so a step can run in a CUDA graph. Experts may also be int8 or e4m3 with a
+scale a row (:func:`quantize_experts`), widened in the kernel as they are loaded.
 
 The CUDA kernel set binds :func:`fused_moe` as ``Kernels.moe``
 (tokenmill/models/kernel_binding.py). The tiles are untuned defaults (:func:`default_tile`);
@@ -29,6 +30,7 @@ import triton.language as tl
 
 from tokenmill.kernels.triton.attention import dot_precision
 from tokenmill.kernels.triton.fused_ops import silu_mul_values
+from tokenmill.kernels.triton.moe_align import ExpertBlocks, align_to_blocks
 from tokenmill.kernels.triton.pdl import launch_options, pdl_start
 
 
@@ -165,55 +167,6 @@ def quantize_experts(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor,
         rows = (rows / scale[e, :, None]).clamp_(-top, top)
         q[e] = rows.round_() if dtype == torch.int8 else rows
     return q, scale
-
-
-@dataclass(frozen=True)
-class ExpertBlocks:
-    """A step's (token, expert) pairs grouped by expert, each group padded to ``block_m``.
-
-    A pair is its index in the flattened ``topk_ids`` (``token * k + slot``). ``sorted_ids``
-    holds the pairs of expert 0, then of expert 1, ..., each group followed by the padding
-    value ``pairs`` up to a multiple of ``block_m``, and more padding to the tensor's fixed
-    length; ``expert_ids`` holds each block's expert; ``total`` (one element, on the device)
-    is the length in use. Fixed lengths: no value is read back to the host."""
-
-    sorted_ids: torch.Tensor  # [capacity] int32
-    expert_ids: torch.Tensor  # [capacity // block_m] int32
-    total: torch.Tensor  # [1] int32
-    pairs: int
-    block_m: int
-
-
-def block_capacity(pairs: int, num_experts: int, block_m: int) -> int:
-    """The most padded pairs a step can have: each expert that is chosen at all (at most
-    ``min(E, pairs)`` of them) pads by fewer than ``block_m``; a multiple of ``block_m``."""
-    most = pairs + min(num_experts, pairs) * (block_m - 1)
-    return triton.cdiv(most, block_m) * block_m
-
-
-def align_to_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
-    """The pairs of ``topk_ids`` ``[T, k]`` (each in ``[0, num_experts)``) grouped by expert
-    and padded to ``block_m`` (:class:`ExpertBlocks`), in PyTorch ops of fixed shapes."""
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    pairs, device = flat.numel(), flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = padded.cumsum(0)
-    # Stable: an expert's pairs keep their token order, so the result never depends on the
-    # sort's implementation.
-    order = torch.argsort(flat, stable=True)
-    by_expert = flat[order]
-    rank = torch.arange(pairs, device=device) - (counts.cumsum(0) - counts)[by_expert]
-    capacity = block_capacity(pairs, num_experts, block_m)
-    sorted_ids = torch.full((capacity,), pairs, dtype=torch.int32, device=device)
-    sorted_ids[(ends - padded)[by_expert] + rank] = order.to(torch.int32)
-    block_starts = torch.arange(0, capacity, block_m, device=device)
-    # A block's expert: the first whose padded group ends after the block's start (blocks
-    # past the total, which the kernel skips, get the last expert).
-    expert_ids = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1)
-    return ExpertBlocks(sorted_ids, expert_ids.to(torch.int32), ends[-1:].to(torch.int32),
-                        pairs, block_m)
 
 
 def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
