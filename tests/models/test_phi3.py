@@ -143,24 +143,40 @@ def _hf_greedy(ckpt: Checkpoint, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked_prefill"])
-def test_engine_greedy_equals_transformers(phi4_long: Checkpoint, chunked: bool) -> None:
-    """Through the engine: prefix caching on (a shared prefix hits the second time), prompts
-    in chunks of 16 tokens or whole, two greedy samples of one prompt (n=2)."""
+# How the engine runs the prompts: whole, in chunks of 16 tokens, or preempted (7 blocks of
+# 16 tokens do not hold the first two sequences once they grow).
+ENGINE_MODES = {"whole": dict(max_num_batched_tokens=256, enable_chunked_prefill=False,
+                              num_kv_blocks=64),
+                "chunked_prefill": dict(max_num_batched_tokens=16, num_kv_blocks=64),
+                "preempted": dict(max_num_batched_tokens=64, num_kv_blocks=7)}
+
+
+NEW = 16  # tokens generated per request
+
+
+@pytest.mark.parametrize("mode", sorted(ENGINE_MODES))
+def test_engine_greedy_equals_transformers(phi4_long: Checkpoint, mode: str) -> None:
+    """Through the engine and its CPU program: prefix caching on (a shared prefix hits the
+    second time), two greedy samples of one prompt (n=2)."""
     llm = LLM(model=str(phi4_long.path), dtype="float32", max_model_len=256,
-              quantization="none", num_kv_blocks=64, seed=0,
-              max_num_batched_tokens=16 if chunked else 256, enable_chunked_prefill=chunked)
+              quantization="none", seed=0, **ENGINE_MODES[mode])
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        assert llm.engine.core.executor.runner.cpu_program is not None
+        params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
         seqs = prompts((40, 57, 36), seed=3)
         shared = seqs[0][:32] + seqs[2][32:]  # the first prompt's two full blocks, then its own
         first = llm.generate(seqs, params)
-        second = llm.generate([shared], SamplingParams(temperature=0.0, max_tokens=8,
+        hits = llm.engine.core.scheduler.kv.prefix_stats.hits
+        second = llm.generate([shared], SamplingParams(temperature=0.0, max_tokens=NEW,
                                                        ignore_eos=True, n=2))[0]
         for ids, out in zip(seqs, first, strict=True):
-            assert out.outputs[0].token_ids == _hf_greedy(phi4_long, ids, 8)
-        want = _hf_greedy(phi4_long, shared, 8)
+            assert out.outputs[0].token_ids == _hf_greedy(phi4_long, ids, NEW)
+        want = _hf_greedy(phi4_long, shared, NEW)
         assert [c.token_ids for c in second.outputs] == [want, want]
-        assert llm.engine.core.scheduler.kv.prefix_stats.hits >= 32
+        scheduler = llm.engine.core.scheduler
+        if mode == "preempted":
+            assert scheduler.num_preemptions_total > 0
+        else:
+            assert scheduler.kv.prefix_stats.hits - hits >= 32
     finally:
         llm.close()
