@@ -108,3 +108,17 @@ def test_quantized_experts_in_bf16(wdtype: torch.dtype, tokens: int) -> None:
     want = reference_moe(x, q13.float() * s13[..., None], q2.float() * s2[..., None], weights,
                          ids)
     assert got.dtype == torch.bfloat16 and _err(got, want) < 1.6e-2
+
+
+@pytest.mark.parametrize("tokens", [1, 32, 128])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_the_grouping_kernel_gives_the_pytorch_ops_result(tokens: int, block_m: int) -> None:
+    """One program's grouping (the compiled histogram, sort and block-wide barrier) against
+    PyTorch ops', for 128 experts."""
+    from tokenmill.kernels.triton import moe_align
+
+    _, _, ids = _step(tokens, QWEN3_MOE, tokens)
+    got = moe_align.align_to_blocks(ids, 128, block_m, in_kernel=True)
+    want = moe_align.align_to_blocks(ids, 128, block_m, in_kernel=False)
+    for name in ("sorted_ids", "expert_ids", "total"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
