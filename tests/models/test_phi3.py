@@ -180,3 +180,23 @@ def test_engine_greedy_equals_transformers(phi4_long: Checkpoint, mode: str) -> 
             assert scheduler.kv.prefix_stats.hits - hits >= 32
     finally:
         llm.close()
+
+
+@pytest.fixture(scope="module")
+def phi3_long(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    return make_phi3("phi3_long", tmp_path_factory.mktemp("phi3_long_engine"))
+
+
+def test_a_context_within_the_pretraining_one_takes_the_short_factors(
+        phi3_long: Checkpoint) -> None:
+    """--max-model-len at most the pretraining context: the short factors, as transformers
+    takes them for every sequence that short (the model's own 256 would take the long)."""
+    ids = prompts((20,), seed=9)[0]
+    llm = LLM(model=str(phi3_long.path), dtype="float32", max_model_len=ORIGINAL,
+              quantization="none", num_kv_blocks=8)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=ORIGINAL - 20, ignore_eos=True)
+        got = llm.generate([ids], params)[0].outputs[0].token_ids
+    finally:
+        llm.close()
+    assert got == _hf_greedy(phi3_long, ids, ORIGINAL - 20)

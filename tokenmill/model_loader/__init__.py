@@ -22,6 +22,7 @@ from tokenmill.model_loader.st_config import read_sentence_transformer
 from tokenmill.models.config import ArchConfig
 from tokenmill.models.pooler import PoolerConfig
 from tokenmill.models.registry import create_model, get_model_class
+from tokenmill.models.rope_scaling import serve_context
 from tokenmill.presets import get_preset
 from tokenmill.quant import quantize_model
 from tokenmill.quant.model import KEEP_GGUF_TYPES
@@ -179,7 +180,8 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) ->
         # An unsupported model is named so, with the supported ones, before its fields are
         # checked against the supported families' rules (an activation, a rope type).
         get_model_class(hf_config["architectures"])
-    arch = ArchConfig.from_hf_dict(hf_config)
+    # Longrope's factors follow the context served (models/rope_scaling.py).
+    arch = serve_context(ArchConfig.from_hf_dict(hf_config), config.max_model_len)
     pooler, max_seq_length = resolve_pooler(config, arch, path if os.path.isdir(path) else None)
     model = create_model(arch, dtype, device)
     if config.load_format == "dummy":

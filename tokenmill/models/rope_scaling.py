@@ -11,17 +11,21 @@ q.k product is unchanged) puts HF's pair ``(i, i + R/2)`` at ``(i, i + D/2)``; t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import torch
 
+from tokenmill.models.config import ArchConfig
+
 
 def longrope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any],
                       max_positions: int) -> torch.Tensor:
     """Longrope's ``[rotary_dim // 2]`` frequencies: the base ones divided by the long factors
-    when the context served (``max_positions``) is longer than the pretraining one, else by
-    the short factors.
+    when the context served (the engine's ``max_model_len`` where :func:`serve_context` put it
+    in ``scaling``, else the model's ``max_positions``) is longer than the pretraining one,
+    else by the short factors.
 
     Transformers switches per forward call (long once a sequence passes the pretraining
     length, also for the positions already in the cache); one choice for the whole context,
@@ -30,13 +34,23 @@ def longrope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any],
     the pretraining length, and for a context within it.
     """
     original = int(scaling["original_max_position_embeddings"])
-    key = "long_factor" if max_positions > original else "short_factor"
+    context = int(scaling.get("served_context") or max_positions)
+    key = "long_factor" if context > original else "short_factor"
     factors = torch.tensor(scaling[key], dtype=torch.float32)
     if factors.numel() != rotary_dim // 2:
         raise ValueError(f"rope_scaling.{key} has {factors.numel()} factors, expected "
                          f"{rotary_dim // 2} (half the rotated dims)")
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
     return 1.0 / (factors * theta ** exponents)
+
+
+def serve_context(arch: ArchConfig, max_model_len: int | None) -> ArchConfig:
+    """``arch`` with the engine's context in a longrope model's ``rope_scaling`` (its factors
+    follow it); any other model, or no max_model_len, unchanged."""
+    scaling = arch.rope_scaling
+    if max_model_len is None or scaling is None or scaling.get("rope_type") != "longrope":
+        return arch
+    return dataclasses.replace(arch, rope_scaling={**scaling, "served_context": max_model_len})
 
 
 def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
