@@ -108,7 +108,21 @@ def test_the_log_records_the_checked_path_and_the_base(tmp_path) -> None:
         "sql", str((tmp_path / "sql").resolve()), "b"))
     unload = _req(UNLOAD_PATH, {"lora_name": "sql"})
     assert routes.model_named(unload) == "sql" and routes.operation(unload) == AdapterOp("sql")
-    assert routes.version("tokenmill-replica") == 0
+    at = routes.position("tokenmill-replica")
+    assert at.length == 0 and at.log.startswith("tokenmill-adapter-log-")
+    # Another ingress (a restarted one) keeps another log.
+    assert AdapterRoutes(None, None, None).position("tokenmill-replica").log != at.log
+
+
+def test_a_replica_follows_the_log_of_the_ingress_it_hears_from() -> None:
+    from tokenmill.serve_ray.adapters import AdapterSync, LogPosition
+
+    sync = AdapterSync(None, "d")  # type: ignore[arg-type]
+    assert not sync.behind(LogPosition())
+    sync.log, sync.applied = "log-a", 2
+    assert not sync.behind(LogPosition("log-a", 2)) and sync.behind(LogPosition("log-a", 3))
+    # A restarted ingress's log, even empty, is followed from its start.
+    assert sync.behind(LogPosition("log-b", 0))
 
 
 def test_the_ingress_answers_the_admin_api_over_the_one_store(tmp_path) -> None:

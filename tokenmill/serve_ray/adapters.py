@@ -5,12 +5,14 @@ A Ray Serve handle reaches *a* replica, never each one, so the change is a log r
 broadcast. The ingress sends ``POST /v1/load_lora_adapter`` (or unload) to one replica of the
 deployment, which answers it as ``tokenmill serve`` does (the folder is checked there); when
 it succeeds the ingress appends the operation to the deployment's log (``AdapterLog``, a small
-named actor) and from then on sends the log's length with every request. A replica that has
-applied fewer operations reads the rest of the log and applies them, in order, before it
-answers: a request naming the new adapter never reaches a replica without it, and a replica
+named actor) and from then on sends the log's position (``LogPosition``: which log, how long)
+with every request. A replica that has applied fewer operations reads the rest of the log and
+applies them, in order, before it answers: a request naming the new adapter never reaches a replica without it, and a replica
 that Ray starts later (a replacement, autoscaling) catches up the same way. Replicas apply
 the same operations in the same order, so each adapter gets the same ``lora_int_id`` (hence
-the same prefix-cache salt) on every replica.
+the same prefix-cache salt) on every replica. The log lives as long as the ingress that owns
+it: an ingress Ray restarts starts a new one (a new name), which the replicas replay from its
+start (an operation already in effect on a replica is skipped there).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import hmac
 import json
 import logging
 import os
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,24 +70,35 @@ class AdapterLog:
         return self._ops.get(deployment, [])[start:]
 
 
-def open_log() -> ray.actor.ActorHandle:
-    """The log, created if it is not there yet (by the ingress, which owns it)."""
-    return AdapterLog.options(name=LOG_NAME, get_if_exists=True).remote()
+@dataclass(frozen=True)
+class LogPosition:
+    """Where a deployment's adapter log stands: the log's actor name (one per ingress life)
+    and how many operations it holds."""
+
+    log: str = ""
+    length: int = 0
 
 
 class AdapterSync:
-    """A replica's side: how much of its deployment's log it has applied."""
+    """A replica's side: which log it follows and how much of it it has applied."""
 
     def __init__(self, state: ServerState, deployment: str) -> None:
         self.state = state
         self.deployment = deployment
+        self.log = ""
         self.applied = 0
 
-    async def catch_up(self, version: int) -> None:
-        """Apply the log's operations up to ``version`` (the caller serializes calls)."""
-        if version <= self.applied:
+    def behind(self, at: LogPosition) -> bool:
+        """Whether the replica must catch up before it answers a request sent at ``at``."""
+        return at.log != self.log or at.length > self.applied
+
+    async def catch_up(self, at: LogPosition) -> None:
+        """Apply the log's operations up to ``at`` (the caller serializes calls)."""
+        if at.log != self.log:  # a new ingress's log: replayed from its start
+            self.log, self.applied = at.log, 0
+        if at.length <= self.applied:
             return
-        log = ray.get_actor(LOG_NAME)
+        log = ray.get_actor(at.log)
         for op in await log.since.remote(self.deployment, self.applied):
             await self._apply(op)
             self.applied += 1
@@ -114,13 +128,15 @@ class AdapterRoutes:
         self.api_key = api_key
         self.models_dir = os.path.realpath(models_dir) if models_dir else None
         self._versions: dict[str, int] = {}
+        # This ingress's own log (a restarted ingress starts another).
+        self._log_name = f"{LOG_NAME}-{secrets.token_hex(6)}"
         self._log: ray.actor.ActorHandle | None = None
         # One change at a time: the log's order is the order the replicas answered.
         self.lock = asyncio.Lock()
 
-    def version(self, deployment: str) -> int:
-        """How many operations of ``deployment``'s log a request to it needs applied."""
-        return self._versions.get(deployment, 0)
+    def position(self, deployment: str) -> LogPosition:
+        """How much of ``deployment``'s log a request to it needs applied."""
+        return LogPosition(self._log_name, self._versions.get(deployment, 0))
 
     def authorize(self, req: HTTPRequestData) -> HTTPRequestData | APIError:
         """With an admin key only it may change adapters, as on one server (401 otherwise);
@@ -157,7 +173,7 @@ class AdapterRoutes:
     async def record(self, deployment: str, op: AdapterOp) -> None:
         """Append ``op`` to ``deployment``'s log: later requests carry the new length."""
         if self._log is None:
-            self._log = open_log()
+            self._log = AdapterLog.options(name=self._log_name, get_if_exists=True).remote()
         self._versions[deployment] = await self._log.append.remote(deployment, op)
 
 

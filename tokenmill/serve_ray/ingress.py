@@ -119,7 +119,7 @@ class Ingress:
         async with self._catalog_lock:
             if self._catalog is None:
                 infos = await asyncio.gather(*(
-                    d.describe.remote(self.adapters.version(d.deployment_name))
+                    d.describe.remote(self.adapters.position(d.deployment_name))
                     for d in self.deployments))
                 self._catalog = Catalog([Entry(info, handle) for info, handle
                                          in zip(infos, self.deployments, strict=True)],
@@ -145,10 +145,10 @@ class Ingress:
         """Send the request (of ``caller``'s project) to a replica of ``entry``'s model; its
         head and the rest."""
         key = await self._route_key(entry, req)
-        version = self.adapters.version(entry.handle.deployment_name)
+        adapters = self.adapters.position(entry.handle.deployment_name)
         for attempt in range(1, MAX_ATTEMPTS + 1):
             stream = entry.handle.options(stream=True).handle.remote(
-                req, **{ROUTE_KEY: key}, caller=caller, adapters_version=version)
+                req, **{ROUTE_KEY: key}, caller=caller, adapters=adapters)
             try:
                 head = await stream.__anext__()
                 return head, stream
@@ -227,19 +227,18 @@ class Ingress:
                 return error_response(admitted, path)
             caller, limit_headers = admitted
         self._in_flight += 1
-        if is_store_path(path):
-            try:
-                return await self._store_answer(req, caller)
-            finally:
-                self._finished(caller)
-        if request.method == "GET" and (path in LISTING_ROUTES or path == "/health"):
-            try:
-                return await self._everyone(req, caller)
-            except ConnectionError as e:  # a model with no replica up
-                return _error(503, str(e), "no_replica")
-            finally:
-                self._finished(caller)
-        return await self._forward(catalog, req, request, caller, limit_headers)
+        if not is_store_path(path) and not (
+                request.method == "GET" and (path in LISTING_ROUTES or path == "/health")):
+            return await self._forward(catalog, req, request, caller, limit_headers)
+        try:  # a whole answer of the ingress's store, or of every deployment
+            answer = await (self._store_answer(req, caller) if is_store_path(path)
+                            else self._everyone(req, caller))
+        except ConnectionError as e:  # a model with no replica up
+            return _error(503, str(e), "no_replica")
+        finally:
+            self._finished(caller)
+        answer.headers.update(limit_headers)
+        return answer
 
     async def _forward(self, catalog: Catalog, req: HTTPRequestData, request: Request,
                        caller: Caller | None, limit_headers: dict[str, str]) -> Response:

@@ -31,7 +31,7 @@ from ray import serve
 
 from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.engine.args import LoRAModule
-from tokenmill.serve_ray.adapters import AdapterSync
+from tokenmill.serve_ray.adapters import AdapterSync, LogPosition
 from tokenmill.serve_ray.front import ReplicaTenancy
 from tokenmill.serve_ray.kv_endpoints import advertised, replica_endpoint
 from tokenmill.serve_ray.messages import (
@@ -151,28 +151,28 @@ class ReplicaServer:
             await asyncio.sleep(PUSH_INTERVAL_S)
 
     async def handle(self, request: HTTPRequestData, route_key: list[bytes] | None = None,
-                     caller: Caller | None = None, adapters_version: int = 0
+                     caller: Caller | None = None, adapters: LogPosition | None = None
                      ) -> AsyncIterator[ResponseHead | bytes]:
         """The response to ``request``: its head, then its body's chunks. ``route_key`` is
         the router's (the prompt's block hashes); the replica does not need it. ``caller``:
-        the project the ingress admitted the request for; ``adapters_version``: how much of
-        the deployment's adapter log the answer needs applied first (adapters.py)."""
+        the project the ingress admitted the request for; ``adapters``: how much of the
+        deployment's adapter log the answer needs applied first (adapters.py)."""
         await self._started()
-        await self._catch_up(adapters_version)
+        await self._catch_up(adapters)
         context = (self._tenancy.context(caller)
                    if self._tenancy is not None and caller is not None else None)
         async for part in run_asgi(self._asgi, request, self.name, context):
             yield part
 
-    async def _catch_up(self, adapters_version: int) -> None:
-        if adapters_version > self._adapters.applied:
+    async def _catch_up(self, adapters: LogPosition | None) -> None:
+        if adapters is not None and self._adapters.behind(adapters):
             async with self._adapters_lock:
-                await self._adapters.catch_up(adapters_version)
+                await self._adapters.catch_up(adapters)
 
-    async def describe(self, adapters_version: int = 0) -> ModelInfo:
+    async def describe(self, adapters: LogPosition | None = None) -> ModelInfo:
         """This deployment's model, for the ingress's routing table (its adapters as of the
-        log's ``adapters_version``)."""
-        await self._catch_up(adapters_version)
+        log's position ``adapters``)."""
+        await self._catch_up(adapters)
         served = next(iter(self.state.models.values()))
         adapters = tuple(self.state.adapters_of(served.name))
         if served.task != GENERATE:
