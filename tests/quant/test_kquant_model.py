@@ -26,38 +26,45 @@ from tokenmill.quant.model import KEEP_GGUF_TYPES, decode_read_bytes
 from tokenmill.runner.cpu_program import CpuProgram
 
 HIDDEN, HEADS, KV_HEADS, FFN, VOCAB = 256, 4, 2, 512, 384
-HEAD_DIM = HIDDEN // HEADS
 # A Q4_K_M-like mix, every kernel type of a super-block among the layers.
 LAYER_TYPES = {"attn_q": Q.Q4_K, "attn_k": Q.Q3_K, "attn_v": Q.Q6_K, "attn_output": Q.Q5_K,
                "ffn_gate": Q.Q2_K, "ffn_up": Q.IQ4_XS, "ffn_down": Q.Q8_0}
-SHAPES = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
-          "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
-          "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
+
+
+def layer_shapes(hidden: int, ffn: int) -> dict[str, tuple[int, int]]:
+    """Each layer tensor's [out, in] for HEADS / KV_HEADS heads."""
+    kv = KV_HEADS * hidden // HEADS
+    return {"attn_q": (hidden, hidden), "attn_k": (kv, hidden), "attn_v": (kv, hidden),
+            "attn_output": (hidden, hidden), "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden),
+            "ffn_down": (hidden, ffn)}
+
 HF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
             "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 
 
-def write_kquant_gguf(path: Path, types: dict[str, Q]) -> int:
+def write_kquant_gguf(path: Path, types: dict[str, Q], hidden: int = HIDDEN,
+                      ffn: int = FFN) -> int:
     """A one-layer llama GGUF with the layers in ``types``; returns the layers' bytes."""
+    shapes = layer_shapes(hidden, ffn)
     writer = gguf.GGUFWriter(str(path), "llama")
     for key, value in [("add_block_count", 1), ("add_context_length", 256),
-                       ("add_embedding_length", HIDDEN), ("add_feed_forward_length", FFN),
+                       ("add_embedding_length", hidden), ("add_feed_forward_length", ffn),
                        ("add_head_count", HEADS), ("add_head_count_kv", KV_HEADS),
                        ("add_layer_norm_rms_eps", 1e-5)]:
         getattr(writer, key)(value)
     rng = np.random.default_rng(0)
     writer.add_tensor("token_embd.weight", gguf.quants.quantize(
-        rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32), Q.Q8_0), raw_dtype=Q.Q8_0)
+        rng.standard_normal((VOCAB, hidden)).astype(np.float32), Q.Q8_0), raw_dtype=Q.Q8_0)
     layer_bytes = 0
     for i, (name, qtype) in enumerate(types.items()):
-        rows, cols = SHAPES[name]
+        rows, cols = shapes[name]
         blocks = make_blocks(qtype, rows, cols, seed=10 + i,
                              scale=1.0 if qtype in QUANTIZABLE else 0.03)
         writer.add_tensor(f"blk.0.{name}.weight", blocks, raw_dtype=qtype)
         layer_bytes += blocks.nbytes
     for name in ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"):
-        norm = (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32)
+        norm = (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
         writer.add_tensor(name, norm, raw_dtype=Q.F32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -161,3 +168,47 @@ def test_int8_still_requantizes_on_request(kquant_file) -> None:
     model = _load(file, "int8")
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, Int8WeightOnlyLinear)
     assert not any(isinstance(m, KQuantLinear) for m in model.modules())
+
+
+RSS_SCRIPT = """
+import gc, sys
+import torch
+from tokenmill.kernels.cpu import load_extension
+from tokenmill.model_loader.gguf import load_gguf
+from tokenmill.model_loader.gguf_quantized import load_gguf_quantized
+from tokenmill.models.config import ArchConfig
+from tokenmill.models.registry import create_model
+from tokenmill.utils import release_freed_memory
+
+def rss():  # anonymous memory: the file's own pages, mapped and reclaimable, are not a copy
+    with open("/proc/self/status") as f:
+        line = next(l for l in f if l.startswith("RssAnon:"))
+    return int(line.split()[1]) * 1024
+
+load_extension()
+file = load_gguf(sys.argv[1])
+arch = ArchConfig.from_hf_dict(file.hf_config)
+gc.collect(); release_freed_memory()
+before = rss()
+model = create_model(arch, torch.float32, "cpu")  # as load_model builds it
+load_gguf_quantized(model, file, "gguf")
+del file
+gc.collect(); release_freed_memory()
+print(rss() - before)
+"""
+
+
+def test_rss_after_loading_is_the_files_bytes(tmp_path: Path) -> None:
+    """In a process of its own: the layers' blocks are the only copy in memory (no float
+    layer was ever filled in, no temporary left behind)."""
+    import subprocess
+    import sys
+
+    # a layer large enough that a copy would show: a 2048 x 8192 MLP, ~35 MB of blocks
+    layer_bytes = write_kquant_gguf(tmp_path / "big.gguf",
+                                    dict.fromkeys(layer_shapes(1, 1), Q.Q4_K), 2048, 8192)
+    out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(tmp_path / "big.gguf")],
+                         capture_output=True, text=True, check=True)
+    grown = int(out.stdout.strip().splitlines()[-1])
+    # the blocks, plus the norms, the (small) embedding table and the rotary tables
+    assert layer_bytes * 0.95 < grown < layer_bytes * 1.05 + 8 * 2**20, (grown, layer_bytes)
