@@ -108,8 +108,8 @@ def test_logits_match_transformers(phi3: Checkpoint) -> None:
         new = [(7 * step + 11 * i) % 250 + 3 for i in range(len(seqs))]
         for seq, tok in zip(seqs, new, strict=True):
             seq.append(tok)
-        for acc, logits in zip(ours, run_step(phi3.model, cache, list(enumerate([[t] for t in new]))),
-                               strict=True):
+        step_logits = run_step(phi3.model, cache, [(i, [t]) for i, t in enumerate(new)])
+        for acc, logits in zip(ours, step_logits, strict=True):
             acc.append(logits)
     for i, seq in enumerate(seqs):
         want = phi3.hf_model(torch.tensor([seq])).logits[0]

@@ -56,13 +56,15 @@ _LAYER_NAMES = {
 # as in its Hugging Face checkpoints; GGUFModel serves their parts (_split_fused).
 _ARCH_LAYER_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-_FUSED_RE = re.compile(r"(model\.layers\.\d+)\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)")
+_FUSED_RE = re.compile(
+    r"(model\.layers\.\d+)\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)")
 # Tensors that carry no weight of the HF model (llama3 rope factors become config instead).
 _SKIPPED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # Each layer's tensors of the dense architectures (their feed-forward ones unless the layer
 # has a router), checked with the global ones before anything is loaded (_check_tensors).
 _ATTN_QKV = ("attn_q", "attn_k", "attn_v")
-_REQUIRED = {"llama": (*_ATTN_QKV, "ffn_gate", "ffn_up"), "qwen2": (*_ATTN_QKV, "ffn_gate", "ffn_up"),
+_REQUIRED = {"llama": (*_ATTN_QKV, "ffn_gate", "ffn_up"),
+             "qwen2": (*_ATTN_QKV, "ffn_gate", "ffn_up"),
              "qwen3": (*_ATTN_QKV, "attn_q_norm", "attn_k_norm", "ffn_gate", "ffn_up"),
              "phi3": ("attn_qkv", "ffn_up"),
              "gemma3": (*_ATTN_QKV, "attn_q_norm", "attn_k_norm", "ffn_gate", "ffn_up",
@@ -252,7 +254,8 @@ class GGUFModel:
                 "post_attention_layernorm": (hidden,), "pre_feedforward_layernorm": (hidden,),
                 "post_feedforward_layernorm": (hidden,), "self_attn.q_norm": (hd,),
                 "self_attn.k_norm": (hd,), "model.norm": (hidden,),
-                "model.embed_tokens": (c["vocab_size"], hidden), "lm_head": (c["vocab_size"], hidden)}
+                "model.embed_tokens": (c["vocab_size"], hidden),
+                "lm_head": (c["vocab_size"], hidden)}
         for name, t in self._by_hf_name.items():
             module, _, leaf = name.rpartition(".")
             expected = want.get(_LAYER_PREFIX.sub("", module))

@@ -94,8 +94,9 @@ class ModelSummary:
                 "half)")
         if self.sliding_layers and self.sliding_window:
             full = self.kv_layers - self.sliding_layers
+            past = self.kv_bytes_per_token * full // self.kv_layers
             line += (f"; {self.sliding_layers} layers slide over {self.sliding_window} tokens, "
-                     f"so past that a token adds {self.kv_bytes_per_token * full // self.kv_layers:,}")
+                     f"so past that a token adds {past:,}")
         return line
 
 

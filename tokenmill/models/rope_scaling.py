@@ -53,17 +53,58 @@ def serve_context(arch: ArchConfig, max_model_len: int | None) -> ArchConfig:
     return dataclasses.replace(arch, rope_scaling={**scaling, "served_context": max_model_len})
 
 
+def yarn_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN's ``[rotary_dim // 2]`` frequencies (gpt-oss): the base ones where a pair turns
+    more than ``beta_fast`` times over the pretraining context, divided by ``factor`` where
+    it turns fewer than ``beta_slow`` times, a linear ramp between (its ends rounded outwards
+    unless ``truncate`` is false); as transformers' ``_compute_yarn_parameters``."""
+    factor = float(scaling["factor"])
+    original = int(scaling["original_max_position_embeddings"])
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (rotary_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero (transformers' guard)
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+    extrapolation = 1 - ramp  # the share of each pair's base frequency
+    return (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolation
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
-    """The factor longrope scales cos and sin by (so q.k by its square): the config's
-    ``attention_factor``, else ``sqrt(1 + ln(factor) / ln(original context))``; 1 otherwise."""
-    if scaling is None or scaling.get("rope_type") != "longrope":
+    """The factor longrope and YaRN scale cos and sin by (so q.k by its square): the config's
+    ``attention_factor``, else longrope's ``sqrt(1 + ln(factor) / ln(original context))`` or
+    YaRN's ``0.1 ln(factor) + 1`` (the ratio of two such with ``mscale`` and
+    ``mscale_all_dim``); 1 otherwise."""
+    rope_type = None if scaling is None else scaling.get("rope_type")
+    if scaling is not None and rope_type == "yarn":
+        if scaling.get("attention_factor") is not None:
+            return float(scaling["attention_factor"])
+        factor, mscale = float(scaling["factor"]), scaling.get("mscale")
+        all_dim = scaling.get("mscale_all_dim")
+        if mscale and all_dim:
+            return _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(all_dim))
+        return _yarn_mscale(factor)
+    if scaling is None or rope_type != "longrope":
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
     factor = float(scaling["factor"])
     if factor <= 1.0:
         return 1.0
-    return math.sqrt(1 + math.log(factor) / math.log(int(scaling["original_max_position_embeddings"])))
+    original = int(scaling["original_max_position_embeddings"])
+    return math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def partial_rotary_row_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
