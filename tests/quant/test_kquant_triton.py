@@ -1,7 +1,7 @@
 """The Triton K-quant matmuls (tokenmill/kernels/triton/kquant.py) against ``gguf``'s reference
 dequantization. Without a GPU they run in Triton's interpreter (fp32 and fp16 activations; the
-interpreter gets bf16 wrong); on CUDA a bf16 check runs too. Q8_0 weights come from
-``gguf.quants.quantize``; the package cannot quantize K-types, so their blocks are random bytes
+interpreter gets bf16 wrong); on CUDA a bf16 check runs too. Q8_0, Q4_0, Q4_1, Q5_0
+and Q5_1 weights come from ``gguf.quants.quantize``; the package cannot quantize K-types, so their blocks are random bytes
 with finite fp16 scales (every byte pattern of the rest is a valid block)."""
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from tokenmill.kernels.triton.kquant import (  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
-TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0]
+TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
+# Types gguf.quants.quantize makes; the K-types are random valid blocks.
+GGUF_QUANTIZES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1)
 # Byte offsets of each block's fp16 scales (d, and dmin for Q4_K/Q5_K).
 FP16_OFFSETS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q8_0: (0,)}
 
@@ -34,7 +36,7 @@ def random_blocks(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
     """``[n, k / QK * block_bytes]`` uint8: valid blocks of ``qtype`` with scales ~1e-2."""
     elems, size = gguf.GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(seed)
-    if qtype == Q.Q8_0:
+    if qtype in GGUF_QUANTIZES:
         return quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
     blocks = rng.integers(0, 256, (n, k // elems, size), dtype=np.uint8)
     for off in FP16_OFFSETS[qtype]:
@@ -66,8 +68,9 @@ def test_matches_gguf_dequantize_fp16(qtype: Q) -> None:
     _check(qtype, 5, 48, 512, torch.float16, block_m=16, block_n=16)
 
 
-def test_q8_0_k_not_a_multiple_of_256() -> None:
-    _check(Q.Q8_0, 3, 24, 96, torch.float32)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1], ids=lambda t: t.name)
+def test_32_element_types_k_not_a_multiple_of_256(qtype: Q) -> None:
+    _check(qtype, 3, 24, 96, torch.float32)  # SmolLM2's 576-wide rows are such
 
 
 def test_leading_dims_and_empty_batch() -> None:
@@ -90,7 +93,7 @@ def test_types_by_name_and_ggml_id() -> None:
 def test_bad_input_is_refused_with_the_supported_types() -> None:
     raw = torch.from_numpy(random_blocks(Q.Q6_K, 8, 256, seed=1))
     x = torch.randn(2, 256)
-    with pytest.raises(ValueError, match="Q2_K has no Triton kernel; supported: Q8_0, Q4_K"):
+    with pytest.raises(ValueError, match="Q2_K has no Triton kernel; supported: Q4_0, "):
         kquant_matmul(x, raw, Q.Q2_K)
     with pytest.raises(ValueError, match="210 bytes a row, got 144"):
         kquant_matmul(x, raw[:, :144].contiguous(), "Q6_K")
@@ -107,6 +110,7 @@ def test_segments_of_mixed_types_as_kquant_linear_holds_them() -> None:
     k = 512
     parts = [(Q.Q4_K, random_blocks(Q.Q4_K, 24, k, seed=5)),
              (Q.Q6_K, random_blocks(Q.Q6_K, 8, k, seed=6)),
+    (Q.Q5_0, random_blocks(Q.Q5_0, 8, k, seed=8)),
              (Q.Q8_0, random_blocks(Q.Q8_0, 16, k, seed=7))]
     flat = torch.from_numpy(np.concatenate([b.reshape(-1) for _, b in parts])).to(DEVICE)
     segments = torch.tensor([(int(t), b.shape[0]) for t, b in parts])
@@ -114,10 +118,10 @@ def test_segments_of_mixed_types_as_kquant_linear_holds_them() -> None:
     x = torch.randn(3, k)
     got = kquant_matmul_segments(x.to(DEVICE), flat, segments).cpu()
     want = x.double() @ ref_w.double().T
-    assert got.shape == (3, 48)
+    assert got.shape == (3, 56)
     assert ((got.double() - want).norm() / want.norm()).item() <= 1e-6
-    with pytest.raises(ValueError, match="Q5_0 has no Triton kernel"):
-        kquant_matmul_segments(x.to(DEVICE), flat, [(int(Q.Q5_0), 48)])
+    with pytest.raises(ValueError, match="IQ4_XS has no Triton kernel"):
+        kquant_matmul_segments(x.to(DEVICE), flat, [(int(Q.IQ4_XS), 56)])
     with pytest.raises(ValueError, match="cover"):
         kquant_matmul_segments(x.to(DEVICE), flat, segments[:2])
 

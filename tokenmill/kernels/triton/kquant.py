@@ -1,4 +1,5 @@
-"""Triton matmuls over GGUF's quantized blocks as the file stores them: Q4_K, Q5_K, Q6_K, Q8_0.
+"""Triton matmuls over GGUF's quantized blocks as the file stores them: Q4_K, Q5_K, Q6_K, Q8_0,
+and the 32-element types that K-quant files mix in (Q4_0, Q4_1, Q5_0, Q5_1).
 
 ``kquant_matmul(x, w, qtype)`` computes ``x @ W.T`` for ``x`` ``[T, K]`` (fp16, bf16 or fp32)
 and a weight kept as a uint8 tensor ``[N, K / QK * block_bytes]``: one row of the weight is
@@ -18,6 +19,11 @@ The block layouts (ggml-common.h; d and dmin are fp16, QK_K = 256):
 - Q6_K, 210 bytes: ql[128], qh[64], scales[16] (int8, one per 16 elements), d;
   ``w = d * sc * (q - 32)`` with q six bits from ql and qh.
 - Q8_0, 34 bytes per 32 elements: d, qs[32] (int8); ``w = d * q``.
+- Q4_0 / Q4_1, 18 / 20 bytes per 32: d (and m), qs[16] (element l low, l + 16 high);
+  Q5_0 / Q5_1, 22 / 24 bytes: d (and m), qh[4] (bit e: element e's fifth bit), qs[16];
+  ``w = d * (q - 8)``, ``d * (q - 16)``, or ``d * q + m`` for the _1 types. A Q4_K_M file keeps
+  the tensors whose rows are not a multiple of 256 in these (SmolLM2's 576-wide projections are
+  Q5_0 in its Q4_K_M file).
 
 Every fp16 scale sits at an even byte offset of an even-sized row, so the kernel reads them
 through a float16 view of the same bytes.
@@ -44,12 +50,17 @@ class KQuantType:
 
 # ggml's type ids (gguf.GGMLQuantizationType) of the types with a kernel here.
 KQUANT_TYPES: dict[str, KQuantType] = {t.name: t for t in (
+    KQuantType("Q4_0", 2, 32, 18),
+    KQuantType("Q4_1", 3, 32, 20),
+    KQuantType("Q5_0", 6, 32, 22),
+    KQuantType("Q5_1", 7, 32, 24),
     KQuantType("Q8_0", 8, 32, 34),
     KQuantType("Q4_K", 12, 256, 144),
     KQuantType("Q5_K", 13, 256, 176),
     KQuantType("Q6_K", 14, 256, 210),
 )}
-_KERNEL_CODE = {"Q8_0": 0, "Q4_K": 1, "Q5_K": 2, "Q6_K": 3}
+_KERNEL_CODE = {"Q8_0": 0, "Q4_K": 1, "Q5_K": 2, "Q6_K": 3, "Q4_0": 4, "Q4_1": 5, "Q5_0": 6,
+                "Q5_1": 7}
 
 
 def kquant_type(qtype: str | int) -> KQuantType:
@@ -89,6 +100,24 @@ def _k4_scale_min(base, w_ptr, sub, SCALES: tl.constexpr):
 
 
 @triton.jit
+def _dequant_legacy(w_ptr, wh_ptr, base, k, QTYPE: tl.constexpr):
+    """Q4_0 (4), Q4_1 (5), Q5_0 (6), Q5_1 (7): blocks of 32 with an fp16 d (and m)."""
+    HAS_MIN: tl.constexpr = QTYPE % 2 == 1
+    FIVE: tl.constexpr = QTYPE >= 6
+    QS: tl.constexpr = 2 + 2 * HAS_MIN + 4 * FIVE
+    qs = tl.load(w_ptr + base + QS + k % 16).to(tl.int32)
+    q = tl.where(k >= 16, qs >> 4, qs & 15)
+    if FIVE:
+        qh = tl.load(w_ptr + base + 2 + 2 * HAS_MIN + k // 8).to(tl.int32)
+        q |= ((qh >> (k % 8)) & 1) << 4
+    d = tl.load(wh_ptr + base // 2).to(tl.float32)
+    if HAS_MIN:
+        return d * q.to(tl.float32) + tl.load(wh_ptr + base // 2 + 1).to(tl.float32)
+    else:
+        return d * (q - (16 if FIVE else 8)).to(tl.float32)
+
+
+@triton.jit
 def _dequant_block(w_ptr, wh_ptr, base, k, QTYPE: tl.constexpr):
     """fp32 values of elements ``k`` (``[1, QK]``) of the blocks starting at byte ``base``
     (``[BLOCK_N, 1]``), one block per row."""
@@ -96,6 +125,8 @@ def _dequant_block(w_ptr, wh_ptr, base, k, QTYPE: tl.constexpr):
         d = tl.load(wh_ptr + base // 2).to(tl.float32)
         q = _signed8(tl.load(w_ptr + base + 2 + k).to(tl.int32))
         return d * q.to(tl.float32)
+    elif QTYPE >= 4:
+        return _dequant_legacy(w_ptr, wh_ptr, base, k, QTYPE)
     elif QTYPE == 3:  # Q6_K
         half = k // 128
         g = (k % 128) // 32
