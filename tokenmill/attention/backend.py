@@ -23,7 +23,7 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Store ``k``/``v`` at ``meta.slot_mapping`` and attend ``q`` over each sequence's context.
 
         Args:
@@ -37,6 +37,8 @@ class AttentionBackend(ABC):
             window: a sliding-window layer's window (None: full attention): the query at
                 position ``p`` sees the keys at positions ``p - window + 1 .. p`` only
                 (transformers' ``sliding_window``; Gemma 3's local layers).
+            sinks: ``[Hq]`` a logit per query head added to each softmax's denominator and
+                attending to nothing (gpt-oss's attention sinks); None: none.
 
         Returns:
             ``[T, Hq * D]`` attention output in the dtype of ``q``.
@@ -49,7 +51,8 @@ class AttentionBackend(ABC):
     def forward_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                        cos: torch.Tensor, sin: torch.Tensor,
-                       window: int | None = None) -> torch.Tensor:
+                       window: int | None = None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`forward` of ``q`` and ``k`` not yet rotated: ``cos`` and ``sin`` are the
         step's ``[T, 1, D]`` tables (``RotaryEmbedding.cos_sin``'s). ``q`` is rotated in place
         and ``k`` goes to the cache rotated; ``k`` itself may be left as it was. Only where
@@ -123,7 +126,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
         plan = _step_plan(meta, num_tokens, q.device, window)
@@ -139,28 +142,38 @@ class TorchAttentionBackend(AttentionBackend):
 
         decode = plan.decode
         if decode is not None and decode.rows is None:
-            return _decode(q, kv_cache, decode, scale)
+            return _decode(q, kv_cache, decode, scale, sinks)
         out = q.new_empty(num_tokens, num_heads * head_dim)
         if decode is not None:
             assert decode.rows is not None
             out.index_copy_(0, decode.rows, _decode(q.index_select(0, decode.rows), kv_cache,
-                                                    decode, scale))
-        self._prefill(q, k, v, kv_cache, meta, plan, scale, out)
+                                                    decode, scale, sinks))
+        self._prefill(q, k, v, kv_cache, meta, plan, scale, out, sinks)
         return out
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor, meta: AttentionMetadata, plan: _StepPlan, scale: float,
-                 out: torch.Tensor) -> None:
+                 out: torch.Tensor, sinks: torch.Tensor | None = None) -> None:
         """Write the attention of the step's prefill chunks into their rows of ``out``
-        (``[T, Hq * D]``), one chunk at a time through SDPA."""
+        (``[T, Hq * D]``), one chunk at a time through SDPA (with ``sinks``, through the
+        plain product, softmax and product)."""
         num_heads, head_dim = q.shape[1:]
         for seq in plan.prefill:
-            o = _prefill_one(q, k, v, kv_cache, seq, scale)
+            o = _prefill_one(q, k, v, kv_cache, seq, scale, sinks)
             out[seq.start:seq.end].view(seq.end - seq.start, num_heads, head_dim).copy_(o)
 
 
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of ``scores`` with ``sinks`` (broadcast to ``scores[..., :1]``)
+    one more logit of each row's denominator, whose share is dropped (None: plain softmax)."""
+    if sinks is None:
+        return scores.softmax(-1)
+    sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+
+
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan,
-            scale: float) -> torch.Tensor:
+            scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attend one query per sequence over its gathered context: ``[B, Hq, D] -> [B, Hq*D]``."""
     num_seqs, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -177,12 +190,14 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan,
     scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale)
     if plan.pad_mask is not None:
         scores.masked_fill_(plan.pad_mask, float("-inf"))
-    out = torch.matmul(scores.softmax(-1), v)
+    group_sinks = None if sinks is None else sinks.view(1, num_kv_heads, -1, 1)
+    out = torch.matmul(softmax_with_sinks(scores, group_sinks), v)
     return out.reshape(num_seqs, num_heads * head_dim)
 
 
 def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                 seq: _PrefillSeq, scale: float) -> torch.Tensor:
+                 seq: _PrefillSeq, scale: float,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attend one sequence's chunk of queries: returns ``[query_len, Hq, D]`` (a view)."""
     qs = q[seq.start:seq.end].transpose(0, 1)
     if seq.blocks is None:
@@ -195,12 +210,32 @@ def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: to
         ks = ks[:seq.seq_len].transpose(0, 1)
         vs = vs[:seq.seq_len].transpose(0, 1)
     ks, vs = ks.to(q.dtype), vs.to(q.dtype)  # no-ops unless the cache is narrower
+    if sinks is not None:  # SDPA has no extra logit in the denominator
+        return _attend_with_sinks(qs, ks, vs, seq.mask, scale, sinks).transpose(0, 1)
     # A batch dimension of 1: SDPA's CPU flash kernel takes only 4-D inputs, and 3-D ones fall
     # back to the math path (materialized scores, about 3x slower on a 500-token prompt).
     out = F.scaled_dot_product_attention(
         qs[None], ks[None], vs[None], attn_mask=seq.mask, is_causal=seq.mask is None,
         scale=scale, enable_gqa=qs.shape[0] != ks.shape[0])
     return out[0].transpose(0, 1)
+
+
+def _attend_with_sinks(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
+                       mask: torch.Tensor | None, scale: float,
+                       sinks: torch.Tensor) -> torch.Tensor:
+    """Causal attention of ``qs`` ``[Hq, Lq, D]`` over ``ks``/``vs`` ``[Hkv, Lk, D]`` (the
+    queries the last ``Lq`` positions; ``mask`` ``[Lq, Lk]`` True where a key is seen, None:
+    plain causal) with each head's sink in the softmax's denominator: ``[Hq, Lq, D]``."""
+    num_heads, query_len, head_dim = qs.shape
+    num_kv_heads, key_len = ks.shape[:2]
+    if mask is None:
+        mask = torch.ones(query_len, key_len, dtype=torch.bool, device=qs.device).tril(
+            key_len - query_len)
+    qg = qs.view(num_kv_heads, num_heads // num_kv_heads, query_len, head_dim)
+    scores = torch.matmul(qg, ks[:, None].transpose(-1, -2)).mul_(scale)
+    scores.masked_fill_(~mask, float("-inf"))
+    probs = softmax_with_sinks(scores, sinks.view(num_kv_heads, -1, 1, 1))
+    return torch.matmul(probs, vs[:, None]).view(num_heads, query_len, head_dim)
 
 
 def _step_plan(meta: AttentionMetadata, num_tokens: int, device: torch.device,

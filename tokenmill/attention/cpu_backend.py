@@ -5,7 +5,8 @@ SDPA's CPU flash kernel took 3.4 ms a layer on a 500-token prompt of the embedde
 third of the prompt's time); the extension's kernel reads the chunks' keys and values from the
 paged cache once per (sequence, KV head) and runs the online softmax in registers. Decode rows
 keep the PyTorch path (the fused decode stack has its own kernel for decode-only steps), and
-so do the chunks of a sliding-window layer (Gemma 3's local layers).
+so do the chunks of a sliding-window layer (Gemma 3's local layers) and of a layer with
+attention sinks (gpt-oss).
 """
 
 from __future__ import annotations
@@ -36,12 +37,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor, meta: AttentionMetadata, plan: _StepPlan, scale: float,
-                 out: torch.Tensor) -> None:
-        # The extension's kernel is causal over the whole context: a sliding-window layer's
-        # chunks take the PyTorch path, whose masks hide the keys out of the window.
-        if (plan.window is not None or not self._applies(q, kv_cache)
+                 out: torch.Tensor, sinks: torch.Tensor | None = None) -> None:
+        # The extension's kernel is causal over the whole context and has no sinks: a
+        # sliding-window layer's chunks take the PyTorch path, whose masks hide the keys out
+        # of the window, and so do a layer's with attention sinks (gpt-oss).
+        if (plan.window is not None or sinks is not None or not self._applies(q, kv_cache)
                 or not self._tables_fit(meta)):
-            super()._prefill(q, k, v, kv_cache, meta, plan, scale, out)
+            super()._prefill(q, k, v, kv_cache, meta, plan, scale, out, sinks)
             return
         if plan.prefill_chunks is None:
             plan.prefill_chunks = [x for s in plan.prefill

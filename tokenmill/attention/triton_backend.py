@@ -46,22 +46,25 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         store_kv(k, v, kv_cache, meta.slot_mapping)
-        return self._attend(q, kv_cache, meta, scale, window)
+        return self._attend(q, kv_cache, meta, scale, window, sinks)
 
     def forward_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                        cos: torch.Tensor, sin: torch.Tensor,
-                       window: int | None = None) -> torch.Tensor:
+                       window: int | None = None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
         # Every kernel below reads the keys from the cache, so k need not be rotated itself.
         rotary_store_kv(q, k, v, kv_cache, meta.slot_mapping, cos, sin)
-        return self._attend(q, kv_cache, meta, scale, window)
+        return self._attend(q, kv_cache, meta, scale, window, sinks)
 
     def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, window: int | None) -> torch.Tensor:
+                scale: float, window: int | None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """The attention of ``q`` over the cache, which already holds the step's K/V; with
-        ``window``, each query over the keys of its sliding window only."""
+        ``window``, each query over the keys of its sliding window only; with ``sinks``, each
+        head's sink logit in its softmax's denominator."""
         num_tokens, num_heads, head_dim = q.shape
         out = q.new_empty(num_tokens, num_heads, head_dim)
         if meta.decode_only:
@@ -79,7 +82,7 @@ class TritonAttentionBackend(AttentionBackend):
                 # that long (one partition, with no reduction, when it fits) covers them.
                 bound = min(bound, meta.launch_context)
             decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, bound,
-                             out=out, window=window, **launch)
+                             out=out, window=window, sinks=sinks, **launch)
         elif num_tokens:
             if sum(meta.query_lens_cpu) != num_tokens:
                 raise ValueError(f"query_lens_cpu sums to {sum(meta.query_lens_cpu)} "
@@ -92,5 +95,5 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.backend_plan = tiles
             prefill_attention(q, kv_cache, meta.block_tables, meta.query_start_loc,
                               meta.seq_lens, scale, meta.query_lens_cpu, out=out, tiles=tiles,
-                              window=window)
+                              window=window, sinks=sinks)
         return out.view(num_tokens, num_heads * head_dim)

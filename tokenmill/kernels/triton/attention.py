@@ -214,6 +214,23 @@ def softmax_step(s, v, m, denom, acc, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def fold_sink(sink, m, denom, acc):
+    """Fold one more base-2 logit per row, ``sink``, attending to nothing (an attention sink,
+    gpt-oss) into the running max/sum/output: it adds to the denominator only."""
+    m_new = tl.maximum(m, sink)
+    alpha = tl.math.exp2(m - m_new)
+    return m_new, denom * alpha + tl.math.exp2(sink - m_new), acc * alpha[:, None]
+
+
+def sinks_arg(sinks: torch.Tensor | None, scale: float, fallback: torch.Tensor) -> torch.Tensor:
+    """The kernels' sinks operand: ``[Hq]`` fp32 logits in base 2 (as the scores are), or
+    ``fallback`` (any tensor: its address goes unread) without sinks."""
+    if sinks is None:
+        return fallback
+    return (sinks.float() * scale).contiguous()
+
+
+@triton.jit
 def softmax_step_windowed(s, v, m, denom, acc, DOT_PRECISION: tl.constexpr):
     """:func:`softmax_step` for tiles where a row may have no key yet (a sliding window's
     first tiles): such a row keeps its max at -inf and adds nothing, where the plain step

@@ -17,10 +17,12 @@ from tokenmill.kernels.triton.attention import (
     MIN_DOT,
     check_last_dim,
     dot_precision,
+    fold_sink,
     load_kv_rows,
     load_kv_tile,
     queries_to,
     row_align,
+    sinks_arg,
     softmax_step,
     span,
     span_bases,
@@ -34,7 +36,7 @@ from tokenmill.kernels.tuning.decode_attention import DEFAULT_LAUNCH
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_ptr,
-                         part_out_ptr, part_lse_ptr, out_ptr, qk_scale,
+                         part_out_ptr, part_lse_ptr, out_ptr, qk_scale, sinks_ptr,
                          stride_qb, stride_qh, stride_bt, stride_cb, stride_co, stride_ch,
                          stride_ob, stride_oh,
                          NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -43,7 +45,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_pt
                          DOT_PRECISION: tl.constexpr, FP16: tl.constexpr,
                          TABLE_SPAN: tl.constexpr, ROW_ALIGN: tl.constexpr,
                          DIRECT: tl.constexpr, WINDOW: tl.constexpr = 0,
-                         PDL: tl.constexpr = False):
+                         SINKS: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (seq, kv head, split): the GROUP query heads of one KV head over one partition.
 
     Writes the partition's normalized output and log2-sum-exp per query head, to be combined by
@@ -58,6 +60,9 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_pt
     With WINDOW > 0 (a sliding-window layer) the query sees the last WINDOW keys only: a
     partition that ends before them writes nothing (the reduction starts after it), and the
     one they start in begins at the tile holding the first.
+
+    With SINKS, ``sinks_ptr`` holds a base-2 logit per query head added to the softmax's
+    denominator: by the output itself with DIRECT, else by the reduction.
     """
     pdl_start(PDL)
     b = tl.program_id(0)
@@ -115,6 +120,9 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_pt
         m, denom, acc = softmax_step(s, v, m, denom, acc, DOT_PRECISION)
 
     if DIRECT:
+        if SINKS:
+            sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0)
+            m, denom, acc = fold_sink(sink, m, denom, acc)
         tl.store(out_ptr + out_offs, (acc / denom[:, None]).to(out_ptr.dtype.element_ty),
                  mask=out_mask)
     else:
@@ -127,10 +135,11 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_pt
 
 @triton.jit
 def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, num_splits,
-                          stride_ob, stride_oh,
+                          stride_ob, stride_oh, sinks_ptr,
                           NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                           PARTITION: tl.constexpr, BLOCK_D: tl.constexpr,
-                          WINDOW: tl.constexpr = 0, PDL: tl.constexpr = False):
+                          WINDOW: tl.constexpr = 0, SINKS: tl.constexpr = False,
+                          PDL: tl.constexpr = False):
     """Program (seq, query head): combine the partitions that hold keys, weighted by their sums.
 
     Only the first ``cdiv(seq_len, PARTITION)`` partitions are read, since the others were never
@@ -161,6 +170,12 @@ def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, num
         acc = acc * alpha + w * part
         total = total * alpha + w
         m = m_new
+    if SINKS:  # one more term of the denominator, attending to nothing
+        sink = tl.load(sinks_ptr + h + d * 0)
+        m_new = tl.maximum(m, sink)
+        alpha = tl.math.exp2(m - m_new)
+        acc = acc * alpha
+        total = total * alpha + tl.math.exp2(sink - m_new)
     # total >= 1 whenever a partition was read (the largest lse has weight 1), and acc is 0
     # when none was: dividing by max(total, 1) is exact in the first case and 0 in the second.
     out = acc / tl.maximum(total, 1.0)
@@ -178,7 +193,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
                      fp8_compute: str = DEFAULT_LAUNCH.fp8_compute,
                      max_registers: int | None = DEFAULT_LAUNCH.max_registers,
                      preload_table: bool = DEFAULT_LAUNCH.preload_table,
-                     window: int | None = None) -> torch.Tensor:
+                     window: int | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attend one query per sequence over its paged context (flash decoding).
 
     Each sequence's context is cut into partitions of ``partition_size`` tokens, attended in
@@ -209,6 +225,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
             reads its own.
         window: a sliding-window layer's window in tokens (None: full attention): the
             query sees the last ``window`` keys of its context only.
+        sinks: ``[Hq]`` a logit per query head added to each softmax's denominator
+            (gpt-oss's attention sinks); None: none.
 
     Returns:
         ``out`` or a new ``[B, Hq, D]`` tensor in the dtype of q.
@@ -238,8 +256,10 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
     block_size = k_cache.shape[1]
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    sinks_l2 = sinks_arg(sinks, LOG2E, part_lse)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out, scale * LOG2E,
+        sinks_l2,
         q.stride(0), q.stride(1), block_tables.stride(0), *cache_strides,
         out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
@@ -248,12 +268,13 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         DOT_PRECISION=dot_precision(q), FP16=widens_to_fp16(q, kv_cache, fp8_compute),
         TABLE_SPAN=span(partition_size, block_size) if preload_table else 0,
         ROW_ALIGN=row_align(cache_strides), DIRECT=direct, WINDOW=window_arg(window),
-        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
+        SINKS=sinks is not None, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
         **({} if max_registers is None else {"maxnreg": max_registers}),
         **launch_options(q.device))
     if not direct:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_out, part_lse, seq_lens, out, num_splits, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, PARTITION=partition_size, BLOCK_D=block_d,
-            WINDOW=window_arg(window), **launch_options(part_out.device))
+            sinks_l2, NUM_HEADS=num_heads, HEAD_DIM=head_dim, PARTITION=partition_size,
+            BLOCK_D=block_d, WINDOW=window_arg(window), SINKS=sinks is not None,
+            **launch_options(part_out.device))
     return out

@@ -14,9 +14,11 @@ from tokenmill.kernels.triton.attention import (
     MIN_DOT,
     check_last_dim,
     dot_precision,
+    fold_sink,
     load_kv_rows,
     queries_to,
     row_align,
+    sinks_arg,
     softmax_step,
     softmax_step_windowed,
     span,
@@ -45,14 +47,14 @@ _PREFILL_CHUNK = 512
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, table_ptr, query_start_ptr,
-                    seq_lens_ptr, tile_seq_ptr, tile_idx_ptr, qk_scale,
+                    seq_lens_ptr, tile_seq_ptr, tile_idx_ptr, qk_scale, sinks_ptr,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                     stride_cb, stride_co, stride_ch,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, FP16: tl.constexpr, CHUNK: tl.constexpr,
                     CHUNK_SPAN: tl.constexpr, ROW_ALIGN: tl.constexpr, WINDOW: tl.constexpr = 0,
-                    PDL: tl.constexpr = False):
+                    SINKS: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (tile, kv head): causal attention of BLOCK_M // GROUP query tokens of one
     sequence; the step's tiles are listed in ``tile_seq`` / ``tile_idx`` (sequence, tile of it),
     so a mixed step launches no programs for the empty tiles of its short sequences.
@@ -65,6 +67,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, table_ptr, query_s
 
     With WINDOW > 0 (a sliding-window layer) the query at position p sees keys p - WINDOW + 1
     .. p only: the loop starts at the tile holding the first key of the tile's first query.
+    With SINKS, ``sinks_ptr`` holds a base-2 logit per query head added to the softmax's
+    denominator (gpt-oss's attention sinks).
     """
     pdl_start(PDL)
     tile = tl.program_id(0)
@@ -119,6 +123,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, table_ptr, query_s
                 s = tl.where(keep, s, float("-inf"))
                 m, denom, acc = softmax_step(s, v, m, denom, acc, DOT_PRECISION)
 
+    if SINKS:
+        m, denom, acc = fold_sink(tl.load(sinks_ptr + heads), m, denom, acc)
     out = acc / denom[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -150,7 +156,8 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                       query_lens: Sequence[int], out: torch.Tensor | None = None,
                       tiles: torch.Tensor | None = None,
-                      window: int | None = None) -> torch.Tensor:
+                      window: int | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a flat batch of variable-length chunks over their paged contexts.
 
     Sequence ``b`` owns rows ``query_start_loc[b]:query_start_loc[b+1]`` of q, the last
@@ -168,6 +175,8 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
         out: optional ``[T, Hq, D]`` output (any strides with a contiguous last dimension).
         tiles: :func:`prefill_tiles` of ``query_lens``, when the caller keeps it for every layer.
         window: a sliding-window layer's window in tokens (None: full attention).
+        sinks: ``[Hq]`` a logit per query head added to each softmax's denominator
+            (gpt-oss's attention sinks); None: none.
 
     Returns:
         ``out`` or a new ``[T, Hq, D]`` tensor in the dtype of q.
@@ -189,13 +198,15 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     chunk = max(_PREFILL_CHUNK, _PREFILL_BLOCK_N)
     _prefill_kernel[(tiles.shape[1], num_kv_heads)](
         q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, tiles[0], tiles[1],
-        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        scale * LOG2E, sinks_arg(sinks, LOG2E, seq_lens), q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1),
         block_tables.stride(0), *cache_strides,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=prefill_block_m(num_heads, num_kv_heads), BLOCK_N=_PREFILL_BLOCK_N,
         BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
         DOT_PRECISION=dot_precision(q), FP16=widens_to_fp16(q, kv_cache),
         CHUNK=chunk, CHUNK_SPAN=span(chunk, k_cache.shape[1]),
-        ROW_ALIGN=row_align(cache_strides), WINDOW=window_arg(window), num_warps=NUM_WARPS,
+        ROW_ALIGN=row_align(cache_strides), WINDOW=window_arg(window),
+        SINKS=sinks is not None, num_warps=NUM_WARPS,
         **launch_options(q.device))
     return out
