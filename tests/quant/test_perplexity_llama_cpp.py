@@ -69,6 +69,20 @@ def test_unknown_recipe_is_refused() -> None:
         perplexity(tiny_model(tiny_arch()), TOKENS, recipe="wikitext")
 
 
+def test_llama_cpp_tokens_drop_one_trailing_newline_as_its_file_reader_does() -> None:
+    from tokenmill.bench.perplexity import _tokens
+    from tokenmill.model_loader.gguf import embedded_model_path, load_gguf_tokenizer
+
+    tokenizer = load_gguf_tokenizer(embedded_model_path())
+    text = Path(FIXED_TEXT_PATH).read_text(encoding="utf-8")
+    assert text.endswith("all nations.\n")
+    ids, bos = _tokens(tokenizer, text, "llama.cpp")
+    # llama-perplexity -f counts 2879 tokens of this file with SmolLM2 (which adds no BOS)
+    assert bos is None and ids == tokenizer.encode(text[:-1], add_special_tokens=True)
+    assert len(ids) == 2879
+    assert _tokens(tokenizer, text, "sliding")[0] == tokenizer.encode(text, False)
+
+
 def test_fixed_text_is_shipped_and_long_enough() -> None:
     text = Path(FIXED_TEXT_PATH).read_text(encoding="utf-8")
     assert text.isascii() and len(text.split()) > 2000

@@ -10,7 +10,8 @@ with at least ``context - stride`` tokens of history once the first window is pa
 ``--recipe llama.cpp`` scores as llama.cpp's ``llama-perplexity`` does by default (no
 ``--ppl-stride``): the text is tokenized with the model's special tokens (BOS where the GGUF
 says ``add_bos_token``), cut into ``len // context`` disjoint chunks of ``--context`` tokens
-(the tail is dropped; it needs at least two chunks), the first token of each chunk is replaced
+(the tail is dropped; it needs at least two chunks; one trailing newline of the file is dropped
+first, as ``llama-perplexity -f`` does), the first token of each chunk is replaced
 by BOS where the model adds one, and only the second half of each chunk is scored (targets
 ``context/2 + 1 .. context - 1``), so its numbers compare with llama.cpp's on the same file.
 
@@ -258,9 +259,10 @@ def _text_path(text: str | None) -> str:
 def _tokens(tokenizer: Any, text: str, recipe: str) -> tuple[list[int], int | None]:
     """The text's token ids for ``recipe``, and the BOS that starts each llama.cpp chunk (None
     where the model adds no BOS: llama.cpp asks the GGUF's add_bos_token, as the tokenizer
-    does)."""
+    does). llama-perplexity's ``-f`` drops one trailing newline of the file; so does this."""
     if recipe != "llama.cpp":
         return tokenizer.encode(text, add_special_tokens=False), None
+    text = text.removesuffix("\n")
     ids = tokenizer.encode(text, add_special_tokens=True)
     bos = tokenizer.bos_token_id
     adds_bos = bos is not None and ids[:1] == [bos] and tokenizer.encode(
