@@ -150,3 +150,26 @@ def test_engine_serves_int4_experts_and_then_a_float_request(qwen3_moe: Checkpoi
     assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6]
     again = quantized.generate(seqs, params)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
+
+
+def test_the_bound_moe_kernel_computes_the_experts(qwen3_moe: Checkpoint) -> None:
+    """``Kernels.moe`` is what a StackedExperts calls once bound (the seam a fused CUDA kernel
+    takes), once per sparse layer and step; the default is the grouped PyTorch path."""
+    from dataclasses import replace
+
+    from tokenmill.models.kernel_binding import TORCH_KERNELS, bind_kernels
+
+    model = copy.deepcopy(qwen3_moe.model)
+    calls: list[int] = []
+
+    def counted(x, w13, w2, weights, ids):  # noqa: ANN001, ANN202
+        calls.append(x.shape[0])
+        return torch_moe(x, w13, w2, weights, ids)
+
+    bind_kernels(model, kernels=replace(TORCH_KERNELS, name="counted", moe=counted))
+    seqs = prompts(qwen3_moe.arch.vocab_size, (4, 6), seed=14)
+    got = _logits(model, qwen3_moe, seqs)
+    sparse = sum(qwen3_moe.arch.is_moe_layer(i) for i in range(qwen3_moe.arch.num_hidden_layers))
+    assert calls == [10] * sparse + [2] * sparse  # the prompts' step, then the decode step
+    assert torch.equal(got, _logits(qwen3_moe.model, qwen3_moe, seqs))
+    assert TORCH_KERNELS.moe is torch_moe
