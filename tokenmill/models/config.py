@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Rope types whose frequencies models/layers.py knows how to compute.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 # Bidirectional encoders (the BERT family, models/bert.py): their checkpoints hold a BertModel,
 # bare or under "bert." beside a task head that embeddings do not use; or, for the
 # cross-encoders (rerankers), beside the one-label classification head that scores a pair.
@@ -15,7 +15,7 @@ ENCODER_ARCHITECTURES = frozenset({"BertModel", "BertForMaskedLM", "BertForPreTr
                                    *CROSS_ENCODER_ARCHITECTURES})
 # Gemma 3 (models/gemma3.py): decoders whose sliding-window layers are implemented, so their
 # context is not capped at the window; and the activation each decoder family's MLP takes.
-SLIDING_WINDOW_ARCHITECTURES = frozenset({"Gemma3ForCausalLM"})
+SLIDING_WINDOW_ARCHITECTURES = frozenset({"Gemma3ForCausalLM", "GptOssForCausalLM"})
 DECODER_ACTIVATIONS = {"Gemma3ForCausalLM": ("gelu_pytorch_tanh",)}
 
 
@@ -76,6 +76,11 @@ class ArchConfig:
     rope_local_base_freq: float = 10000.0
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    # gpt-oss (models/gpt_oss.py): its experts' clamped SwiGLU, ``(up + 1) * gate *
+    # sigmoid(swiglu_alpha * gate)`` with gate clamped above and up on both sides at
+    # swiglu_limit; its sliding and full layers alternate (sliding_window, layer_types above).
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -117,6 +122,11 @@ class ArchConfig:
         if not 0.0 < factor <= 1.0 or self.rotary_dim % 2 or self.rotary_dim <= 0:
             raise ValueError(f"partial_rotary_factor must be in (0, 1] and turn an even number "
                              f"of head_dim's {self.head_dim} dims, got {factor!r}")
+        if self.rope_scaling is not None and self.rope_scaling.get("rope_type") == "yarn":
+            factor = self.rope_scaling.get("factor")
+            if not isinstance(factor, int | float) or factor < 1:
+                raise ValueError(f"rope_scaling.factor must be a number >= 1 for yarn, got "
+                                 f"{factor!r}")
         if self.rope_scaling is not None and self.rope_scaling.get("rope_type") == "longrope":
             for key in ("short_factor", "long_factor"):
                 value = self.rope_scaling.get(key)
@@ -226,7 +236,9 @@ class ArchConfig:
         kv_heads = d.get("num_key_value_heads") or heads
         head_dim = d.get("head_dim") or _div(d["hidden_size"], heads, "hidden_size")
         rope_source, sliding = d, {}
-        if archs[0] in SLIDING_WINDOW_ARCHITECTURES:
+        if archs[0] == "GptOssForCausalLM":
+            sliding = _gpt_oss_from_hf(d)
+        elif archs[0] in SLIDING_WINDOW_ARCHITECTURES:
             rope_source, sliding = _sliding_from_hf(d)
         rope_theta, rope_scaling = _rope_from_hf(rope_source)
         encoder = archs[0] in ENCODER_ARCHITECTURES
@@ -328,6 +340,18 @@ def _sliding_from_hf(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
         final_logit_softcapping=d.get("final_logit_softcapping"))
 
 
+def _gpt_oss_from_hf(d: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's config.json: its sliding window, the layer types (``layer_types``, else
+    sliding and full alternating from a sliding layer 0, as transformers fills them) and the
+    experts' SwiGLU constants."""
+    types = d.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 else "full_attention"
+        for i in range(d["num_hidden_layers"])]
+    return dict(sliding_window=d.get("sliding_window"), layer_types=tuple(types),
+                swiglu_limit=float(d.get("swiglu_limit", 7.0)),
+                swiglu_alpha=float(d.get("swiglu_alpha", 1.702)))
+
+
 def _rope_from_hf(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling) from ``rope_theta``/``rope_scaling`` (v4) or ``rope_parameters`` (v5)."""
     params = d.get("rope_parameters")
@@ -351,7 +375,20 @@ def _rope_from_hf(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         return float(theta), None
     if rope_type == "longrope":
         _longrope_from_hf(d, scaling)
+    if rope_type == "yarn":
+        _yarn_from_hf(d, scaling)
     return float(theta), scaling
+
+
+def _yarn_from_hf(d: dict[str, Any], scaling: dict[str, Any]) -> None:
+    """YaRN's pretraining context (in rope_scaling, else beside it, else the model's) and its
+    default ``factor`` (the context's growth), as transformers' _compute_yarn_parameters."""
+    max_pos = d.get("max_position_embeddings", 2048)
+    original = (scaling.get("original_max_position_embeddings")
+                or d.get("original_max_position_embeddings") or max_pos)
+    scaling["original_max_position_embeddings"] = int(original)
+    if scaling.get("factor") is None:
+        scaling["factor"] = max_pos / int(original)
 
 
 def _longrope_from_hf(d: dict[str, Any], scaling: dict[str, Any]) -> None:

@@ -26,7 +26,11 @@ from tokenmill.models.kernel_binding import (
     torch_silu_mul,
 )
 from tokenmill.models.parallel import VocabParallelEmbedding, divide
-from tokenmill.models.rope_scaling import longrope_inv_freq, rope_attention_factor
+from tokenmill.models.rope_scaling import (
+    longrope_inv_freq,
+    rope_attention_factor,
+    yarn_inv_freq,
+)
 
 # Rotary of ``x`` ``[T, H, D]`` by sign-folded sin, in three kernels (kernel_binding).
 apply_rotary = torch_rotary
@@ -173,6 +177,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
     try:
         if rope_type == "longrope":
             return longrope_inv_freq(head_dim, theta, scaling, max_positions)  # type: ignore[arg-type]
+        if rope_type == "yarn":
+            return yarn_inv_freq(head_dim, theta, scaling)  # type: ignore[arg-type]
         factor = float(scaling["factor"])  # type: ignore[index]
         if rope_type == "linear":
             return inv_freq / factor
@@ -327,6 +333,9 @@ class Attention(nn.Module):
                                bias=options.qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size,
                              bias=options.o_bias and tp_rank() == 0)
+        # A learned logit per query head added to the softmax's denominator, handed to the
+        # backend with each call (None: none); set by a family with sinks (models/gpt_oss.py).
+        self.sinks: nn.Parameter | None = None
         self.qk_norm = options.qk_norm
         if options.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -356,11 +365,11 @@ class Attention(nn.Module):
         backend, cache = meta.backend, meta.kv_caches[self.layer_idx]
         if backend.fuses_rotary:  # rotated in the kernel that stores K/V
             out = backend.forward_rotary(qk[:, :hq], qk[:, hq:], v, cache, meta, self.scale,
-                                         cos, sin, window=self.window)
+                                         cos, sin, window=self.window, sinks=self.sinks)
         else:
             qk = self._rotary(qk, cos, sin)
             out = backend.forward(qk[:, :hq], qk[:, hq:], v, cache, meta, self.scale,
-                                  window=self.window)
+                                  window=self.window, sinks=self.sinks)
         out = self.o_proj(out)
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
 

@@ -20,6 +20,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     # Mixture of experts (models/moe.py).
     "Qwen3MoeForCausalLM": ("tokenmill.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("tokenmill.models.mixtral", "MixtralForCausalLM"),
+    "GptOssForCausalLM": ("tokenmill.models.gpt_oss", "GptOssForCausalLM"),  # gpt-oss
     "Gemma3ForCausalLM": ("tokenmill.models.gemma3", "Gemma3ForCausalLM"),
     # Encoders for embeddings; a BertFor* checkpoint's task head is left unused.
     "BertModel": ("tokenmill.models.bert", "BertModel"),

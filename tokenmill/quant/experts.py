@@ -30,7 +30,12 @@ class QuantizedExperts(nn.Module):
     def from_stacked(cls, experts: StackedExperts,
                      quantize: Callable[[torch.Tensor], nn.Module]) -> QuantizedExperts:
         """Each expert's ``w13`` and ``w2`` slice through ``quantize`` (a float ``[out, in]``
-        weight -> a module computing ``x @ w.T``); ValueError where it cannot take a shape."""
+        weight -> a module computing ``x @ w.T``); ValueError where it cannot take a shape,
+        or where the experts compute more than the SiLU-gated stacks (gpt-oss's biases and
+        clamped SwiGLU: kept in float rather than run without them)."""
+        if type(experts).forward is not StackedExperts.forward:
+            raise ValueError(f"{type(experts).__name__} computes more than SiLU-gated stacked "
+                             "experts (biases, another gating): no quantized path")
         n = experts.num_experts
         return cls([quantize(experts.w13[e].contiguous()) for e in range(n)],
                    [quantize(experts.w2[e].contiguous()) for e in range(n)])
