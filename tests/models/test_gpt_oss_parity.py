@@ -144,3 +144,27 @@ def test_expert_count_and_width_refused_by_name(gpt_oss: Checkpoint, tmp_path) -
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_local_experts": 8}))
     with pytest.raises(ValueError, match="num_local_experts is 8"):
         load_ours(tmp_path)
+
+
+def test_a_fused_moe_kernel_set_is_declined_at_load_with_a_log_line(
+        gpt_oss: Checkpoint, caplog: pytest.LogCaptureFixture) -> None:
+    """Bound to a kernel set whose MoE is a fused SiLU kernel (CUDA's), the experts keep the
+    grouped PyTorch path with the clamped SwiGLU, and the model says so once, at load."""
+    import dataclasses
+    import logging
+
+    from tokenmill.kernels.moe import torch_moe
+    from tokenmill.models.kernel_binding import TORCH_KERNELS, bind_kernels
+
+    def fused_silu_only(*args: object) -> torch.Tensor:
+        raise AssertionError("the SiLU-gated kernel ran gpt-oss's experts")
+
+    model = copy.deepcopy(gpt_oss.model)
+    with caplog.at_level(logging.INFO, logger="tokenmill.models.gpt_oss"):
+        bind_kernels(model, kernels=dataclasses.replace(TORCH_KERNELS, name="fused",
+                                                        moe=fused_silu_only))
+    assert caplog.text.count("clamped-SwiGLU experts run on the grouped PyTorch path") == 1
+    assert all(layer.mlp.experts._moe is torch_moe for layer in model.model.layers)
+    (ids,) = prompts(gpt_oss.arch.vocab_size, (12,), seed=4)
+    torch.testing.assert_close(_logits(model, gpt_oss.arch, ids),
+                               _logits(gpt_oss.model, gpt_oss.arch, ids), rtol=0, atol=0)
