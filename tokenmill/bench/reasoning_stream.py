@@ -4,7 +4,8 @@ through two `tokenmill serve` processes of one random-weight Qwen3, one with
 with ``--reasoning-parser none`` and no tools (its prompts written out with the same tool
 block, so both prefill the same tokens). Greedy, ``ignore_eos`` and one ``max_tokens``: both
 decode the same tokens. Rounds alternate (AB, BA, ...) so a drift of the machine lands on both
-alike; the overhead is the drop of the median output tokens/s.
+alike; the overhead is the median over the rounds' pairs of the drop in output tokens/s, and,
+less sensitive to other load on the machine, the extra server CPU time per output token.
 
 The model (written here, weights random at load: ``--load-format dummy``) has a word-level
 tokenizer with Qwen3's chat and thinking markers and a template whose generation prompt opens
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -136,18 +138,40 @@ async def run_round(url: str, bodies: list[dict[str, Any]]) -> tuple[float, list
         return time.perf_counter() - start, list(streams)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process and its live descendants so far (Linux /proc;
+    0 elsewhere): the server's own work, which other load on the machine does not inflate
+    as it inflates wall time."""
+    ticks, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/stat", encoding="ascii") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime
+            with open(f"/proc/{p}/task/{p}/children", encoding="ascii") as f:
+                todo += [int(c) for c in f.read().split()]
+        except (OSError, IndexError, ValueError):
+            continue
+    return ticks / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.0
+
+
 @dataclass
 class Mode:
-    """The rounds of one server: tokens/s of each, and the last round's streams."""
+    """The rounds of one server: tokens/s and server CPU ms per output token of each, and
+    the last round's streams."""
 
     name: str
     tokens_per_s: list[float] = field(default_factory=list)
+    cpu_ms_per_token: list[float] = field(default_factory=list)
     streams: list[Stream] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         s = self.streams
         return {"median_tokens_per_s": round(statistics.median(self.tokens_per_s), 2),
                 "tokens_per_s": [round(t, 2) for t in self.tokens_per_s],
+                "median_cpu_ms_per_token": round(statistics.median(self.cpu_ms_per_token), 4),
+                "cpu_ms_per_token": [round(t, 4) for t in self.cpu_ms_per_token],
                 "output_tokens_per_round": sum(x.completion_tokens for x in s),
                 "prompt_tokens_per_round": sum(x.prompt_tokens for x in s),
                 "chunks_per_round": sum(x.chunks for x in s),
@@ -176,9 +200,13 @@ def measure(args: argparse.Namespace, model: Path) -> dict[str, Any]:
             asyncio.run(run_round(servers[parsed].base_url, bodies[parsed]))
         for r in range(args.rounds):
             for parsed in ((False, True) if r % 2 == 0 else (True, False)):
-                wall, streams = asyncio.run(run_round(servers[parsed].base_url, bodies[parsed]))
-                mode = modes[parsed]
-                mode.tokens_per_s.append(sum(s.completion_tokens for s in streams) / wall)
+                server, mode = servers[parsed], modes[parsed]
+                cpu = cpu_seconds(server.proc.pid)
+                wall, streams = asyncio.run(run_round(server.base_url, bodies[parsed]))
+                tokens = sum(s.completion_tokens for s in streams)
+                mode.tokens_per_s.append(tokens / wall)
+                mode.cpu_ms_per_token.append(
+                    1000 * (cpu_seconds(server.proc.pid) - cpu) / tokens)
                 mode.streams = streams
     finally:
         for s in servers.values():
@@ -187,31 +215,44 @@ def measure(args: argparse.Namespace, model: Path) -> dict[str, Any]:
     for key in ("output_tokens_per_round", "prompt_tokens_per_round"):
         if plain[key] != parsed_[key]:
             raise RuntimeError(f"the two modes differ in {key}: {plain[key]} vs {parsed_[key]}")
-    drop = 1 - parsed_["median_tokens_per_s"] / plain["median_tokens_per_s"]
-    return {"plain": plain, "parsers": parsed_, "overhead_pct": round(100 * drop, 2)}
+    # Each round's pair ran back to back: the median of the pairs' ratios sheds the drift of
+    # a shared machine better than the ratio of two medians.
+    pairs = zip(modes[False].tokens_per_s, modes[True].tokens_per_s, strict=True)
+    drop = statistics.median(1 - b / a for a, b in pairs)
+    cpu_pairs = zip(modes[False].cpu_ms_per_token, modes[True].cpu_ms_per_token, strict=True)
+    cpu = statistics.median(b / a - 1 if a > 0 else float("nan") for a, b in cpu_pairs)
+    return {"plain": plain, "parsers": parsed_, "overhead_pct": round(100 * drop, 2),
+            "cpu_overhead_pct": round(100 * cpu, 2)}
 
 
 def markdown(result: dict[str, Any]) -> str:
     """The result as a short markdown page: the command, the hardware and the table."""
     rows = [[name, result[key]["median_tokens_per_s"],
-             " ".join(f"{t:.0f}" for t in result[key]["tokens_per_s"])]
+             " ".join(f"{t:.0f}" for t in result[key]["tokens_per_s"]),
+             result[key]["median_cpu_ms_per_token"]]
             for name, key in (("--reasoning-parser none, no tools", "plain"),
                               ("--reasoning-parser qwen3 + hermes tools", "parsers"))]
     return (f"# Reasoning and tool parsers: end-to-end streaming overhead\n\n"
             f"{now_iso()} on {result['hardware']['cpu']} ({result['hardware']['cores']} "
-            f"cores), device {result['device']}.\n\n```\n{result['command']}\n```\n\n"
+            f"cores), device {result['device']}, load average (1 min) "
+            f"{result['load_average_1m'][0]} before, {result['load_average_1m'][1]} after."
+            f"\n\n```\n{result['command']}\n```\n\n"
             f"{result['workload']}\n\n"
-            + markdown_table(["server", "median output tok/s", "rounds (tok/s)"], rows)
-            + f"\n\nOverhead: **{result['overhead_pct']}%** of the output tokens/s "
-            f"(goal < 2%).\n")
+            + markdown_table(["server", "median output tok/s", "rounds (tok/s)",
+                              "server CPU ms / output token"], rows)
+            + f"\n\nOverhead: **{result['overhead_pct']}%** of the output tokens/s (median "
+            f"of the rounds' pairs; goal < 2%); **{result['cpu_overhead_pct']}%** more server "
+            "CPU time per output token (median of the pairs).\n")
 
 
 def cmd_reasoning_stream(args: argparse.Namespace) -> int:
     """`tokenmill bench reasoning-stream`: measure, print, write JSON (and markdown)."""
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="tokenmill-reasoning-stream-") as tmp:
         model = write_model(Path(tmp) / "qwen3-thinking", args.hidden_size, args.num_layers)
         result = measure(args, model)
     result |= {
+        "load_average_1m": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "command": command_line("tokenmill bench reasoning-stream", sys.argv[3:]),
         "hardware": hardware(), "device": args.device or "auto",
         "workload": (f"{args.requests} concurrent streamed chats per round, {args.rounds} "
