@@ -23,6 +23,9 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor,
     if tuple(blocks.shape[:-1]) != tuple(scales.shape) or blocks.shape[-1] != 16:
         raise ValueError(f"MXFP4 blocks of shape {tuple(blocks.shape)} do not match scales of "
                          f"shape {tuple(scales.shape)} (expected [..., G, 16] and [..., G])")
+    if blocks.ndim > 3:  # one expert at a time: the temporaries of a whole stack are GBs
+        return torch.stack([dequantize_mxfp4(b, s, dtype) for b, s in zip(blocks, scales,
+                                                                            strict=True)])
     codes = blocks.to(torch.uint8)
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
     # Low nibble first: byte j of a block holds values 2j and 2j + 1.
