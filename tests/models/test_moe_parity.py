@@ -85,3 +85,20 @@ def test_logits_match_transformers(moe: Checkpoint) -> None:
         diff = (got - want).abs().max().item()
         assert diff <= 1e-3, f"sequence {i} (len {len(seq)}): max |diff| {diff}"
         assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_bfloat16_as_close_to_float32_as_transformers(moe: Checkpoint) -> None:
+    """bf16 against fp32: a token whose router scores two experts nearly alike may pick
+    another expert in bf16 (transformers' bf16 does too), so the bound is transformers' own
+    bf16 error."""
+    import copy
+
+    (ids,) = prompts(moe.arch.vocab_size, (21,), seed=6)
+    model16 = copy.deepcopy(moe.model).to(torch.bfloat16)
+    (got,) = run_step(model16, PagedKVCache.for_arch(moe.arch, dtype=torch.bfloat16), [(0, ids)])
+    want = hf_logits(moe, ids)
+    with torch.no_grad():
+        hf16 = copy.deepcopy(moe.hf_model).to(torch.bfloat16)(torch.tensor([ids])).logits[0]
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    ours, theirs = ((x.float() - want).abs().max().item() for x in (got, hf16))
+    assert ours <= 1.5 * theirs + 0.05, (ours, theirs)
