@@ -168,3 +168,17 @@ def test_a_fused_moe_kernel_set_is_declined_at_load_with_a_log_line(
     (ids,) = prompts(gpt_oss.arch.vocab_size, (12,), seed=4)
     torch.testing.assert_close(_logits(model, gpt_oss.arch, ids),
                                _logits(gpt_oss.model, gpt_oss.arch, ids), rtol=0, atol=0)
+
+
+def test_bfloat16_as_close_to_float32_as_transformers(gpt_oss: Checkpoint) -> None:
+    (ids,) = prompts(gpt_oss.arch.vocab_size, (25,), seed=6)
+    model16 = copy.deepcopy(gpt_oss.model).to(torch.bfloat16)
+    cache = PagedKVCache.for_arch(gpt_oss.arch, dtype=torch.bfloat16, block_size=4)
+    (got,) = run_step(model16, cache, [(0, ids)])
+    want = hf_logits(gpt_oss, ids)
+    with torch.no_grad():
+        hf16 = copy.deepcopy(gpt_oss.hf_model).to(torch.bfloat16)
+        theirs = hf16(torch.tensor([ids])).logits[0].float()
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    err, err_hf = ((x - want).abs().max().item() for x in (got, theirs))
+    assert err <= 1.5 * err_hf + 0.05, (err, err_hf)
