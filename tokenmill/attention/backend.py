@@ -306,6 +306,8 @@ def _plan_decode(meta: AttentionMetadata, seqs: list[int], device: torch.device,
         seq_lens = meta.seq_lens.index_select(0, idx)
         starts = meta.query_start_loc.index_select(0, idx)
         rows = starts.long()
+    if window is not None and ctx_len > window + bs:
+        return _plan_decode_window(tables, seq_lens, lens, rows, bs, window, device)
     mask = None
     cols = torch.arange(ctx_len, device=device)[None, :]
     if min(lens) != ctx_len:
@@ -318,3 +320,22 @@ def _plan_decode(meta: AttentionMetadata, seqs: list[int], device: torch.device,
         mask = mask.view(len(seqs), 1, 1, ctx_len)
     blocks = tables.reshape(-1).long()
     return _DecodePlan(rows, blocks, len(seqs), nblk, ctx_len, mask)
+
+
+def _plan_decode_window(tables: torch.Tensor, seq_lens: torch.Tensor, lens: list[int],
+                        rows: torch.Tensor | None, bs: int, window: int,
+                        device: torch.device) -> _DecodePlan:
+    """A sliding-window layer's decode over contexts longer than the window: each sequence
+    gathers only the blocks from the one holding its window's first key, so a step reads
+    about ``window`` keys a sequence, not its whole context."""
+    first = [max(0, n - window) // bs for n in lens]  # each sequence's first block
+    nblk = max(-(-n // bs) - f for n, f in zip(lens, first, strict=True))
+    start = torch.tensor(first, dtype=torch.long, device=device)[:, None]
+    idx = (start + torch.arange(nblk, device=device)[None, :]).clamp_(max=tables.shape[1] - 1)
+    blocks = tables.gather(1, idx).reshape(-1).long()
+    # Gathered key j of a sequence is at position first * bs + j.
+    pos = start * bs + torch.arange(nblk * bs, device=device)[None, :]
+    mask = (pos >= seq_lens[:, None]) | (pos < seq_lens[:, None] - window)
+    ctx_len = nblk * bs
+    return _DecodePlan(rows, blocks, len(lens), nblk, ctx_len,
+                       mask.view(len(lens), 1, 1, ctx_len))
