@@ -128,17 +128,24 @@ def test_info_on_the_checkpoint(gpt_oss: Checkpoint, capsys: pytest.CaptureFixtu
     assert "GptOssForCausalLM" in capsys.readouterr().out
 
 
-def test_int8_keeps_the_experts_float_and_says_so(gpt_oss: Checkpoint, reference: list,
-                                                  caplog: pytest.LogCaptureFixture) -> None:
-    """Weight-only int8 has no path for experts with biases and the clamped SwiGLU: they stay
-    float (the quantization's log line counts them) rather than run as SiLU stacks."""
-    from tokenmill.models.gpt_oss import GptOssExperts
+def test_int8_and_int4_experts_keep_biases_and_the_clamped_swiglu(gpt_oss: Checkpoint,
+                                                                  reference: list) -> None:
+    """Weight-only int8/int4 quantize each expert's products and keep its float biases and
+    the clamped SwiGLU: the experts' output stays within the quantization's error of the
+    float experts', and the engine answers."""
+    from tokenmill.quant.experts import QuantizedExperts
 
-    with caplog.at_level(logging.INFO):
-        engine = LLM(str(gpt_oss.path), dtype="float32", quantization="int8", max_model_len=64)
-    model = engine.engine.core.executor.runner.model
-    assert all(isinstance(layer.mlp.experts, GptOssExperts) for layer in model.model.layers)
-    assert "3 kept in float" in caplog.text
-    prompt, want, _ = reference[0]
-    (got,) = tokens(engine.generate([prompt], greedy()))
-    assert len(got) == MAX_TOKENS and got[:2] == want[:2]
+    experts = gpt_oss.model.model.layers[1].mlp.experts
+    x = torch.randn(7, gpt_oss.arch.hidden_size, generator=torch.Generator().manual_seed(0))
+    weights, ids = gpt_oss.model.model.layers[1].mlp.router(x)
+    want = experts(x, weights, ids)
+    for method, tol in (("int8", 0.02), ("int4", 0.15)):
+        engine = LLM(str(gpt_oss.path), dtype="float32", quantization=method,
+                     max_model_len=64)
+        model = engine.engine.core.executor.runner.model
+        quantized = model.model.layers[1].mlp.experts
+        assert isinstance(quantized, QuantizedExperts)
+        err = (quantized(x, weights, ids) - want).abs().max().item()
+        assert err <= tol * want.abs().max().item(), (method, err)
+        (got,) = tokens(engine.generate([reference[0][0]], greedy()))
+        assert len(got) == MAX_TOKENS  # (a random model's tokens flip under int4 / int8)

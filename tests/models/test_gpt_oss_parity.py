@@ -98,7 +98,7 @@ def test_sinks_window_and_clamp_each_matter(gpt_oss: Checkpoint) -> None:
     for layer in variants[1].model.layers:
         layer.self_attn.window = None
     for layer in variants[2].model.layers:
-        layer.mlp.experts._activation = functools.partial(clamped_swiglu, alpha=1.702,
+        layer.mlp.experts.activation = functools.partial(clamped_swiglu, alpha=1.702,
                                                           limit=1e9)
     for name, model in zip(("sinks", "window", "clamp"), variants, strict=True):
         diff = (_logits(model, arch, ids) - base).abs().max().item()

@@ -68,16 +68,17 @@ class GptOssRouter(nn.Module):
 
 class GptOssExperts(StackedExperts):
     """The stacked experts with biases (``w13_bias`` ``[E, 2I]``, ``w2_bias`` ``[E, H]``) and
-    the clamped SwiGLU, multiplied on the grouped PyTorch path: the fused CUDA kernel is
-    SiLU-gated without biases, so these experts keep the PyTorch path whatever kernels are
-    bound (the model says so once, at load)."""
+    the clamped SwiGLU (``activation``), multiplied on the grouped PyTorch path: the fused
+    CUDA kernel is SiLU-gated without biases, so these experts keep the PyTorch path whatever
+    kernels are bound (the model says so once, at load). Weight-only int8/int4 keeps both
+    (tokenmill.quant.experts)."""
 
     def __init__(self, config: ArchConfig) -> None:
         super().__init__(config.num_experts, config.hidden_size, config.moe_intermediate_size)
         self.w13_bias = nn.Parameter(torch.empty(config.num_experts,
                                                  2 * config.moe_intermediate_size))
         self.w2_bias = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
-        self._activation = functools.partial(clamped_swiglu, alpha=config.swiglu_alpha,
+        self.activation = functools.partial(clamped_swiglu, alpha=config.swiglu_alpha,
                                              limit=config.swiglu_limit)
 
     def use_kernels(self, kernels: Kernels) -> None:
@@ -87,7 +88,7 @@ class GptOssExperts(StackedExperts):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
         """``[T, H]``: each token's chosen experts' outputs summed with their weights."""
-        return torch_moe(x, self.w13, self.w2, topk_weights, topk_ids, self._activation,
+        return torch_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.activation,
                          self.w13_bias, self.w2_bias)
 
 
