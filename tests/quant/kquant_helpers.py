@@ -53,5 +53,6 @@ def activation_error_bound(x: torch.Tensor, w: torch.Tensor, block: int) -> torc
 
 
 def act_block(qtype: Q) -> int:
-    """Inputs per activation scale: 32 for the 32-blocks, 256 for the super-block types."""
-    return 32 if GGML_QUANT_SIZES[qtype][0] == 32 else 256
+    """Inputs per activation scale: 32 for every type (kquant.h quantizes the activations as
+    llama.cpp's q8_0 does, also for the super-block types)."""
+    return 32

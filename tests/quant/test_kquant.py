@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from gguf.constants import GGML_QUANT_SIZES
 from kquant_helpers import (
     ALL_TYPES,
     act_block,
@@ -26,7 +27,7 @@ def ext():
 
 def _cols(qtype: Q) -> int:
     # 576 for the 32-blocks: two chunks of 256 and a tail of 64 (SmolLM2's hidden size).
-    return 576 if act_block(qtype) == 32 else 512
+    return 576 if GGML_QUANT_SIZES[qtype][0] == 32 else 512
 
 
 def _table(*segments: tuple[Q, int]) -> torch.Tensor:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf.constants import GGML_QUANT_SIZES
 from kquant_helpers import (
     ALL_TYPES,
     act_block,
@@ -44,7 +45,7 @@ def build(request: pytest.FixtureRequest):
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
 def test_matmul_within_activation_rounding(build, qtype) -> None:
-    k = 576 if act_block(qtype) == 32 else 512
+    k = 576 if GGML_QUANT_SIZES[qtype][0] == 32 else 512
     blocks = make_blocks(qtype, 19, k, seed=3)
     w = reference_weight(blocks, qtype)
     table = torch.tensor([[int(qtype), 19]])

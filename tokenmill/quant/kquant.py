@@ -8,9 +8,10 @@ takes the file's bytes in memory) and multiplies by them with the C++ kernels of
 products as llama.cpp computes them. Many rows (prefill) dequantize the weight for one dense
 matmul instead, as the int8 / int4 layers do (``dense_min_rows``).
 
-The activations go in and come out in bf16, as for the other weight-only layers, so the CPU op
-program (``tokenmill.runner.cpu_linear``) keeps its projections' buffers in bf16 and computes
-the same bits as this module.
+The activations go in and come out in the model's dtype (fp32 stays fp32, unlike the int8 /
+int4 layers, which round to bf16 around their kernels); the CPU op program
+(``tokenmill.runner.cpu_linear``) takes them the same way and computes the same bits as this
+module.
 """
 
 from __future__ import annotations
@@ -82,12 +83,14 @@ class KQuantLinear(_WeightOnlyLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        xb = x2.to(KERNEL_DTYPE)
         ext = kernel_choice.cpu_kernels() if x2.device.type == "cpu" else None
         if ext is not None and x2.shape[0] < self.dense_min_rows:
-            y = ext.kquant_linear(xb, self.weight, self.segments)
+            # x as it comes: fp32 stays fp32 into the int8 quantization, as in llama.cpp, not
+            # rounded to bf16 first as the int8 / int4 layers do (see the module docstring)
+            xk = x2 if x2.dtype in (torch.float32, KERNEL_DTYPE) else x2.float()
+            y = ext.kquant_linear(xk.contiguous(), self.weight, self.segments)
         else:
-            y = self._dense(xb)
+            y = self._dense(x2)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)

@@ -24,7 +24,7 @@ enum LinearKind : int64_t {
   kInt8 = 1,  // _weight_int8pack_mm(x as bf16, int8 weight [N, K], per-channel scales [N])
   kInt4 = 2,  // _weight_int4pack_mm_for_cpu(x as bf16, packed weight, group size, scales+zeros)
   // A GGUF tensor's own blocks (kquant.h): weight uint8 (the segments' blocks), scales the
-  // segment table int64 [S, 2] of (ggml type, rows); x as bf16, as the other quantized kinds
+  // segment table int64 [S, 2] of (ggml type, rows); x in the activations' dtype, not bf16
   // (tokenmill.quant.kquant.KQuantLinear).
   kKQuant = 3,
 };
@@ -81,6 +81,16 @@ struct LinearSpec {
     return kind != kFloat && own_kernel > 0 && rows >= own_min_rows && rows < dense_min_rows;
   }
 
+  // kKQuant: x in its own dtype (fp32 activations stay fp32 into the int8 quantization, as
+  // llama.cpp keeps them), as tokenmill.quant.kquant.KQuantLinear computes.
+  at::Tensor kquant_forward(const at::Tensor& x) const {
+    at::Tensor y = x.size(0) >= dense_min_rows
+                       ? dense(x)
+                       : kquant::kquant_linear(x.contiguous(), weight, scales);
+    if (bias.defined()) y = y + bias;
+    return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+  }
+
   // The module's dense path on bf16 activations xb.
   at::Tensor dense(const at::Tensor& xb) const {
     if (kind == kKQuant) {
@@ -107,6 +117,7 @@ struct LinearSpec {
     if (kind == kFloat) {
       return bias.defined() ? at::linear(x, weight, bias) : at::linear(x, weight);
     }
+    if (kind == kKQuant) return kquant_forward(x);
     const at::Tensor xb = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
     at::Tensor y = quantized(xb, out);
     if (bias.defined()) y = y + bias;
@@ -119,7 +130,6 @@ struct LinearSpec {
   at::Tensor quantized(const at::Tensor& xb, const at::Tensor* out) const {
     const int64_t rows = xb.size(0);
     if (rows >= dense_min_rows) return dense(xb);
-    if (kind == kKQuant) return kquant::kquant_linear(xb, weight, scales);
     if (own_at(rows)) {
       if (kind == kInt8) {
         return act_bits ? intdot::int8_q16_linear(xb, weight, scales)

@@ -18,6 +18,7 @@
 #include "int_dot.h"
 #include "linear_spec.h"
 #include "lora_kernels.h"
+#include "moe_kernels.h"
 #include "paged_attention.h"
 #include "prefill_attention.h"
 #include "quant_gemm.h"
@@ -36,7 +37,9 @@ struct Buffer {
   int64_t cls;
 };
 
-enum OpKind : int64_t { kRmsNorm, kAdd, kLinear, kRopeStoreKV, kAttention, kSiluMul };
+enum OpKind : int64_t {
+  kRmsNorm, kAdd, kLinear, kRopeStoreKV, kAttention, kSiluMul, kGeluTanhMul, kScale, kMoe
+};
 
 // One attention block's KV cache (its index in the step's list of caches) and heads.
 struct AttnGeometry {
@@ -55,7 +58,9 @@ struct Op {
   AttnGeometry geo;  // kRopeStoreKV, kAttention
   at::Tensor q_norm, k_norm;  // kRopeStoreKV: per-head norms of q and k, undefined if absent
   at::Tensor cos_half, sin_half;  // kRopeStoreKV: fp32 [max_positions, head_dim / 2]
-  float scale = 0.f;  // kAttention
+  float scale = 0.f;  // kAttention; kScale: the factor
+  int64_t window = 0;  // kAttention: a sliding window in tokens (0: none)
+  std::shared_ptr<MoeSpec> moe;  // kMoe: the router and the experts' projections
 };
 
 // A linear from its Python form: (kind, [weight, bias-or-empty, scales-or-empty, q8 packed
@@ -126,9 +131,10 @@ class Program {
     output_ = output;
   }
 
-  // dst = rms_norm(src) * weight, in T; dst of either class.
+  // dst = rms_norm(src) * weight, in T; src and dst of either class (a projection's output
+  // is normed before its residual add in a sandwich-norm layer).
   int64_t add_rms_norm(int64_t src, int64_t dst, at::Tensor weight, double eps) {
-    check_buffer(src, kAct, "rms_norm's input");
+    check_buffer(src, -1, "rms_norm's input");
     check_buffer(dst, -1, "rms_norm's output");
     TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() &&
                     weight.size(0) == buffers_[src].width &&
@@ -140,11 +146,12 @@ class Program {
     return push(std::move(op));
   }
 
-  // dst += src (the residual add: dst in T, src a projection's output).
+  // dst += src (the residual add: dst in T, src a projection's output or a normed one).
   int64_t add_add(int64_t dst, int64_t src) {
     check_buffer(dst, kAct, "add's destination");
-    check_buffer(src, kIO, "add's input");
-    TORCH_CHECK(buffers_[dst].width == buffers_[src].width, "add: widths differ");
+    check_buffer(src, -1, "add's input");
+    TORCH_CHECK(buffers_[dst].width == buffers_[src].width && dst != src,
+                "add: widths differ, or dst is src");
     return push(Op{kAdd, src, dst});
   }
 
@@ -161,7 +168,7 @@ class Program {
     TORCH_CHECK(kind != kFloat || op.linear.weight.size(1) == buffers_[src].width,
                 "linear: a weight of ", op.linear.weight.size(1), " inputs on a buffer of width ",
                 buffers_[src].width);
-    io_bf16_ = io_bf16_ && kind != kFloat;
+    io_bf16_ = io_bf16_ && kind != kFloat && kind != kKQuant;  // K-quants take x as it is
     return push(std::move(op));
   }
 
@@ -200,9 +207,12 @@ class Program {
   }
 
   // dst = attention of the queries src over cache `cache` (decode or prefill kernel by step).
+  // window > 0: a sliding-window layer, each query over its last `window` positions' keys.
   int64_t add_attention(int64_t src, int64_t dst, int64_t cache, int64_t heads,
-                        int64_t kv_heads, int64_t head_dim, double scale) {
+                        int64_t kv_heads, int64_t head_dim, double scale, int64_t window) {
+    TORCH_CHECK(window >= 0, "attention: window must be >= 0 (0: none), got ", window);
     Op op{kAttention, src, dst};
+    op.window = window;
     op.geo = check_geometry(cache, heads, kv_heads, head_dim);
     check_buffer(src, kAct, "attention's queries");
     check_buffer(dst, kIO, "attention's output");
@@ -220,6 +230,66 @@ class Program {
     TORCH_CHECK(buffers_[src].width == 2 * buffers_[dst].width,
                 "silu_mul: an input twice as wide as its output");
     return push(Op{kSiluMul, src, dst});
+  }
+
+  // dst = gelu_tanh(gate) * up of each row [gate | up] of src (GELU's tanh approximation).
+  int64_t add_gelu_tanh_mul(int64_t src, int64_t dst) {
+    check_buffer(src, kIO, "gelu_tanh_mul's input");
+    check_buffer(dst, kIO, "gelu_tanh_mul's output");
+    TORCH_CHECK(buffers_[src].width == 2 * buffers_[dst].width,
+                "gelu_tanh_mul: an input twice as wide as its output");
+    return push(Op{kGeluTanhMul, src, dst});
+  }
+
+  // dst *= factor (rounded to T first, as a scalar tensor of the activations' dtype), in place.
+  int64_t add_scale(int64_t dst, double factor) {
+    check_buffer(dst, kAct, "scale's buffer");
+    Op op{kScale, dst, dst};
+    op.scale = static_cast<float>(factor);
+    return push(std::move(op));
+  }
+
+  // dst = a mixture of experts' feed-forward of src (moe_kernels.h): the router is the linear
+  // given here (one output per expert), its experts are added by add_moe_expert in order.
+  int64_t add_moe(int64_t src, int64_t dst, int64_t top_k, bool renormalize, int64_t kind,
+                  std::vector<at::Tensor> tensors, int64_t group_size,
+                  std::vector<int64_t> row_dispatch) {
+    check_buffer(src, kIO, "moe's input");
+    check_buffer(dst, kIO, "moe's output");
+    TORCH_CHECK(buffers_[src].width == buffers_[dst].width, "moe: input and output widths differ");
+    Op op{kMoe, src, dst};
+    op.moe = std::make_shared<MoeSpec>();
+    op.moe->router = make_linear_spec(kind, tensors, group_size, row_dispatch);
+    const int64_t experts = op.moe->router.out_features();
+    TORCH_CHECK(top_k >= 1 && top_k <= experts, "moe: top_k must be in [1, ", experts, "], got ",
+                top_k);
+    op.moe->top_k = top_k;
+    op.moe->renormalize = renormalize;
+    // The experts' output is summed in fp32 and rounded to T, which a bf16 buffer between
+    // projections would round again: the program's X stays T.
+    io_bf16_ = false;
+    return push(std::move(op));
+  }
+
+  // Appends an expert to moe op `op`: its [gate | up] and down linears (make_linear_spec's
+  // arguments each).
+  void add_moe_expert(int64_t op, int64_t gu_kind, std::vector<at::Tensor> gu_tensors,
+                      int64_t gu_group, std::vector<int64_t> gu_rows, int64_t down_kind,
+                      std::vector<at::Tensor> down_tensors, int64_t down_group,
+                      std::vector<int64_t> down_rows) {
+    TORCH_CHECK(op >= 0 && op < num_ops() && ops_[op].kind == kMoe, "add_moe_expert: op ", op,
+                " is no moe");
+    MoeSpec& m = *ops_[op].moe;
+    TORCH_CHECK(m.num_experts() < m.router.out_features(), "add_moe_expert: the router has ",
+                m.router.out_features(), " experts, all of them added");
+    LinearSpec gu = make_linear_spec(gu_kind, gu_tensors, gu_group, gu_rows);
+    LinearSpec down = make_linear_spec(down_kind, down_tensors, down_group, down_rows);
+    const int64_t width = buffers_[ops_[op].dst].width;
+    TORCH_CHECK(down.out_features() == width && gu.out_features() % 2 == 0,
+                "add_moe_expert: a [gate | up] linear of even outputs and a down linear of ",
+                width, " outputs");
+    m.gate_up.push_back(std::move(gu));
+    m.down.push_back(std::move(down));
   }
 
   int64_t num_ops() const { return static_cast<int64_t>(ops_.size()); }
@@ -264,7 +334,8 @@ class Program {
     if (!chunks.empty()) {
       const int64_t rows = hidden.size(0);
       for (const Op& op : ops_) {
-        if (op.kind == kLinear && !op.linear.own_at(rows)) {
+        if ((op.kind == kLinear && !op.linear.own_at(rows)) ||
+            (op.kind == kMoe && !op.moe->gate_up.front().own_at(rows))) {
           openmp.emplace();
           break;
         }
@@ -406,8 +477,21 @@ class Program {
       switch (op.kind) {
         case kRmsNorm: rms_norm<T, X>(op, s); break;
         case kAdd:
-          add_rows<T, X>(s.cur[op.dst].data_ptr<T>(), s.cur[op.src].data_ptr<X>(), B,
-                         buffers_[op.dst].width);
+          if (buffers_[op.src].cls == kAct) {
+            add_rows<T, T>(s.cur[op.dst].data_ptr<T>(), s.cur[op.src].data_ptr<T>(), B,
+                           buffers_[op.dst].width);
+          } else {
+            add_rows<T, X>(s.cur[op.dst].data_ptr<T>(), s.cur[op.src].data_ptr<X>(), B,
+                           buffers_[op.dst].width);
+          }
+          break;
+        case kScale:
+          scale_rows<T>(s.cur[op.dst].data_ptr<T>(), op.scale, B, buffers_[op.dst].width);
+          break;
+        case kGeluTanhMul:
+          gelu_tanh_mul_rows<T, X, X>(s.cur[op.src].data_ptr<X>(), s.own[op.dst].data_ptr<X>(),
+                                      B, buffers_[op.dst].width);
+          s.cur[op.dst] = s.own[op.dst];
           break;
         case kLinear: {
           const at::Tensor& x = s.cur[op.src];
@@ -418,6 +502,13 @@ class Program {
         }
         case kRopeStoreKV: rope_store_kv<T, X, C>(op, s); break;
         case kAttention: attention<T, X, C>(op, s); break;
+        case kMoe:
+          TORCH_CHECK(op.moe->num_experts() == op.moe->router.out_features(),
+                      "moe: ", op.moe->num_experts(), " experts added of ",
+                      op.moe->router.out_features());
+          moe_rows<T, X>(*op.moe, s.cur[op.src].contiguous(), s.own[op.dst].data_ptr<X>());
+          s.cur[op.dst] = s.own[op.dst];
+          break;
         case kSiluMul:
           silu_mul_rows<T, X, X>(s.cur[op.src].data_ptr<X>(), s.own[op.dst].data_ptr<X>(), B,
                                  buffers_[op.dst].width);
@@ -430,7 +521,15 @@ class Program {
 
   template <typename T, typename X>
   void rms_norm(const Op& op, Step& s) const {
-    const T* x = s.cur[op.src].template data_ptr<T>();
+    if (buffers_[op.src].cls == kIO) {
+      rms_norm_from<T, X>(s.cur[op.src].template data_ptr<X>(), op, s);
+    } else {
+      rms_norm_from<T, X>(s.cur[op.src].template data_ptr<T>(), op, s);
+    }
+  }
+
+  template <typename T, typename X, typename I>
+  void rms_norm_from(const I* x, const Op& op, Step& s) const {
     const T* w = op.weight.data_ptr<T>();
     const int64_t n = buffers_[op.src].width;
     at::Tensor& y = s.own[op.dst];
@@ -450,7 +549,7 @@ class Program {
     const int64_t slots_per_side = cache.size(1) * block_size * hkv * d;
     const C* base = cache.data_ptr<C>();
     PagedView<C> view{base, base + slots_per_side, s.lens.data_ptr<int32_t>(),
-                      s.tables.data_ptr<int32_t>(), s.tables.size(1), block_size};
+                      s.tables.data_ptr<int32_t>(), s.tables.size(1), block_size, op.window};
     const T* q = s.cur[op.src].template data_ptr<T>();
     X* out = s.own[op.dst].data_ptr<X>();
     if (s.chunks.empty()) {
@@ -458,7 +557,7 @@ class Program {
                                       s.max_seq_len);
     } else {
       paged_prefill_attention<T, C, X>(q, hq * d, view, s.chunks, hq, hkv, d, op.scale, out,
-                                       hq * d);
+                                       hq * d, op.window);
     }
     s.cur[op.dst] = s.own[op.dst];
   }
@@ -560,6 +659,23 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// gelu_tanh(gate) * up of each row [gate | up], as an op program computes it. For tests.
+at::Tensor gelu_tanh_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.is_contiguous() &&
+                  (gate_up.scalar_type() == at::kFloat || gate_up.scalar_type() == at::kBFloat16),
+              "gelu_tanh_mul: gate_up must be a contiguous fp32 or bf16 [rows, 2 * n] tensor");
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({rows, n}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat) {
+    gelu_tanh_mul_rows<float, float, float>(gate_up.data_ptr<float>(), out.data_ptr<float>(),
+                                            rows, n);
+  } else {
+    gelu_tanh_mul_rows<c10::BFloat16, c10::BFloat16, c10::BFloat16>(
+        gate_up.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), rows, n);
+  }
+  return out;
+}
+
 }  // namespace tokenmill
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -573,6 +689,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_rope_store_kv", &tokenmill::Program::add_rope_store_kv)
       .def("add_attention", &tokenmill::Program::add_attention)
       .def("add_silu_mul", &tokenmill::Program::add_silu_mul)
+      .def("add_moe", &tokenmill::Program::add_moe)
+      .def("add_moe_expert", &tokenmill::Program::add_moe_expert)
+      .def("add_gelu_tanh_mul", &tokenmill::Program::add_gelu_tanh_mul)
+      .def("add_scale", &tokenmill::Program::add_scale)
       .def("set_lora", &tokenmill::Program::set_lora)
       .def("num_ops", &tokenmill::Program::num_ops)
       .def("num_caches", &tokenmill::Program::num_caches)
@@ -633,18 +753,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "causal attention of prefill chunks over the paged cache, written into out's rows",
         pybind11::arg("q"), pybind11::arg("kv_cache"), pybind11::arg("block_tables"),
         pybind11::arg("chunks"), pybind11::arg("scale"), pybind11::arg("out"),
-        pybind11::call_guard<pybind11::gil_scoped_release>());
+        pybind11::arg("window") = 0, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("decode_attention", &tokenmill::decode_attention,
         "one query token per sequence over its cached tokens, written into out",
         pybind11::arg("q"), pybind11::arg("kv_cache"), pybind11::arg("block_tables"),
         pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("out"),
-        pybind11::call_guard<pybind11::gil_scoped_release>());
+        pybind11::arg("window") = 0, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("prefill_head_size_supported", &tokenmill::prefill_head_size_supported,
         "whether prefill_attention has a kernel for this head size", pybind11::arg("head_dim"));
   m.def("parallel_iota", &tokenmill::parallel_iota,
         "out[i] = i filled by the extension's thread pool (throws at index throw_at)",
         pybind11::arg("n"), pybind11::arg("grain") = 1, pybind11::arg("throw_at") = -1,
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("gelu_tanh_mul", &tokenmill::gelu_tanh_mul,
+        "gelu_tanh(gate) * up per row [gate | up], as an op program computes it (for tests)",
+        pybind11::arg("gate_up"), pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("silu_mul", &tokenmill::silu_mul,
         "silu(gate) * up per row [gate | up], as an op program computes it (for tests)",
         pybind11::arg("gate_up"), pybind11::call_guard<pybind11::gil_scoped_release>());
