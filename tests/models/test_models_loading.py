@@ -65,7 +65,7 @@ def test_arch_config_old_type_key_and_sliding_window_cap() -> None:
     ({"hidden_size": 0}, "hidden_size"),
     ({"vocab_size": None}, "vocab_size"),
     ({"architectures": []}, "architectures"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope_type"),
     ({"hidden_act": "gelu"}, "hidden_act"),
 ])
 def test_arch_config_validation_names_the_field(change: dict[str, Any], field: str) -> None:
