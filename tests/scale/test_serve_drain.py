@@ -70,3 +70,30 @@ def test_sigterm_drains_a_running_stream() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_sigterm_while_replicas_cannot_start_stops_the_server() -> None:
+    """Replicas that ask for more CPUs than the local cluster has are never placed: SIGTERM
+    while Ray Serve waits for them stops the server (and its local Ray) instead of hanging."""
+    port = _free_port()
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tokenmill", "serve", "--replicas", "1", "--port", str(port),
+         "--replica-cpus", "512", "--threads", "1", "--no-webui"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        # Ray Serve's proxy listens while the application deploys (its answers wait for it).
+        for _ in range(600):
+            assert proc.poll() is None, "the server exited while starting"
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=5).close()
+                break
+            except OSError:
+                time.sleep(1)
+        time.sleep(5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=180) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

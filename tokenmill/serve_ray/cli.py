@@ -13,6 +13,10 @@ from tokenmill.serve_ray import ROUTERS
 logger = logging.getLogger(__name__)
 
 
+class StoppedWhileDeploying(Exception):
+    """SIGTERM / SIGINT came before the application was running."""
+
+
 def add_ray_serve_args(p: argparse.ArgumentParser) -> None:
     """The "scaling out (Ray Serve)" group of `tokenmill serve`."""
     g = p.add_argument_group("scaling out (Ray Serve; pip install tokenmill[ray])")
@@ -95,11 +99,19 @@ def run_ray_serve(args: argparse.Namespace) -> int:
     application = build_application(models, server, scale, lora_modules, engine_args, tenancy)
     ray.init(address=args.ray_address, ignore_reinit_error=True)
     serve.start(http_options={"host": server.host, "port": server.port})
-    stop = threading.Event()
+    stop, serving = threading.Event(), threading.Event()
+
+    def on_signal(*_: object) -> None:
+        stop.set()
+        if not serving.is_set():
+            # serve.run waits for replicas that may never start (no resources for them).
+            raise StoppedWhileDeploying
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     try:
         serve.run(application, name="tokenmill", route_prefix="/")
+        serving.set()
         logger.info("serving on Ray Serve at http://%s:%d/v1 (%s, router %s)", server.host,
                     server.port, f"{scale.replicas} replicas" if scale.replicas else
                     f"{scale.min_replicas}-{scale.max_replicas} replicas", scale.router)
@@ -110,6 +122,8 @@ def run_ray_serve(args: argparse.Namespace) -> int:
             timeout_s=server.drain_timeout + 30)
         if left:
             logger.warning("drain timeout: %d requests still in flight are cut off", left)
+    except StoppedWhileDeploying:
+        logger.warning("stopped before every replica was up")
     finally:
         serve.shutdown()
         ray.shutdown()
