@@ -13,11 +13,10 @@
 // code is only the decoding; the dot product is one routine for all types:
 //   y += sum_i a[i] * dx * dot(u_i, xq_i) - sum_i b[i] * xs_i
 // with xq the int8 activations, dx their scale and xs_i = dx * sum(xq_i) over the sub-block.
-// Activation scales: one per 32 inputs for every type (llama.cpp's q8_0; it takes one per 256,
-// q8_K, for the super-block types, which cost Gemma 3 270M's Q4_K_M file +0.6% perplexity
-// against its dequantized weights, where one per 32 costs +0.X%: its MLP activations have
-// outliers). A row's result does not depend on the other rows of the call or on the threads:
-// each output is one chain over the chunks in order.
+// Activation scales: one per 32 inputs for every type (llama.cpp's q8_0; llama.cpp takes one
+// per 256, q8_K, for the super-block types): finer steps where a block of 256 inputs holds an
+// outlier, for one more multiply per 64 weights and row. A row's result does not depend on the
+// other rows of the call or on the threads: each output is one chain over the chunks in order.
 #pragma once
 
 #include <ATen/record_function.h>
