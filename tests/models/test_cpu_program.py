@@ -205,4 +205,4 @@ def test_bad_ops_are_refused_by_the_cpp_program() -> None:
     with pytest.raises(RuntimeError, match="dtype class"):
         program.add_add(x, h)
     with pytest.raises(RuntimeError, match="multiple of num_kv_heads"):
-        program.add_attention(h, x, 0, 3, 2, 4, 0.5)
+        program.add_attention(h, x, 0, 3, 2, 4, 0.5, 0)

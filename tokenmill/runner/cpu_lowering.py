@@ -17,6 +17,7 @@ from torch import nn
 
 from tokenmill.models import layers
 from tokenmill.models.decoder import DecoderForCausalLM
+from tokenmill.models.gemma3 import GeluGatedMLP, Gemma3DecoderLayer, Gemma3ForCausalLM
 from tokenmill.runner.cpu_linear import LinearParts, UnsupportedModel, linear_parts
 
 # Buffer dtype classes, as in op_program.cpp: the activations' dtype, the projections' one.
@@ -81,7 +82,8 @@ class RopeStoreKV:
 
 @dataclass(frozen=True)
 class Attention:
-    """dst = attention of queries src over KV cache ``cache``."""
+    """dst = attention of queries src over KV cache ``cache``; ``window`` > 0: each query over
+    the keys of its last ``window`` positions only (a sliding-window layer)."""
 
     src: int
     dst: int
@@ -90,6 +92,7 @@ class Attention:
     kv_heads: int
     head_dim: int
     scale: float
+    window: int = 0
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,23 @@ class SiluMul:
     dst: int
 
 
-Op = RmsNorm | Add | Linear | RopeStoreKV | Attention | SiluMul
+@dataclass(frozen=True)
+class GeluTanhMul:
+    """dst = gelu_tanh(gate) * up of each row [gate | up] of src."""
+
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True)
+class Scale:
+    """dst *= factor, in place (scaled embeddings)."""
+
+    dst: int
+    factor: float
+
+
+Op = RmsNorm | Add | Linear | RopeStoreKV | Attention | SiluMul | GeluTanhMul | Scale
 
 
 @dataclass
@@ -230,8 +249,8 @@ def _lower_attention(attn: layers.Attention, b: ProgramBuilder, path: str, src: 
     _single_rank(attn, path)
     if b.rope is None:
         raise UnsupportedModel(f"{path}: attention without a rotary embedding")
-    if attn.window is not None:  # the program's attention op sees the whole context
-        raise UnsupportedModel(f"{path}: sliding-window attention ({attn.window} tokens)")
+    if getattr(attn, "sinks", None) is not None:  # no sink logits in the program's softmax
+        raise UnsupportedModel(f"{path}: attention sinks")
     qkv = b.linear(attn.qkv_proj, f"{path}.qkv_proj", src, "qkv")
     q_norm = k_norm = None
     eps = 0.0
@@ -247,19 +266,67 @@ def _lower_attention(attn: layers.Attention, b: ProgramBuilder, path: str, src: 
     q = b.buffer("q", attn.q_size, ACT)
     b.ops.append(RopeStoreKV(qkv, q, *geometry, q_norm, k_norm, eps, *b.rope))
     out = b.buffer("attn", attn.q_size, IO)
-    b.ops.append(Attention(q, out, *geometry, float(attn.scale)))
+    b.ops.append(Attention(q, out, *geometry, float(attn.scale), attn.window or 0))
     return b.linear(attn.o_proj, f"{path}.o_proj", out, "o")
 
 
-@lowering(layers.GatedMLP, "forward", "down")
-def _lower_gated_mlp(mlp: layers.GatedMLP, b: ProgramBuilder, path: str, src: int) -> int:
+# "_act": a subclass with another activation needs a lowering of its own (GeluGatedMLP's).
+@lowering(layers.GatedMLP, "forward", "down", "_act")
+def _lower_gated_mlp(mlp: layers.GatedMLP, b: ProgramBuilder, path: str, src: int,
+                     act_op: type[SiluMul] | type[GeluTanhMul] = SiluMul) -> int:
     _single_rank(mlp, path)
     gate_up = b.linear(mlp.gate_up_proj, f"{path}.gate_up_proj", src, "gate_up")
     if b.buffers[gate_up].width != 2 * mlp.intermediate_size:
         raise UnsupportedModel(f"{path}: gate_up_proj is not [gate | up]")
     act = b.buffer("act", mlp.intermediate_size, IO)
-    b.ops.append(SiluMul(gate_up, act))
+    b.ops.append(act_op(gate_up, act))
     return b.linear(mlp.down_proj, f"{path}.down_proj", act, "down")
+
+
+@lowering(GeluGatedMLP, "forward", "down", "_act")
+def _lower_gelu_gated_mlp(mlp: GeluGatedMLP, b: ProgramBuilder, path: str, src: int) -> int:
+    return _lower_gated_mlp(mlp, b, path, src, act_op=GeluTanhMul)
+
+
+@lowering(Gemma3ForCausalLM, "forward")
+def _lower_scaled_embedding_lm(model: Gemma3ForCausalLM, b: ProgramBuilder, path: str) -> int:
+    """Scaled embeddings, and each layer's rope tables by its kind (local: sliding window)."""
+    _single_rank(model, path)
+    decoder = model.model
+    b.dtype = decoder.norm.weight.dtype
+    b.lower(model.local_rotary, "local_rotary")
+    local = b.rope
+    b.lower(model.rotary, "rotary")
+    tables = {True: local, False: b.rope}
+    h = b.buffer("h", model.config.hidden_size, ACT)
+    b.ops.append(Scale(h, float(model.embed_scale)))
+    b.embed = decoder.embed_tokens
+    for i, layer in enumerate(decoder.layers):
+        b.rope = tables[bool(layer.is_sliding)]
+        b.lower(layer, f"model.layers.{i}", h)
+    out = b.lower(decoder.norm, "model.norm", h, out="out", cls=ACT)
+    b.io = (h, out)
+    if type(model).compute_logits is DecoderForCausalLM.compute_logits:
+        b.head = decoder.embed_tokens if model.lm_head is None else model.lm_head
+    return out
+
+
+@lowering(Gemma3DecoderLayer, "forward")
+def _lower_sandwich_layer(layer: Gemma3DecoderLayer, b: ProgramBuilder, path: str,
+                          h: int) -> int:
+    """Norms before and after attention and MLP: each block's output normed (into the
+    activations' dtype, as eager's norm returns it) before its residual add."""
+    x = b.lower(layer.input_layernorm, f"{path}.input_layernorm", h)
+    o = b.lower(layer.self_attn, f"{path}.self_attn", x)
+    n = b.lower(layer.post_attention_layernorm, f"{path}.post_attention_layernorm", o,
+                out="sandwich", cls=ACT)
+    b.ops.append(Add(h, n))
+    x = b.lower(layer.pre_feedforward_layernorm, f"{path}.pre_feedforward_layernorm", h)
+    d = b.lower(layer.mlp, f"{path}.mlp", x)
+    n = b.lower(layer.post_feedforward_layernorm, f"{path}.post_feedforward_layernorm", d,
+                out="sandwich", cls=ACT)
+    b.ops.append(Add(h, n))
+    return h
 
 
 def lower_model(model: nn.Module) -> ProgramBuilder:

@@ -29,6 +29,7 @@ from tokenmill.quant.model import float_matmul_layers, pin_row_kernels
 from tokenmill.runner import cpu_lowering as ops
 from tokenmill.runner.cpu_linear import UnsupportedModel
 from tokenmill.runner.cpu_lowering import ProgramBuilder, lower_model
+from tokenmill.runner.cpu_lowering_moe import Moe, build_moe  # registers its lowerings
 from tokenmill.utils import release_freed_memory
 
 logger = logging.getLogger(__name__)
@@ -92,9 +93,15 @@ def _build(ext: object, b: ProgramBuilder) -> object:
                 empty if op.k_norm is None else op.k_norm, op.eps, op.cos_half, op.sin_half)
         elif isinstance(op, ops.Attention):
             program.add_attention(op.src, op.dst, op.cache, op.heads, op.kv_heads,
-                                  op.head_dim, op.scale)
+                                  op.head_dim, op.scale, op.window)
         elif isinstance(op, ops.SiluMul):
             program.add_silu_mul(op.src, op.dst)
+        elif isinstance(op, ops.GeluTanhMul):
+            program.add_gelu_tanh_mul(op.src, op.dst)
+        elif isinstance(op, ops.Scale):
+            program.add_scale(op.dst, op.factor)
+        elif isinstance(op, Moe):
+            build_moe(program, op)
         else:
             raise TypeError(f"no C++ op for {type(op).__name__}")
     return program

@@ -166,11 +166,12 @@ void for_rows(int64_t rows, int64_t row_elems, F&& f, int64_t min_elems = 16384)
 // output's storage, bf16 when it feeds a quantized matmul); x and y may alias when O is T. As
 // RMSNorm.forward: fp32 statistics, and for bf16 the normalized value is rounded before the
 // weight multiply (Hugging Face's order).
-template <typename T, typename O = T>
-void rms_norm_rows(const T* x, const T* w, O* y, int64_t rows, int64_t n, float eps) {
+// I: the input's storage (a projection's bf16 output under a sandwich norm), widened exactly.
+template <typename T, typename O = T, typename I = T>
+void rms_norm_rows(const I* x, const T* w, O* y, int64_t rows, int64_t n, float eps) {
   for_rows(rows, n, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * n;
+      const I* xr = x + r * n;
       O* yr = y + r * n;
       float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
@@ -233,6 +234,46 @@ void silu_mul_rows(const I* gate_up, O* out, int64_t rows, int64_t n) {
         o[i] = from_f<O>(round_to<T>(x / (1.f + exp_poly(-x))) * to_f(u[i]));
       }
     }
+  });
+}
+
+// out[r] = gelu_tanh(gate_up[r, :n]) * gate_up[r, n:] (GELU's tanh form, PyTorch's
+// approximate="tanh"), as silu_mul_rows: tanh(u) = 1 - 2 / (1 + exp(2u)) on exp_poly's lanes.
+template <typename T, typename I, typename O>
+void gelu_tanh_mul_rows(const I* gate_up, O* out, int64_t rows, int64_t n) {
+  constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+  constexpr float kKappa = 0.044715f;
+  for_rows(rows, 3 * n, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const I* g = gate_up + r * 2 * n;
+      const I* u = g + n;
+      O* o = out + r * n;
+      int64_t i = 0;
+      for (; i + lanes::kWidth <= n; i += lanes::kWidth) {
+        const lanes::F x = lanes::load(g + i);
+        const lanes::F inner = kBeta * (x + kKappa * x * x * x);
+        const lanes::F e = exp_lanes<lanes::F, lanes::I>(2.f * inner);
+        const lanes::F gelu = 0.5f * x * (2.f - 2.f / (1.f + e));
+        lanes::store(o + i, lanes::round<T>(gelu) * lanes::load(u + i));
+      }
+      for (; i < n; ++i) {  // the same bits, one at a time
+        const float x = to_f(g[i]);
+        const float e = exp_poly(2.f * (kBeta * (x + kKappa * x * x * x)));
+        o[i] = from_f<O>(round_to<T>(0.5f * x * (2.f - 2.f / (1.f + e))) * to_f(u[i]));
+      }
+    }
+  });
+}
+
+// y[i] = y[i] * s over rows of n elements, rounded as T (an embedding scale).
+template <typename T>
+void scale_rows(T* y, float s, int64_t rows, int64_t n) {
+  const float st = round_to<T>(s);
+  for_rows(rows, n, [&](int64_t begin, int64_t end) {
+    T* yb = y + begin * n;
+    const int64_t m = (end - begin) * n;
+#pragma omp simd
+    for (int64_t i = 0; i < m; ++i) yb[i] = from_f<T>(to_f(yb[i]) * st);
   });
 }
 

@@ -204,6 +204,13 @@ struct PagedView {
   const int32_t* tables;  // [B, table_stride]
   int64_t table_stride;
   int64_t block_size;
+  // A sliding window (0: none): the query at position p sees keys p - window + 1 .. p only.
+  int64_t window = 0;
+
+  // The first key a decode query of sequence b sees (its position is seq_lens[b] - 1).
+  int64_t first(int64_t b) const {
+    return window > 0 ? std::max<int64_t>(0, seq_lens[b] - window) : 0;
+  }
 
   // The offset (elements from the cache's start) of the key and value row of token t of a
   // sequence with block table ``table``, for KV head g.
@@ -426,8 +433,8 @@ template <typename Q, typename C, typename O, int ND>
 void attend_head_vec(const Q* q, int64_t q_stride, const PagedView<C>& kv, int64_t b, int64_t h,
                      int64_t G, int64_t Hkv, float scale, O* out, int64_t out_stride,
                      AttentionScratch& scratch) {
-  attend_heads_vec<Q, C, O, ND, 1>(q, q_stride, kv, b, h, G, Hkv, scale, 0, kv.seq_lens[b], out,
-                                   out_stride, nullptr, scratch);
+  attend_heads_vec<Q, C, O, ND, 1>(q, q_stride, kv, b, h, G, Hkv, scale, kv.first(b),
+                                   kv.seq_lens[b], out, out_stride, nullptr, scratch);
 }
 
 // The same for any head size, one scalar loop per dot product.
@@ -435,8 +442,8 @@ template <typename Q, typename C, typename O>
 void attend_head_scalar(const Q* q, int64_t q_stride, const PagedView<C>& kv, int64_t b,
                         int64_t h, int64_t G, int64_t Hkv, int64_t D, float scale, O* out,
                         int64_t out_stride, AttentionScratch& scratch) {
-  const int64_t L = kv.seq_lens[b];
-  kv.row_offsets(kv.tables + b * kv.table_stride, 0, L, h / G, Hkv, D, scratch.rows);
+  const int64_t t0 = kv.first(b), L = kv.seq_lens[b] - t0;
+  kv.row_offsets(kv.tables + b * kv.table_stride, t0, t0 + L, h / G, Hkv, D, scratch.rows);
   const int64_t* rows = scratch.rows.data();
   scratch.scores.resize(static_cast<size_t>(L));
   float* s = scratch.scores.data();
@@ -551,7 +558,10 @@ void balanced_group_attention(GroupKernel<Q, C, O> grouped, const Q* q, int64_t 
   const int64_t G = Hq / Hkv, items = B * Hkv;
   // first_token[i]: where item i starts in the end-to-end order of every item's tokens.
   std::vector<int64_t> first_token(static_cast<size_t>(items + 1), 0);
-  for (int64_t i = 0; i < items; ++i) first_token[i + 1] = first_token[i] + kv.seq_lens[i / Hkv];
+  // (Each item's tokens are those of its window, from kv.first on.)
+  for (int64_t i = 0; i < items; ++i) {
+    first_token[i + 1] = first_token[i] + kv.seq_lens[i / Hkv] - kv.first(i / Hkv);
+  }
   const int64_t total = first_token[items];
   // A share is worth a wake-up of a worker from 2^16 multiply-adds on (as the grain below).
   const int64_t shares = std::clamp<int64_t>(total * 2 * D * G >> 16, 1, threads);
@@ -569,15 +579,16 @@ void balanced_group_attention(GroupKernel<Q, C, O> grouped, const Q* q, int64_t 
         const int64_t t0 = std::max(lo, first_token[i]) - first_token[i];
         const int64_t t1 = std::min(hi, first_token[i + 1]) - first_token[i];
         if (t1 <= t0) continue;
-        const bool whole = t0 == 0 && t1 == kv.seq_lens[i / Hkv];
+        const bool whole = t0 == 0 && t1 == first_token[i + 1] - first_token[i];
         float* part = nullptr;
         if (!whole) {
           cut[2 * k + e] = i;
           part = parts.data() + (2 * k + e) * stride;
           ++e;
         }
-        grouped(q, q_stride, kv, i / Hkv, i % Hkv, G, Hkv, scale, t0, t1, out, Hq * D, part,
-                scratch);
+        const int64_t off = kv.first(i / Hkv);
+        grouped(q, q_stride, kv, i / Hkv, i % Hkv, G, Hkv, scale, off + t0, off + t1, out, Hq * D,
+                part, scratch);
       }
     }
   });
@@ -629,8 +640,8 @@ void paged_decode_attention(const Q* q, int64_t q_stride, const PagedView<C>& kv
       AttentionScratch& scratch = thread_scratch();
       for (int64_t i = begin; i < end; ++i) {
         const int64_t b = i / Hkv;
-        grouped(q, q_stride, kv, b, i % Hkv, G, Hkv, scale, 0, kv.seq_lens[b], out, Hq * D,
-                nullptr, scratch);
+        grouped(q, q_stride, kv, b, i % Hkv, G, Hkv, scale, kv.first(b), kv.seq_lens[b], out,
+                Hq * D, nullptr, scratch);
       }
     });
     return;
@@ -699,7 +710,8 @@ void dispatch_attention_dtypes(const char* what, at::ScalarType qt, at::ScalarTy
 // cached tokens each query attends to, >= 1) -> out [B, Hq * D] in q's dtype.
 inline void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                             double scale, at::Tensor& out) {
+                             double scale, at::Tensor& out, int64_t window = 0) {
+  TORCH_CHECK(window >= 0, "decode attention: window must be >= 0 (0: none), got ", window);
   check_attention_inputs("decode attention", q, kv_cache);
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = kv_cache.size(3);
   const int64_t block_size = kv_cache.size(2), num_blocks = kv_cache.size(1);
@@ -730,7 +742,8 @@ inline void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
   auto run = [&](auto q_tag, auto c_tag) {
     using Q = decltype(q_tag);
     using C = decltype(c_tag);
-    const PagedView<C> view = layer_view<C>(kv_cache, lens, tables, width);
+    PagedView<C> view = layer_view<C>(kv_cache, lens, tables, width);
+    view.window = window;
     paged_decode_attention<Q, C, Q>(q.data_ptr<Q>(), q.stride(0), view, B, Hq, Hkv, D, s,
                                     out.data_ptr<Q>(), max_len);
   };

@@ -132,8 +132,10 @@ struct PrefillRows {
 
 // Rows r0 .. r0 + R - 1 of `st` against keys kb .. kb + 63 of kv: scores, the online softmax update and
 // the weighted values. Head size D = 16 * ND.
+// With a sliding window (window > 0) keys before each row's window are masked too.
 template <int ND, int R>
-void prefill_tile(PrefillRows<16 * ND>& st, int64_t r0, int64_t kb, const GatheredKV& kv) {
+void prefill_tile(PrefillRows<16 * ND>& st, int64_t r0, int64_t kb, const GatheredKV& kv,
+                  int64_t window) {
   using namespace vec16;
   constexpr int64_t D = 16 * ND;
   constexpr int64_t KB = kPrefillKeyBlock;
@@ -163,24 +165,30 @@ void prefill_tile(PrefillRows<16 * ND>& st, int64_t r0, int64_t kb, const Gather
   const int64_t keys_here = std::min<int64_t>(KB, st.pos[idx[R - 1]] + 1 - kb);
   float corr[R];
   for (int r = 0; r < R; ++r) {
-    // Keys past the row's own position are masked (the causal mask; past S too); key 0 is
-    // always visible, so the running maximum is finite from the first block on.
+    // Keys past the row's own position are masked (the causal mask; past S too), and with a
+    // window those before it: a block may hide every key of a row, whose maximum is then
+    // still -inf (its exponentials are taken from 0 instead, and zeroed below).
     const int64_t visible = std::max<int64_t>(0, std::min<int64_t>(KB, st.pos[idx[r]] + 1 - kb));
+    const int64_t hidden = window > 0 ? std::clamp<int64_t>(st.pos[idx[r]] - window + 1 - kb,
+                                                            0, KB) : 0;
     for (int64_t i = visible; i < KB; ++i) p[r][i] = -INFINITY;
+    for (int64_t i = 0; i < hidden; ++i) p[r][i] = -INFINITY;
     acc16 mx = load_acc(p[r]);
     for (int j = 1; j < NV; ++j) mx = vec16::max(mx, load_acc(p[r] + 16 * j));
     const float m_old = st.m[idx[r]];
     const float m_new = std::max(m_old, reduce_max(mx));
     corr[r] = m_new == m_old ? 1.f : std::exp(m_old - m_new);  // 0 on the first block
     st.m[idx[r]] = m_new;
+    const float m_exp = m_new == -INFINITY ? 0.f : m_new;
     acc16 sum{};
     for (int j = 0; j < NV; ++j) {
-      const acc16 e = vec16::exp(load_acc(p[r] + 16 * j) - m_new);
+      const acc16 e = vec16::exp(load_acc(p[r] + 16 * j) - m_exp);
       store_acc(p[r] + 16 * j, e);
       sum += e;
     }
-    if (visible < KB) {  // exp clamps its input: masked keys must weigh exactly nothing
+    if (visible < KB || hidden > 0) {  // exp clamps its input: masked keys must weigh nothing
       for (int64_t i = visible; i < KB; ++i) p[r][i] = 0.f;
+      for (int64_t i = 0; i < hidden; ++i) p[r][i] = 0.f;
       sum = acc16{};
       for (int j = 0; j < NV; ++j) sum += load_acc(p[r] + 16 * j);
     }
@@ -212,7 +220,8 @@ constexpr int prefill_rows_per_tile(int ND) { return ND <= 4 ? 4 : 2; }
 // block (the block's keys and values stay in L1 for every tile of the item), tile by tile.
 template <typename Q, typename O, int ND>
 void prefill_item(const Q* q, int64_t q_stride, const PrefillChunk& c, int64_t h, int64_t tok0,
-                  int64_t tok1, const GatheredKV& kv, float scale, O* out, int64_t out_stride) {
+                  int64_t tok1, const GatheredKV& kv, float scale, O* out, int64_t out_stride,
+                  int64_t window) {
   constexpr int64_t D = 16 * ND;
   constexpr int R = prefill_rows_per_tile(ND);
   thread_local PrefillRows<D> st;
@@ -227,10 +236,15 @@ void prefill_item(const Q* q, int64_t q_stride, const PrefillChunk& c, int64_t h
     st.pos[r] = c.S - c.L + tok0 + std::min(r, n - 1);
   }
   const int64_t num_keys = st.pos[n - 1] + 1;
-  for (int64_t kb = 0; kb < num_keys; kb += kPrefillKeyBlock) {
+  // With a window, key blocks wholly before the first row's window are skipped.
+  const int64_t first_key = window > 0 ? std::max<int64_t>(0, st.pos[0] - window + 1) : 0;
+  for (int64_t kb = first_key / kPrefillKeyBlock * kPrefillKeyBlock; kb < num_keys;
+       kb += kPrefillKeyBlock) {
     for (int64_t r0 = 0; r0 < padded; r0 += R) {
       if (st.pos[r0 + R - 1] < kb) continue;  // every key of the block is after the tile's
-      prefill_tile<ND, R>(st, r0, kb, kv);
+      // ... or before every row's window (row r0's starts first).
+      if (window > 0 && st.pos[r0] - window + 1 >= kb + kPrefillKeyBlock) continue;
+      prefill_tile<ND, R>(st, r0, kb, kv, window);
     }
   }
   for (int64_t r = 0; r < n; ++r) {
@@ -242,7 +256,7 @@ void prefill_item(const Q* q, int64_t q_stride, const PrefillChunk& c, int64_t h
 
 template <typename Q, typename O>
 using PrefillItemFn = void (*)(const Q*, int64_t, const PrefillChunk&, int64_t, int64_t, int64_t,
-                               const GatheredKV&, float, O*, int64_t);
+                               const GatheredKV&, float, O*, int64_t, int64_t);
 
 template <typename Q, typename O>
 PrefillItemFn<Q, O> prefill_kernel(int64_t D) {
@@ -261,11 +275,12 @@ inline bool prefill_head_size_supported(int64_t D) {
 
 // Causal attention of every chunk: q [T, q_stride] (query head h of token t at t * q_stride +
 // h * D), the cache's keys and values of each chunk's context (the chunk's own already
-// written), out [T, out_stride].
+// written), out [T, out_stride]; window > 0: each query over its sliding window's keys only.
 template <typename Q, typename C, typename O>
 void paged_prefill_attention(const Q* q, int64_t q_stride, const PagedView<C>& cache,
                              const std::vector<PrefillChunk>& chunks, int64_t Hq, int64_t Hkv,
-                             int64_t D, float scale, O* out, int64_t out_stride) {
+                             int64_t D, float scale, O* out, int64_t out_stride,
+                             int64_t window = 0) {
   const PrefillItemFn<Q, O> kernel = prefill_kernel<Q, O>(D);
   TORCH_CHECK(kernel != nullptr, "prefill attention: head size ", D, " is not supported");
   const int64_t G = Hq / Hkv;
@@ -309,7 +324,7 @@ void paged_prefill_attention(const Q* q, int64_t q_stride, const PagedView<C>& c
   parallel_round_robin(static_cast<int64_t>(items.size()), [&](int64_t i) {
     const Item& it = items[i];
     kernel(q, q_stride, chunks[it.chunk], it.h, it.tok0, it.tok1,
-           gathered[it.chunk * Hkv + it.h / G], scale, out, out_stride);
+           gathered[it.chunk * Hkv + it.h / G], scale, out, out_stride, window);
   });
 }
 
@@ -346,8 +361,9 @@ inline std::vector<PrefillChunk> prefill_chunks(const std::vector<int64_t>& flat
 // chunk (decode rows) are left as they are in `out`.
 inline void prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                               const at::Tensor& block_tables, const std::vector<int64_t>& chunks,
-                              double scale, at::Tensor& out) {
+                              double scale, at::Tensor& out, int64_t window = 0) {
   check_attention_inputs("prefill attention", q, kv_cache);
+  TORCH_CHECK(window >= 0, "prefill attention: window must be >= 0 (0: none), got ", window);
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
                   block_tables.is_contiguous(),
               "prefill attention: block_tables must be contiguous int32 [num_seqs, blocks]");
@@ -364,7 +380,7 @@ inline void prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache,
     using C = decltype(c_tag);
     const PagedView<C> view = layer_view<C>(kv_cache, nullptr, nullptr, 0);
     paged_prefill_attention<Q, C, Q>(q.data_ptr<Q>(), q.stride(0), view, list, Hq, Hkv, D, s,
-                                     out.data_ptr<Q>(), Hq * D);
+                                     out.data_ptr<Q>(), Hq * D, window);
   };
   dispatch_attention_dtypes("prefill attention", q.scalar_type(), kv_cache.scalar_type(), run);
 }
