@@ -1,6 +1,6 @@
 """Qwen3-MoE and Mixtral through the whole engine (LLM) against transformers' greedy tokens
 and logprobs in fp32: one batch, chunked prefill, prefix caching, preemption, n > 1; and the
-step backend said at start (eager: the CPU op program has no MoE lowering)."""
+step backend said at start (the CPU op program, whose moe op runs the sparse layers)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from test_models_parity import prompts
 from test_moe_parity import make_moe_checkpoint
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.runner.step_backend import EagerBackend
+from tokenmill.runner.step_backend import CpuProgramBackend
 
 PROMPT_LENS = (3, 17, 40, 9)
 MAX_TOKENS = 10
@@ -104,10 +104,10 @@ def test_n_greedy_samples_equal_one(llm: LLM, reference: list) -> None:
     assert tokens(llm.generate([prompt], greedy())) == [want]
 
 
-def test_step_backend_is_eager_and_says_why_at_start(moe: Checkpoint,
-                                                     caplog: pytest.LogCaptureFixture) -> None:
+def test_step_backend_is_the_cpu_program_said_at_start(moe: Checkpoint,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO):
         engine = LLM(str(moe.path), dtype="float32", quantization="none", max_model_len=64)
     runner = engine.engine.core.executor.runner
-    assert isinstance(runner.step_backend, EagerBackend)
-    assert "CPU op program off" in caplog.text and "model.layers.0" in caplog.text
+    assert isinstance(runner.step_backend, CpuProgramBackend)
+    assert "step backend: cpu program" in caplog.text
