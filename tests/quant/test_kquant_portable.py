@@ -33,7 +33,8 @@ def build(request: pytest.FixtureRequest):
         pytest.skip("the -march targets here are x86's")
     from torch.utils import cpp_extension
 
-    sources = b"".join((CSRC / f).read_bytes() for f in ("kquant.h", "decode_kernels.h",
+    sources = b"".join((CSRC / f).read_bytes() for f in ("kquant.h", "kquant_blocks.h",
+                                                          "kquant_dot.h", "decode_kernels.h",
                                                           "thread_pool.h"))
     digest = hashlib.sha256(sources + (HERE / "kquant_portable.cpp").read_bytes()).hexdigest()
     name = f"tokenmill_kquant_{request.param}_{digest[:12]}"
