@@ -4,9 +4,9 @@ single-stream decode and 32-stream decode throughput (issue 57, item 5).
 Both are random-weight models (``load_format="dummy"``) written here as Hugging Face folders:
 a Mixtral-shaped MoE (``--experts`` experts of width ``--expert-width``, top ``--top-k``) and
 a Llama of the same attention whose MLP is ``top_k * expert_width`` wide, so a token reads as
-many weights in both. The dense model runs on the CPU op program (its fast path); the MoE runs
-``model.forward`` with the grouped experts (the op program has no MoE lowering), and the dense
-model is also measured on ``model.forward`` to separate the two effects.
+many weights in both. Both run on the CPU op program (their fast path: the MoE's sparse layers
+are its ``moe`` op), and both are also measured on ``model.forward`` (the MoE with the grouped
+PyTorch experts) to separate the two effects. A markdown table goes next to the JSON.
 
     python benchmarks/moe_vs_dense.py [--quantization int8|int4] [--steps 12] [--rounds 3]
         [--threads 1]
@@ -153,7 +153,8 @@ def main() -> None:
     args = p.parse_args()
     shape = Shape(args.hidden, args.layers, args.hidden // 64, max(1, args.hidden // 256),
                   32000, args.experts, args.top_k, args.expert_width)
-    models = (("moe", True, True), ("dense", False, True), ("dense (model.forward)", False, False))
+    models = (("moe", True, True), ("dense", False, True), ("moe (model.forward)", True, False),
+              ("dense (model.forward)", False, False))
     engines: dict[str, LLM] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, moe, program in models:
@@ -175,13 +176,16 @@ def main() -> None:
         [r["model"], f"{r['total_params_m']:.0f}", f"{r['active_params_m']:.0f}",
          r["step_backend"], f"{r['1_stream_tok_s']:.1f}",
          f"{r[f'{args.streams}_stream_tok_s']:.1f}"] for r in rows])
-    print(f"\n{hardware_line(hw)}; quantization {args.quantization}; threads "
-          f"{args.threads or 'all'}\n\n{table}")
+    command = command_line("benchmarks/moe_vs_dense.py", sys.argv[1:])
+    summary = (f"{hardware_line(hw)}; quantization {args.quantization}; threads "
+               f"{args.threads or 'all'}")
+    print(f"\n{summary}\n\n{table}")
+    Path(args.result_file).with_suffix(".md").write_text(
+        f"{summary}\n\n`python {command}`\n\n{table}\n")
     write_json(args.result_file, {"when": now_iso(), "hardware": hw, "shape": shape.__dict__,
                                   "quantization": args.quantization, "rows": rows,
                                   "threads": args.threads,
-                                  "command": command_line("benchmarks/moe_vs_dense.py",
-                                                          sys.argv[1:])})
+                                  "command": command})
 
 
 if __name__ == "__main__":
