@@ -16,6 +16,8 @@ module.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -76,6 +78,11 @@ class KQuantLinear(_WeightOnlyLinear):
             else parts[0][0].reshape(-1).contiguous()
         self.register_buffer("weight", flat)
         self.register_buffer("segments", torch.tensor(table, dtype=torch.int64))
+        # On CUDA: the Triton matmul that reads the blocks as stored, where it has every
+        # segment's type (the table kept as a host list: no device read a call); else the
+        # dense path. Which one is learned at the first CUDA call (Triton imported there).
+        self._table = table
+        self._triton_matmul: Callable[..., torch.Tensor] | None | bool = False
 
     def type_names(self) -> list[str]:
         """Each segment's GGML type name ("Q4_K", ...), in order."""
@@ -84,7 +91,10 @@ class KQuantLinear(_WeightOnlyLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         ext = kernel_choice.cpu_kernels() if x2.device.type == "cpu" else None
-        if ext is not None and x2.shape[0] < self.dense_min_rows:
+        if x2.is_cuda and x2.shape[0] < self.dense_min_rows and (
+                matmul := self._cuda_matmul()) is not None:
+            y = matmul(x2, self.weight, self._table)
+        elif ext is not None and x2.shape[0] < self.dense_min_rows:
             # x as it comes: fp32 stays fp32 into the int8 quantization, as in llama.cpp, not
             # rounded to bf16 first as the int8 / int4 layers do (see the module docstring)
             xk = x2 if x2.dtype in (torch.float32, KERNEL_DTYPE) else x2.float()
@@ -94,6 +104,17 @@ class KQuantLinear(_WeightOnlyLinear):
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def _cuda_matmul(self) -> Callable[..., torch.Tensor] | None:
+        """The Triton K-quant matmul where it reads every segment's type, else None (the
+        dense path); looked up once."""
+        if self._triton_matmul is False:
+            from tokenmill.kernels.triton.kquant import KQUANT_TYPES, kquant_matmul_segments
+
+            names = [GGMLQuantizationType(t).name for t, _ in self._table]
+            self._triton_matmul = (kquant_matmul_segments
+                                   if all(n in KQUANT_TYPES for n in names) else None)
+        return self._triton_matmul  # type: ignore[return-value]
 
     def _dense(self, xb: torch.Tensor) -> torch.Tensor:
         dtype = dense_dtype(xb.device.type)
