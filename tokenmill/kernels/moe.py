@@ -70,7 +70,7 @@ def grouped_moe(x: torch.Tensor, gate_up: ExpertProduct, down: ExpertProduct,
                 num_experts: int, activation: Activation = silu_gate) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with
     ``e = topk_ids[t, j]``, for every token ``t`` of ``x`` ``[T, H]`` (``activation`` in place
-    of the SiLU gating where given: gpt-oss's clamped SwiGLU).
+    of the SiLU gating where given: a clamped SwiGLU).
 
     ``gate_up(e, rows)`` returns ``[n, 2I]`` (gate columns then up columns) and ``down(e,
     rows)`` ``[n, H]``; each is called once per expert that some token chose, never for the

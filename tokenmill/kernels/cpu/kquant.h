@@ -1,7 +1,7 @@
 // Weight-only matmuls on GGUF's own blocks, kept as the file stores them: Q4_0, Q4_1, Q5_0,
 // Q5_1, Q8_0 (blocks of 32), Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (super-blocks of 256 with their
 // packed sub-scales and mins) and IQ4_XS. The block layouts are ggml's (ggml-common.h); the
-// arithmetic is llama.cpp's way (ggml-cpu quants.c, ggml_vec_dot_q4_K_q8_K and its siblings):
+// arithmetic is ggml's way (ggml-cpu quants.c, ggml_vec_dot_q4_K_q8_K and its siblings):
 // each row of activations is quantized to int8 once per call, and the products run as integer
 // dot products, 64 bytes at a time with AVX512-VNNI (vpdpbusd), 16 with AVX2 (vpmaddwd).
 //
@@ -13,7 +13,7 @@
 // code is only the decoding; the dot product is one routine for all types:
 //   y += sum_i a[i] * dx * dot(u_i, xq_i) - sum_i b[i] * xs_i
 // with xq the int8 activations, dx their scale and xs_i = dx * sum(xq_i) over the sub-block.
-// Activation scales: one per 32 inputs for every type (llama.cpp's q8_0; llama.cpp takes one
+// Activation scales: one per 32 inputs for every type (ggml's q8_0; ggml takes one
 // per 256, q8_K, for the super-block types): finer steps where a block of 256 inputs holds an
 // outlier, for one more multiply per 64 weights and row. A row's result does not depend on the
 // other rows of the call or on the threads: each output is one chain over the chunks in order.

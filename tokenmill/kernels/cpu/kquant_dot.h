@@ -89,7 +89,7 @@ inline __m512i lane_index(int base, int shift) {
 }
 
 // Q4_K / Q5_K's scales (lanes 0-7) and mins (lanes 8-15) of the eight sub-blocks of 32, times
-// d and dmin: llama.cpp's unpacking of the 12 bytes.
+// d and dmin: ggml's unpacking of the 12 bytes.
 inline __m512 k4_scales_mins(const uint8_t* p) {
   uint32_t utmp[4];
   std::memcpy(utmp, p + 4, 12);

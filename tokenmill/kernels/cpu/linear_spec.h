@@ -82,7 +82,7 @@ struct LinearSpec {
   }
 
   // kKQuant: x in its own dtype (fp32 activations stay fp32 into the int8 quantization, as
-  // llama.cpp keeps them), as tokenmill.quant.kquant.KQuantLinear computes.
+  // ggml keeps them), as tokenmill.quant.kquant.KQuantLinear computes.
   at::Tensor kquant_forward(const at::Tensor& x) const {
     at::Tensor y = x.size(0) >= dense_min_rows
                        ? dense(x)

@@ -216,7 +216,7 @@ def softmax_step(s, v, m, denom, acc, DOT_PRECISION: tl.constexpr):
 @triton.jit
 def fold_sink(sink, m, denom, acc):
     """Fold one more base-2 logit per row, ``sink``, attending to nothing (an attention sink,
-    gpt-oss) into the running max/sum/output: it adds to the denominator only."""
+    learned per head) into the running max/sum/output: it adds to the denominator only."""
     m_new = tl.maximum(m, sink)
     alpha = tl.math.exp2(m - m_new)
     return m_new, denom * alpha + tl.math.exp2(sink - m_new), acc * alpha[:, None]

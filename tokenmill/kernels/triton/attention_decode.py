@@ -226,7 +226,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         window: a sliding-window layer's window in tokens (None: full attention): the
             query sees the last ``window`` keys of its context only.
         sinks: ``[Hq]`` a logit per query head added to each softmax's denominator
-            (gpt-oss's attention sinks); None: none.
+            (attention sinks); None: none.
 
     Returns:
         ``out`` or a new ``[B, Hq, D]`` tensor in the dtype of q.

@@ -68,7 +68,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, table_ptr, query_s
     With WINDOW > 0 (a sliding-window layer) the query at position p sees keys p - WINDOW + 1
     .. p only: the loop starts at the tile holding the first key of the tile's first query.
     With SINKS, ``sinks_ptr`` holds a base-2 logit per query head added to the softmax's
-    denominator (gpt-oss's attention sinks).
+    denominator (attention sinks).
     """
     pdl_start(PDL)
     tile = tl.program_id(0)
@@ -176,7 +176,7 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
         tiles: :func:`prefill_tiles` of ``query_lens``, when the caller keeps it for every layer.
         window: a sliding-window layer's window in tokens (None: full attention).
         sinks: ``[Hq]`` a logit per query head added to each softmax's denominator
-            (gpt-oss's attention sinks); None: none.
+            (attention sinks); None: none.
 
     Returns:
         ``out`` or a new ``[T, Hq, D]`` tensor in the dtype of q.

@@ -303,7 +303,7 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def head_rms_norm_(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                    num_q_heads: int, eps: float) -> torch.Tensor:
-    """Qwen3's per-head RMSNorm of q and k in place, one kernel: ``qk`` ``[T, Hq + Hk, D]``
+    """A per-head RMSNorm of q and k in place, one kernel: ``qk`` ``[T, Hq + Hk, D]``
     holds the queries' heads then the keys'; each head is normed as :class:`layers.RMSNorm`
     norms it, with ``q_weight`` for the first ``num_q_heads`` and ``k_weight`` for the rest.
     ``qk`` may be a strided view (the q and k columns of the fused projection) whose head
@@ -316,7 +316,7 @@ def head_rms_norm_(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Ten
                          f"{tuple(q_weight.shape)} and {tuple(k_weight.shape)} for head dim {dim}")
     if tokens:
         block_h, block_d = triton.next_power_of_2(heads), triton.next_power_of_2(dim)
-        # A warp per 1,024 values of the token's heads (32 a thread), 4 to 16 of them: Qwen3's
+        # A warp per 1,024 values of the token's heads (32 a thread), 4 to 16 of them: a common
         # 64 + 8 heads of 128 would otherwise hold 128 fp32 values a thread.
         _head_rms_norm_kernel[(tokens,)](qk, q_weight, k_weight, qk.stride(0), qk.stride(1), eps,
                                          NUM_Q=num_q_heads, NUM_HEADS=heads, DIM=dim,
