@@ -87,14 +87,15 @@ class DecoderForCausalLM(nn.Module):
         self.bind_head()
 
     def bind_head(self) -> None:
-        """Choose the logits' product from the head now in place: a quantized head's own
-        kernel (its ``logits``), or the product with the float weight of ``lm_head`` or, tied,
-        of the embedding table. Called at construction and by the quantization pass when it
-        replaces the head (``quant.model.replace_module``)."""
+        """Choose the logits' product from the head now in place: a quantized head's or tied
+        table's own kernel (its ``logits``), else None: the product with the float weight of
+        ``lm_head`` or, tied, of the embedding table. Called at construction and by the
+        quantization pass when it replaces the head (``quant.model.replace_module``). (No
+        bound method of the model itself is kept on it: that reference cycle would keep an
+        unloaded model alive until a garbage collection, and never under gc.freeze.)"""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        quantized = getattr(head, "logits", None)
-        self._head_product: Callable[[torch.Tensor], torch.Tensor] = (
-            quantized if quantized is not None else self._float_head_product)
+        self._head_product: Callable[[torch.Tensor], torch.Tensor] | None = getattr(
+            head, "logits", None)
 
     def _float_head_product(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits from the float weight of ``lm_head`` or, tied, of the embedding table (read
@@ -131,7 +132,8 @@ class DecoderForCausalLM(nn.Module):
         """``[N, vocab]`` fp32 logits of the given hidden states (every rank gets them all);
         with ``float32`` False, in the head's dtype (the GPU's greedy kernel reads them so:
         no fp32 copy of the step's logits)."""
-        logits = self._head_product(hidden)
+        product = self._head_product
+        logits = self._float_head_product(hidden) if product is None else product(hidden)
         if self.tp_size > 1:
             vocab = self.config.vocab_size
             logits = tensor_model_parallel_all_gather(logits, dim=-1)[..., :vocab].contiguous()
