@@ -17,6 +17,18 @@ class StoppedWhileDeploying(Exception):
     """SIGTERM / SIGINT came before the application was running."""
 
 
+def _app_running() -> bool:
+    """Whether Ray Serve says the application is running (its replicas up), so that a stop
+    should drain it rather than abandon the deploy."""
+    from ray import serve
+
+    try:
+        app = serve.status().applications.get("tokenmill")
+    except Exception:  # the controller may be gone already: treat as not running
+        return False
+    return app is not None and str(app.status).endswith("RUNNING")
+
+
 def add_ray_serve_args(p: argparse.ArgumentParser) -> None:
     """The "scaling out (Ray Serve)" group of `tokenmill serve`."""
     g = p.add_argument_group("scaling out (Ray Serve; pip install tokenmill[ray])")
@@ -103,8 +115,10 @@ def run_ray_serve(args: argparse.Namespace) -> int:
 
     def on_signal(*_: object) -> None:
         stop.set()
-        if not serving.is_set():
-            # serve.run waits for replicas that may never start (no resources for them).
+        if not serving.is_set() and not _app_running():
+            # serve.run waits for replicas that may never start (no resources for them). An
+            # application already running (serve.run about to return, requests in flight)
+            # drains instead, as after serve.run.
             raise StoppedWhileDeploying
 
     for sig in (signal.SIGTERM, signal.SIGINT):
